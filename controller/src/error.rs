@@ -1,0 +1,27 @@
+//! The controller's top-level error: one variant per subsystem that can fail to start or
+//! fail while running, each wrapping that subsystem's own error.
+
+use crate::{grpc, k8s, observability};
+
+/// Why the controller stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Logging could not be set up.
+    #[error("cannot set up logging")]
+    Logging(#[from] observability::logging::Error),
+    /// The API client could not be built.
+    #[error("cannot connect to Kubernetes")]
+    Client(#[from] k8s::client::Error),
+    /// The gRPC server failed.
+    #[error("the handler gRPC server failed")]
+    Grpc(#[from] grpc::server::Error),
+    /// The admin endpoint failed.
+    #[error("the admin endpoint failed")]
+    Admin(#[from] observability::admin::Error),
+    /// Signal handlers could not be installed.
+    #[error("cannot install signal handlers")]
+    Signal(#[source] std::io::Error),
+}
+
+/// The controller's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

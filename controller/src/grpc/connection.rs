@@ -1,0 +1,448 @@
+//! One `Connect` stream: the handshake with one handler process, then the loop that carries
+//! invocations out and results, updates, logs and pongs in.
+//!
+//! The handshake validates every registration on its own (a bad one is rejected with
+//! diagnostics in `Welcome`, the rest carry on) and ends the stream with `FAILED_PRECONDITION`
+//! only when nothing was accepted. After it, the connection is attached to the [`Hub`], which
+//! owns dispatch; this module only moves messages and watches liveness (application pings).
+//! A protocol violation ends this stream and no other.
+
+use std::{collections::HashSet, sync::Arc, time::Duration};
+
+use capstan_proto::pb::{self, connect_request::Message as In, connect_response::Message as Out};
+use futures::future::BoxFuture;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Status, Streaming};
+use tracing::{Instrument, Level, debug, info, info_span, warn};
+
+use super::{
+    convert,
+    hub::{ConnectionId, Hub, sleep_until_opt},
+};
+use crate::model::{Diagnostic, HandlerId, Registration, ResolvedResource, ResourceSelector};
+
+/// Resolves resource selectors during the handshake (through discovery, in the real
+/// controller). Lives outside `grpc` so that this layer never talks to the API server.
+pub trait Resolver: Send + Sync + 'static {
+    /// Resolves one selector.
+    ///
+    /// # Errors
+    /// A diagnostic saying why the selector matches no resource (or several).
+    fn resolve<'a>(&'a self, selector: &'a ResourceSelector) -> BoxFuture<'a, Result<ResolvedResource, Diagnostic>>;
+}
+
+/// Per-connection tunables.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// How long to wait for `Hello`. Default 10 s.
+    pub handshake_timeout: Duration,
+    /// How often to ping. Default 10 s.
+    pub ping_interval: Duration,
+    /// How long a pong may take before the stream is ended. Default 30 s.
+    pub ping_timeout: Duration,
+    /// The process-wide in-flight cap, and the default for processes that ask for none.
+    /// Default 256.
+    pub max_in_flight: u32,
+    /// Largest message either side may send. Default 16 MiB.
+    pub max_message_bytes: usize,
+    /// Grace period advertised for cancelled invocations.
+    pub cancel_grace: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            handshake_timeout: Duration::from_secs(10),
+            ping_interval: Duration::from_secs(10),
+            ping_timeout: Duration::from_secs(30),
+            max_in_flight: 256,
+            max_message_bytes: capstan_proto::MAX_MESSAGE_BYTES,
+            cancel_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The capabilities this controller supports.
+const SUPPORTED: [pb::Capability; 4] = [
+    pb::Capability::ResultAck,
+    pb::Capability::InvocationUpdates,
+    pb::Capability::SdkFilters,
+    pb::Capability::Subhandlers,
+];
+
+/// The response stream of one connection.
+pub type ResponseStream = ReceiverStream<Result<pb::ConnectResponse, Status>>;
+
+/// Performs the handshake on `inbound` and, if it succeeds, spawns the connection's task and
+/// returns its response stream.
+///
+/// # Errors
+/// `INVALID_ARGUMENT` when the first message is not `Hello`, `DEADLINE_EXCEEDED` when it does
+/// not come in time, `FAILED_PRECONDITION` when no registration was accepted.
+pub async fn accept(
+    hub: Hub,
+    resolver: Arc<dyn Resolver>,
+    settings: Settings,
+    shutdown: CancellationToken,
+    mut inbound: Streaming<pb::ConnectRequest>,
+) -> Result<ResponseStream, Status> {
+    let first = tokio::time::timeout(settings.handshake_timeout, inbound.message())
+        .await
+        .map_err(|_| Status::deadline_exceeded("no hello received within the handshake timeout"))?
+        .map_err(|e| Status::invalid_argument(format!("reading the hello failed: {}", e.message())))?;
+    let hello = match first.and_then(|m| m.message) {
+        Some(In::Hello(hello)) => hello,
+        Some(other) => {
+            warn!(got = message_name(&other), "handler process sent something other than hello first");
+            return Err(Status::invalid_argument(format!(
+                "PROTOCOL_VIOLATION: the first message must be hello, got {}",
+                message_name(&other)
+            )));
+        }
+        None => return Err(Status::invalid_argument("PROTOCOL_VIOLATION: the stream ended before hello")),
+    };
+    let capabilities: Vec<pb::Capability> = hello
+        .capabilities
+        .iter()
+        .filter_map(|c| pb::Capability::try_from(*c).ok())
+        .filter(|c| SUPPORTED.contains(c))
+        .collect();
+    let (mut statuses, accepted) = validate(&hub, resolver.as_ref(), &hello).await;
+    let sdk = hello.sdk.clone().unwrap_or_default();
+    if accepted.is_empty() {
+        let why: Vec<String> = statuses
+            .iter()
+            .map(|s| format!("{}: {}", s.handler_id, convert_summary(&s.diagnostics)))
+            .collect();
+        warn!(sdk = %sdk.name, rejected = %why.join("; "), "no handler registration accepted");
+        return Err(Status::failed_precondition(format!(
+            "NO_HANDLERS_ACCEPTED: no handler registration was accepted ({})",
+            if why.is_empty() { "hello registered no handlers".to_owned() } else { why.join("; ") }
+        )));
+    }
+    let max_in_flight = match hello.max_in_flight {
+        0 => settings.max_in_flight,
+        n => n.min(settings.max_in_flight),
+    };
+    let (out_tx, out_rx) = mpsc::channel(64);
+    let (conn, taken) = hub.attach(out_tx, max_in_flight, accepted);
+    for reg in &taken {
+        reject_taken(&mut statuses, &reg.id);
+    }
+    let welcome = pb::Welcome {
+        connection_id: conn.to_string(),
+        capabilities: capabilities.iter().map(|c| *c as i32).collect(),
+        runtime: Some(pb::SoftwareInfo {
+            name: "capstan".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            language: "rust".into(),
+        }),
+        limits: Some(pb::Limits {
+            max_message_bytes: settings.max_message_bytes as u64,
+            ping_interval: prost_types::Duration::try_from(settings.ping_interval).ok(),
+            ping_timeout: prost_types::Duration::try_from(settings.ping_timeout).ok(),
+            max_in_flight,
+            cancel_grace_period: prost_types::Duration::try_from(settings.cancel_grace).ok(),
+        }),
+        registrations: statuses,
+    };
+    let (resp_tx, resp_rx) = mpsc::channel(16);
+    let _ = resp_tx.send(Ok(pb::ConnectResponse { message: Some(Out::Welcome(welcome)) })).await;
+    hub.open(conn);
+    let span = info_span!("connection", connection.id = conn, sdk = %sdk.name, sdk.version = %sdk.version, peer.instance = %hello.instance_id);
+    span.in_scope(|| info!(handlers = hub_handler_count(&hub, conn), max_in_flight, "handler process connected"));
+    let task = Connection {
+        hub,
+        conn,
+        settings,
+        acks: capabilities.contains(&pb::Capability::ResultAck),
+        resp_tx,
+        shutdown,
+    };
+    tokio::spawn(task.run(inbound, out_rx).instrument(span));
+    Ok(ReceiverStream::new(resp_rx))
+}
+
+fn hub_handler_count(hub: &Hub, _conn: ConnectionId) -> usize {
+    hub.registrations().borrow().len()
+}
+
+fn convert_summary(diagnostics: &[pb::Diagnostic]) -> String {
+    let ds: Vec<Diagnostic> = diagnostics.iter().map(convert::diagnostic_from_pb).collect();
+    Diagnostic::summarize(&ds)
+}
+
+fn reject_taken(statuses: &mut [pb::RegistrationStatus], id: &HandlerId) {
+    if let Some(s) = statuses.iter_mut().find(|s| s.handler_id == id.0 && s.accepted) {
+        s.accepted = false;
+        s.diagnostics.push(convert::diagnostic_to_pb(&Diagnostic::error(
+            "HANDLER_ID_TAKEN",
+            format!("handler {id} is already registered by another connected handler process"),
+        )));
+    }
+}
+
+/// Validates every registration of `hello`: conversion, duplicates, ownership, resolution.
+async fn validate(
+    hub: &Hub,
+    resolver: &dyn Resolver,
+    hello: &pb::Hello,
+) -> (Vec<pb::RegistrationStatus>, Vec<Registration>) {
+    let mut statuses = Vec::with_capacity(hello.handlers.len());
+    let mut accepted = Vec::new();
+    let mut seen = HashSet::new();
+    let ids: Vec<HandlerId> = hello.handlers.iter().map(|h| HandlerId(h.handler_id.clone())).collect();
+    let owned = hub.owned(&ids);
+    for (index, raw) in hello.handlers.iter().enumerate() {
+        let mut status = pb::RegistrationStatus { handler_id: raw.handler_id.clone(), ..Default::default() };
+        let result = match convert::registration(index, raw) {
+            Err(diags) => Err(diags),
+            Ok(_) if !seen.insert(raw.handler_id.clone()) => Err(vec![Diagnostic::error(
+                "DUPLICATE_HANDLER_ID",
+                format!("handler id {:?} is registered more than once", raw.handler_id),
+            )
+            .at(format!("handlers[{index}].handler_id"))]),
+            Ok(reg) if owned.contains(&reg.id) => Err(vec![Diagnostic::error(
+                "HANDLER_ID_TAKEN",
+                format!("handler {} is already registered by another connected handler process", reg.id),
+            )]),
+            Ok(mut reg) => match &reg.selector {
+                Some(selector) => match resolver.resolve(selector).await {
+                    Ok(resource) => {
+                        status.resource = Some(convert::resolved_to_pb(&resource));
+                        reg.resource = Some(resource);
+                        Ok(reg)
+                    }
+                    Err(d) => Err(vec![d.at(format!("handlers[{index}].resource"))]),
+                },
+                None => Ok(reg),
+            },
+        };
+        match result {
+            Ok(reg) => {
+                status.accepted = true;
+                accepted.push(reg);
+            }
+            Err(diags) => {
+                warn!(handler.id = %raw.handler_id, problems = %Diagnostic::summarize(&diags), "registration rejected");
+                status.diagnostics = diags.iter().map(convert::diagnostic_to_pb).collect();
+            }
+        }
+        statuses.push(status);
+    }
+    (statuses, accepted)
+}
+
+fn message_name(m: &In) -> &'static str {
+    match m {
+        In::Hello(_) => "hello",
+        In::Result(_) => "result",
+        In::Update(_) => "update",
+        In::Log(_) => "log",
+        In::Pong(_) => "pong",
+        In::FlowControl(_) => "flow_control",
+        In::Goodbye(_) => "goodbye",
+    }
+}
+
+/// The running side of one accepted connection.
+struct Connection {
+    hub: Hub,
+    conn: ConnectionId,
+    settings: Settings,
+    acks: bool,
+    resp_tx: mpsc::Sender<Result<pb::ConnectResponse, Status>>,
+    shutdown: CancellationToken,
+}
+
+impl Connection {
+    async fn run(self, mut inbound: Streaming<pb::ConnectRequest>, mut out_rx: mpsc::Receiver<pb::ConnectResponse>) {
+        let mut ping = tokio::time::interval(self.settings.ping_interval);
+        ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ping.tick().await;
+        let mut awaiting: Option<(u64, tokio::time::Instant)> = None;
+        let mut nonce = 0u64;
+        let end: Option<Status> = loop {
+            let pong_deadline = awaiting.map(|(_, sent)| sent + self.settings.ping_timeout);
+            tokio::select! {
+                biased;
+                () = self.shutdown.cancelled() => {
+                    break Some(Status::unavailable("the controller is shutting down"));
+                }
+                Some(message) = out_rx.recv() => {
+                    if self.resp_tx.send(Ok(message)).await.is_err() {
+                        break None;
+                    }
+                }
+                incoming = inbound.message() => match incoming {
+                    Ok(Some(request)) => {
+                        if let Some(status) = self.handle(request, &mut awaiting).await {
+                            break Some(status);
+                        }
+                    }
+                    Ok(None) => {
+                        debug!("handler process closed its side of the stream");
+                        break None;
+                    }
+                    Err(status) => break Some(self.inbound_error(status)),
+                },
+                () = sleep_until_opt(pong_deadline) => {
+                    warn!(timeout = ?self.settings.ping_timeout, "no pong in time; dropping the connection");
+                    break Some(Status::unavailable(format!(
+                        "PING_TIMEOUT: no pong within {:?}", self.settings.ping_timeout
+                    )));
+                }
+                _ = ping.tick(), if awaiting.is_none() => {
+                    nonce += 1;
+                    awaiting = Some((nonce, tokio::time::Instant::now()));
+                    let ping = pb::Ping { nonce, sent_time: Some(prost_types::Timestamp::from(std::time::SystemTime::now())) };
+                    if self.resp_tx.send(Ok(pb::ConnectResponse { message: Some(Out::Ping(ping)) })).await.is_err() {
+                        break None;
+                    }
+                }
+            }
+        };
+        self.hub.detach(self.conn);
+        if let Some(status) = end {
+            let _ = self.resp_tx.try_send(Err(status));
+        }
+        info!(in_flight_elsewhere = self.hub.in_flight(), "handler process disconnected");
+    }
+
+    fn inbound_error(&self, status: Status) -> Status {
+        if matches!(status.code(), tonic::Code::OutOfRange | tonic::Code::ResourceExhausted)
+            || status.message().contains("too large")
+        {
+            warn!(error = %status.message(), "handler process sent an oversized message");
+            Status::resource_exhausted(format!(
+                "MESSAGE_TOO_LARGE: messages are limited to {} bytes: {}",
+                self.settings.max_message_bytes,
+                status.message()
+            ))
+        } else {
+            debug!(error = %status, "stream from the handler process failed");
+            Status::cancelled(format!("stream failed: {}", status.message()))
+        }
+    }
+
+    /// Handles one message; returns a status when the stream must end.
+    async fn handle(&self, request: pb::ConnectRequest, awaiting: &mut Option<(u64, tokio::time::Instant)>) -> Option<Status> {
+        match request.message {
+            Some(In::Hello(_)) => {
+                warn!("handler process sent a second hello");
+                return Some(Status::invalid_argument("PROTOCOL_VIOLATION: hello may be sent only once"));
+            }
+            Some(In::Result(result)) => self.on_result(&result).await,
+            Some(In::Update(update)) => self.on_update(update).await,
+            Some(In::Log(record)) => self.on_log(&record),
+            Some(In::Pong(pong)) => {
+                if awaiting.is_some_and(|(n, _)| n == pong.nonce) {
+                    *awaiting = None;
+                } else {
+                    debug!(nonce = pong.nonce, "unexpected pong ignored");
+                }
+            }
+            Some(In::FlowControl(fc)) => {
+                let handler = (!fc.handler_id.is_empty()).then(|| HandlerId(fc.handler_id.clone()));
+                debug!(handler = ?handler, max_in_flight = fc.max_in_flight, "flow control");
+                self.hub.flow_control(self.conn, handler.as_ref(), fc.max_in_flight);
+            }
+            Some(In::Goodbye(goodbye)) => {
+                info!(reason = %goodbye.reason, "handler process says goodbye; no new invocations");
+                self.hub.close_for_dispatch(self.conn);
+            }
+            None => {
+                self.notice("", Diagnostic::warning("UNKNOWN_MESSAGE", "a message with no known content was ignored"))
+                    .await;
+            }
+        }
+        None
+    }
+
+    async fn on_result(&self, result: &pb::InvocationResult) {
+        let handler = self.hub.handler_of(&result.invocation_id);
+        match self.hub.complete(self.conn, result) {
+            Ok(problem) => {
+                debug!(invocation.id = %result.invocation_id, handler.id = ?handler, "result received");
+                if let Some(d) = &problem {
+                    warn!(invocation.id = %result.invocation_id, problem = %d, "result could not be used as sent");
+                    self.notice(&result.invocation_id, d.clone()).await;
+                }
+                if self.acks {
+                    let ack = pb::ResultAck {
+                        invocation_id: result.invocation_id.clone(),
+                        accepted: problem.is_none(),
+                        diagnostics: problem.iter().map(convert::diagnostic_to_pb).collect(),
+                    };
+                    let _ = self.resp_tx.send(Ok(pb::ConnectResponse { message: Some(Out::ResultAck(ack)) })).await;
+                }
+            }
+            Err(e) => {
+                warn!(invocation.id = %result.invocation_id, "stale result ignored");
+                let d = Diagnostic::warning("STALE_INVOCATION", e.to_string());
+                if self.acks {
+                    let ack = pb::ResultAck {
+                        invocation_id: result.invocation_id.clone(),
+                        accepted: false,
+                        diagnostics: vec![convert::diagnostic_to_pb(&d)],
+                    };
+                    let _ = self.resp_tx.send(Ok(pb::ConnectResponse { message: Some(Out::ResultAck(ack)) })).await;
+                } else {
+                    self.notice(&result.invocation_id, d).await;
+                }
+            }
+        }
+    }
+
+    async fn on_update(&self, update: pb::InvocationUpdate) {
+        let patches = match convert::patches(&update.patches) {
+            Ok(p) => p,
+            Err(d) => {
+                warn!(invocation.id = %update.invocation_id, problem = %d, "update with a malformed patch ignored");
+                self.notice(&update.invocation_id, d).await;
+                return;
+            }
+        };
+        match self.hub.update(self.conn, &update.invocation_id, patches) {
+            Ok(true) => {}
+            Ok(false) => {
+                if !update.patches.is_empty() {
+                    self.notice(
+                        &update.invocation_id,
+                        Diagnostic::warning("UPDATES_NOT_ACCEPTED", "this invocation does not accept interim patches"),
+                    )
+                    .await;
+                }
+            }
+            Err(e) => self.notice(&update.invocation_id, Diagnostic::warning("STALE_INVOCATION", e.to_string())).await,
+        }
+    }
+
+    fn on_log(&self, record: &pb::LogRecord) {
+        let handler = self.hub.handler_of(&record.invocation_id).map(|h| h.0).unwrap_or_default();
+        let level = match pb::LogLevel::try_from(record.level) {
+            Ok(pb::LogLevel::Debug) => Level::DEBUG,
+            Ok(pb::LogLevel::Warning) => Level::WARN,
+            Ok(pb::LogLevel::Error) => Level::ERROR,
+            _ => Level::INFO,
+        };
+        let inv = record.invocation_id.as_str();
+        let msg = record.message.as_str();
+        match level {
+            Level::DEBUG => debug!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}"),
+            Level::WARN => warn!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}"),
+            Level::ERROR => tracing::error!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}"),
+            _ => info!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}"),
+        }
+    }
+
+    async fn notice(&self, invocation_id: &str, diagnostic: Diagnostic) {
+        let notice = pb::Notice {
+            invocation_id: invocation_id.to_owned(),
+            diagnostics: vec![convert::diagnostic_to_pb(&diagnostic)],
+        };
+        let _ = self.resp_tx.send(Ok(pb::ConnectResponse { message: Some(Out::Notice(notice)) })).await;
+    }
+}

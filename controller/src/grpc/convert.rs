@@ -1,0 +1,733 @@
+//! Conversions between the wire types of `capstan.v1` and the controller's `model` types, with
+//! validation.
+//!
+//! Everything the handler process sends is untrusted input: registrations are checked one by
+//! one (a bad one is rejected with diagnostics while the others are accepted), JSON must parse,
+//! merge patches must be objects and JSON patches valid RFC 6902 operation lists. Nothing here
+//! panics on bad input.
+
+use std::time::{Duration, SystemTime};
+
+use capstan_proto::pb;
+use serde_json::Value;
+
+use crate::model::{
+    self, Activity, AdmissionOptions, CancelReason, ChangeReason, DaemonOptions, Diagnostic, DiffOperation,
+    ErrorsMode, EventType, HandlerKind, KindOptions, KindResult, MetaMatch, Outcome, Patch, PatchTarget,
+    PatchType, Payload, Registration, ResolvedResource, ResourceSelector, Severity, SubhandlerOutcome,
+    TimerOptions, ValueMatch, Work,
+};
+
+/// Converts and validates one registration. `index` is its position in `Hello.handlers`, used
+/// in diagnostics.
+///
+/// # Errors
+/// Every problem found, as diagnostics pointing at the offending field.
+pub fn registration(index: usize, reg: &pb::HandlerRegistration) -> Result<Registration, Vec<Diagnostic>> {
+    let at = |field: &str| format!("handlers[{index}].{field}");
+    let mut problems = Vec::new();
+    if reg.handler_id.trim().is_empty() {
+        problems.push(Diagnostic::error("INVALID_HANDLER_ID", "the handler id is empty").at(at("handler_id")));
+    }
+    let kind = match handler_kind(reg.kind) {
+        Some(kind) => kind,
+        None => {
+            problems.push(
+                Diagnostic::error("UNKNOWN_HANDLER_KIND", format!("unknown handler kind {}", reg.kind))
+                    .at(at("kind")),
+            );
+            return Err(problems);
+        }
+    };
+    let selector = match (&reg.resource, kind.is_resource_kind()) {
+        (Some(sel), true) if !sel.name.trim().is_empty() => Some(ResourceSelector {
+            group: sel.group.clone(),
+            version: sel.version.clone(),
+            name: sel.name.clone(),
+            label_selector: sel.label_selector.clone(),
+            field_selector: sel.field_selector.clone(),
+        }),
+        (_, true) => {
+            problems.push(
+                Diagnostic::error("MISSING_RESOURCE", format!("{kind} handlers need a resource selector"))
+                    .at(at("resource")),
+            );
+            None
+        }
+        (Some(_), false) => {
+            problems.push(
+                Diagnostic::error("UNEXPECTED_RESOURCE", format!("{kind} handlers take no resource selector"))
+                    .at(at("resource")),
+            );
+            None
+        }
+        (None, false) => None,
+    };
+    let mut out = Registration::new(reg.handler_id.clone(), kind, selector);
+    match filters(reg.filters.as_ref(), kind) {
+        Ok(f) => out.filters = f,
+        Err(mut diags) => {
+            for d in &mut diags {
+                d.field = at(&format!("filters.{}", d.field));
+            }
+            problems.extend(diags);
+        }
+    }
+    out.errors = match pb::ErrorsMode::try_from(reg.errors_mode) {
+        Ok(pb::ErrorsMode::Unspecified) => kind.default_errors_mode(),
+        Ok(pb::ErrorsMode::Temporary) => ErrorsMode::Temporary,
+        Ok(pb::ErrorsMode::Permanent) => ErrorsMode::Permanent,
+        Ok(pb::ErrorsMode::Ignored) => ErrorsMode::Ignored,
+        Err(_) => {
+            problems.push(
+                Diagnostic::error("UNKNOWN_ERRORS_MODE", format!("unknown errors mode {}", reg.errors_mode))
+                    .at(at("errors_mode")),
+            );
+            kind.default_errors_mode()
+        }
+    };
+    out.retries = (reg.retries > 0).then_some(reg.retries);
+    if let Some(backoff) = duration(reg.backoff.as_ref(), &at("backoff"), &mut problems) {
+        out.backoff = backoff;
+    }
+    out.timeout = duration(reg.timeout.as_ref(), &at("timeout"), &mut problems).filter(|d| !d.is_zero());
+    out.max_in_flight = (reg.max_in_flight > 0).then_some(reg.max_in_flight);
+    out.param = match reg.param.as_ref().map(json) {
+        Some(Ok(v)) => Some(v),
+        Some(Err(e)) => {
+            problems.push(Diagnostic::error("MALFORMED_JSON", format!("param is not JSON: {e}")).at(at("param")));
+            None
+        }
+        None => None,
+    };
+    out.options = kind_options(reg, kind, &at, &mut problems);
+    if problems.is_empty() { Ok(out) } else { Err(problems) }
+}
+
+fn kind_options(
+    reg: &pb::HandlerRegistration,
+    kind: HandlerKind,
+    at: &dyn Fn(&str) -> String,
+    problems: &mut Vec<Diagnostic>,
+) -> KindOptions {
+    use pb::handler_registration::KindOptions as K;
+    let mismatch = |name: &str| {
+        Diagnostic::error("OPTIONS_KIND_MISMATCH", format!("{name} options given for a {kind} handler")).at(at(name))
+    };
+    match (&reg.kind_options, kind) {
+        (None, HandlerKind::Timer) => {
+            problems.push(Diagnostic::error("MISSING_INTERVAL", "timer handlers need an interval").at(at("timer")));
+            KindOptions::None
+        }
+        (None, _) => KindOptions::None,
+        (Some(K::Daemon(d)), HandlerKind::Daemon) => KindOptions::Daemon(DaemonOptions {
+            initial_delay: duration(d.initial_delay.as_ref(), &at("daemon.initial_delay"), problems)
+                .unwrap_or_default(),
+            cancellation_backoff: duration(d.cancellation_backoff.as_ref(), &at("daemon.cancellation_backoff"), problems),
+            cancellation_timeout: duration(d.cancellation_timeout.as_ref(), &at("daemon.cancellation_timeout"), problems),
+            restart_backoff: duration(d.restart_backoff.as_ref(), &at("daemon.restart_backoff"), problems),
+            no_restart_after_success: d.no_restart_after_success,
+        }),
+        (Some(K::Timer(t)), HandlerKind::Timer) => {
+            let interval = duration(t.interval.as_ref(), &at("timer.interval"), problems).unwrap_or_default();
+            if interval.is_zero() {
+                problems.push(
+                    Diagnostic::error("MISSING_INTERVAL", "timer handlers need a positive interval")
+                        .at(at("timer.interval")),
+                );
+            }
+            KindOptions::Timer(TimerOptions {
+                interval,
+                initial_delay: duration(t.initial_delay.as_ref(), &at("timer.initial_delay"), problems)
+                    .unwrap_or_default(),
+                idle: duration(t.idle.as_ref(), &at("timer.idle"), problems),
+                sharp: t.sharp,
+            })
+        }
+        (Some(K::Admission(a)), HandlerKind::Validate | HandlerKind::Mutate) => {
+            let mut operations = Vec::new();
+            for op in &a.operations {
+                match pb::Operation::try_from(*op) {
+                    Ok(pb::Operation::Create) => operations.push("CREATE".to_owned()),
+                    Ok(pb::Operation::Update) => operations.push("UPDATE".to_owned()),
+                    Ok(pb::Operation::Delete) => operations.push("DELETE".to_owned()),
+                    Ok(pb::Operation::Connect) => operations.push("CONNECT".to_owned()),
+                    _ => problems.push(
+                        Diagnostic::error("UNKNOWN_OPERATION", format!("unknown admission operation {op}"))
+                            .at(at("admission.operations")),
+                    ),
+                }
+            }
+            KindOptions::Admission(AdmissionOptions {
+                operations,
+                subresource: a.subresource.clone(),
+                side_effects: a.side_effects,
+                ignore_failures: a.ignore_failures,
+            })
+        }
+        (Some(K::Delete(d)), HandlerKind::Delete) => KindOptions::Delete { optional: d.optional },
+        (Some(K::Resume(r)), HandlerKind::Resume) => KindOptions::Resume { deleted: r.deleted },
+        (Some(K::Daemon(_)), _) => {
+            problems.push(mismatch("daemon"));
+            KindOptions::None
+        }
+        (Some(K::Timer(_)), _) => {
+            problems.push(mismatch("timer"));
+            KindOptions::None
+        }
+        (Some(K::Admission(_)), _) => {
+            problems.push(mismatch("admission"));
+            KindOptions::None
+        }
+        (Some(K::Delete(_)), _) => {
+            problems.push(mismatch("delete"));
+            KindOptions::None
+        }
+        (Some(K::Resume(_)), _) => {
+            problems.push(mismatch("resume"));
+            KindOptions::None
+        }
+    }
+}
+
+fn handler_kind(raw: i32) -> Option<HandlerKind> {
+    use pb::HandlerKind as K;
+    Some(match K::try_from(raw).ok()? {
+        K::Unspecified => return None,
+        K::Create => HandlerKind::Create,
+        K::Update => HandlerKind::Update,
+        K::Delete => HandlerKind::Delete,
+        K::Resume => HandlerKind::Resume,
+        K::Field => HandlerKind::Field,
+        K::Event => HandlerKind::Event,
+        K::Index => HandlerKind::Index,
+        K::Daemon => HandlerKind::Daemon,
+        K::Timer => HandlerKind::Timer,
+        K::Startup => HandlerKind::Startup,
+        K::Cleanup => HandlerKind::Cleanup,
+        K::Login => HandlerKind::Login,
+        K::Probe => HandlerKind::Probe,
+        K::Validate => HandlerKind::Validate,
+        K::Mutate => HandlerKind::Mutate,
+    })
+}
+
+fn filters(f: Option<&pb::Filters>, kind: HandlerKind) -> Result<model::Filters, Vec<Diagnostic>> {
+    let Some(f) = f else {
+        return if kind == HandlerKind::Field {
+            Err(vec![Diagnostic::error("MISSING_FIELD", "field handlers need a field").at("field")])
+        } else {
+            Ok(model::Filters::default())
+        };
+    };
+    let mut problems = Vec::new();
+    let mut out = model::Filters { sdk_when: f.sdk_when, ..model::Filters::default() };
+    for (name, source, target) in
+        [("labels", &f.labels, &mut out.labels), ("annotations", &f.annotations, &mut out.annotations)]
+    {
+        for (key, m) in source {
+            if key.is_empty() {
+                problems.push(Diagnostic::error("BAD_FILTER", format!("empty key in {name}")).at(name));
+                continue;
+            }
+            match meta_match(m) {
+                Some(m) => {
+                    target.insert(key.clone(), m);
+                }
+                None => problems.push(
+                    Diagnostic::error(
+                        "BAD_FILTER",
+                        format!("{name}[{key}] needs a value or PRESENT/ABSENT (use PRESENT for any value)"),
+                    )
+                    .at(format!("{name}[{key}]")),
+                ),
+            }
+        }
+    }
+    if !f.field.is_empty() {
+        if f.field.split('.').any(str::is_empty) {
+            problems.push(Diagnostic::error("BAD_FILTER", format!("malformed field path {:?}", f.field)).at("field"));
+        }
+        out.field = f.field.split('.').map(str::to_owned).collect();
+    } else if kind == HandlerKind::Field {
+        problems.push(Diagnostic::error("MISSING_FIELD", "field handlers need a field").at("field"));
+    }
+    let has_field = !f.field.is_empty();
+    for (name, source, target) in
+        [("value", &f.value, &mut out.value), ("old", &f.old, &mut out.old), ("new", &f.new, &mut out.new)]
+    {
+        let Some(m) = source else { continue };
+        if !has_field {
+            problems.push(
+                Diagnostic::error("BAD_FILTER", format!("{name} is given without a field")).at(name),
+            );
+        }
+        match value_match(m) {
+            Ok(m) => *target = Some(m),
+            Err(d) => problems.push(d.at(name)),
+        }
+    }
+    if f.value.is_some() && (f.old.is_some() || f.new.is_some()) {
+        problems.push(Diagnostic::error("BAD_FILTER", "value cannot be combined with old or new").at("value"));
+    }
+    if (f.old.is_some() || f.new.is_some()) && !matches!(kind, HandlerKind::Update | HandlerKind::Field) {
+        problems.push(
+            Diagnostic::error("BAD_FILTER", format!("old and new filters are not allowed for {kind} handlers"))
+                .at("old"),
+        );
+    }
+    if problems.is_empty() { Ok(out) } else { Err(problems) }
+}
+
+fn meta_match(m: &pb::MetaMatch) -> Option<MetaMatch> {
+    match m.condition.as_ref()? {
+        pb::meta_match::Condition::Equals(v) => Some(MetaMatch::Equals(v.clone())),
+        pb::meta_match::Condition::Presence(p) => match pb::Presence::try_from(*p).ok()? {
+            pb::Presence::Present => Some(MetaMatch::Present),
+            pb::Presence::Absent => Some(MetaMatch::Absent),
+            pb::Presence::Unspecified => None,
+        },
+    }
+}
+
+fn value_match(m: &pb::ValueMatch) -> Result<ValueMatch, Diagnostic> {
+    let bad = || Diagnostic::error("BAD_FILTER", "the condition needs a value or PRESENT/ABSENT");
+    match m.condition.as_ref().ok_or_else(bad)? {
+        pb::value_match::Condition::Equals(v) => json(v)
+            .map(ValueMatch::Equals)
+            .map_err(|e| Diagnostic::error("MALFORMED_JSON", format!("the value is not JSON: {e}"))),
+        pb::value_match::Condition::Presence(p) => match pb::Presence::try_from(*p) {
+            Ok(pb::Presence::Present) => Ok(ValueMatch::Present),
+            Ok(pb::Presence::Absent) => Ok(ValueMatch::Absent),
+            _ => Err(bad()),
+        },
+    }
+}
+
+fn duration(d: Option<&prost_types::Duration>, field: &str, problems: &mut Vec<Diagnostic>) -> Option<Duration> {
+    let d = d?;
+    match Duration::try_from(*d) {
+        Ok(d) => Some(d),
+        Err(_) => {
+            problems.push(Diagnostic::error("BAD_DURATION", "the duration is negative or out of range").at(field));
+            None
+        }
+    }
+}
+
+/// Parses a wire JSON value.
+///
+/// # Errors
+/// When the bytes are not one valid JSON value.
+pub fn json(j: &pb::Json) -> Result<Value, serde_json::Error> {
+    serde_json::from_slice(&j.json)
+}
+
+/// Encodes a JSON value for the wire.
+pub fn to_json(v: &Value) -> pb::Json {
+    pb::Json { json: serde_json::to_vec(v).unwrap_or_else(|_| b"null".to_vec()) }
+}
+
+fn opt_json(v: Option<&Value>) -> Option<pb::Json> {
+    v.map(to_json)
+}
+
+fn timestamp(t: SystemTime) -> prost_types::Timestamp {
+    prost_types::Timestamp::from(t)
+}
+
+/// The wire form of a diagnostic.
+pub fn diagnostic_to_pb(d: &Diagnostic) -> pb::Diagnostic {
+    pb::Diagnostic {
+        severity: match d.severity {
+            Severity::Error => pb::Severity::Error,
+            Severity::Warning => pb::Severity::Warning,
+            Severity::Info => pb::Severity::Info,
+        } as i32,
+        summary: d.summary.clone(),
+        detail: d.detail.clone(),
+        reason: d.reason.clone(),
+        field: d.field.clone(),
+        error_type: d.error_type.clone(),
+        stack_trace: d.stack_trace.clone(),
+        metadata: Default::default(),
+    }
+}
+
+/// The model form of a wire diagnostic.
+pub fn diagnostic_from_pb(d: &pb::Diagnostic) -> Diagnostic {
+    Diagnostic {
+        severity: match pb::Severity::try_from(d.severity) {
+            Ok(pb::Severity::Warning) => Severity::Warning,
+            Ok(pb::Severity::Info) => Severity::Info,
+            _ => Severity::Error,
+        },
+        summary: d.summary.clone(),
+        detail: d.detail.clone(),
+        reason: d.reason.clone(),
+        field: d.field.clone(),
+        error_type: d.error_type.clone(),
+        stack_trace: d.stack_trace.clone(),
+    }
+}
+
+/// The wire form of a resolved resource.
+pub fn resolved_to_pb(r: &ResolvedResource) -> pb::ResolvedResource {
+    pb::ResolvedResource {
+        group: r.group.clone(),
+        version: r.version.clone(),
+        plural: r.plural.clone(),
+        kind: r.kind.clone(),
+        namespaced: r.namespaced,
+    }
+}
+
+/// The wire form of a cancel reason.
+pub fn cancel_reason_to_pb(r: CancelReason) -> pb::CancelReason {
+    match r {
+        CancelReason::ResourceDeleted => pb::CancelReason::ResourceDeleted,
+        CancelReason::FilterMismatch => pb::CancelReason::FilterMismatch,
+        CancelReason::DeadlineExceeded => pb::CancelReason::DeadlineExceeded,
+        CancelReason::Superseded => pb::CancelReason::Superseded,
+        CancelReason::RuntimeShutdown => pb::CancelReason::RuntimeShutdown,
+        CancelReason::HandlerUnregistered => pb::CancelReason::HandlerUnregistered,
+        CancelReason::Paused => pb::CancelReason::Paused,
+    }
+}
+
+/// Builds the wire invocation for one attempt of `work`.
+pub fn invocation(work: &Work, invocation_id: &str, attempt: u32, deadline: Option<SystemTime>) -> pb::Invocation {
+    use pb::invocation::Payload as P;
+    let payload = match &work.payload {
+        Payload::Change { reason, old, new, diff, field } => P::Change(pb::ResourceChange {
+            reason: match reason {
+                ChangeReason::Create => pb::ChangeReason::Create,
+                ChangeReason::Update => pb::ChangeReason::Update,
+                ChangeReason::Delete => pb::ChangeReason::Delete,
+                ChangeReason::Resume => pb::ChangeReason::Resume,
+            } as i32,
+            old: opt_json(old.as_ref()),
+            new: opt_json(new.as_ref()),
+            diff: diff
+                .iter()
+                .map(|item| pb::DiffItem {
+                    operation: match item.operation {
+                        DiffOperation::Add => pb::DiffOperation::Add,
+                        DiffOperation::Change => pb::DiffOperation::Change,
+                        DiffOperation::Remove => pb::DiffOperation::Remove,
+                    } as i32,
+                    path: item.path.clone(),
+                    old: opt_json(item.old.as_ref()),
+                    new: opt_json(item.new.as_ref()),
+                })
+                .collect(),
+            field: field.clone(),
+        }),
+        Payload::Event { event_type } => P::Event(pb::ResourceEvent {
+            r#type: match event_type {
+                EventType::Listing => pb::EventType::Unspecified,
+                EventType::Added => pb::EventType::Added,
+                EventType::Modified => pb::EventType::Modified,
+                EventType::Deleted => pb::EventType::Deleted,
+            } as i32,
+        }),
+        Payload::Daemon { restarts } => P::Daemon(pb::DaemonStart { restarts: *restarts }),
+        Payload::Timer { scheduled } => P::Timer(pb::TimerTick { scheduled_time: Some(timestamp(*scheduled)) }),
+        Payload::Index { deleted } => P::Index(pb::IndexRequest { deleted: *deleted }),
+        Payload::Admission { uid, operation, subresource, dry_run, old_object, user_info } => {
+            P::Admission(pb::AdmissionRequest {
+                uid: uid.clone(),
+                operation: operation.clone(),
+                subresource: subresource.clone(),
+                dry_run: *dry_run,
+                old_object: opt_json(old_object.as_ref()),
+                user_info: opt_json(user_info.as_ref()),
+            })
+        }
+        Payload::Probe => P::Probe(pb::ProbeRequest {}),
+        Payload::Activity(a) => P::Activity(pb::ActivityRequest {
+            activity: match a {
+                Activity::Startup => pb::Activity::Startup,
+                Activity::Cleanup => pb::Activity::Cleanup,
+                Activity::Login => pb::Activity::Login,
+            } as i32,
+        }),
+    };
+    pb::Invocation {
+        invocation_id: invocation_id.to_owned(),
+        handler_id: work.handler_id.0.clone(),
+        attempt,
+        idempotency_key: work.idempotency_key.clone(),
+        deadline: deadline.map(timestamp),
+        started_time: Some(timestamp(work.started)),
+        resource: work.object.as_ref().map(|o| pb::ResourceRef {
+            group: o.resource.group.clone(),
+            version: o.resource.version.clone(),
+            kind: o.resource.kind.clone(),
+            plural: o.resource.plural.clone(),
+            namespace: o.namespace.clone(),
+            name: o.name.clone(),
+            uid: o.uid.clone(),
+            resource_version: o.resource_version.clone(),
+            generation: o.generation,
+        }),
+        body: opt_json(work.body.as_ref()),
+        trace_context: Default::default(),
+        last_error: work.last_error.as_ref().map(diagnostic_to_pb),
+        param: opt_json(work.param.as_ref()),
+        subhandlers: work
+            .subhandlers
+            .iter()
+            .map(|s| pb::SubhandlerState {
+                subhandler_id: s.id.clone(),
+                retries: s.retries,
+                success: s.success,
+                failure: s.failure,
+                delayed_until: s.delayed_until.map(timestamp),
+                message: s.message.clone(),
+                started_time: s.started.map(timestamp),
+            })
+            .collect(),
+        payload: Some(payload),
+    }
+}
+
+/// Validates and converts patches.
+///
+/// # Errors
+/// A diagnostic naming the first malformed patch.
+pub fn patches(patches: &[pb::Patch]) -> Result<Vec<Patch>, Diagnostic> {
+    patches
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let field = format!("patches[{i}]");
+            let body = p
+                .body
+                .as_ref()
+                .ok_or_else(|| Diagnostic::error("MALFORMED_PATCH", "the patch has no body").at(&field))
+                .and_then(|b| {
+                    json(b).map_err(|e| {
+                        Diagnostic::error("MALFORMED_PATCH", format!("the patch is not JSON: {e}")).at(&field)
+                    })
+                })?;
+            let patch_type = match pb::PatchType::try_from(p.r#type) {
+                Ok(pb::PatchType::Merge) if body.is_object() => PatchType::Merge,
+                Ok(pb::PatchType::Merge) => {
+                    return Err(Diagnostic::error("MALFORMED_PATCH", "a merge patch must be a JSON object").at(&field));
+                }
+                Ok(pb::PatchType::Json) => {
+                    serde_json::from_value::<json_patch::Patch>(body.clone()).map_err(|e| {
+                        Diagnostic::error("MALFORMED_PATCH", format!("not a valid RFC 6902 JSON patch: {e}"))
+                            .at(&field)
+                    })?;
+                    PatchType::Json
+                }
+                _ => {
+                    return Err(
+                        Diagnostic::error("MALFORMED_PATCH", format!("unknown patch type {}", p.r#type)).at(&field)
+                    );
+                }
+            };
+            let target = match pb::PatchTarget::try_from(p.target) {
+                Ok(pb::PatchTarget::Status) => PatchTarget::Status,
+                Ok(_) => PatchTarget::Object,
+                Err(_) => {
+                    return Err(Diagnostic::error("MALFORMED_PATCH", format!("unknown patch target {}", p.target))
+                        .at(&field));
+                }
+            };
+            Ok(Patch { patch_type, target, body })
+        })
+        .collect()
+}
+
+/// Converts a result into an outcome. A result that cannot be used (malformed patch or JSON,
+/// no outcome) becomes a permanent failure carrying the reason, and the diagnostic is returned
+/// too so the handler process can be told.
+pub fn outcome(result: &pb::InvocationResult) -> (Outcome, Option<Diagnostic>) {
+    use pb::invocation_result::Outcome as O;
+    let subhandlers = match subhandler_outcomes(&result.subhandlers) {
+        Ok(s) => s,
+        Err(d) => return (Outcome::Permanent { diagnostics: vec![d.clone()], subhandlers: Vec::new() }, Some(d)),
+    };
+    let diags = |ds: &[pb::Diagnostic]| ds.iter().map(diagnostic_from_pb).collect::<Vec<_>>();
+    let converted = match &result.outcome {
+        Some(O::Success(s)) => success(s, &result.patches, subhandlers),
+        Some(O::TemporaryError(t)) => Ok(Outcome::Temporary {
+            delay: t.retry_after.and_then(|d| Duration::try_from(d).ok()),
+            diagnostics: diags(&t.diagnostics),
+            subhandlers,
+        }),
+        Some(O::PermanentError(p)) => Ok(Outcome::Permanent { diagnostics: diags(&p.diagnostics), subhandlers }),
+        Some(O::UnclassifiedError(u)) => {
+            Ok(Outcome::Unclassified { diagnostics: diags(&u.diagnostics), subhandlers })
+        }
+        Some(O::Cancelled(_)) => Ok(Outcome::Cancelled),
+        Some(O::Skipped(_)) => Ok(Outcome::Skipped),
+        None => Err(Diagnostic::error("MISSING_OUTCOME", "the result carries no outcome")),
+    };
+    match converted {
+        Ok(o) => (o, None),
+        Err(d) => (Outcome::Permanent { diagnostics: vec![d.clone()], subhandlers: Vec::new() }, Some(d)),
+    }
+}
+
+fn success(s: &pb::Success, raw_patches: &[pb::Patch], subhandlers: Vec<SubhandlerOutcome>) -> Result<Outcome, Diagnostic> {
+    let result = match s.result.as_ref().map(json) {
+        Some(Ok(Value::Null)) | None => None,
+        Some(Ok(v)) => Some(v),
+        Some(Err(e)) => return Err(Diagnostic::error("MALFORMED_JSON", format!("the result is not JSON: {e}"))),
+    };
+    let kind_result = match &s.kind_result {
+        Some(pb::success::KindResult::Admission(a)) => Some(KindResult::Admission(model::AdmissionVerdict {
+            allowed: a.allowed,
+            message: a.message.clone(),
+            code: a.code,
+            warnings: a.warnings.clone(),
+        })),
+        Some(pb::success::KindResult::Credentials(c)) => Some(KindResult::Credentials(model::Credentials {
+            server: c.server.clone(),
+            certificate_authority: c.certificate_authority.clone(),
+            insecure: c.insecure,
+            username: c.username.clone(),
+            password: c.password.clone(),
+            token: c.token.clone(),
+            client_certificate: c.client_certificate.clone(),
+            client_key: c.client_key.clone(),
+            default_namespace: c.default_namespace.clone(),
+            expiration: c.expiration_time.and_then(|t| SystemTime::try_from(t).ok()),
+            priority: c.priority,
+        })),
+        None => None,
+    };
+    Ok(Outcome::Success { result, kind_result, patches: patches(raw_patches)?, subhandlers })
+}
+
+fn subhandler_outcomes(raw: &[pb::SubhandlerOutcome]) -> Result<Vec<SubhandlerOutcome>, Diagnostic> {
+    use pb::subhandler_outcome::Outcome as O;
+    raw.iter()
+        .map(|s| {
+            if s.subhandler_id.is_empty() {
+                return Err(Diagnostic::error("INVALID_HANDLER_ID", "a sub-handler outcome has no id"));
+            }
+            let diags = |ds: &[pb::Diagnostic]| ds.iter().map(diagnostic_from_pb).collect::<Vec<_>>();
+            let outcome = match &s.outcome {
+                Some(O::Success(ok)) => success(ok, &[], Vec::new())?,
+                Some(O::TemporaryError(t)) => Outcome::Temporary {
+                    delay: t.retry_after.and_then(|d| Duration::try_from(d).ok()),
+                    diagnostics: diags(&t.diagnostics),
+                    subhandlers: Vec::new(),
+                },
+                Some(O::PermanentError(p)) => {
+                    Outcome::Permanent { diagnostics: diags(&p.diagnostics), subhandlers: Vec::new() }
+                }
+                Some(O::UnclassifiedError(u)) => {
+                    Outcome::Unclassified { diagnostics: diags(&u.diagnostics), subhandlers: Vec::new() }
+                }
+                None => {
+                    return Err(Diagnostic::error(
+                        "MISSING_OUTCOME",
+                        format!("sub-handler {} has no outcome", s.subhandler_id),
+                    ));
+                }
+            };
+            Ok(SubhandlerOutcome { id: s.subhandler_id.clone(), outcome })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reg(kind: pb::HandlerKind) -> pb::HandlerRegistration {
+        pb::HandlerRegistration {
+            handler_id: "h".into(),
+            kind: kind as i32,
+            resource: Some(pb::ResourceSelector { name: "examples".into(), ..Default::default() }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn accepts_a_plain_create_handler_with_kopf_defaults() {
+        let r = registration(0, &reg(pb::HandlerKind::Create)).unwrap();
+        assert_eq!(r.kind, HandlerKind::Create);
+        assert_eq!(r.errors, ErrorsMode::Temporary);
+        assert_eq!(r.backoff, Duration::from_secs(60));
+        assert_eq!(r.selector.unwrap().name, "examples");
+    }
+
+    #[test]
+    fn rejects_unknown_kind_and_missing_selector() {
+        let mut bad = reg(pb::HandlerKind::Create);
+        bad.kind = 99;
+        let err = registration(3, &bad).unwrap_err();
+        assert_eq!(err[0].reason, "UNKNOWN_HANDLER_KIND");
+        assert_eq!(err[0].field, "handlers[3].kind");
+        let mut no_sel = reg(pb::HandlerKind::Update);
+        no_sel.resource = None;
+        assert_eq!(registration(0, &no_sel).unwrap_err()[0].reason, "MISSING_RESOURCE");
+    }
+
+    #[test]
+    fn rejects_bad_filters() {
+        let mut r = reg(pb::HandlerKind::Create);
+        r.filters = Some(pb::Filters {
+            value: Some(pb::ValueMatch { condition: Some(pb::value_match::Condition::Presence(1)) }),
+            labels: [("app".to_owned(), pb::MetaMatch { condition: None })].into(),
+            ..Default::default()
+        });
+        let err = registration(0, &r).unwrap_err();
+        let reasons: Vec<_> = err.iter().map(|d| d.field.as_str()).collect();
+        assert!(reasons.contains(&"handlers[0].filters.value"), "{err:?}");
+        assert!(reasons.contains(&"handlers[0].filters.labels[app]"), "{err:?}");
+    }
+
+    #[test]
+    fn field_handlers_need_a_field_and_timers_an_interval() {
+        assert_eq!(registration(0, &reg(pb::HandlerKind::Field)).unwrap_err()[0].reason, "MISSING_FIELD");
+        assert_eq!(registration(0, &reg(pb::HandlerKind::Timer)).unwrap_err()[0].reason, "MISSING_INTERVAL");
+    }
+
+    #[test]
+    fn activities_take_no_selector() {
+        let mut r = reg(pb::HandlerKind::Startup);
+        assert_eq!(registration(0, &r).unwrap_err()[0].reason, "UNEXPECTED_RESOURCE");
+        r.resource = None;
+        assert!(registration(0, &r).is_ok());
+    }
+
+    fn result_with_patch(t: pb::PatchType, body: &str) -> pb::InvocationResult {
+        pb::InvocationResult {
+            invocation_id: "i".into(),
+            outcome: Some(pb::invocation_result::Outcome::Success(pb::Success::default())),
+            patches: vec![pb::Patch {
+                r#type: t as i32,
+                target: pb::PatchTarget::Object as i32,
+                body: Some(pb::Json { json: body.as_bytes().to_vec() }),
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn malformed_patches_become_permanent_failures() {
+        let (o, d) = outcome(&result_with_patch(pb::PatchType::Json, r#"[{"op":"frobnicate"}]"#));
+        assert_eq!(d.unwrap().reason, "MALFORMED_PATCH");
+        assert!(matches!(o, Outcome::Permanent { .. }));
+        let (_, d) = outcome(&result_with_patch(pb::PatchType::Merge, "[1]"));
+        assert_eq!(d.unwrap().reason, "MALFORMED_PATCH");
+        let (_, d) = outcome(&result_with_patch(pb::PatchType::Merge, "{not json"));
+        assert_eq!(d.unwrap().reason, "MALFORMED_PATCH");
+    }
+
+    #[test]
+    fn valid_patches_pass() {
+        let (o, d) = outcome(&result_with_patch(pb::PatchType::Json, r#"[{"op":"add","path":"/a","value":1}]"#));
+        assert!(d.is_none());
+        let Outcome::Success { patches, .. } = o else { panic!("not a success") };
+        assert_eq!(patches[0].patch_type, PatchType::Json);
+    }
+}

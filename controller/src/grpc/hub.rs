@@ -1,0 +1,699 @@
+//! The hub: which handler process owns which handler, and the dispatch of work to them.
+//!
+//! The engine (or a test) calls [`Hub::invoke`] with one [`Work`] and awaits one [`Outcome`].
+//! Everything in between happens here: waiting until some connection has registered the
+//! handler, the per-handler and per-process in-flight caps (fair, first come first served),
+//! the attempt's deadline and the `Cancel` it triggers, and redelivery when a connection drops
+//! (a new invocation id, the next attempt number, and the poison-pill guard after repeated
+//! losses). Work that cannot be dispatched waits here, in memory, never in gRPC buffers.
+//!
+//! `grpc::connection` feeds the hub with what arrives on each stream; the hub never touches the
+//! stream itself except through each connection's bounded outgoing channel.
+
+use std::{
+    collections::{HashMap, HashSet, VecDeque},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, SystemTime},
+};
+
+use capstan_proto::pb;
+use parking_lot::Mutex;
+use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tracing::{Instrument, debug, info_span, warn};
+
+use super::convert;
+use crate::model::{CancelReason, Diagnostic, HandlerId, Outcome, Patch, Registration, Work};
+
+/// Identifies one connection (one `Connect` stream) for the controller's lifetime.
+pub type ConnectionId = u64;
+
+/// Tunables of the hub.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Grace given to an invocation after `Cancel` before it is abandoned. Default 5 s.
+    pub cancel_grace: Duration,
+    /// After this many consecutive connection losses while the same work was in flight, the
+    /// work fails permanently (poison-pill guard). Default 3.
+    pub max_losses: u32,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self { cancel_grace: Duration::from_secs(5), max_losses: 3 }
+    }
+}
+
+/// Dispatches work to connected handler processes. Cheap to clone.
+#[derive(Clone)]
+pub struct Hub {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    state: Mutex<State>,
+    settings: Settings,
+    ids: AtomicU64,
+    registrations: watch::Sender<Arc<Vec<Registration>>>,
+}
+
+#[derive(Default)]
+struct State {
+    connections: HashMap<ConnectionId, Conn>,
+    owners: HashMap<HandlerId, ConnectionId>,
+    in_flight: HashMap<String, InFlight>,
+    waiters: HashMap<HandlerId, VecDeque<(u64, Arc<Notify>)>>,
+    granted: HashMap<u64, Grant>,
+    paused: bool,
+}
+
+struct Conn {
+    tx: mpsc::Sender<pb::ConnectResponse>,
+    open: bool,
+    max_in_flight: u32,
+    in_flight: u32,
+    handlers: HashMap<HandlerId, HandlerSlot>,
+}
+
+struct HandlerSlot {
+    registration: Registration,
+    max_in_flight: Option<u32>,
+    in_flight: u32,
+}
+
+#[derive(Clone)]
+struct Grant {
+    conn: ConnectionId,
+    tx: mpsc::Sender<pb::ConnectResponse>,
+}
+
+struct InFlight {
+    conn: ConnectionId,
+    handler: HandlerId,
+    reply: oneshot::Sender<Delivery>,
+    updates: Option<mpsc::UnboundedSender<Vec<Patch>>>,
+}
+
+enum Delivery {
+    Result(Outcome),
+    Lost,
+}
+
+/// Why a result or update was not accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No invocation with that id is in flight on this connection.
+    #[error("invocation {0:?} is unknown or no longer in flight (stale result)")]
+    Stale(String),
+}
+
+impl Default for Hub {
+    fn default() -> Self {
+        Self::new(Settings::default())
+    }
+}
+
+impl Hub {
+    /// An empty hub.
+    pub fn new(settings: Settings) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                state: Mutex::new(State::default()),
+                settings,
+                ids: AtomicU64::new(1),
+                registrations: watch::channel(Arc::new(Vec::new())).0,
+            }),
+        }
+    }
+
+    /// The hub's settings.
+    pub fn settings(&self) -> &Settings {
+        &self.inner.settings
+    }
+
+    /// A fresh id (connections, invocations).
+    pub(crate) fn next_id(&self) -> u64 {
+        self.inner.ids.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The registrations of all connected handler processes, updated on every change.
+    pub fn registrations(&self) -> watch::Receiver<Arc<Vec<Registration>>> {
+        self.inner.registrations.subscribe()
+    }
+
+    /// How many handler processes are connected (and past the handshake).
+    pub fn connections(&self) -> usize {
+        self.inner.state.lock().connections.values().filter(|c| c.open).count()
+    }
+
+    /// Which of `ids` are owned by a live connection already.
+    pub(crate) fn owned(&self, ids: &[HandlerId]) -> HashSet<HandlerId> {
+        let state = self.inner.state.lock();
+        ids.iter().filter(|id| state.owners.contains_key(*id)).cloned().collect()
+    }
+
+    /// Attaches a connection with its accepted registrations, closed for dispatch until
+    /// [`Hub::open`]. Registrations whose id another connection took in the meantime are
+    /// returned and not attached.
+    pub(crate) fn attach(
+        &self,
+        tx: mpsc::Sender<pb::ConnectResponse>,
+        max_in_flight: u32,
+        registrations: Vec<Registration>,
+    ) -> (ConnectionId, Vec<Registration>) {
+        let id = self.next_id();
+        let mut state = self.inner.state.lock();
+        let mut handlers = HashMap::new();
+        let mut taken = Vec::new();
+        for reg in registrations {
+            if state.owners.contains_key(&reg.id) {
+                taken.push(reg);
+                continue;
+            }
+            state.owners.insert(reg.id.clone(), id);
+            handlers.insert(
+                reg.id.clone(),
+                HandlerSlot { max_in_flight: reg.max_in_flight, registration: reg, in_flight: 0 },
+            );
+        }
+        state.connections.insert(id, Conn { tx, open: false, max_in_flight, in_flight: 0, handlers });
+        (id, taken)
+    }
+
+    /// Opens a connection for dispatch (after its `Welcome` was queued).
+    pub(crate) fn open(&self, conn: ConnectionId) {
+        let mut state = self.inner.state.lock();
+        if let Some(c) = state.connections.get_mut(&conn) {
+            c.open = true;
+        }
+        state.pump_conn(conn);
+        self.publish(&state);
+    }
+
+    /// Stops new dispatch to a connection (its `Goodbye`); running invocations go on.
+    pub(crate) fn close_for_dispatch(&self, conn: ConnectionId) {
+        if let Some(c) = self.inner.state.lock().connections.get_mut(&conn) {
+            c.open = false;
+        }
+    }
+
+    /// Removes a connection: its handlers become unowned and its in-flight work is re-queued
+    /// as new attempts by the callers waiting for it.
+    pub(crate) fn detach(&self, conn: ConnectionId) {
+        let mut state = self.inner.state.lock();
+        let Some(c) = state.connections.remove(&conn) else { return };
+        for id in c.handlers.keys() {
+            if state.owners.get(id) == Some(&conn) {
+                state.owners.remove(id);
+            }
+        }
+        let lost: Vec<String> =
+            state.in_flight.iter().filter(|(_, f)| f.conn == conn).map(|(id, _)| id.clone()).collect();
+        for id in lost {
+            if let Some(f) = state.in_flight.remove(&id) {
+                let _ = f.reply.send(Delivery::Lost);
+            }
+        }
+        self.publish(&state);
+    }
+
+    /// Changes a connection's caps (`FlowControl`): `None` handler means the process cap; 0
+    /// pauses.
+    pub(crate) fn flow_control(&self, conn: ConnectionId, handler: Option<&HandlerId>, max_in_flight: u32) {
+        let mut state = self.inner.state.lock();
+        let Some(c) = state.connections.get_mut(&conn) else { return };
+        match handler {
+            None => c.max_in_flight = max_in_flight,
+            Some(h) => {
+                if let Some(slot) = c.handlers.get_mut(h) {
+                    slot.max_in_flight = Some(max_in_flight);
+                }
+            }
+        }
+        state.pump_conn(conn);
+    }
+
+    /// Pauses or resumes all dispatch (drain at shutdown, freezing, loss of leadership).
+    pub fn set_paused(&self, paused: bool) {
+        let mut state = self.inner.state.lock();
+        state.paused = paused;
+        if !paused {
+            let conns: Vec<ConnectionId> = state.connections.keys().copied().collect();
+            for conn in conns {
+                state.pump_conn(conn);
+            }
+        }
+    }
+
+    /// Sends a message to every open connection, best effort (`Drain`).
+    pub fn broadcast(&self, message: pb::connect_response::Message) {
+        let txs: Vec<_> = self.inner.state.lock().connections.values().map(|c| c.tx.clone()).collect();
+        for tx in txs {
+            let _ = tx.try_send(pb::ConnectResponse { message: Some(message.clone()) });
+        }
+    }
+
+    /// How many invocations are in flight in total.
+    pub fn in_flight(&self) -> usize {
+        self.inner.state.lock().in_flight.len()
+    }
+
+    /// Delivers a result from connection `conn`.
+    ///
+    /// # Errors
+    /// [`Error::Stale`] when no such invocation is in flight on that connection. Otherwise the
+    /// result is delivered; a diagnostic is returned when it had to be turned into a failure
+    /// (malformed patch or JSON), so the handler process can be told.
+    pub(crate) fn complete(
+        &self,
+        conn: ConnectionId,
+        result: &pb::InvocationResult,
+    ) -> Result<Option<Diagnostic>, Error> {
+        let (outcome, problem) = convert::outcome(result);
+        let mut state = self.inner.state.lock();
+        let owned = state.in_flight.get(&result.invocation_id).is_some_and(|f| f.conn == conn);
+        if !owned {
+            return Err(Error::Stale(result.invocation_id.clone()));
+        }
+        let Some(f) = state.in_flight.remove(&result.invocation_id) else {
+            return Err(Error::Stale(result.invocation_id.clone()));
+        };
+        state.release(f.conn, &f.handler);
+        let _ = f.reply.send(Delivery::Result(outcome));
+        Ok(problem)
+    }
+
+    /// Delivers the patches of an `InvocationUpdate`.
+    ///
+    /// # Errors
+    /// [`Error::Stale`] when no such invocation is in flight on that connection.
+    pub(crate) fn update(&self, conn: ConnectionId, invocation_id: &str, patches: Vec<Patch>) -> Result<bool, Error> {
+        let state = self.inner.state.lock();
+        match state.in_flight.get(invocation_id) {
+            Some(f) if f.conn == conn => Ok(f.updates.as_ref().is_some_and(|tx| tx.send(patches).is_ok())),
+            _ => Err(Error::Stale(invocation_id.to_owned())),
+        }
+    }
+
+    /// The registration of `handler` on connection `conn`, for logs.
+    pub(crate) fn handler_of(&self, invocation_id: &str) -> Option<HandlerId> {
+        self.inner.state.lock().in_flight.get(invocation_id).map(|f| f.handler.clone())
+    }
+
+    fn publish(&self, state: &State) {
+        let mut all: Vec<Registration> = state
+            .connections
+            .values()
+            .filter(|c| c.open)
+            .flat_map(|c| c.handlers.values().map(|s| s.registration.clone()))
+            .collect();
+        all.sort_by(|a, b| a.id.cmp(&b.id));
+        self.inner.registrations.send_if_modified(|current| {
+            if **current == all {
+                false
+            } else {
+                *current = Arc::new(all);
+                true
+            }
+        });
+    }
+
+    /// Runs `work` to one outcome: waits for a connection that registered the handler and has
+    /// room, sends the invocation, enforces the attempt deadline, and redelivers the work as
+    /// a new attempt when the connection drops.
+    ///
+    /// # Cancel safety
+    /// Dropping the future withdraws the work: a waiting request leaves the queue, and an
+    /// invocation in flight is cancelled on the handler side (`Cancel{SUPERSEDED}`) and its
+    /// late result is ignored.
+    pub async fn invoke(&self, mut work: Work) -> Outcome {
+        let span = info_span!("invocation", handler.id = %work.handler_id, key = %work.idempotency_key);
+        async move {
+            let mut losses = 0u32;
+            loop {
+                let grant = tokio::select! {
+                    grant = self.acquire(&work.handler_id) => grant,
+                    () = work.cancel.cancelled() => return Outcome::Abandoned,
+                };
+                match self.attempt(&work, grant).await {
+                    Delivery::Result(outcome) => return outcome,
+                    Delivery::Lost => {
+                        losses += 1;
+                        if losses >= self.inner.settings.max_losses {
+                            warn!(losses, "handler process lost repeatedly while running this work");
+                            return Outcome::Permanent {
+                                diagnostics: vec![Diagnostic::error(
+                                    "HANDLER_PROCESS_LOST",
+                                    format!("the handler process disconnected {losses} times while processing"),
+                                )],
+                                subhandlers: Vec::new(),
+                            };
+                        }
+                        work.attempt += 1;
+                        work.last_error = Some(Diagnostic::error(
+                            "HANDLER_PROCESS_LOST",
+                            "the handler process disconnected during the previous attempt",
+                        ));
+                        debug!(attempt = work.attempt, "re-queued after a lost connection");
+                    }
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn attempt(&self, work: &Work, grant: Grant) -> Delivery {
+        let invocation_id = format!("{}-{}", grant.conn, self.next_id());
+        let deadline = work.attempt_timeout.map(|t| tokio::time::Instant::now() + t);
+        let wall_deadline = work.attempt_timeout.map(|t| SystemTime::now() + t);
+        let (reply_tx, mut reply_rx) = oneshot::channel();
+        {
+            let mut state = self.inner.state.lock();
+            if !state.connections.contains_key(&grant.conn) {
+                return Delivery::Lost;
+            }
+            state.in_flight.insert(
+                invocation_id.clone(),
+                InFlight {
+                    conn: grant.conn,
+                    handler: work.handler_id.clone(),
+                    reply: reply_tx,
+                    updates: work.updates.clone(),
+                },
+            );
+        }
+        let mut guard = AttemptGuard { hub: self, invocation_id: &invocation_id, armed: true };
+        let invocation = convert::invocation(work, &invocation_id, work.attempt, wall_deadline);
+        let message = pb::ConnectResponse { message: Some(pb::connect_response::Message::Invocation(invocation)) };
+        if grant.tx.send(message).await.is_err() {
+            guard.withdraw();
+            return Delivery::Lost;
+        }
+        let grace = work.cancel_grace.unwrap_or(self.inner.settings.cancel_grace);
+        let reason = tokio::select! {
+            delivery = &mut reply_rx => {
+                guard.armed = false;
+                return delivery.unwrap_or(Delivery::Lost);
+            }
+            () = sleep_until_opt(deadline) => CancelReason::DeadlineExceeded,
+            () = work.cancel.cancelled() => work.cancel_reason,
+        };
+        let _ = grant.tx.try_send(cancel_message(&invocation_id, reason, grace));
+        tokio::select! {
+            delivery = &mut reply_rx => {
+                guard.armed = false;
+                delivery.unwrap_or(Delivery::Lost)
+            }
+            () = tokio::time::sleep(grace) => {
+                guard.withdraw();
+                warn!(%invocation_id, ?reason, "invocation did not end within its cancel grace period; abandoned");
+                Delivery::Result(if reason == CancelReason::DeadlineExceeded { Outcome::TimedOut } else { Outcome::Abandoned })
+            }
+        }
+    }
+
+    async fn acquire(&self, handler: &HandlerId) -> Grant {
+        let waiter_id = self.next_id();
+        let notify = Arc::new(Notify::new());
+        {
+            let mut state = self.inner.state.lock();
+            state.waiters.entry(handler.clone()).or_default().push_back((waiter_id, notify.clone()));
+            if let Some(&conn) = state.owners.get(handler) {
+                state.pump_conn(conn);
+            }
+        }
+        let guard = WaiterGuard { hub: self, handler, waiter_id };
+        loop {
+            notify.notified().await;
+            if let Some(grant) = self.inner.state.lock().granted.remove(&waiter_id) {
+                std::mem::forget(guard);
+                return grant;
+            }
+        }
+    }
+}
+
+fn cancel_message(invocation_id: &str, reason: CancelReason, grace: Duration) -> pb::ConnectResponse {
+    pb::ConnectResponse {
+        message: Some(pb::connect_response::Message::Cancel(pb::Cancel {
+            invocation_id: invocation_id.to_owned(),
+            reason: convert::cancel_reason_to_pb(reason) as i32,
+            grace_period: prost_types::Duration::try_from(grace).ok(),
+        })),
+    }
+}
+
+/// Sleeps until `deadline`, or forever when there is none.
+pub(crate) async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+impl State {
+    /// Hands capacity on `conn` to the handlers' waiters, first come first served.
+    fn pump_conn(&mut self, conn: ConnectionId) {
+        if self.paused {
+            return;
+        }
+        let Some(c) = self.connections.get(&conn) else { return };
+        if !c.open {
+            return;
+        }
+        let handlers: Vec<HandlerId> = c.handlers.keys().cloned().collect();
+        for handler in handlers {
+            loop {
+                let Some(c) = self.connections.get_mut(&conn) else { return };
+                if c.in_flight >= c.max_in_flight {
+                    return;
+                }
+                let Some(slot) = c.handlers.get_mut(&handler) else { break };
+                if slot.max_in_flight.is_some_and(|cap| slot.in_flight >= cap) {
+                    break;
+                }
+                let Some((waiter_id, notify)) = self.waiters.get_mut(&handler).and_then(VecDeque::pop_front) else {
+                    break;
+                };
+                slot.in_flight += 1;
+                c.in_flight += 1;
+                self.granted.insert(waiter_id, Grant { conn, tx: c.tx.clone() });
+                notify.notify_one();
+            }
+        }
+    }
+
+    fn release(&mut self, conn: ConnectionId, handler: &HandlerId) {
+        let Some(c) = self.connections.get_mut(&conn) else { return };
+        c.in_flight = c.in_flight.saturating_sub(1);
+        if let Some(slot) = c.handlers.get_mut(handler) {
+            slot.in_flight = slot.in_flight.saturating_sub(1);
+        }
+        self.pump_conn(conn);
+    }
+}
+
+/// Withdraws a waiting request (and any capacity granted to it) when `acquire` is dropped.
+struct WaiterGuard<'a> {
+    hub: &'a Hub,
+    handler: &'a HandlerId,
+    waiter_id: u64,
+}
+
+impl Drop for WaiterGuard<'_> {
+    fn drop(&mut self) {
+        let mut state = self.hub.inner.state.lock();
+        if let Some(queue) = state.waiters.get_mut(self.handler) {
+            queue.retain(|(id, _)| *id != self.waiter_id);
+        }
+        if let Some(grant) = state.granted.remove(&self.waiter_id) {
+            state.release(grant.conn, self.handler);
+        }
+    }
+}
+
+/// Withdraws an invocation in flight when its attempt is dropped or abandoned.
+struct AttemptGuard<'a> {
+    hub: &'a Hub,
+    invocation_id: &'a str,
+    armed: bool,
+}
+
+impl AttemptGuard<'_> {
+    fn withdraw(&mut self) {
+        if !self.armed {
+            return;
+        }
+        self.armed = false;
+        let mut state = self.hub.inner.state.lock();
+        if let Some(f) = state.in_flight.remove(self.invocation_id) {
+            let tx = state.connections.get(&f.conn).map(|c| c.tx.clone());
+            state.release(f.conn, &f.handler);
+            drop(state);
+            if let Some(tx) = tx {
+                let _ = tx.try_send(cancel_message(self.invocation_id, CancelReason::Superseded, Duration::ZERO));
+            }
+        }
+    }
+}
+
+impl Drop for AttemptGuard<'_> {
+    fn drop(&mut self) {
+        self.withdraw();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{HandlerKind, Payload};
+
+    fn reg(id: &str, cap: Option<u32>) -> Registration {
+        let mut r = Registration::new(id, HandlerKind::Probe, None);
+        r.max_in_flight = cap;
+        r
+    }
+
+    fn attach(hub: &Hub, regs: Vec<Registration>, cap: u32) -> (ConnectionId, mpsc::Receiver<pb::ConnectResponse>) {
+        let (tx, rx) = mpsc::channel(64);
+        let (id, taken) = hub.attach(tx, cap, regs);
+        assert!(taken.is_empty());
+        hub.open(id);
+        (id, rx)
+    }
+
+    fn invocation_of(msg: pb::ConnectResponse) -> pb::Invocation {
+        match msg.message {
+            Some(pb::connect_response::Message::Invocation(i)) => i,
+            other => panic!("expected an invocation, got {other:?}"),
+        }
+    }
+
+    fn success(id: &str) -> pb::InvocationResult {
+        pb::InvocationResult {
+            invocation_id: id.to_owned(),
+            outcome: Some(pb::invocation_result::Outcome::Success(pb::Success::default())),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn work_waits_for_a_connection_then_completes() {
+        let hub = Hub::default();
+        let task = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.invoke(Work::new("p", "k", Payload::Probe)).await }
+        });
+        tokio::task::yield_now().await;
+        let (conn, mut rx) = attach(&hub, vec![reg("p", None)], 8);
+        let inv = invocation_of(rx.recv().await.unwrap());
+        assert_eq!(inv.attempt, 1);
+        assert!(hub.complete(conn, &success(&inv.invocation_id)).unwrap().is_none());
+        assert_eq!(task.await.unwrap(), Outcome::success(None));
+        assert_eq!(hub.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn per_handler_cap_is_respected() {
+        let hub = Hub::default();
+        let (conn, mut rx) = attach(&hub, vec![reg("p", Some(1))], 8);
+        let a = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.invoke(Work::new("p", "a", Payload::Probe)).await }
+        });
+        let b = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.invoke(Work::new("p", "b", Payload::Probe)).await }
+        });
+        let first = invocation_of(rx.recv().await.unwrap());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(rx.try_recv().is_err(), "second invocation dispatched despite the cap");
+        hub.complete(conn, &success(&first.invocation_id)).unwrap();
+        let second = invocation_of(rx.recv().await.unwrap());
+        hub.complete(conn, &success(&second.invocation_id)).unwrap();
+        a.await.unwrap();
+        b.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn lost_connection_redelivers_as_next_attempt() {
+        let hub = Hub::default();
+        let (conn, mut rx) = attach(&hub, vec![reg("p", None)], 8);
+        let task = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.invoke(Work::new("p", "k", Payload::Probe)).await }
+        });
+        let first = invocation_of(rx.recv().await.unwrap());
+        hub.detach(conn);
+        let (conn2, mut rx2) = attach(&hub, vec![reg("p", None)], 8);
+        let second = invocation_of(rx2.recv().await.unwrap());
+        assert_eq!(second.attempt, 2);
+        assert_ne!(second.invocation_id, first.invocation_id);
+        assert_eq!(second.last_error.unwrap().reason, "HANDLER_PROCESS_LOST");
+        assert!(matches!(hub.complete(conn, &success(&first.invocation_id)), Err(Error::Stale(_))));
+        hub.complete(conn2, &success(&second.invocation_id)).unwrap();
+        assert_eq!(task.await.unwrap(), Outcome::success(None));
+    }
+
+    #[tokio::test]
+    async fn repeated_losses_become_permanent() {
+        let hub = Hub::new(Settings { max_losses: 2, ..Settings::default() });
+        let task = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.invoke(Work::new("p", "k", Payload::Probe)).await }
+        });
+        for _ in 0..2 {
+            let (conn, mut rx) = attach(&hub, vec![reg("p", None)], 8);
+            invocation_of(rx.recv().await.unwrap());
+            hub.detach(conn);
+        }
+        let Outcome::Permanent { diagnostics, .. } = task.await.unwrap() else { panic!("not permanent") };
+        assert_eq!(diagnostics[0].reason, "HANDLER_PROCESS_LOST");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn deadline_sends_cancel_then_times_out() {
+        let hub = Hub::new(Settings { cancel_grace: Duration::from_secs(1), ..Settings::default() });
+        let (_conn, mut rx) = attach(&hub, vec![reg("p", None)], 8);
+        let mut work = Work::new("p", "k", Payload::Probe);
+        work.attempt_timeout = Some(Duration::from_secs(2));
+        let task = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.invoke(work).await }
+        });
+        invocation_of(rx.recv().await.unwrap());
+        let cancel = rx.recv().await.unwrap();
+        let Some(pb::connect_response::Message::Cancel(c)) = cancel.message else { panic!("no cancel") };
+        assert_eq!(c.reason, pb::CancelReason::DeadlineExceeded as i32);
+        assert_eq!(task.await.unwrap(), Outcome::TimedOut);
+        assert_eq!(hub.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn dropping_the_work_withdraws_it() {
+        let hub = Hub::default();
+        let (_conn, mut rx) = attach(&hub, vec![reg("p", Some(1))], 8);
+        let task = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.invoke(Work::new("p", "k", Payload::Probe)).await }
+        });
+        invocation_of(rx.recv().await.unwrap());
+        task.abort();
+        let _ = task.await;
+        let Some(pb::connect_response::Message::Cancel(c)) = rx.recv().await.unwrap().message else {
+            panic!("no cancel")
+        };
+        assert_eq!(c.reason, pb::CancelReason::Superseded as i32);
+        assert_eq!(hub.in_flight(), 0);
+        // The capacity came back: the next work is dispatched.
+        let next = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.invoke(Work::new("p", "k2", Payload::Probe)).await }
+        });
+        invocation_of(rx.recv().await.unwrap());
+        next.abort();
+    }
+}

@@ -1,0 +1,30 @@
+//! The Capstan controller.
+//!
+//! Capstan runs Kubernetes operators whose handlers are written in any language. This crate is
+//! the controller: it watches the cluster with kopf's semantics and streams handler
+//! invocations to the handler processes that connect to it over gRPC (`capstan.v1`).
+//!
+//! # Layers
+//!
+//! Imports point downward only:
+//!
+//! ```text
+//! app ─────────────► grpc (server, connection, hub, convert)
+//!  │                  k8s  (client, discovery)          ── the only layer that calls the API
+//!  └───────────────► observability (logging, health, admin), config, error, model
+//! ```
+//!
+//! `grpc` never imports `k8s`: resources are resolved through the [`grpc::Resolver`] that the
+//! app supplies, and work crosses as [`model::Work`] and [`model::Outcome`].
+
+pub mod app;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod grpc;
+pub mod k8s;
+pub mod model;
+pub mod observability;
+pub mod signal;
+
+pub use error::{Error, Result};
