@@ -385,7 +385,7 @@ impl Hub {
                 },
             );
         }
-        let mut guard = AttemptGuard { hub: self, invocation_id: &invocation_id, armed: true };
+        let mut guard = AttemptGuard { hub: self, invocation_id: &invocation_id, armed: true, cancel_sent: false };
         let invocation = convert::invocation(work, &invocation_id, work.attempt, wall_deadline);
         let message = pb::ConnectResponse { message: Some(pb::connect_response::Message::Invocation(invocation)) };
         if grant.tx.send(message).await.is_err() {
@@ -402,6 +402,7 @@ impl Hub {
             () = work.cancel.cancelled() => work.cancel_reason,
         };
         let _ = grant.tx.try_send(cancel_message(&invocation_id, reason, grace));
+        guard.cancel_sent = true;
         tokio::select! {
             delivery = &mut reply_rx => {
                 guard.armed = false;
@@ -520,6 +521,7 @@ struct AttemptGuard<'a> {
     hub: &'a Hub,
     invocation_id: &'a str,
     armed: bool,
+    cancel_sent: bool,
 }
 
 impl AttemptGuard<'_> {
@@ -530,7 +532,7 @@ impl AttemptGuard<'_> {
         self.armed = false;
         let mut state = self.hub.inner.state.lock();
         if let Some(f) = state.in_flight.remove(self.invocation_id) {
-            let tx = state.connections.get(&f.conn).map(|c| c.tx.clone());
+            let tx = state.connections.get(&f.conn).filter(|_| !self.cancel_sent).map(|c| c.tx.clone());
             state.release(f.conn, &f.handler);
             drop(state);
             if let Some(tx) = tx {
