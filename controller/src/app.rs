@@ -1,7 +1,7 @@
 //! Wires the controller together and owns its lifecycle: builds the API client and discovery,
-//! the hub, the gRPC server and the admin endpoint, runs them until the root token is
+//! the hub, the engine, the gRPC server and the admin endpoint, runs them until the root token is
 //! cancelled, then drains: no new invocations, `Drain` to every handler process, in-flight work
-//! given the shutdown grace, then everything stops.
+//! given the shutdown grace (and its outcomes written), then the engine and the servers stop.
 
 use std::{sync::Arc, time::Duration};
 
@@ -13,6 +13,7 @@ use tracing::{info, warn};
 
 use crate::{
     config::Settings,
+    engine::Engine,
     error::Result,
     grpc::{self, Hub},
     k8s,
@@ -43,6 +44,7 @@ impl grpc::Resolver for DiscoveryResolver {
 /// When a subsystem cannot start (no cluster configuration, address in use) or fails.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> {
     let client = k8s::client::connect().await?;
+    let objects = k8s::objects::Objects::new(client.clone());
     let resolver = Arc::new(DiscoveryResolver(k8s::discovery::Discovery::new(client, settings.discovery_ttl)));
     let hub = Hub::new(settings.hub.clone());
     let health = Health::default();
@@ -60,6 +62,10 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
     let admin = Admin::bind(settings.admin_listen, health.clone()).await?;
     info!(listen = %server.local(), admin = ?admin.local_addr(), version = env!("CARGO_PKG_VERSION"), "capstan started");
 
+    let engine_stop = CancellationToken::new();
+    let engine = Engine::new(hub.clone(), objects, settings.engine.clone(), health.clone());
+    let engine_task = tokio::spawn(engine.run(engine_stop.clone()));
+
     let mut tasks = JoinSet::new();
     tasks.spawn(async move { server.serve().await.map_err(crate::error::Error::from) });
     let admin_stop = serving.clone();
@@ -73,6 +79,8 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
         Some(joined) = tasks.join_next() => Some(joined),
     };
     if let Some(joined) = failed {
+        engine_stop.cancel();
+        let _ = engine_task.await;
         serving.cancel();
         while tasks.join_next().await.is_some() {}
         return match joined {
@@ -84,6 +92,8 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
         };
     }
     drain(&hub, settings.shutdown_grace).await;
+    engine_stop.cancel();
+    let _ = engine_task.await;
     serving.cancel();
     while let Some(joined) = tasks.join_next().await {
         if let Ok(Err(e)) = joined {

@@ -9,8 +9,10 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::{
     config::{Settings, parse_duration},
+    engine::processing::Storage,
     grpc::Listen,
     observability::logging,
+    persistence::{DiffBaseStorage, Keys, ProgressStorage},
 };
 
 /// Capstan runs Kubernetes operators whose handlers are written in any language.
@@ -90,6 +92,62 @@ pub struct RunArgs {
     /// How long API discovery results are reused.
     #[arg(long, env = "CAPSTAN_DISCOVERY_TTL", value_parser = parse_duration, default_value = "30s")]
     pub discovery_ttl: Duration,
+
+    /// Watch only this namespace (repeatable); without it, the whole cluster is watched.
+    #[arg(long = "namespace", short = 'n', env = "CAPSTAN_NAMESPACES", value_delimiter = ',')]
+    pub namespaces: Vec<String>,
+
+    /// The prefix of every annotation Capstan stores on objects (progress, diff-base).
+    #[arg(long, env = "CAPSTAN_PERSISTENCE_PREFIX", default_value = "capstan.dev")]
+    pub persistence_prefix: String,
+
+    /// Where handler progress records are kept.
+    #[arg(long, env = "CAPSTAN_PROGRESS_STORAGE", value_enum, default_value_t = ProgressKind::Annotations)]
+    pub progress_storage: ProgressKind,
+
+    /// Where the last handled state (diff-base) is kept.
+    #[arg(long, env = "CAPSTAN_DIFFBASE_STORAGE", value_enum, default_value_t = DiffBaseKind::Annotations)]
+    pub diffbase_storage: DiffBaseKind,
+
+    /// The diff-base annotation key [default: <prefix>/last-handled-configuration].
+    #[arg(long, env = "CAPSTAN_DIFFBASE_KEY")]
+    pub diffbase_key: Option<String>,
+
+    /// The finalizer name [default: <prefix>/finalizer].
+    #[arg(long, env = "CAPSTAN_FINALIZER")]
+    pub finalizer: Option<String>,
+
+    /// The name of the stanza under `status` used by the status storages.
+    #[arg(long, env = "CAPSTAN_STATUS_FIELD", default_value = "capstan")]
+    pub status_field: String,
+
+    /// At most this many objects are processed at the same time.
+    #[arg(long, env = "CAPSTAN_WORKER_LIMIT", default_value_t = 128)]
+    pub worker_limit: usize,
+
+    /// Restart a watch that delivers nothing, not even a bookmark, for this long.
+    #[arg(long, env = "CAPSTAN_WATCH_INACTIVITY_TIMEOUT", value_parser = parse_duration, default_value = "5m")]
+    pub watch_inactivity_timeout: Duration,
+}
+
+/// Where progress records are kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ProgressKind {
+    /// One annotation per handler.
+    Annotations,
+    /// Under `status.<status-field>.progress`.
+    Status,
+    /// Both; read from annotations first.
+    Smart,
+}
+
+/// Where the diff-base is kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DiffBaseKind {
+    /// In an annotation.
+    Annotations,
+    /// Under `status.<status-field>.last-handled-configuration`.
+    Status,
 }
 
 /// Flags of `capstan freeze` and `capstan resume`.
@@ -117,7 +175,31 @@ impl RunArgs {
         settings.connection.cancel_grace = self.cancel_grace;
         settings.hub.cancel_grace = self.cancel_grace;
         settings.hub.max_losses = self.max_losses.max(1);
+        settings.engine.storage = self.storage();
+        settings.engine.namespaces = self.namespaces.iter().filter(|n| !n.is_empty()).cloned().collect();
+        settings.engine.worker_limit = self.worker_limit.max(1);
+        settings.engine.watch.inactivity_timeout = self.watch_inactivity_timeout;
         settings
+    }
+
+    fn storage(&self) -> Storage {
+        let mut keys = Keys::new(&self.persistence_prefix);
+        if let Some(k) = &self.diffbase_key {
+            keys.diffbase.clone_from(k);
+        }
+        if let Some(f) = &self.finalizer {
+            keys.finalizer.clone_from(f);
+        }
+        let progress = match self.progress_storage {
+            ProgressKind::Annotations => ProgressStorage::Annotations(keys.clone()),
+            ProgressKind::Status => ProgressStorage::Status { name: self.status_field.clone() },
+            ProgressKind::Smart => ProgressStorage::Smart(keys.clone(), self.status_field.clone()),
+        };
+        let diffbase = match self.diffbase_storage {
+            DiffBaseKind::Annotations => DiffBaseStorage::Annotations(keys.clone()),
+            DiffBaseKind::Status => DiffBaseStorage::Status { name: self.status_field.clone() },
+        };
+        Storage { keys, progress, diffbase, finalizers: true }
     }
 }
 

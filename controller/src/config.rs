@@ -6,7 +6,10 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use crate::grpc::{self, Listen};
+use crate::{
+    engine,
+    grpc::{self, Listen},
+};
 
 /// Everything `capstan run` needs.
 #[derive(Clone, Debug)]
@@ -23,6 +26,8 @@ pub struct Settings {
     pub shutdown_grace: Duration,
     /// How long discovery results are reused before the API is asked again. Default 30 s.
     pub discovery_ttl: Duration,
+    /// Watching, queueing, persistence.
+    pub engine: engine::Settings,
 }
 
 impl Default for Settings {
@@ -34,6 +39,7 @@ impl Default for Settings {
             hub: grpc::hub::Settings::default(),
             shutdown_grace: Duration::from_secs(20),
             discovery_ttl: Duration::from_secs(30),
+            engine: engine::Settings::default(),
         }
     }
 }

@@ -1,8 +1,10 @@
 //! The only layer that talks to the Kubernetes API server.
 //!
-//! Everything above it (the app, later the engine) asks for what it needs in domain terms —
-//! "resolve this selector", "watch this resource" — and this layer turns that into API calls
-//! with kube-rs.
+//! Everything above it (the app, the engine) asks for what it needs in domain terms —
+//! "resolve this selector", "watch this resource", "patch this object" — and this layer turns
+//! that into API calls with kube-rs.
 
 pub mod client;
 pub mod discovery;
+pub mod objects;
+pub mod watch;

@@ -9,9 +9,12 @@
 //! Imports point downward only:
 //!
 //! ```text
-//! app ─────────────► grpc (server, connection, hub, convert)
-//!  │                  k8s  (client, discovery)          ── the only layer that calls the API
-//!  └───────────────► observability (logging, health, admin), config, error, model
+//! app ──► engine (registry, queue, processing, causes, matching, execution, essence, diff)
+//!  │        │
+//!  │        ├──► grpc (server, connection, hub, convert)   ── the wire protocol, no Kubernetes
+//!  │        ├──► k8s  (client, discovery, objects, watch)  ── the only layer that calls the API
+//!  │        └──► persistence (keys, progress, diffbase)    ── names and formats of stored state
+//!  └──────────► observability (logging, health, admin), config, error, model
 //! ```
 //!
 //! `grpc` never imports `k8s`: resources are resolved through the [`grpc::Resolver`] that the
@@ -20,11 +23,13 @@
 pub mod app;
 pub mod cli;
 pub mod config;
+pub mod engine;
 pub mod error;
 pub mod grpc;
 pub mod k8s;
 pub mod model;
 pub mod observability;
+pub mod persistence;
 pub mod signal;
 
 pub use error::{Error, Result};

@@ -22,7 +22,7 @@ fn main() -> ExitCode {
         }
         Command::Run(args) => {
             if let Err(e) = logging::init(args.log_format, &args.log) {
-                eprintln!("capstan: {}", report(&e));
+                eprintln!("capstan: {}", capstan::error::chain(&e));
                 return ExitCode::from(64);
             }
             let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -40,23 +40,11 @@ fn main() -> ExitCode {
             match result {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    tracing::error!(error = %report(&e), "capstan failed");
-                    eprintln!("capstan: {}", report(&e));
+                    tracing::error!(error = %capstan::error::chain(&e), "capstan failed");
+                    eprintln!("capstan: {}", capstan::error::chain(&e));
                     ExitCode::FAILURE
                 }
             }
         }
     }
-}
-
-/// Formats an error with its chain of causes on one line.
-fn report(error: &dyn std::error::Error) -> String {
-    let mut out = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    out
 }

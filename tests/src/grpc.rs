@@ -30,6 +30,7 @@ pub fn example_resource() -> ResolvedResource {
         plural: "examples".into(),
         kind: "Example".into(),
         namespaced: true,
+        status_subresource: true,
     }
 }
 

@@ -75,6 +75,8 @@ struct Conn {
     max_in_flight: u32,
     in_flight: u32,
     handlers: HashMap<HandlerId, HandlerSlot>,
+    /// Handler ids in the order of the connection's hello.
+    order: Vec<HandlerId>,
 }
 
 struct HandlerSlot {
@@ -166,6 +168,7 @@ impl Hub {
         let id = self.next_id();
         let mut state = self.inner.state.lock();
         let mut handlers = HashMap::new();
+        let mut order = Vec::new();
         let mut taken = Vec::new();
         for reg in registrations {
             if state.owners.contains_key(&reg.id) {
@@ -173,12 +176,13 @@ impl Hub {
                 continue;
             }
             state.owners.insert(reg.id.clone(), id);
+            order.push(reg.id.clone());
             handlers.insert(
                 reg.id.clone(),
                 HandlerSlot { max_in_flight: reg.max_in_flight, registration: reg, in_flight: 0 },
             );
         }
-        state.connections.insert(id, Conn { tx, open: false, max_in_flight, in_flight: 0, handlers });
+        state.connections.insert(id, Conn { tx, open: false, max_in_flight, in_flight: 0, handlers, order });
         (id, taken)
     }
 
@@ -303,13 +307,12 @@ impl Hub {
     }
 
     fn publish(&self, state: &State) {
-        let mut all: Vec<Registration> = state
-            .connections
-            .values()
-            .filter(|c| c.open)
-            .flat_map(|c| c.handlers.values().map(|s| s.registration.clone()))
+        let mut conns: Vec<(&ConnectionId, &Conn)> = state.connections.iter().filter(|(_, c)| c.open).collect();
+        conns.sort_by_key(|(id, _)| **id);
+        let all: Vec<Registration> = conns
+            .into_iter()
+            .flat_map(|(_, c)| c.order.iter().filter_map(|id| c.handlers.get(id)).map(|s| s.registration.clone()))
             .collect();
-        all.sort_by(|a, b| a.id.cmp(&b.id));
         self.inner.registrations.send_if_modified(|current| {
             if **current == all {
                 false

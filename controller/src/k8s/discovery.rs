@@ -231,6 +231,7 @@ async fn scan(client: &Client) -> Result<Vec<Served>, Error> {
 
 fn collect(out: &mut Vec<Served>, group: &str, version: &str, preferred: bool, resources: &[APIResource]) {
     for r in resources.iter().filter(|r| !r.name.contains('/')) {
+        let status_subresource = resources.iter().any(|s| s.name == format!("{}/status", r.name));
         out.push(Served {
             resolved: ResolvedResource {
                 group: group.to_owned(),
@@ -238,6 +239,7 @@ fn collect(out: &mut Vec<Served>, group: &str, version: &str, preferred: bool, r
                 plural: r.name.clone(),
                 kind: r.kind.clone(),
                 namespaced: r.namespaced,
+                status_subresource,
             },
             preferred,
             singular: if r.singular_name.is_empty() { r.kind.to_lowercase() } else { r.singular_name.clone() },
@@ -260,6 +262,7 @@ mod tests {
                 plural: plural.into(),
                 kind: kind.into(),
                 namespaced: true,
+                status_subresource: true,
             },
             preferred,
             singular: kind.to_lowercase(),

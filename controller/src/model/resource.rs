@@ -46,6 +46,8 @@ pub struct ResolvedResource {
     pub kind: String,
     /// Whether it is namespaced.
     pub namespaced: bool,
+    /// Whether it has a status subresource (status is then written through `/status`).
+    pub status_subresource: bool,
 }
 
 impl ResolvedResource {

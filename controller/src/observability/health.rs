@@ -60,6 +60,12 @@ impl Health {
         self.readiness.write().insert(name.to_owned(), Arc::new(check));
     }
 
+    /// Removes a check of either kind.
+    pub fn remove(&self, name: &str) {
+        self.liveness.write().remove(name);
+        self.readiness.write().remove(name);
+    }
+
     /// Evaluates the liveness checks.
     pub fn live(&self) -> Report {
         evaluate(&self.liveness.read())

@@ -1,0 +1,233 @@
+//! The reactor: turns watch events into handler invocations and object writes, with kopf's
+//! semantics.
+//!
+//! The engine follows the registrations of connected handler processes (`registry`), watches
+//! every resource that has handlers (`k8s::watch`), feeds each object's events into its own
+//! serial queue (`queue`), and runs processing cycles (`processing`) that decide the cause
+//! (`causes`), pick handlers (`matching`), judge outcomes (`execution`) and fold everything
+//! into one write per handled change.
+
+pub mod causes;
+pub mod diff;
+pub mod essence;
+pub mod execution;
+pub mod matching;
+pub mod processing;
+pub mod queue;
+pub mod registry;
+
+use std::{collections::BTreeMap, sync::Arc};
+
+use tokio::{
+    sync::{Semaphore, mpsc, watch},
+    task::JoinSet,
+};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, info, info_span};
+
+use crate::{
+    grpc::Hub,
+    k8s::{objects::Objects, watch as k8s_watch},
+    model::{Registration, ResolvedResource},
+    observability::health::{Check, Health},
+};
+use processing::{Invoker, Storage};
+use queue::Queue;
+use registry::{Registry, ResourceKey};
+
+/// How the engine works.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Where and under which names state is stored.
+    pub storage: Storage,
+    /// Namespaces to watch; empty means cluster-wide.
+    pub namespaces: Vec<String>,
+    /// At most this many objects processed at once. Default 128.
+    pub worker_limit: usize,
+    /// Watch tunables.
+    pub watch: k8s_watch::Settings,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            storage: Storage::annotations("capstan.dev"),
+            namespaces: Vec::new(),
+            worker_limit: 128,
+            watch: k8s_watch::Settings::default(),
+        }
+    }
+}
+
+/// The engine.
+pub struct Engine {
+    hub: Hub,
+    invoker: Arc<dyn Invoker>,
+    objects: Objects,
+    settings: Settings,
+    health: Health,
+}
+
+/// One watched resource.
+struct Watched {
+    handlers: watch::Sender<Arc<Vec<Registration>>>,
+    cancel: CancellationToken,
+    queue: Queue,
+    checks: Vec<String>,
+}
+
+impl Engine {
+    /// An engine dispatching through `hub`.
+    pub fn new(hub: Hub, objects: Objects, settings: Settings, health: Health) -> Self {
+        let invoker: Arc<dyn Invoker> = Arc::new(hub.clone());
+        Self { hub, invoker, objects, settings, health }
+    }
+
+    /// Runs until `cancel` fires.
+    pub async fn run(self, cancel: CancellationToken) {
+        let mut registrations = self.hub.registrations();
+        let mut registry = Registry::default();
+        let limit = Arc::new(Semaphore::new(self.settings.worker_limit.max(1)));
+        let mut watched: BTreeMap<ResourceKey, Watched> = BTreeMap::new();
+        let mut tasks = JoinSet::new();
+        loop {
+            let connected = registrations.borrow_and_update().clone();
+            registry.update(&connected);
+            let groups = registry.by_resource();
+            let stale: Vec<ResourceKey> = watched.keys().filter(|k| !groups.contains_key(*k)).cloned().collect();
+            for key in stale {
+                if let Some(w) = watched.remove(&key) {
+                    info!(resource = %key.plural, "no handlers left; stopped watching");
+                    self.stop(w);
+                }
+            }
+            for (key, handlers) in groups {
+                match watched.get(&key) {
+                    Some(w) => {
+                        w.handlers.send_if_modified(|current| {
+                            if *current == handlers {
+                                false
+                            } else {
+                                *current = handlers.clone();
+                                true
+                            }
+                        });
+                    }
+                    None => {
+                        let Some(resource) = handlers.first().and_then(|h| h.resource.clone()) else { continue };
+                        let w = self.start(&resource, handlers, &limit, &cancel, &mut tasks);
+                        watched.insert(key, w);
+                    }
+                }
+            }
+            tokio::select! {
+                changed = registrations.changed() => if changed.is_err() { break },
+                () = cancel.cancelled() => break,
+            }
+        }
+        for (_, w) in std::mem::take(&mut watched) {
+            self.stop(w);
+        }
+        while tasks.join_next().await.is_some() {}
+    }
+
+    fn stop(&self, w: Watched) {
+        w.cancel.cancel();
+        w.queue.stop_timers();
+        for check in &w.checks {
+            self.health.remove(check);
+        }
+    }
+
+    fn start(
+        &self,
+        resource: &ResolvedResource,
+        handlers: Arc<Vec<Registration>>,
+        limit: &Arc<Semaphore>,
+        cancel: &CancellationToken,
+        tasks: &mut JoinSet<()>,
+    ) -> Watched {
+        let cancel = cancel.child_token();
+        let (handlers_tx, handlers_rx) = watch::channel(handlers.clone());
+        let queue = Queue::new(queue::Context {
+            resource: resource.clone(),
+            handlers: handlers_rx,
+            storage: self.settings.storage.clone(),
+            invoker: self.invoker.clone(),
+            objects: self.objects.clone(),
+            limit: limit.clone(),
+            cancel: cancel.clone(),
+        });
+        let scopes: Vec<Option<String>> = if resource.namespaced && !self.settings.namespaces.is_empty() {
+            self.settings.namespaces.iter().cloned().map(Some).collect()
+        } else {
+            vec![None]
+        };
+        let (label_selector, field_selector) = common_selectors(&handlers);
+        let mut checks = Vec::new();
+        for scope in scopes {
+            let status = k8s_watch::Status::default();
+            let name = match &scope {
+                Some(ns) => format!("watch/{resource}/{ns}"),
+                None => format!("watch/{resource}"),
+            };
+            {
+                let status = status.clone();
+                self.health.liveness(&name, move || match status.problem() {
+                    Some(problem) => Check::fail(problem),
+                    None => Check::pass("watching"),
+                });
+            }
+            {
+                let status = status.clone();
+                self.health.readiness(&format!("{name}/synced"), move || {
+                    if status.is_synced() { Check::pass("listed") } else { Check::fail("initial listing not finished") }
+                });
+                checks.push(format!("{name}/synced"));
+            }
+            checks.push(name.clone());
+            let api = self.objects.api(resource, scope.as_deref());
+            let w = k8s_watch::Watch::new(
+                api,
+                label_selector.clone(),
+                field_selector.clone(),
+                self.settings.watch.clone(),
+                status,
+            );
+            let (tx, mut rx) = mpsc::channel::<k8s_watch::Event>(1024);
+            let span = info_span!("watch", resource = %resource, namespace = scope.as_deref().unwrap_or("*"));
+            tasks.spawn(w.run(tx, cancel.clone()).instrument(span.clone()));
+            let q = queue.clone();
+            let stop = cancel.clone();
+            tasks.spawn(
+                async move {
+                    loop {
+                        tokio::select! {
+                            () = stop.cancelled() => break,
+                            event = rx.recv() => match event {
+                                Some(e) => q.push(e.event_type, e.body),
+                                None => break,
+                            },
+                        }
+                    }
+                }
+                .instrument(span),
+            );
+        }
+        info!(%resource, handlers = handlers.len(), "watching");
+        Watched { handlers: handlers_tx, cancel, queue, checks }
+    }
+}
+
+/// Server-side selectors shared by every handler of a resource (only then can the watch use
+/// them without hiding objects from some handler).
+fn common_selectors(handlers: &[Registration]) -> (Option<String>, Option<String>) {
+    let pick = |f: fn(&Registration) -> &str| {
+        let first = handlers.first().map(f).unwrap_or_default();
+        (!first.is_empty() && handlers.iter().all(|h| f(h) == first)).then(|| first.to_owned())
+    };
+    (
+        pick(|h| h.selector.as_ref().map(|s| s.label_selector.as_str()).unwrap_or_default()),
+        pick(|h| h.selector.as_ref().map(|s| s.field_selector.as_str()).unwrap_or_default()),
+    )
+}

@@ -1,0 +1,612 @@
+//! One processing cycle for one object: decide the cause, run every ready change handler in
+//! registration order, and fold all of it into one desired body.
+//!
+//! This is where "one write per handled change" comes from. kopf runs one handler per cycle
+//! and writes after each; here every handler that is ready runs in the same cycle, each seeing
+//! the earlier handlers' patches applied locally, and the cycle's result is a single desired
+//! body: handler patches, results at `status.<id>`, progress records and — once the cause is
+//! done — the purge of those records and the new diff-base. The caller (`engine::worker`)
+//! turns the difference between the original and the desired body into one PATCH (plus one
+//! `/status` PATCH where the status subresource requires it).
+//!
+//! Nothing here talks to the API; handlers are reached through an [`Invoker`].
+
+use std::{
+    collections::BTreeSet,
+    time::{Duration, SystemTime},
+};
+
+use futures::future::BoxFuture;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::{
+    causes::{self, Cause, Facts},
+    diff,
+    essence::{self, Rules},
+    execution::{self, Verdict},
+    matching::{self, Subject},
+};
+use crate::{
+    model::{
+        CancelReason, ChangeReason, Diagnostic, EventType, HandlerId, HandlerKind, Outcome, Patch, PatchType, Payload,
+        Registration, ResolvedResource, ResourceRef, SubhandlerState, Work,
+    },
+    persistence::{DiffBaseStorage, Keys, ProgressRecord, ProgressStorage, progress::object_at, time},
+};
+
+/// Calls handlers. The hub implements it; tests use fakes.
+pub trait Invoker: Send + Sync {
+    /// Runs one piece of work to its outcome.
+    fn invoke(&self, work: Work) -> BoxFuture<'static, Outcome>;
+}
+
+impl Invoker for crate::grpc::Hub {
+    fn invoke(&self, work: Work) -> BoxFuture<'static, Outcome> {
+        let hub = self.clone();
+        Box::pin(async move { hub.invoke(work).await })
+    }
+}
+
+/// Where state is stored, and under which names.
+#[derive(Clone, Debug)]
+pub struct Storage {
+    /// Key names and the finalizer.
+    pub keys: Keys,
+    /// Progress records.
+    pub progress: ProgressStorage,
+    /// The diff-base.
+    pub diffbase: DiffBaseStorage,
+    /// Add finalizers when handlers need them (off in per-node mode unless asked for).
+    pub finalizers: bool,
+}
+
+impl Storage {
+    /// Capstan's defaults under `prefix`: annotations for both progress and diff-base.
+    pub fn annotations(prefix: &str) -> Self {
+        let keys = Keys::new(prefix);
+        Self {
+            progress: ProgressStorage::Annotations(keys.clone()),
+            diffbase: DiffBaseStorage::Annotations(keys.clone()),
+            keys,
+            finalizers: true,
+        }
+    }
+}
+
+/// What the controller remembers about an object between cycles (in memory only).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Memory {
+    /// The object was first seen in a listing (not a watch event).
+    pub noticed_by_listing: bool,
+    /// A cause was fully handled once in this process (resume handlers stop).
+    pub fully_handled_once: bool,
+}
+
+/// Everything one cycle looks at.
+pub struct Input<'a> {
+    /// The object's current body.
+    pub body: &'a Value,
+    /// The watch event that brought it.
+    pub event: EventType,
+    /// Its resource.
+    pub resource: &'a ResolvedResource,
+    /// The resource's handlers, in registration order.
+    pub handlers: &'a [Registration],
+    /// In-memory facts.
+    pub memory: Memory,
+    /// Storage configuration.
+    pub storage: &'a Storage,
+    /// Cancelled when the controller stops or pauses.
+    pub cancel: &'a CancellationToken,
+}
+
+/// A change to our finalizer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinalizerChange {
+    /// Leave it as it is.
+    Keep,
+    /// Add it (written on its own, before any handler runs).
+    Add,
+    /// Remove it.
+    Remove,
+}
+
+/// A handler whose patches are included in the desired body: if the API rejects them, it is
+/// recorded as a failed attempt instead.
+#[derive(Clone, Debug)]
+pub struct Patched {
+    /// The handler.
+    pub registration: Registration,
+    /// Its record before this cycle's attempt.
+    pub record: ProgressRecord,
+}
+
+/// The result of a cycle.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// The detected cause.
+    pub cause: Cause,
+    /// The desired body; `None` when nothing is to be written apart from the finalizer.
+    pub desired: Option<Value>,
+    /// The desired body without any handler patches or results (bookkeeping only), for when
+    /// the API rejects the handlers' patches. Handlers in `patched` get failure records then.
+    pub fallback: Option<Value>,
+    /// The handlers whose patches are in `desired` but not in `fallback`.
+    pub patched: Vec<Patched>,
+    /// The finalizer change.
+    pub finalizer: FinalizerChange,
+    /// When to run the next cycle if no event comes first (delayed retries).
+    pub wake_at: Option<SystemTime>,
+    /// The cause is done (resume handlers stop for this object).
+    pub done: bool,
+    /// The cycle was interrupted (shutdown or pause) before every ready handler ran; what
+    /// finished before is still in `desired`.
+    pub interrupted: bool,
+}
+
+impl Plan {
+    fn idle(cause: Cause, finalizer: FinalizerChange) -> Self {
+        Self {
+            cause,
+            desired: None,
+            fallback: None,
+            patched: Vec::new(),
+            finalizer,
+            wake_at: None,
+            done: false,
+            interrupted: false,
+        }
+    }
+}
+
+/// The essence rules for a resource's handlers.
+pub fn rules(storage: &Storage, handlers: &[Registration]) -> Rules {
+    let mut extra: Vec<Vec<String>> = handlers
+        .iter()
+        .filter(|h| !h.filters.field.is_empty() && h.kind != HandlerKind::Index)
+        .map(|h| h.filters.field.clone())
+        .collect();
+    extra.sort();
+    extra.dedup();
+    Rules { prefix: storage.keys.prefix.clone(), extra_fields: extra }
+}
+
+/// Whether our finalizer is on the body.
+pub fn has_finalizer(body: &Value, finalizer: &str) -> bool {
+    body.pointer("/metadata/finalizers")
+        .and_then(Value::as_array)
+        .is_some_and(|f| f.iter().any(|x| x.as_str() == Some(finalizer)))
+}
+
+/// Runs one cycle.
+pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
+    let now = SystemTime::now();
+    let body = input.body;
+    if input.event == EventType::Deleted {
+        return Plan::idle(Cause::Gone, FinalizerChange::Keep);
+    }
+    let storage = input.storage;
+    let deleting = body.pointer("/metadata/deletionTimestamp").is_some_and(|v| !v.is_null());
+    let present = has_finalizer(body, &storage.keys.finalizer);
+    let rules = rules(storage, input.handlers);
+    let new = rules.essence(body);
+    let old = storage.diffbase.fetch(body).map(|o| rules.essence(&o));
+    let body_only = Subject { body, old: None, new: None };
+    let must_block = storage.finalizers
+        && input.handlers.iter().any(|h| h.requires_finalizer() && matching::prematch(h, body_only));
+    let mut finalizer = FinalizerChange::Keep;
+    if !deleting && must_block && !present {
+        return Plan::idle(Cause::Noop, FinalizerChange::Add);
+    }
+    if !deleting && !must_block && present {
+        finalizer = FinalizerChange::Remove;
+    }
+    let changed = old.as_ref() != Some(&new);
+    let initial = input.memory.noticed_by_listing && !input.memory.fully_handled_once;
+    let cause = causes::detect(Facts {
+        event: input.event,
+        deleting,
+        finalizer_present: present,
+        has_diffbase: old.is_some(),
+        changed,
+        initial,
+    });
+    let Some(reason) = cause.reason() else {
+        let mut plan = Plan::idle(cause, finalizer);
+        plan.done = cause == Cause::Noop;
+        return plan;
+    };
+    let subject = Subject { body, old: old.as_ref(), new: Some(&new) };
+    let selected = matching::select(input.handlers, cause, initial, subject);
+    let purpose = causes::purpose(reason);
+    let mut running = body.clone();
+    let mut steps: Vec<Step> = Vec::with_capacity(selected.len());
+    let mut interrupted = false;
+    for reg in selected {
+        let fetched = storage.progress.fetch(&reg.id.0, body).filter(|r| r.purpose.as_deref() == Some(purpose));
+        let mut record = fetched.clone().unwrap_or_else(|| ProgressRecord::started(now, purpose));
+        let mut step = Step {
+            registration: reg.clone(),
+            fetched,
+            before: record.clone(),
+            record: ProgressRecord::default(),
+            children: Vec::new(),
+            patched: false,
+            skipped: false,
+        };
+        if interrupted || record.finished() || record.sleeping(now) {
+            steps.push(step.with(record));
+            continue;
+        }
+        if let Some(message) = execution::exhausted(reg, &record, now) {
+            warn!(handler.id = %reg.id, %message, "handler gives up");
+            record.stopped = Some(time::format(now));
+            record.failure = true;
+            record.message = Some(message);
+            steps.push(step.with(record));
+            continue;
+        }
+        let children = child_states(storage, reg, body, &record);
+        let work = work(&input, reg, reason, &record, &running, old.as_ref(), &new, children);
+        debug!(handler.id = %reg.id, attempt = work.attempt, "invoking");
+        let outcome = invoker.invoke(work).await;
+        if matches!(outcome, Outcome::Cancelled | Outcome::Abandoned) && input.cancel.is_cancelled() {
+            interrupted = true;
+            steps.push(step.with(record));
+            continue;
+        }
+        let reported = subhandlers_of(&outcome);
+        if matches!(outcome, Outcome::Skipped) {
+            step.skipped = true;
+        }
+        let verdict = execution::judge(reg, &mut record, outcome, now);
+        record_children(storage, body, reg, &mut record, &mut step, reported, now);
+        match verdict {
+            Verdict::Success { result, patches } => {
+                let mut scratch = running.clone();
+                match apply_patches(&mut scratch, &patches) {
+                    Ok(()) => {
+                        step.patched = !patches.is_empty() || result.is_some() || step.children.iter().any(|c| c.result.is_some());
+                        running = scratch;
+                        if let Some(result) = result {
+                            store_result(&mut running, &reg.id.0, result);
+                        }
+                        for child in &step.children {
+                            if let Some(result) = &child.result {
+                                store_result(&mut running, &child.id, result.clone());
+                            }
+                        }
+                        if children_unfinished(storage, body, &record, &step.children) {
+                            reopen_for_children(&mut record, &step.children, now);
+                        } else {
+                            info!(handler.id = %reg.id, "handler succeeded");
+                        }
+                    }
+                    Err(d) => {
+                        warn!(handler.id = %reg.id, problem = %d, "handler patch does not apply");
+                        record.success = false;
+                        record.failure = true;
+                        record.message = Some(d.to_string());
+                    }
+                }
+            }
+            Verdict::Retry => info!(handler.id = %reg.id, delayed = ?record.delayed, message = ?record.message, "handler will be retried"),
+            Verdict::Failure => warn!(handler.id = %reg.id, message = ?record.message, "handler failed permanently"),
+            Verdict::Unrecorded => {}
+        }
+        steps.push(step.with(record));
+    }
+    // An interrupted cycle (shutdown, pause) still records what finished before it.
+    let mut plan = compose(body, running, steps, &input, cause, changed, &new, finalizer);
+    plan.interrupted = interrupted;
+    if interrupted {
+        plan.done = false;
+        plan.wake_at = None;
+    }
+    plan
+}
+
+/// One handler's part in a cycle.
+struct Step {
+    registration: Registration,
+    /// The record as stored before the cycle (for the current purpose).
+    fetched: Option<ProgressRecord>,
+    /// The record before this cycle's attempt.
+    before: ProgressRecord,
+    /// The record after it.
+    record: ProgressRecord,
+    children: Vec<Child>,
+    /// Its patches or results are in the desired body.
+    patched: bool,
+    /// An SDK-side filter skipped it: done, nothing recorded.
+    skipped: bool,
+}
+
+impl Step {
+    fn with(mut self, record: ProgressRecord) -> Self {
+        self.record = record;
+        self
+    }
+}
+
+struct Child {
+    id: String,
+    fetched: Option<ProgressRecord>,
+    record: ProgressRecord,
+    result: Option<Value>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn compose(
+    body: &Value,
+    running: Value,
+    steps: Vec<Step>,
+    input: &Input<'_>,
+    cause: Cause,
+    changed: bool,
+    new: &Value,
+    mut finalizer: FinalizerChange,
+) -> Plan {
+    let storage = input.storage;
+    let done = steps.iter().all(|s| s.record.finished() || s.skipped);
+    let mut desired = running;
+    let mut fallback = body.clone();
+    let mut patched = Vec::new();
+    let mut wake_at: Option<SystemTime> = None;
+    for s in &steps {
+        if s.patched {
+            patched.push(Patched { registration: s.registration.clone(), record: s.before.clone() });
+        }
+        if !s.record.finished() {
+            if let Some(t) = s.record.delayed_until() {
+                wake_at = Some(wake_at.map_or(t, |w| w.min(t)));
+            }
+        }
+    }
+    if done {
+        let mut ids: BTreeSet<String> = input.handlers.iter().map(|h| h.id.0.clone()).collect();
+        for s in &steps {
+            ids.extend(s.record.subrefs.iter().cloned());
+            if let Some(f) = &s.fetched {
+                ids.extend(f.subrefs.iter().cloned());
+            }
+        }
+        for id in &ids {
+            storage.progress.purge(id, &mut desired);
+        }
+        if cause != Cause::Delete && (changed || storage.diffbase.fetch(body).is_none()) {
+            storage.diffbase.store(new, &mut desired);
+            mark_managed(storage, &mut desired);
+        }
+        if cause == Cause::Delete {
+            finalizer = FinalizerChange::Remove;
+        }
+        info!(%cause, handlers = steps.len(), "cause handled");
+    } else {
+        for s in &steps {
+            store_if_changed(storage, &s.registration.id.0, s.fetched.as_ref(), &s.record, &mut desired);
+            for c in &s.children {
+                store_if_changed(storage, &c.id, c.fetched.as_ref(), &c.record, &mut desired);
+            }
+        }
+    }
+    // The fallback keeps every record except those of patching handlers, which become failed
+    // attempts once the rejection's message is known.
+    if !patched.is_empty() {
+        for s in steps.iter().filter(|s| !s.patched) {
+            store_if_changed(storage, &s.registration.id.0, s.fetched.as_ref(), &s.record, &mut fallback);
+        }
+    }
+    let desired = (desired != *body).then_some(desired);
+    let fallback = (!patched.is_empty()).then_some(fallback);
+    if finalizer == FinalizerChange::Remove && !has_finalizer(body, &storage.keys.finalizer) {
+        finalizer = FinalizerChange::Keep;
+    }
+    Plan { cause, desired, fallback, patched, finalizer, wake_at, done, interrupted: false }
+}
+
+fn mark_managed(storage: &Storage, body: &mut Value) {
+    if !storage.keys.prefix.starts_with("kopf.") && storage.diffbase.annotation_key().is_some() {
+        object_at(body, &["metadata", "annotations"])
+            .insert(format!("{}/{}", storage.keys.prefix, essence::MANAGED_MARKER), Value::String("yes".into()));
+    }
+}
+
+fn store_if_changed(storage: &Storage, id: &str, fetched: Option<&ProgressRecord>, record: &ProgressRecord, body: &mut Value) {
+    if fetched != Some(record) {
+        storage.progress.store(id, record, body);
+    }
+}
+
+/// Records a rejected patch as a failed attempt of each patching handler, into `fallback`.
+pub fn reject(plan: &Plan, storage: &Storage, message: &str) -> Option<Value> {
+    let mut body = plan.fallback.clone()?;
+    let now = SystemTime::now();
+    for p in &plan.patched {
+        let mut record = p.record.clone();
+        let text = format!("the API server rejected the handler's patch: {message}");
+        let _ = execution::retry(&p.registration, &mut record, now, p.registration.backoff, &text);
+        storage.progress.store(&p.registration.id.0, &record, &mut body);
+    }
+    Some(body)
+}
+
+fn subhandlers_of(outcome: &Outcome) -> Vec<crate::model::SubhandlerOutcome> {
+    match outcome {
+        Outcome::Success { subhandlers, .. }
+        | Outcome::Temporary { subhandlers, .. }
+        | Outcome::Permanent { subhandlers, .. }
+        | Outcome::Unclassified { subhandlers, .. } => subhandlers.clone(),
+        _ => Vec::new(),
+    }
+}
+
+fn child_states(storage: &Storage, parent: &Registration, body: &Value, record: &ProgressRecord) -> Vec<SubhandlerState> {
+    let prefix = format!("{}/", parent.id);
+    record
+        .subrefs
+        .iter()
+        .filter_map(|full| {
+            let short = full.strip_prefix(&prefix)?;
+            let r = storage.progress.fetch(full, body)?;
+            Some(SubhandlerState {
+                id: short.to_owned(),
+                retries: r.retries,
+                success: r.success,
+                failure: r.failure,
+                delayed_until: r.delayed_until(),
+                message: r.message.clone().unwrap_or_default(),
+                started: r.started_at(),
+            })
+        })
+        .collect()
+}
+
+fn record_children(
+    storage: &Storage,
+    body: &Value,
+    parent: &Registration,
+    record: &mut ProgressRecord,
+    step: &mut Step,
+    reported: Vec<crate::model::SubhandlerOutcome>,
+    now: SystemTime,
+) {
+    for child in reported {
+        let full = format!("{}/{}", parent.id, child.id);
+        let mut reg = parent.clone();
+        reg.id = HandlerId(full.clone());
+        let fetched = storage.progress.fetch(&full, body).filter(|r| r.purpose == record.purpose);
+        let mut child_record = fetched.clone().unwrap_or_else(|| ProgressRecord {
+            started: Some(time::format(now)),
+            purpose: record.purpose.clone(),
+            ..ProgressRecord::default()
+        });
+        let result = match execution::judge(&reg, &mut child_record, child.outcome, now) {
+            Verdict::Success { result, .. } => result,
+            _ => None,
+        };
+        if !record.subrefs.contains(&full) {
+            record.subrefs.push(full.clone());
+            record.subrefs.sort();
+        }
+        step.children.push(Child { id: full, fetched, record: child_record, result });
+    }
+}
+
+/// Whether any sub-handler of the parent (reported now or persisted earlier) is unfinished.
+fn children_unfinished(storage: &Storage, body: &Value, record: &ProgressRecord, children: &[Child]) -> bool {
+    if children.iter().any(|c| !c.record.finished()) {
+        return true;
+    }
+    record
+        .subrefs
+        .iter()
+        .filter(|id| !children.iter().any(|c| &c.id == *id))
+        .any(|id| storage.progress.fetch(id, body).is_some_and(|r| !r.finished()))
+}
+
+fn reopen_for_children(record: &mut ProgressRecord, children: &[Child], now: SystemTime) {
+    record.success = false;
+    record.stopped = None;
+    let next = children
+        .iter()
+        .filter(|c| !c.record.finished())
+        .filter_map(|c| c.record.delayed_until())
+        .min()
+        .unwrap_or(now);
+    record.delayed = Some(time::format(next));
+    record.message = Some("sub-handlers are not finished yet".into());
+}
+
+fn store_result(body: &mut Value, id: &str, result: Value) {
+    let status = object_at(body, &["status"]);
+    match (status.get_mut(id), result) {
+        (Some(Value::Object(existing)), Value::Object(new)) => existing.extend(new),
+        (_, result) => {
+            status.insert(id.to_owned(), result);
+        }
+    }
+}
+
+/// Applies handler patches to a local body.
+///
+/// # Errors
+/// A diagnostic when a JSON patch does not apply (e.g. a `test` fails or a path is missing).
+pub fn apply_patches(body: &mut Value, patches: &[Patch]) -> Result<(), Diagnostic> {
+    for p in patches {
+        match p.patch_type {
+            PatchType::Merge => json_patch::merge(body, &p.body),
+            PatchType::Json => {
+                let ops: json_patch::Patch = serde_json::from_value(p.body.clone())
+                    .map_err(|e| Diagnostic::error("MALFORMED_PATCH", format!("not a JSON patch: {e}")))?;
+                json_patch::patch(body, &ops)
+                    .map_err(|e| Diagnostic::error("PATCH_DOES_NOT_APPLY", format!("the JSON patch does not apply: {e}")))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The reference of an object, from its body.
+pub fn object_ref(resource: &ResolvedResource, body: &Value) -> ResourceRef {
+    let meta = |k: &str| body.pointer(&format!("/metadata/{k}")).and_then(Value::as_str).unwrap_or_default().to_owned();
+    ResourceRef {
+        resource: resource.clone(),
+        namespace: meta("namespace"),
+        name: meta("name"),
+        uid: meta("uid"),
+        resource_version: meta("resourceVersion"),
+        generation: body.pointer("/metadata/generation").and_then(Value::as_i64).unwrap_or(0),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn work(
+    input: &Input<'_>,
+    reg: &Registration,
+    reason: ChangeReason,
+    record: &ProgressRecord,
+    running: &Value,
+    old: Option<&Value>,
+    new: &Value,
+    subhandlers: Vec<SubhandlerState>,
+) -> Work {
+    let object = object_ref(input.resource, input.body);
+    let started = record.started_at().unwrap_or_else(SystemTime::now);
+    let (old_v, new_v, items, field) = if reg.kind == HandlerKind::Field {
+        let field = &reg.filters.field;
+        let all = diff::diff(old, Some(new));
+        (
+            old.and_then(|o| essence::lookup(o, field)).cloned(),
+            essence::lookup(new, field).cloned(),
+            diff::reduce(&all, field),
+            field.join("."),
+        )
+    } else {
+        (old.cloned(), Some(new.clone()), diff::diff(old, Some(new)), String::new())
+    };
+    let mut work = Work::new(
+        reg.id.0.clone(),
+        format!("{}/{}/{}/{}", object.uid, reg.id, causes::purpose(reason), record.started.as_deref().unwrap_or_default()),
+        Payload::Change { reason, old: old_v, new: new_v, diff: items, field },
+    );
+    work.attempt = record.retries + 1;
+    work.started = started;
+    work.attempt_timeout = reg.timeout.map(|t| {
+        let spent = SystemTime::now().duration_since(started).unwrap_or_default();
+        t.saturating_sub(spent).max(Duration::from_millis(100))
+    });
+    work.object = Some(object);
+    work.body = Some(running.clone());
+    work.param = reg.param.clone();
+    work.last_error = record.message.as_ref().map(|m| Diagnostic::error("PREVIOUS_ATTEMPT_FAILED", m.clone()));
+    work.subhandlers = subhandlers;
+    work.cancel = input.cancel.child_token();
+    work.cancel_reason = CancelReason::RuntimeShutdown;
+    work
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,447 @@
+//! Per-object serial queues: one worker per object (by uid), objects in parallel under a global
+//! limit, and a newer version of an object superseding an older one still waiting.
+//!
+//! A worker takes the latest pending event of its object, runs a processing cycle, writes the
+//! result (one PATCH, plus `/status` where needed), and repeats while events keep coming; then
+//! it exits, keeping only the object's small memory. Delayed retries are scheduled here by the
+//! controller's own timer, never by "touch" patches. After our own write, events older than the
+//! version it produced are stale echoes and are dropped before they reach a cycle.
+
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use parking_lot::Mutex;
+use serde_json::{Map, Value};
+use tokio::{sync::{Semaphore, watch}, task::JoinHandle};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use super::processing::{self, FinalizerChange, Input, Invoker, Memory, Plan, Storage};
+use crate::{
+    k8s::objects::{self, Objects},
+    model::{EventType, Registration, ResolvedResource},
+};
+
+/// Shared by all objects of one resource.
+pub struct Context {
+    /// The resource.
+    pub resource: ResolvedResource,
+    /// Its current handlers, in registration order.
+    pub handlers: watch::Receiver<Arc<Vec<Registration>>>,
+    /// Storage configuration.
+    pub storage: Storage,
+    /// Calls handlers.
+    pub invoker: Arc<dyn Invoker>,
+    /// Reads and writes objects.
+    pub objects: Objects,
+    /// The global limit of concurrently processed objects.
+    pub limit: Arc<Semaphore>,
+    /// Cancelled at shutdown (and while paused).
+    pub cancel: CancellationToken,
+}
+
+/// The queues of one resource.
+#[derive(Clone)]
+pub struct Queue {
+    ctx: Arc<Context>,
+    slots: Arc<Mutex<HashMap<String, Slot>>>,
+}
+
+#[derive(Default)]
+struct Slot {
+    pending: Option<(EventType, Value)>,
+    running: bool,
+    memory: Memory,
+    last_body: Option<Value>,
+    written_rv: Option<u64>,
+    timer: Option<JoinHandle<()>>,
+    gone: bool,
+}
+
+fn uid_of(body: &Value) -> Option<String> {
+    body.pointer("/metadata/uid").and_then(Value::as_str).map(str::to_owned)
+}
+
+fn rv_of(body: &Value) -> Option<u64> {
+    body.pointer("/metadata/resourceVersion").and_then(Value::as_str).and_then(|s| s.parse().ok())
+}
+
+impl Queue {
+    /// Empty queues for one resource.
+    pub fn new(ctx: Context) -> Self {
+        Self { ctx: Arc::new(ctx), slots: Arc::new(Mutex::new(HashMap::new())) }
+    }
+
+    /// How many objects are known.
+    pub fn len(&self) -> usize {
+        self.slots.lock().len()
+    }
+
+    /// Whether no object is known.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Queues an event; starts the object's worker if it is idle.
+    pub fn push(&self, event_type: EventType, body: Value) {
+        let Some(uid) = uid_of(&body) else {
+            warn!("an object without a uid was ignored");
+            return;
+        };
+        let mut slots = self.slots.lock();
+        let slot = slots.entry(uid.clone()).or_insert_with(|| Slot {
+            memory: Memory { noticed_by_listing: event_type == EventType::Listing, fully_handled_once: false },
+            ..Slot::default()
+        });
+        if event_type != EventType::Deleted {
+            if let (Some(written), Some(rv)) = (slot.written_rv, rv_of(&body)) {
+                if rv < written {
+                    debug!(%uid, rv, written, "stale event older than our own write dropped");
+                    return;
+                }
+            }
+        }
+        slot.pending = Some((event_type, body));
+        if !slot.running {
+            slot.running = true;
+            let queue = self.clone();
+            tokio::spawn(async move { queue.work(uid).await });
+        }
+    }
+
+    /// Stops every timer (at shutdown).
+    pub fn stop_timers(&self) {
+        for slot in self.slots.lock().values_mut() {
+            if let Some(t) = slot.timer.take() {
+                t.abort();
+            }
+        }
+    }
+
+    async fn work(self, uid: String) {
+        loop {
+            let next = {
+                let mut slots = self.slots.lock();
+                let Some(slot) = slots.get_mut(&uid) else { return };
+                match slot.pending.take() {
+                    Some(next) => Some((next, slot.memory)),
+                    None => {
+                        slot.running = false;
+                        if slot.gone {
+                            slots.remove(&uid);
+                        }
+                        None
+                    }
+                }
+            };
+            let Some(((event_type, body), memory)) = next else { return };
+            if self.ctx.cancel.is_cancelled() {
+                self.slots.lock().remove(&uid);
+                return;
+            }
+            let Ok(_permit) = self.ctx.limit.clone().acquire_owned().await else { return };
+            let name = body.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default().to_owned();
+            let namespace = body.pointer("/metadata/namespace").and_then(Value::as_str).unwrap_or_default().to_owned();
+            let span = info_span!("object", object.resource = %self.ctx.resource.plural, object.namespace = %namespace, object.name = %name, object.uid = %uid);
+            self.process(&uid, event_type, body, memory).instrument(span).await;
+        }
+    }
+
+    async fn process(&self, uid: &str, event_type: EventType, body: Value, memory: Memory) {
+        if event_type == EventType::Deleted {
+            let mut slots = self.slots.lock();
+            if let Some(slot) = slots.get_mut(uid) {
+                if let Some(t) = slot.timer.take() {
+                    t.abort();
+                }
+                slot.gone = true;
+            }
+            debug!("object is gone; forgotten");
+            return;
+        }
+        let handlers = self.ctx.handlers.borrow().clone();
+        let plan = processing::cycle(
+            Input {
+                body: &body,
+                event: event_type,
+                resource: &self.ctx.resource,
+                handlers: &handlers,
+                memory,
+                storage: &self.ctx.storage,
+                cancel: &self.ctx.cancel,
+            },
+            self.ctx.invoker.as_ref(),
+        )
+        .await;
+        let written = self.write(&body, &plan).await;
+        let mut slots = self.slots.lock();
+        let Some(slot) = slots.get_mut(uid) else { return };
+        if plan.done {
+            slot.memory.fully_handled_once = true;
+        }
+        match written {
+            Written::Stored(stored) => {
+                slot.written_rv = rv_of(&stored).or(slot.written_rv);
+                slot.last_body = Some(stored);
+            }
+            Written::Nothing => slot.last_body = Some(body),
+            Written::Gone => {
+                slot.gone = true;
+                slot.pending = None;
+                return;
+            }
+            Written::Failed => {}
+        }
+        if let Some(t) = slot.timer.take() {
+            t.abort();
+        }
+        if let Some(at) = plan.wake_at {
+            let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
+            let queue = self.clone();
+            let uid = uid.to_owned();
+            debug!(?delay, "next attempt scheduled");
+            slot.timer = Some(tokio::spawn(async move {
+                tokio::select! {
+                    () = queue.ctx.cancel.cancelled() => {}
+                    () = tokio::time::sleep(delay) => queue.wake(&uid),
+                }
+            }));
+        }
+    }
+
+    /// Re-runs a cycle for an object whose delay has passed, with its latest known body.
+    fn wake(&self, uid: &str) {
+        let body = {
+            let mut slots = self.slots.lock();
+            let Some(slot) = slots.get_mut(uid) else { return };
+            slot.timer = None;
+            if slot.pending.is_some() || slot.gone {
+                return;
+            }
+            slot.last_body.clone()
+        };
+        if let Some(body) = body {
+            self.push(EventType::Modified, body);
+        }
+    }
+
+    /// Writes a plan: the finalizer, then the object and status changes, retrying conflicts and
+    /// unavailability without re-running any handler.
+    async fn write(&self, body: &Value, plan: &Plan) -> Written {
+        let mut desired = plan.desired.clone();
+        let mut base = body.clone();
+        let mut attempts = 0u32;
+        if desired.is_none() && plan.finalizer == FinalizerChange::Keep {
+            return Written::Nothing;
+        }
+        loop {
+            attempts += 1;
+            match self.write_once(&base, desired.as_ref(), plan.finalizer).await {
+                Ok(stored) => return Written::Stored(stored),
+                Err(objects::Error::NotFound) => {
+                    debug!("object deleted meanwhile; dropped");
+                    return Written::Gone;
+                }
+                Err(objects::Error::Conflict(message)) if attempts < 10 => {
+                    debug!(%message, "conflict; re-reading the object");
+                    let (ns, name) = identity(body);
+                    match self.ctx.objects.get(&self.ctx.resource, &ns, &name).await {
+                        Ok(fresh) => {
+                            if let Some(d) = desired.as_mut() {
+                                rebase(d, body, &fresh);
+                            }
+                            base = fresh;
+                        }
+                        Err(objects::Error::NotFound) => return Written::Gone,
+                        Err(e) => warn!(error = %e, "re-reading after a conflict failed"),
+                    }
+                }
+                Err(objects::Error::Invalid(message)) if !plan.patched.is_empty() && desired != plan.fallback => {
+                    let handlers: Vec<String> = plan.patched.iter().map(|p| p.registration.id.0.clone()).collect();
+                    warn!(%message, ?handlers, "the API server rejected the handlers' patch; recording it as a failed attempt");
+                    desired = processing::reject(plan, &self.ctx.storage, &message);
+                }
+                Err(e) => {
+                    if self.ctx.cancel.is_cancelled() {
+                        return Written::Failed;
+                    }
+                    let delay = Duration::from_secs(u64::from(attempts.min(5)).pow(2)).min(Duration::from_secs(30));
+                    warn!(error = %crate::error::chain(&e), retry_in = ?delay, "writing the object failed; retrying");
+                    tokio::select! {
+                        () = self.ctx.cancel.cancelled() => return Written::Failed,
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    async fn write_once(&self, base: &Value, desired: Option<&Value>, finalizer: FinalizerChange) -> Result<Value, objects::Error> {
+        let (ns, name) = identity(base);
+        let resource = &self.ctx.resource;
+        let mut patch = desired.and_then(|d| merge_diff(base, d)).unwrap_or(Value::Object(Map::new()));
+        if finalizer != FinalizerChange::Keep {
+            let name = &self.ctx.storage.keys.finalizer;
+            let mut list: Vec<Value> =
+                base.pointer("/metadata/finalizers").and_then(Value::as_array).cloned().unwrap_or_default();
+            list.retain(|f| f.as_str() != Some(name));
+            if finalizer == FinalizerChange::Add {
+                list.push(Value::String(name.clone()));
+            }
+            let meta = processing_object(&mut patch, "metadata");
+            meta.insert("finalizers".into(), Value::Array(list));
+            if let Some(rv) = base.pointer("/metadata/resourceVersion") {
+                meta.insert("resourceVersion".into(), rv.clone());
+            }
+        }
+        let status = if resource.status_subresource {
+            patch.as_object_mut().and_then(|p| p.remove("status"))
+        } else {
+            None
+        };
+        let mut stored = None;
+        if let Some(status) = status {
+            let status_patch = serde_json::json!({ "status": status });
+            stored = Some(self.ctx.objects.merge_patch(resource, &ns, &name, &status_patch, true).await?);
+        }
+        if patch.as_object().is_some_and(|p| !p.is_empty()) {
+            let result = self.ctx.objects.merge_patch(resource, &ns, &name, &patch, false).await?;
+            if let Some(d) = desired {
+                report_dropped_fields(&patch, &result, d);
+            }
+            stored = Some(result);
+        }
+        if finalizer == FinalizerChange::Add {
+            info!("finalizer added");
+        } else if finalizer == FinalizerChange::Remove {
+            info!("finalizer removed");
+        }
+        Ok(stored.unwrap_or_else(|| base.clone()))
+    }
+}
+
+enum Written {
+    Stored(Value),
+    Nothing,
+    Gone,
+    Failed,
+}
+
+fn identity(body: &Value) -> (String, String) {
+    let get = |k: &str| body.pointer(&format!("/metadata/{k}")).and_then(Value::as_str).unwrap_or_default().to_owned();
+    (get("namespace"), get("name"))
+}
+
+fn processing_object<'a>(patch: &'a mut Value, key: &str) -> &'a mut Map<String, Value> {
+    crate::persistence::progress::object_at(patch, &[key])
+}
+
+/// The RFC 7386 merge patch that turns `from` into `to`; `None` when they are equal.
+pub fn merge_diff(from: &Value, to: &Value) -> Option<Value> {
+    match (from, to) {
+        (Value::Object(a), Value::Object(b)) => {
+            let mut out = Map::new();
+            for (k, vb) in b {
+                match a.get(k) {
+                    Some(va) => {
+                        if let Some(d) = merge_diff(va, vb) {
+                            out.insert(k.clone(), d);
+                        }
+                    }
+                    None => {
+                        out.insert(k.clone(), vb.clone());
+                    }
+                }
+            }
+            for k in a.keys() {
+                if !b.contains_key(k) {
+                    out.insert(k.clone(), Value::Null);
+                }
+            }
+            (!out.is_empty()).then_some(Value::Object(out))
+        }
+        (a, b) if a == b => None,
+        (_, b) => Some(b.clone()),
+    }
+}
+
+/// Re-applies the changes from `original` to `desired` on top of a freshly read body.
+fn rebase(desired: &mut Value, original: &Value, fresh: &Value) {
+    if let Some(changes) = merge_diff(original, desired) {
+        let mut rebased = fresh.clone();
+        json_patch::merge(&mut rebased, &changes);
+        *desired = rebased;
+    }
+}
+
+/// Warns about patched fields that did not stick (pruned by the schema or read-only).
+fn report_dropped_fields(patch: &Value, stored: &Value, desired: &Value) {
+    let mut dropped = Vec::new();
+    walk_dropped(&mut Vec::new(), patch, stored, desired, &mut dropped);
+    if !dropped.is_empty() {
+        warn!(fields = %dropped.join(", "), "some patched fields did not stick (pruned by the schema or read-only)");
+    }
+}
+
+fn walk_dropped(path: &mut Vec<String>, patch: &Value, stored: &Value, desired: &Value, out: &mut Vec<String>) {
+    match patch {
+        Value::Object(p) => {
+            for (k, v) in p {
+                if path.is_empty() && k == "metadata" {
+                    continue;
+                }
+                path.push(k.clone());
+                let s = stored.get(k).unwrap_or(&Value::Null);
+                let d = desired.get(k).unwrap_or(&Value::Null);
+                walk_dropped(path, v, s, d, out);
+                path.pop();
+            }
+        }
+        Value::Null => {}
+        _ => {
+            if stored != desired {
+                out.push(path.join("."));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn merge_diff_adds_changes_and_nulls_removals() {
+        let a = json!({"metadata": {"annotations": {"x": "1", "y": "2"}}, "spec": {"a": [1]}});
+        let b = json!({"metadata": {"annotations": {"x": "1", "z": "3"}}, "spec": {"a": [1, 2]}});
+        assert_eq!(
+            merge_diff(&a, &b),
+            Some(json!({"metadata": {"annotations": {"y": null, "z": "3"}}, "spec": {"a": [1, 2]}}))
+        );
+        assert_eq!(merge_diff(&a, &a), None);
+    }
+
+    #[test]
+    fn rebase_keeps_our_changes_on_a_fresh_body() {
+        let original = json!({"metadata": {"annotations": {"a": "1"}}, "spec": {"x": 1}});
+        let mut desired = json!({"metadata": {"annotations": {"a": "1", "ours": "yes"}}, "spec": {"x": 1}});
+        let fresh = json!({"metadata": {"annotations": {"a": "1", "theirs": "t"}}, "spec": {"x": 2}});
+        rebase(&mut desired, &original, &fresh);
+        assert_eq!(desired, json!({"metadata": {"annotations": {"a": "1", "ours": "yes", "theirs": "t"}}, "spec": {"x": 2}}));
+    }
+
+    #[test]
+    fn dropped_fields_are_found() {
+        let patch = json!({"spec": {"kept": 1, "pruned": 2}});
+        let stored = json!({"spec": {"kept": 1}});
+        let desired = json!({"spec": {"kept": 1, "pruned": 2}});
+        let mut out = Vec::new();
+        walk_dropped(&mut Vec::new(), &patch, &stored, &desired, &mut out);
+        assert_eq!(out, vec!["spec.pruned"]);
+    }
+}

@@ -1,0 +1,123 @@
+//! Reading and patching objects of any resource as plain JSON.
+//!
+//! Errors are classified by what the engine must do about them: an object that is gone is
+//! dropped quietly, a conflict is re-read and retried, an invalid patch is recorded against the
+//! handler that sent it, and anything else means the API is unavailable for now.
+
+use kube::{
+    Api, Client,
+    api::{ApiResource, DynamicObject, Patch, PatchParams},
+};
+use serde_json::Value;
+
+use crate::model::ResolvedResource;
+
+/// The field manager name Capstan writes with.
+pub const FIELD_MANAGER: &str = "capstan";
+
+/// Why a read or write failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The object does not exist (any more).
+    #[error("the object is gone")]
+    NotFound,
+    /// The object changed since it was read (optimistic locking).
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// The API server refused the content (422, e.g. schema validation).
+    #[error("the API server rejected the patch: {0}")]
+    Invalid(String),
+    /// Anything else: retry later.
+    #[error("the API server is unavailable or failed")]
+    Unavailable(#[source] kube::Error),
+}
+
+impl From<kube::Error> for Error {
+    fn from(e: kube::Error) -> Self {
+        match &e {
+            kube::Error::Api(status) => match status.code {
+                404 => Self::NotFound,
+                409 => Self::Conflict(status.message.clone()),
+                422 | 400 => Self::Invalid(status.message.clone()),
+                _ => Self::Unavailable(e),
+            },
+            _ => Self::Unavailable(e),
+        }
+    }
+}
+
+/// Access to objects through one client.
+#[derive(Clone)]
+pub struct Objects {
+    client: Client,
+}
+
+impl Objects {
+    /// Wraps a client.
+    pub fn new(client: Client) -> Self {
+        Self { client }
+    }
+
+    /// The client.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The dynamic API of a resource, namespaced or not.
+    pub fn api(&self, resource: &ResolvedResource, namespace: Option<&str>) -> Api<DynamicObject> {
+        let ar = api_resource(resource);
+        match namespace.filter(|ns| resource.namespaced && !ns.is_empty()) {
+            Some(ns) => Api::namespaced_with(self.client.clone(), ns, &ar),
+            None => Api::all_with(self.client.clone(), &ar),
+        }
+    }
+
+    /// Reads one object.
+    ///
+    /// # Errors
+    /// See [`Error`].
+    pub async fn get(&self, resource: &ResolvedResource, namespace: &str, name: &str) -> Result<Value, Error> {
+        let obj = self.api(resource, Some(namespace)).get(name).await?;
+        Ok(to_value(obj))
+    }
+
+    /// Applies a JSON merge patch to the object or its status subresource and returns the
+    /// object as the server stored it.
+    ///
+    /// # Errors
+    /// See [`Error`].
+    pub async fn merge_patch(
+        &self,
+        resource: &ResolvedResource,
+        namespace: &str,
+        name: &str,
+        patch: &Value,
+        status: bool,
+    ) -> Result<Value, Error> {
+        let api = self.api(resource, Some(namespace));
+        let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() };
+        let obj = if status {
+            api.patch_status(name, &params, &Patch::Merge(patch)).await?
+        } else {
+            api.patch(name, &params, &Patch::Merge(patch)).await?
+        };
+        Ok(to_value(obj))
+    }
+}
+
+/// kube's description of a resolved resource.
+pub fn api_resource(resource: &ResolvedResource) -> ApiResource {
+    ApiResource {
+        group: resource.group.clone(),
+        version: resource.version.clone(),
+        api_version: resource.api_version(),
+        kind: resource.kind.clone(),
+        plural: resource.plural.clone(),
+    }
+}
+
+/// An object as JSON, without `managedFields` (never needed, often the bulk of the body).
+pub fn to_value(mut obj: DynamicObject) -> Value {
+    obj.metadata.managed_fields = None;
+    serde_json::to_value(obj).unwrap_or(Value::Null)
+}
