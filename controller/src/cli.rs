@@ -175,6 +175,7 @@ impl RunArgs {
         settings.connection.cancel_grace = self.cancel_grace;
         settings.hub.cancel_grace = self.cancel_grace;
         settings.hub.max_losses = self.max_losses.max(1);
+        settings.connection.supported_kinds = Some(crate::engine::SUPPORTED_KINDS.to_vec());
         settings.engine.storage = self.storage();
         settings.engine.namespaces = self.namespaces.iter().filter(|n| !n.is_empty()).cloned().collect();
         settings.engine.worker_limit = self.worker_limit.max(1);

@@ -28,12 +28,22 @@ use tracing::{Instrument, info, info_span};
 use crate::{
     grpc::Hub,
     k8s::{objects::Objects, watch as k8s_watch},
-    model::{Registration, ResolvedResource},
+    model::{HandlerKind, Registration, ResolvedResource},
     observability::health::{Check, Health},
 };
 use processing::{Invoker, Storage};
 use queue::Queue;
 use registry::{Registry, ResourceKey};
+
+/// The handler kinds the engine runs.
+pub const SUPPORTED_KINDS: [HandlerKind; 6] = [
+    HandlerKind::Create,
+    HandlerKind::Update,
+    HandlerKind::Delete,
+    HandlerKind::Resume,
+    HandlerKind::Field,
+    HandlerKind::Event,
+];
 
 /// How the engine works.
 #[derive(Clone, Debug)]
@@ -205,7 +215,7 @@ impl Engine {
                         tokio::select! {
                             () = stop.cancelled() => break,
                             event = rx.recv() => match event {
-                                Some(e) => q.push(e.event_type, e.body),
+                                Some(e) => q.observe(e.event_type, e.body),
                                 None => break,
                             },
                         }

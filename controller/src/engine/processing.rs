@@ -5,7 +5,9 @@
 //! and writes after each; here every handler that is ready runs in the same cycle, each seeing
 //! the earlier handlers' patches applied locally, and the cycle's result is a single desired
 //! body: handler patches, results at `status.<id>`, progress records and — once the cause is
-//! done — the purge of those records and the new diff-base. The caller (`engine::worker`)
+//! done — the purge of those records and the new diff-base. The diff-base is the essence
+//! *after* the handlers' own patches, so a handler that labels its object does not cause an
+//! update of its own (kopf stores the essence before the patches and re-triggers). The caller (`engine::worker`)
 //! turns the difference between the original and the desired body into one PATCH (plus one
 //! `/status` PATCH where the status subresource requires it).
 //!
@@ -299,7 +301,7 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
         steps.push(step.with(record));
     }
     // An interrupted cycle (shutdown, pause) still records what finished before it.
-    let mut plan = compose(body, running, steps, &input, cause, changed, &new, finalizer);
+    let mut plan = compose(body, running, steps, &input, cause, &rules, old.as_ref(), finalizer);
     plan.interrupted = interrupted;
     if interrupted {
         plan.done = false;
@@ -345,8 +347,8 @@ fn compose(
     steps: Vec<Step>,
     input: &Input<'_>,
     cause: Cause,
-    changed: bool,
-    new: &Value,
+    rules: &Rules,
+    old: Option<&Value>,
     mut finalizer: FinalizerChange,
 ) -> Plan {
     let storage = input.storage;
@@ -376,8 +378,11 @@ fn compose(
         for id in &ids {
             storage.progress.purge(id, &mut desired);
         }
-        if cause != Cause::Delete && (changed || storage.diffbase.fetch(body).is_none()) {
-            storage.diffbase.store(new, &mut desired);
+        // The diff-base is the essence with the handlers' own patches applied: what the
+        // handlers changed themselves is handled, and must not come back as an update.
+        let handled = rules.essence(&desired);
+        if cause != Cause::Delete && old != Some(&handled) {
+            storage.diffbase.store(&handled, &mut desired);
             mark_managed(storage, &mut desired);
         }
         if cause == Cause::Delete {

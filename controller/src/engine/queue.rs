@@ -19,10 +19,13 @@ use tokio::{sync::{Semaphore, watch}, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::processing::{self, FinalizerChange, Input, Invoker, Memory, Plan, Storage};
+use super::{
+    matching::{self, Subject},
+    processing::{self, FinalizerChange, Input, Invoker, Memory, Plan, Storage},
+};
 use crate::{
     k8s::objects::{self, Objects},
-    model::{EventType, Registration, ResolvedResource},
+    model::{EventType, HandlerKind, Outcome, Payload, Registration, ResolvedResource, Work},
 };
 
 /// Shared by all objects of one resource.
@@ -85,6 +88,38 @@ impl Queue {
         self.len() == 0
     }
 
+    /// Handles a watch event: calls the event handlers (fire and forget, as kopf) and queues
+    /// the event for the object's change handlers.
+    pub fn observe(&self, event_type: EventType, body: Value) {
+        self.dispatch_event_handlers(event_type, &body);
+        self.push(event_type, body);
+    }
+
+    fn dispatch_event_handlers(&self, event_type: EventType, body: &Value) {
+        let handlers = self.ctx.handlers.borrow().clone();
+        let subject = Subject { body, old: None, new: None };
+        for reg in handlers.iter().filter(|h| h.kind == HandlerKind::Event && matching::prematch(h, subject)) {
+            let object = processing::object_ref(&self.ctx.resource, body);
+            let key = format!("{}/{}/{}", object.uid, reg.id, object.resource_version);
+            let mut work = Work::new(reg.id.0.clone(), key, Payload::Event { event_type });
+            work.object = Some(object);
+            work.body = Some(body.clone());
+            work.param = reg.param.clone();
+            work.cancel = self.ctx.cancel.child_token();
+            let invoker = self.ctx.invoker.clone();
+            let id = reg.id.clone();
+            tokio::spawn(
+                async move {
+                    match invoker.invoke(work).await {
+                        Outcome::Success { .. } | Outcome::Skipped => debug!("event handler succeeded"),
+                        other => warn!(outcome = other.as_str(), "event handler failed; not retried (as kopf)"),
+                    }
+                }
+                .instrument(info_span!("event", handler.id = %id)),
+            );
+        }
+    }
+
     /// Queues an event; starts the object's worker if it is idle.
     pub fn push(&self, event_type: EventType, body: Value) {
         let Some(uid) = uid_of(&body) else {
@@ -127,6 +162,14 @@ impl Queue {
                 let mut slots = self.slots.lock();
                 let Some(slot) = slots.get_mut(&uid) else { return };
                 match slot.pending.take() {
+                    // Events that arrived while our own write was in flight may predate it.
+                    Some((t, body))
+                        if t != EventType::Deleted
+                            && matches!((slot.written_rv, rv_of(&body)), (Some(w), Some(rv)) if rv < w) =>
+                    {
+                        debug!(%uid, "stale event older than our own write dropped");
+                        continue;
+                    }
                     Some(next) => Some((next, slot.memory)),
                     None => {
                         slot.running = false;

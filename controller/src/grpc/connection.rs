@@ -21,7 +21,7 @@ use super::{
     convert,
     hub::{ConnectionId, Hub, sleep_until_opt},
 };
-use crate::model::{Diagnostic, HandlerId, Registration, ResolvedResource, ResourceSelector};
+use crate::model::{Diagnostic, HandlerId, HandlerKind, Registration, ResolvedResource, ResourceSelector};
 
 /// Resolves resource selectors during the handshake (through discovery, in the real
 /// controller). Lives outside `grpc` so that this layer never talks to the API server.
@@ -49,6 +49,9 @@ pub struct Settings {
     pub max_message_bytes: usize,
     /// Grace period advertised for cancelled invocations.
     pub cancel_grace: Duration,
+    /// The handler kinds the controller runs; `None` accepts every kind of the protocol.
+    /// Registrations of other kinds are rejected with `UNSUPPORTED_HANDLER_KIND`.
+    pub supported_kinds: Option<Vec<HandlerKind>>,
 }
 
 impl Default for Settings {
@@ -60,6 +63,7 @@ impl Default for Settings {
             max_in_flight: 256,
             max_message_bytes: capstan_proto::MAX_MESSAGE_BYTES,
             cancel_grace: Duration::from_secs(5),
+            supported_kinds: None,
         }
     }
 }
@@ -109,7 +113,7 @@ pub async fn accept(
         .filter_map(|c| pb::Capability::try_from(*c).ok())
         .filter(|c| SUPPORTED.contains(c))
         .collect();
-    let (mut statuses, accepted) = validate(&hub, resolver.as_ref(), &hello).await;
+    let (mut statuses, accepted) = validate(&hub, resolver.as_ref(), &hello, settings.supported_kinds.as_deref()).await;
     let sdk = hello.sdk.clone().unwrap_or_default();
     if accepted.is_empty() {
         let why: Vec<String> = statuses
@@ -189,6 +193,7 @@ async fn validate(
     hub: &Hub,
     resolver: &dyn Resolver,
     hello: &pb::Hello,
+    supported: Option<&[HandlerKind]>,
 ) -> (Vec<pb::RegistrationStatus>, Vec<Registration>) {
     let mut statuses = Vec::with_capacity(hello.handlers.len());
     let mut accepted = Vec::new();
@@ -204,6 +209,11 @@ async fn validate(
                 format!("handler id {:?} is registered more than once", raw.handler_id),
             )
             .at(format!("handlers[{index}].handler_id"))]),
+            Ok(reg) if supported.is_some_and(|kinds| !kinds.contains(&reg.kind)) => Err(vec![Diagnostic::error(
+                "UNSUPPORTED_HANDLER_KIND",
+                format!("this controller does not run {} handlers", reg.kind),
+            )
+            .at(format!("handlers[{index}].kind"))]),
             Ok(reg) if owned.contains(&reg.id) => Err(vec![Diagnostic::error(
                 "HANDLER_ID_TAKEN",
                 format!("handler {} is already registered by another connected handler process", reg.id),

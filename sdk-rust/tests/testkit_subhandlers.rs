@@ -1,0 +1,117 @@
+//! Sub-handlers through the test kit: declared by the parent, run after it, reported with
+//! their outcomes, and skipped once finished.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, SystemTime};
+
+use capstan_sdk::{
+    Context, HandlerError, HandlerResult, Registry, pb,
+    testing::{InvocationBuilder, OutcomeKind, TestKit},
+};
+use serde_json::json;
+
+async fn parent(ctx: Context) -> HandlerResult {
+    ctx.patch().label("parent", "ran");
+    for item in ctx.spec()["items"].as_array().cloned().unwrap_or_default() {
+        let item = item.as_str().unwrap_or_default().to_owned();
+        ctx.subhandler(item.clone(), move |child: Context| {
+            let item = item.clone();
+            async move {
+                if item == "flaky" && child.retry() == 0 {
+                    child.patch().label("flaky", "discarded");
+                    return Err(HandlerError::temporary(
+                        "flaky the first time",
+                        Duration::from_secs(5),
+                    ));
+                }
+                child.patch().label(&format!("done-{item}"), "yes");
+                Ok(Some(json!({"item": item, "id": child.handler_id()})))
+            }
+        });
+    }
+    Ok(None)
+}
+
+fn body() -> serde_json::Value {
+    json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+        "metadata": {"name": "p", "uid": "u"}, "spec": {"items": ["good", "flaky"]}})
+}
+
+#[tokio::test]
+async fn children_run_and_only_unfinished_ones_run_again() {
+    let mut registry = Registry::new();
+    registry.on_create("cex", "parent", parent);
+    let kit = TestKit::new(registry);
+
+    let first = kit.invoke("parent", InvocationBuilder::create(body())).await;
+    assert!(first.is_success());
+    assert_eq!(
+        first.subhandlers(),
+        vec![
+            ("good".to_owned(), OutcomeKind::Success),
+            (
+                "flaky".to_owned(),
+                OutcomeKind::TemporaryError {
+                    retry_after: Some(Duration::from_secs(5))
+                }
+            ),
+        ]
+    );
+    let patched = first.patched_body();
+    assert_eq!(patched["metadata"]["labels"]["parent"], "ran");
+    assert_eq!(patched["metadata"]["labels"]["done-good"], "yes");
+    assert!(
+        patched["metadata"]["labels"].get("flaky").is_none(),
+        "a failed child's patch is dropped"
+    );
+    assert_eq!(patched["status"]["parent/good"]["id"], "parent/good");
+
+    let second = kit
+        .invoke("parent", InvocationBuilder::create(body()).after(&first))
+        .await;
+    assert_eq!(second.attempt(), 2);
+    assert_eq!(
+        second.subhandlers(),
+        vec![("flaky".to_owned(), OutcomeKind::Success)]
+    );
+    assert_eq!(second.patched_body()["metadata"]["labels"]["done-flaky"], "yes");
+}
+
+#[tokio::test]
+async fn delayed_and_failed_children_are_skipped() {
+    let mut registry = Registry::new();
+    registry.on_create("cex", "parent", parent);
+    let kit = TestKit::new(registry);
+    let later = prost_types::Timestamp::from(SystemTime::now() + Duration::from_secs(3600));
+    let invocation = InvocationBuilder::create(body())
+        .subhandler_state(pb::SubhandlerState {
+            subhandler_id: "good".to_owned(),
+            failure: true,
+            ..pb::SubhandlerState::default()
+        })
+        .subhandler_state(pb::SubhandlerState {
+            subhandler_id: "flaky".to_owned(),
+            retries: 1,
+            delayed_until: Some(later),
+            ..pb::SubhandlerState::default()
+        });
+    let outcome = kit.invoke("parent", invocation).await;
+    assert!(outcome.is_success());
+    assert!(outcome.subhandlers().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn retry_until_done_waits_for_children() {
+    let mut registry = Registry::new();
+    registry.on_create("cex", "parent", parent);
+    let kit = TestKit::new(registry);
+    let started = tokio::time::Instant::now();
+    let attempts = kit
+        .retry_until_done("parent", InvocationBuilder::create(body()), 5)
+        .await;
+    assert_eq!(attempts.len(), 2);
+    assert_eq!(attempts[1].subhandler("flaky"), Some(OutcomeKind::Success));
+    assert_eq!(attempts[1].subhandler("good"), None);
+    assert_eq!(started.elapsed(), Duration::from_secs(5));
+}

@@ -1,0 +1,173 @@
+//! The handler process of the end-to-end tests, written with the Rust SDK.
+//!
+//! `E2E_HANDLERS` (comma-separated) picks which handlers it registers for the example resource;
+//! each invocation appends `<handler id> <object name> <attempt>` to the file `E2E_LOG`, so
+//! tests can count calls across process restarts. What a handler does is steered by the
+//! object's spec, per handler id:
+//!
+//! - `spec.temporary.<id>: N` fails with a temporary error (1 s delay) on the first N attempts;
+//! - `spec.unclassified.<id>: N` fails with an unclassified error on the first N attempts;
+//! - `spec.permanent.<id>: true` fails permanently;
+//! - `spec.sleep.<id>: S` sleeps S seconds before answering (for crash tests);
+//! - `spec.badPatch.<id>: true` patches `spec.size` with a string, which the schema rejects.
+
+use std::{io::Write, time::Duration};
+
+use capstan_sdk::{Context, HandlerError, HandlerResult, Operator, Presence, Registry};
+use serde_json::{Value, json};
+
+const RESOURCE: &str = "examples.demo.capstan.dev";
+
+fn log_call(ctx: &Context) {
+    let Ok(path) = std::env::var("E2E_LOG") else { return };
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+        let _ = writeln!(f, "{} {} {}", ctx.handler_id(), ctx.name(), ctx.retry() + 1);
+    }
+}
+
+/// The behaviour every handler shares: log the call, then fail, sleep or patch as the spec says.
+async fn behave(ctx: &Context) -> Result<(), HandlerError> {
+    log_call(ctx);
+    let id = ctx.handler_id().to_owned();
+    let spec = ctx.spec().clone();
+    let setting = |key: &str| spec.get(key).and_then(|m| m.get(&id)).cloned();
+    if let Some(secs) = setting("sleep").and_then(|v| v.as_f64()) {
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs_f64(secs)) => {}
+            () = ctx.cancelled() => return Err(HandlerError::retry("cancelled while sleeping")),
+        }
+    }
+    if let Some(n) = setting("temporary").and_then(|v| v.as_u64()) {
+        if u64::from(ctx.retry()) < n {
+            return Err(HandlerError::temporary(format!("temporary failure {} of {n}", ctx.retry() + 1), Duration::from_secs(1)));
+        }
+    }
+    if let Some(n) = setting("unclassified").and_then(|v| v.as_u64()) {
+        if u64::from(ctx.retry()) < n {
+            let parsed: Result<u32, _> = "not a number".parse();
+            parsed.map_err(|e| HandlerError::from(anyhow::anyhow!("unclassified failure: {e}")))?;
+        }
+    }
+    if setting("permanent").and_then(|v| v.as_bool()) == Some(true) {
+        return Err(HandlerError::permanent("permanent failure on purpose"));
+    }
+    if setting("badPatch").and_then(|v| v.as_bool()) == Some(true) {
+        ctx.patch().spec("size", "not-a-number");
+    }
+    Ok(())
+}
+
+async fn create_a(ctx: Context) -> HandlerResult {
+    behave(&ctx).await?;
+    ctx.patch().label("e2e/a", "1");
+    Ok(None)
+}
+
+async fn create_b(ctx: Context) -> HandlerResult {
+    behave(&ctx).await?;
+    let seen = ctx.labels().get("e2e/a").and_then(Value::as_str).unwrap_or("none").to_owned();
+    ctx.patch().label("e2e/b", format!("saw-a-{seen}"));
+    Ok(None)
+}
+
+async fn plain(ctx: Context) -> HandlerResult {
+    behave(&ctx).await?;
+    Ok(None)
+}
+
+async fn with_result(ctx: Context) -> HandlerResult {
+    behave(&ctx).await?;
+    Ok(Some(json!({"message": format!("hello {}", ctx.name()), "attempts": ctx.retry() + 1})))
+}
+
+async fn field_fn(ctx: Context) -> HandlerResult {
+    behave(&ctx).await?;
+    let show = |v: Option<&Value>| v.map_or_else(|| "none".to_owned(), |v| v.as_str().map_or_else(|| v.to_string(), str::to_owned));
+    ctx.patch().annotation("e2e/field", format!("{}->{}", show(ctx.old()), show(ctx.new())));
+    Ok(None)
+}
+
+async fn parent(ctx: Context) -> HandlerResult {
+    behave(&ctx).await?;
+    for child in ["one", "two"] {
+        ctx.subhandler(child, move |c: Context| async move {
+            behave(&c).await?;
+            c.patch().annotation(&format!("e2e/sub-{child}"), "done");
+            Ok::<_, HandlerError>(None)
+        });
+    }
+    Ok(None)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt().with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into())).init();
+    let presets = std::env::var("E2E_HANDLERS").unwrap_or_else(|_| "create3".into());
+    let mut registry = Registry::new();
+    for preset in presets.split(',').map(str::trim) {
+        match preset {
+            "create3" => {
+                registry.on_create(RESOURCE, "create_a", create_a);
+                registry.on_create(RESOURCE, "create_b", create_b);
+                registry.on_create(RESOURCE, "create_c", plain);
+            }
+            "create" => {
+                registry.on_create(RESOURCE, "create_fn", plain);
+            }
+            "results" => {
+                registry.on_create(RESOURCE, "create_fn", with_result).backoff(Duration::from_secs(1));
+            }
+            "retries" => {
+                registry.on_create(RESOURCE, "limited", plain).retries(3).backoff(Duration::from_secs(1));
+            }
+            "update" => {
+                registry.on_update(RESOURCE, "update_fn", with_result);
+            }
+            "delete" => {
+                registry.on_delete(RESOURCE, "delete_fn", plain);
+            }
+            "optional-delete" => {
+                registry.on_delete(RESOURCE, "delete_fn", plain).optional(true);
+            }
+            "resume" => {
+                registry.on_resume(RESOURCE, "resume_fn", plain);
+            }
+            "field" => {
+                registry.on_field(RESOURCE, "spec.field", "field_fn", field_fn);
+            }
+            "filtered" => {
+                registry
+                    .on_create(RESOURCE, "selected_fn", plain)
+                    .label("e2e/select", "yes")
+                    .annotation("e2e/skip", Presence::Absent);
+            }
+            "subhandlers" => {
+                registry.on_create(RESOURCE, "parent", parent).backoff(Duration::from_secs(1));
+            }
+            "event" => {
+                registry.on_event(RESOURCE, "event_fn", |ctx: Context| async move {
+                    log_call(&ctx);
+                    let t = ctx.event_type().map_or("LISTING", |t| t.as_str_name());
+                    if let Ok(path) = std::env::var("E2E_LOG") {
+                        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+                            let _ = writeln!(f, "event {} {t}", ctx.name());
+                        }
+                    }
+                    Ok::<_, HandlerError>(None)
+                });
+            }
+            "" => {}
+            other => anyhow::bail!("unknown preset {other:?}"),
+        }
+    }
+    let endpoint = std::env::var("CAPSTAN_ENDPOINT").unwrap_or_else(|_| capstan_sdk::DEFAULT_ENDPOINT.into());
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+        }
+    };
+    Operator::new(registry).endpoint(endpoint).run(shutdown).await?;
+    Ok(())
+}

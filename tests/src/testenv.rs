@@ -1,0 +1,196 @@
+//! A real Kubernetes API server per test: builds `capstan-testenv` from `tests/testenv` when
+//! needed, starts an instance on a free loopback port with its own data directory and audit
+//! log, and stops it cleanly.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use kube::{
+    Api, Client,
+    api::{DynamicObject, Patch, PatchParams},
+    config::{KubeConfigOptions, Kubeconfig},
+    core::GroupVersionKind,
+    discovery::ApiResource,
+};
+use serde_json::Value;
+use tokio::{
+    io::{AsyncBufReadExt, BufReader},
+    process::{Child, Command},
+    sync::OnceCell,
+};
+
+static BINARY: OnceCell<PathBuf> = OnceCell::const_new();
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+/// Builds (or finds) the testenv binary once per test process.
+pub async fn binary() -> Result<PathBuf> {
+    BINARY
+        .get_or_try_init(|| async {
+            if let Ok(bin) = std::env::var("CAPSTAN_TESTENV_BIN") {
+                if Path::new(&bin).is_file() {
+                    return Ok(PathBuf::from(bin));
+                }
+            }
+            let script = repo_root().join("tests/testenv/build.sh");
+            let out = Command::new("bash")
+                .arg(&script)
+                .stderr(Stdio::inherit())
+                .output()
+                .await
+                .with_context(|| format!("running {}", script.display()))?;
+            if !out.status.success() {
+                bail!("building capstan-testenv failed ({}); see the output above", out.status);
+            }
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let path = stdout.lines().last().map(str::trim).unwrap_or_default();
+            if path.is_empty() {
+                bail!("tests/testenv/build.sh printed no binary path");
+            }
+            Ok(PathBuf::from(path))
+        })
+        .await
+        .cloned()
+}
+
+/// One running API server.
+pub struct TestEnv {
+    child: Child,
+    /// The admin kubeconfig.
+    pub kubeconfig: PathBuf,
+    /// The audit log (every request: verb, resource, user).
+    pub audit_log: PathBuf,
+    /// The API server's stderr log.
+    pub log: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl TestEnv {
+    /// Starts an instance and waits until it is ready.
+    pub async fn start() -> Result<Self> {
+        let bin = binary().await?;
+        let dir = tempfile::Builder::new().prefix("capstan-testenv-").tempdir()?;
+        let instance = dir.path().join("instance");
+        let audit_log = dir.path().join("audit.log");
+        let log = dir.path().join("apiserver.log");
+        let mut child = Command::new(&bin)
+            .arg("start")
+            .arg("--dir")
+            .arg(&instance)
+            .arg("--audit-log")
+            .arg(&audit_log)
+            .arg("--timeout")
+            .arg("90s")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log)?)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(Duration::from_secs(120), lines.next_line())
+            .await
+            .map_err(|_| anyhow!("the API server did not become ready in time; see {}", log.display()))??;
+        let Some(line) = line else {
+            let tail = std::fs::read_to_string(&log).unwrap_or_default();
+            let tail: Vec<&str> = tail.lines().rev().take(15).collect();
+            bail!("the API server exited before it was ready:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        };
+        let kubeconfig = PathBuf::from(line.strip_prefix("ready ").ok_or_else(|| anyhow!("unexpected line {line:?}"))?);
+        Ok(Self { child, kubeconfig, audit_log, log, dir })
+    }
+
+    /// A kube client with the admin credentials.
+    pub async fn client(&self) -> Result<Client> {
+        let kubeconfig = Kubeconfig::read_from(&self.kubeconfig)?;
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+        Ok(Client::try_from(config)?)
+    }
+
+    /// A scratch directory that lives as long as the instance.
+    pub fn scratch(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// `kubectl` pointed at this instance.
+    pub fn kubectl(&self) -> Command {
+        let mut cmd = Command::new("kubectl");
+        cmd.arg("--kubeconfig").arg(&self.kubeconfig);
+        cmd
+    }
+
+    /// Runs kubectl and returns its stdout; fails with its stderr.
+    pub async fn kubectl_ok(&self, args: &[&str]) -> Result<String> {
+        let out = self.kubectl().args(args).output().await?;
+        if !out.status.success() {
+            bail!("kubectl {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Applies YAML (one or more documents) with kubectl server-side apply.
+    pub async fn apply(&self, yaml: &str) -> Result<()> {
+        let file = self.dir.path().join(format!("apply-{}.yaml", rand_suffix()));
+        std::fs::write(&file, yaml)?;
+        self.kubectl_ok(&["apply", "--server-side", "-f", &file.to_string_lossy()]).await?;
+        Ok(())
+    }
+
+    /// Applies a CRD and waits until it is established.
+    pub async fn apply_crd(&self, yaml: &str, name: &str) -> Result<()> {
+        self.apply(yaml).await?;
+        self.kubectl_ok(&["wait", "--for=condition=Established", "--timeout=60s", &format!("crd/{name}")]).await?;
+        Ok(())
+    }
+
+    /// Applies the example CRD (`examples.demo.capstan.dev`).
+    pub async fn apply_example_crd(&self) -> Result<()> {
+        let yaml = std::fs::read_to_string(repo_root().join("examples/crd.yaml"))?;
+        self.apply_crd(&yaml, "examples.demo.capstan.dev").await
+    }
+
+    /// The audit events so far, as JSON.
+    pub fn audit_events(&self) -> Result<Vec<Value>> {
+        let text = std::fs::read_to_string(&self.audit_log).unwrap_or_default();
+        Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
+    }
+
+    /// Stops the instance gracefully (SIGTERM) and waits for it.
+    pub async fn stop(mut self) -> Result<()> {
+        if let Some(pid) = self.child.id() {
+            let _ = Command::new("kill").arg("-TERM").arg(pid.to_string()).status().await;
+        }
+        match tokio::time::timeout(Duration::from_secs(40), self.child.wait()).await {
+            Ok(status) => {
+                status?;
+            }
+            Err(_) => self.child.start_kill()?,
+        }
+        Ok(())
+    }
+}
+
+/// The dynamic API of the example resource in `namespace`.
+pub fn examples(client: &Client, namespace: &str) -> Api<DynamicObject> {
+    let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("demo.capstan.dev", "v1", "Example"), "examples");
+    Api::namespaced_with(client.clone(), namespace, &ar)
+}
+
+/// Server-side applies an object through a dynamic API.
+pub async fn apply_object(api: &Api<DynamicObject>, name: &str, object: &Value) -> Result<DynamicObject> {
+    let params = PatchParams::apply("capstan-tests").force();
+    Ok(api.patch(name, &params, &Patch::Apply(object)).await?)
+}
+
+/// A short random suffix for names.
+pub fn rand_suffix() -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    format!("{:x}{:x}", std::process::id(), nanos)
+}

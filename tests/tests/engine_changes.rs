@@ -1,0 +1,60 @@
+//! End to end, against a real API server, the real `capstan` binary and a real SDK handler
+//! process: create, update, field, delete and resume flows; handler order and patch
+//! visibility; finalizers; filters.
+
+use std::time::Duration;
+
+use capstan_tests::scenario::{Scenario, annotation, has_finalizer, label, progress_keys};
+use serde_json::json;
+
+const T: Duration = Duration::from_secs(30);
+
+#[tokio::test]
+async fn create_update_field_and_delete_run_as_kopf_would() -> anyhow::Result<()> {
+    let s = Scenario::start("create3,update,field,delete", &[]).await?;
+    s.create("one", json!({"field": "a", "size": 1})).await?;
+    let obj = s
+        .wait("one", T, "create handlers done", |o| label(o, "e2e/b").is_some() && annotation(o, "e2e/field").is_some())
+        .await?;
+    assert_eq!(label(&obj, "e2e/a"), Some("1"));
+    assert_eq!(label(&obj, "e2e/b"), Some("saw-a-1"), "the second handler sees the first one's patch");
+    assert_eq!(annotation(&obj, "e2e/field"), Some("none->a"), "field handlers fire on creation");
+    assert!(has_finalizer(&obj), "a delete handler needs the finalizer");
+    assert!(annotation(&obj, "capstan.dev/last-handled-configuration").is_some());
+    assert!(progress_keys(&obj).is_empty(), "progress is purged once the cause is done: {:?}", progress_keys(&obj));
+    let order: Vec<String> = s.calls().into_iter().map(|c| c.0).collect();
+    assert_eq!(order, ["create_a", "create_b", "create_c", "field_fn/spec.field"]);
+
+    s.patch("one", json!({"spec": {"size": 2}})).await?;
+    let obj = s.wait("one", T, "update handled", |o| o.pointer("/status/update_fn/message").is_some()).await?;
+    assert_eq!(obj["status"]["update_fn"]["message"], "hello one");
+    assert_eq!(s.count("field_fn/spec.field", "one"), 1, "the field did not change");
+
+    s.patch("one", json!({"spec": {"field": "b"}})).await?;
+    s.wait("one", T, "field handled", |o| annotation(o, "e2e/field") == Some("a->b")).await?;
+    assert_eq!(s.count("update_fn", "one"), 2);
+
+    s.delete("one").await?;
+    s.wait_gone("one", T).await?;
+    assert_eq!(s.count("delete_fn", "one"), 1);
+    for h in ["create_a", "create_b", "create_c"] {
+        assert_eq!(s.count(h, "one"), 1, "{h} ran once");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn filters_select_objects_in_the_controller() -> anyhow::Result<()> {
+    let s = Scenario::start("filtered,create", &[]).await?;
+    s.create_with("chosen", json!({}), json!({"labels": {"e2e/select": "yes"}})).await?;
+    s.create_with("other", json!({}), json!({"labels": {"e2e/select": "no"}})).await?;
+    s.create_with("skipped", json!({}), json!({"labels": {"e2e/select": "yes"}, "annotations": {"e2e/skip": "1"}})).await?;
+    for name in ["chosen", "other", "skipped"] {
+        s.wait(name, T, "handled", |o| annotation(o, "capstan.dev/last-handled-configuration").is_some()).await?;
+    }
+    assert_eq!(s.count("selected_fn", "chosen"), 1);
+    assert_eq!(s.count("selected_fn", "other"), 0);
+    assert_eq!(s.count("selected_fn", "skipped"), 0);
+    assert_eq!(s.count("create_fn", "other"), 1);
+    Ok(())
+}
