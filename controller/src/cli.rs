@@ -125,6 +125,11 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_WORKER_LIMIT", default_value_t = 128)]
     pub worker_limit: usize,
 
+    /// When a handler is still running this long after other handlers of the same change
+    /// finished, their progress is written first (so a crash does not run them again).
+    #[arg(long, env = "CAPSTAN_CHECKPOINT_AFTER", value_parser = parse_duration, default_value = "1s")]
+    pub checkpoint_after: Duration,
+
     /// Restart a watch that delivers nothing, not even a bookmark, for this long.
     #[arg(long, env = "CAPSTAN_WATCH_INACTIVITY_TIMEOUT", value_parser = parse_duration, default_value = "5m")]
     pub watch_inactivity_timeout: Duration,
@@ -180,6 +185,7 @@ impl RunArgs {
         settings.engine.namespaces = self.namespaces.iter().filter(|n| !n.is_empty()).cloned().collect();
         settings.engine.worker_limit = self.worker_limit.max(1);
         settings.engine.watch.inactivity_timeout = self.watch_inactivity_timeout;
+        settings.engine.checkpoint_after = self.checkpoint_after;
         settings
     }
 

@@ -56,6 +56,9 @@ pub struct Settings {
     pub worker_limit: usize,
     /// Watch tunables.
     pub watch: k8s_watch::Settings,
+    /// A handler still running this long after others of its cycle finished makes the engine
+    /// write their progress first. Default 1 s.
+    pub checkpoint_after: std::time::Duration,
 }
 
 impl Default for Settings {
@@ -65,6 +68,7 @@ impl Default for Settings {
             namespaces: Vec::new(),
             worker_limit: 128,
             watch: k8s_watch::Settings::default(),
+            checkpoint_after: std::time::Duration::from_secs(1),
         }
     }
 }
@@ -114,7 +118,7 @@ impl Engine {
             for (key, handlers) in groups {
                 match watched.get(&key) {
                     Some(w) => {
-                        w.handlers.send_if_modified(|current| {
+                        let changed = w.handlers.send_if_modified(|current| {
                             if *current == handlers {
                                 false
                             } else {
@@ -122,6 +126,10 @@ impl Engine {
                                 true
                             }
                         });
+                        if changed {
+                            info!(resource = %key.plural, handlers = handlers.len(), "handlers changed");
+                            w.queue.resync();
+                        }
                     }
                     None => {
                         let Some(resource) = handlers.first().and_then(|h| h.resource.clone()) else { continue };
@@ -166,6 +174,7 @@ impl Engine {
             invoker: self.invoker.clone(),
             objects: self.objects.clone(),
             limit: limit.clone(),
+            checkpoint_after: self.settings.checkpoint_after,
             cancel: cancel.clone(),
         });
         let scopes: Vec<Option<String>> = if resource.namespaced && !self.settings.namespaces.is_empty() {

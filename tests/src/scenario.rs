@@ -144,10 +144,10 @@ impl Scenario {
         self.calls().iter().filter(|(h, n, _)| h == handler && n == name).count()
     }
 
-    /// Writes (create, update, patch, delete) by the controller's identity to objects named
-    /// `name`, from the audit log.
+    /// Writes (create, update, patch, delete) by the controller to objects named `name`, from
+    /// the audit log.
     pub fn writes(&self, name: &str) -> Vec<String> {
-        writes_by(&self.env, name, "capstan-admin")
+        writes_by(&self.env, name, "capstan/")
     }
 
     /// Restarts the handler process (after it was killed or stopped).
@@ -162,16 +162,16 @@ impl Scenario {
     }
 }
 
-/// Write requests by `user` to the example object `name`, as `verb[/subresource]` strings.
-pub fn writes_by(env: &TestEnv, name: &str, user: &str) -> Vec<String> {
+/// Write requests to the example object `name` by clients whose user agent starts with
+/// `agent`, as `verb[/subresource]` strings.
+pub fn writes_by(env: &TestEnv, name: &str, agent: &str) -> Vec<String> {
     env.audit_events()
         .unwrap_or_default()
         .into_iter()
         .filter(|e| e["stage"] == "ResponseComplete")
-        .filter(|e| e["user"]["username"] == user)
+        .filter(|e| e["userAgent"].as_str().is_some_and(|ua| ua.starts_with(agent)))
         .filter(|e| e["objectRef"]["resource"] == "examples" && e["objectRef"]["name"] == name)
         .filter(|e| matches!(e["verb"].as_str(), Some("create" | "update" | "patch" | "delete")))
-        .filter(|e| e["userAgent"].as_str().is_none_or(|ua| !ua.starts_with("kubectl")))
         .map(|e| match e["objectRef"]["subresource"].as_str() {
             Some(sub) => format!("{}/{sub}", e["verb"].as_str().unwrap_or_default()),
             None => e["verb"].as_str().unwrap_or_default().to_owned(),

@@ -51,6 +51,13 @@ impl Invoker for crate::grpc::Hub {
     }
 }
 
+/// Writes the progress of a cycle that is still running (a checkpoint), so that handlers that
+/// finished are not run again if the controller dies before the cycle's final write.
+pub trait Checkpoint: Send + Sync {
+    /// Writes `desired` over `base`; returns the body as stored, or `None` when it failed.
+    fn save<'a>(&'a self, base: &'a Value, desired: &'a Value) -> BoxFuture<'a, Option<Value>>;
+}
+
 /// Where state is stored, and under which names.
 #[derive(Clone, Debug)]
 pub struct Storage {
@@ -102,6 +109,11 @@ pub struct Input<'a> {
     pub storage: &'a Storage,
     /// Cancelled when the controller stops or pauses.
     pub cancel: &'a CancellationToken,
+    /// Writes checkpoints; `None` never checkpoints.
+    pub checkpoint: Option<&'a dyn Checkpoint>,
+    /// A handler still running this long after an earlier handler of the same cycle finished
+    /// triggers a checkpoint of the finished ones.
+    pub checkpoint_after: Duration,
 }
 
 /// A change to our finalizer.
@@ -123,6 +135,12 @@ pub struct Patched {
     pub registration: Registration,
     /// Its record before this cycle's attempt.
     pub record: ProgressRecord,
+    /// Its record after the successful attempt.
+    pub after: ProgressRecord,
+    /// Its sub-handlers' records after the attempt, by full id.
+    pub children: Vec<(String, ProgressRecord)>,
+    /// What its patches and results changed, as a merge patch.
+    pub delta: Value,
 }
 
 /// The result of a cycle.
@@ -130,6 +148,8 @@ pub struct Patched {
 pub struct Plan {
     /// The detected cause.
     pub cause: Cause,
+    /// The body as last stored: the input body, or what a checkpoint wrote.
+    pub base: Value,
     /// The desired body; `None` when nothing is to be written apart from the finalizer.
     pub desired: Option<Value>,
     /// The desired body without any handler patches or results (bookkeeping only), for when
@@ -149,9 +169,10 @@ pub struct Plan {
 }
 
 impl Plan {
-    fn idle(cause: Cause, finalizer: FinalizerChange) -> Self {
+    fn idle(cause: Cause, base: &Value, finalizer: FinalizerChange) -> Self {
         Self {
             cause,
+            base: base.clone(),
             desired: None,
             fallback: None,
             patched: Vec::new(),
@@ -187,7 +208,7 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
     let now = SystemTime::now();
     let body = input.body;
     if input.event == EventType::Deleted {
-        return Plan::idle(Cause::Gone, FinalizerChange::Keep);
+        return Plan::idle(Cause::Gone, body, FinalizerChange::Keep);
     }
     let storage = input.storage;
     let deleting = body.pointer("/metadata/deletionTimestamp").is_some_and(|v| !v.is_null());
@@ -200,7 +221,7 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
         && input.handlers.iter().any(|h| h.requires_finalizer() && matching::prematch(h, body_only));
     let mut finalizer = FinalizerChange::Keep;
     if !deleting && must_block && !present {
-        return Plan::idle(Cause::Noop, FinalizerChange::Add);
+        return Plan::idle(Cause::Noop, body, FinalizerChange::Add);
     }
     if !deleting && !must_block && present {
         finalizer = FinalizerChange::Remove;
@@ -216,7 +237,7 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
         initial,
     });
     let Some(reason) = cause.reason() else {
-        let mut plan = Plan::idle(cause, finalizer);
+        let mut plan = Plan::idle(cause, body, finalizer);
         plan.done = cause == Cause::Noop;
         return plan;
     };
@@ -224,6 +245,7 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
     let selected = matching::select(input.handlers, cause, initial, subject);
     let purpose = causes::purpose(reason);
     let mut running = body.clone();
+    let mut base = body.clone();
     let mut steps: Vec<Step> = Vec::with_capacity(selected.len());
     let mut interrupted = false;
     for reg in selected {
@@ -237,6 +259,7 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
             children: Vec::new(),
             patched: false,
             skipped: false,
+            delta: Value::Null,
         };
         if interrupted || record.finished() || record.sleeping(now) {
             steps.push(step.with(record));
@@ -253,7 +276,26 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
         let children = child_states(storage, reg, body, &record);
         let work = work(&input, reg, reason, &record, &running, old.as_ref(), &new, children);
         debug!(handler.id = %reg.id, attempt = work.attempt, "invoking");
-        let outcome = invoker.invoke(work).await;
+        let invocation = invoker.invoke(work);
+        let outcome = match input.checkpoint.filter(|_| !steps.is_empty()) {
+            None => invocation.await,
+            Some(checkpoint) => {
+                tokio::pin!(invocation);
+                tokio::select! {
+                    outcome = &mut invocation => outcome,
+                    () = tokio::time::sleep(input.checkpoint_after) => {
+                        let partial = compose(&base, running.clone(), &steps, &input, cause, &rules, old.as_ref(), FinalizerChange::Keep, false);
+                        if let Some(desired) = partial.desired {
+                            debug!(finished = steps.len(), "a handler is still running; checkpointing the finished ones");
+                            if let Some(stored) = checkpoint.save(&base, &desired).await {
+                                base = stored;
+                            }
+                        }
+                        invocation.await
+                    }
+                }
+            }
+        };
         if matches!(outcome, Outcome::Cancelled | Outcome::Abandoned) && input.cancel.is_cancelled() {
             interrupted = true;
             steps.push(step.with(record));
@@ -271,7 +313,7 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
                 match apply_patches(&mut scratch, &patches) {
                     Ok(()) => {
                         step.patched = !patches.is_empty() || result.is_some() || step.children.iter().any(|c| c.result.is_some());
-                        running = scratch;
+                        let before = std::mem::replace(&mut running, scratch);
                         if let Some(result) = result {
                             store_result(&mut running, &reg.id.0, result);
                         }
@@ -280,6 +322,7 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
                                 store_result(&mut running, &child.id, result.clone());
                             }
                         }
+                        step.delta = merge_diff(&before, &running).unwrap_or(Value::Null);
                         if children_unfinished(storage, body, &record, &step.children) {
                             reopen_for_children(&mut record, &step.children, now);
                         } else {
@@ -301,7 +344,7 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
         steps.push(step.with(record));
     }
     // An interrupted cycle (shutdown, pause) still records what finished before it.
-    let mut plan = compose(body, running, steps, &input, cause, &rules, old.as_ref(), finalizer);
+    let mut plan = compose(&base, running, &steps, &input, cause, &rules, old.as_ref(), finalizer, true);
     plan.interrupted = interrupted;
     if interrupted {
         plan.done = false;
@@ -324,6 +367,8 @@ struct Step {
     patched: bool,
     /// An SDK-side filter skipped it: done, nothing recorded.
     skipped: bool,
+    /// What its patches and results changed, as a merge patch.
+    delta: Value,
 }
 
 impl Step {
@@ -340,26 +385,35 @@ struct Child {
     result: Option<Value>,
 }
 
+/// Folds the steps into a desired body over `body` (the body as last stored). `complete` says
+/// whether `steps` covers every selected handler (a checkpoint's does not).
 #[allow(clippy::too_many_arguments)]
 fn compose(
     body: &Value,
     running: Value,
-    steps: Vec<Step>,
+    steps: &[Step],
     input: &Input<'_>,
     cause: Cause,
     rules: &Rules,
     old: Option<&Value>,
     mut finalizer: FinalizerChange,
+    complete: bool,
 ) -> Plan {
     let storage = input.storage;
-    let done = steps.iter().all(|s| s.record.finished() || s.skipped);
+    let done = complete && steps.iter().all(|s| s.record.finished() || s.skipped);
     let mut desired = running;
     let mut fallback = body.clone();
     let mut patched = Vec::new();
     let mut wake_at: Option<SystemTime> = None;
-    for s in &steps {
+    for s in steps {
         if s.patched {
-            patched.push(Patched { registration: s.registration.clone(), record: s.before.clone() });
+            patched.push(Patched {
+                registration: s.registration.clone(),
+                record: s.before.clone(),
+                after: s.record.clone(),
+                children: s.children.iter().map(|c| (c.id.clone(), c.record.clone())).collect(),
+                delta: s.delta.clone(),
+            });
         }
         if !s.record.finished() {
             if let Some(t) = s.record.delayed_until() {
@@ -369,7 +423,7 @@ fn compose(
     }
     if done {
         let mut ids: BTreeSet<String> = input.handlers.iter().map(|h| h.id.0.clone()).collect();
-        for s in &steps {
+        for s in steps {
             ids.extend(s.record.subrefs.iter().cloned());
             if let Some(f) = &s.fetched {
                 ids.extend(f.subrefs.iter().cloned());
@@ -390,7 +444,7 @@ fn compose(
         }
         info!(%cause, handlers = steps.len(), "cause handled");
     } else {
-        for s in &steps {
+        for s in steps {
             store_if_changed(storage, &s.registration.id.0, s.fetched.as_ref(), &s.record, &mut desired);
             for c in &s.children {
                 store_if_changed(storage, &c.id, c.fetched.as_ref(), &c.record, &mut desired);
@@ -409,7 +463,7 @@ fn compose(
     if finalizer == FinalizerChange::Remove && !has_finalizer(body, &storage.keys.finalizer) {
         finalizer = FinalizerChange::Keep;
     }
-    Plan { cause, desired, fallback, patched, finalizer, wake_at, done, interrupted: false }
+    Plan { cause, base: body.clone(), desired, fallback, patched, finalizer, wake_at, done, interrupted: false }
 }
 
 fn mark_managed(storage: &Storage, body: &mut Value) {
@@ -425,17 +479,53 @@ fn store_if_changed(storage: &Storage, id: &str, fetched: Option<&ProgressRecord
     }
 }
 
-/// Records a rejected patch as a failed attempt of each patching handler, into `fallback`.
-pub fn reject(plan: &Plan, storage: &Storage, message: &str) -> Option<Value> {
-    let mut body = plan.fallback.clone()?;
-    let now = SystemTime::now();
-    for p in &plan.patched {
-        let mut record = p.record.clone();
-        let text = format!("the API server rejected the handler's patch: {message}");
-        let _ = execution::retry(&p.registration, &mut record, now, p.registration.backoff, &text);
-        storage.progress.store(&p.registration.id.0, &record, &mut body);
+/// Records in `body` that the API server rejected the patch of `patched`: a failed attempt,
+/// retried after the handler's backoff (or final when its limits are reached).
+pub fn reject(patched: &Patched, storage: &Storage, message: &str, body: &mut Value) {
+    let mut record = patched.record.clone();
+    let text = format!("the API server rejected the handler's patch: {message}");
+    let _ = execution::retry(&patched.registration, &mut record, SystemTime::now(), patched.registration.backoff, &text);
+    storage.progress.store(&patched.registration.id.0, &record, body);
+}
+
+/// Adds an accepted handler's changes and records to `body`.
+pub fn accept(patched: &Patched, storage: &Storage, body: &mut Value) {
+    if !patched.delta.is_null() {
+        json_patch::merge(body, &patched.delta);
     }
-    Some(body)
+    storage.progress.store(&patched.registration.id.0, &patched.after, body);
+    for (id, record) in &patched.children {
+        storage.progress.store(id, record, body);
+    }
+}
+
+/// The RFC 7386 merge patch that turns `from` into `to`; `None` when they are equal.
+pub fn merge_diff(from: &Value, to: &Value) -> Option<Value> {
+    match (from, to) {
+        (Value::Object(a), Value::Object(b)) => {
+            let mut out = serde_json::Map::new();
+            for (k, vb) in b {
+                match a.get(k) {
+                    Some(va) => {
+                        if let Some(d) = merge_diff(va, vb) {
+                            out.insert(k.clone(), d);
+                        }
+                    }
+                    None => {
+                        out.insert(k.clone(), vb.clone());
+                    }
+                }
+            }
+            for k in a.keys() {
+                if !b.contains_key(k) {
+                    out.insert(k.clone(), Value::Null);
+                }
+            }
+            (!out.is_empty()).then_some(Value::Object(out))
+        }
+        (a, b) if a == b => None,
+        (_, b) => Some(b.clone()),
+    }
 }
 
 fn subhandlers_of(outcome: &Outcome) -> Vec<crate::model::SubhandlerOutcome> {

@@ -21,7 +21,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::{
     matching::{self, Subject},
-    processing::{self, FinalizerChange, Input, Invoker, Memory, Plan, Storage},
+    processing::{self, FinalizerChange, Input, Invoker, Memory, Plan, Storage, merge_diff},
 };
 use crate::{
     k8s::objects::{self, Objects},
@@ -42,6 +42,8 @@ pub struct Context {
     pub objects: Objects,
     /// The global limit of concurrently processed objects.
     pub limit: Arc<Semaphore>,
+    /// Checkpoint a cycle when a handler runs longer than this after others finished.
+    pub checkpoint_after: Duration,
     /// Cancelled at shutdown (and while paused).
     pub cancel: CancellationToken,
 }
@@ -147,6 +149,19 @@ impl Queue {
         }
     }
 
+    /// Re-runs a cycle for every known object with its latest body (after the handlers
+    /// changed: new handlers to run, finalizers to add or release).
+    pub fn resync(&self) {
+        let bodies: Vec<Value> = {
+            let slots = self.slots.lock();
+            slots.values().filter(|s| !s.gone && s.pending.is_none()).filter_map(|s| s.last_body.clone()).collect()
+        };
+        debug!(objects = bodies.len(), "handlers changed; re-processing known objects");
+        for body in bodies {
+            self.push(EventType::Modified, body);
+        }
+    }
+
     /// Stops every timer (at shutdown).
     pub fn stop_timers(&self) {
         for slot in self.slots.lock().values_mut() {
@@ -215,6 +230,8 @@ impl Queue {
                 memory,
                 storage: &self.ctx.storage,
                 cancel: &self.ctx.cancel,
+                checkpoint: Some(self),
+                checkpoint_after: self.ctx.checkpoint_after,
             },
             self.ctx.invoker.as_ref(),
         )
@@ -230,7 +247,10 @@ impl Queue {
                 slot.written_rv = rv_of(&stored).or(slot.written_rv);
                 slot.last_body = Some(stored);
             }
-            Written::Nothing => slot.last_body = Some(body),
+            Written::Nothing => {
+                slot.written_rv = rv_of(&plan.base).max(slot.written_rv);
+                slot.last_body = Some(plan.base.clone());
+            }
             Written::Gone => {
                 slot.gone = true;
                 slot.pending = None;
@@ -275,8 +295,9 @@ impl Queue {
     /// unavailability without re-running any handler.
     async fn write(&self, body: &Value, plan: &Plan) -> Written {
         let mut desired = plan.desired.clone();
-        let mut base = body.clone();
+        let mut base = plan.base.clone();
         let mut attempts = 0u32;
+        let mut isolated = false;
         if desired.is_none() && plan.finalizer == FinalizerChange::Keep {
             return Written::Nothing;
         }
@@ -294,7 +315,7 @@ impl Queue {
                     match self.ctx.objects.get(&self.ctx.resource, &ns, &name).await {
                         Ok(fresh) => {
                             if let Some(d) = desired.as_mut() {
-                                rebase(d, body, &fresh);
+                                rebase(d, &base, &fresh);
                             }
                             base = fresh;
                         }
@@ -302,10 +323,10 @@ impl Queue {
                         Err(e) => warn!(error = %e, "re-reading after a conflict failed"),
                     }
                 }
-                Err(objects::Error::Invalid(message)) if !plan.patched.is_empty() && desired != plan.fallback => {
-                    let handlers: Vec<String> = plan.patched.iter().map(|p| p.registration.id.0.clone()).collect();
-                    warn!(%message, ?handlers, "the API server rejected the handlers' patch; recording it as a failed attempt");
-                    desired = processing::reject(plan, &self.ctx.storage, &message);
+                Err(objects::Error::Invalid(message)) if !plan.patched.is_empty() && !isolated => {
+                    warn!(%message, "the API server rejected the handlers' patch; finding which handler's patch it was");
+                    desired = Some(self.isolate(plan, &base, &message).await);
+                    isolated = true;
                 }
                 Err(e) => {
                     if self.ctx.cancel.is_cancelled() {
@@ -322,10 +343,51 @@ impl Queue {
         }
     }
 
+    /// After a rejected write: adds the handlers' changes one by one (validated with a
+    /// server-side dry run) and records the ones the API server refuses as failed attempts.
+    async fn isolate(&self, plan: &Plan, base: &Value, message: &str) -> Value {
+        let storage = &self.ctx.storage;
+        let Some(mut body) = plan.fallback.clone() else { return base.clone() };
+        for p in &plan.patched {
+            let mut candidate = body.clone();
+            processing::accept(p, storage, &mut candidate);
+            match self.dry_run(base, &candidate).await {
+                Ok(()) => body = candidate,
+                Err(objects::Error::Invalid(reason)) => {
+                    warn!(handler.id = %p.registration.id, %reason, "the API server rejected this handler's patch");
+                    processing::reject(p, storage, &reason, &mut body);
+                }
+                Err(e) => {
+                    warn!(handler.id = %p.registration.id, error = %crate::error::chain(&e), "could not validate this handler's patch");
+                    processing::reject(p, storage, message, &mut body);
+                }
+            }
+        }
+        body
+    }
+
+    async fn dry_run(&self, base: &Value, candidate: &Value) -> Result<(), objects::Error> {
+        let (ns, name) = identity(base);
+        let resource = &self.ctx.resource;
+        let Some(mut patch) = merge_diff(base, candidate) else { return Ok(()) };
+        strip_server_fields(&mut patch);
+        if resource.status_subresource {
+            if let Some(status) = patch.as_object_mut().and_then(|p| p.remove("status")) {
+                let status_patch = serde_json::json!({ "status": status });
+                self.ctx.objects.merge_patch_dry_run(resource, &ns, &name, &status_patch, true).await?;
+            }
+        }
+        if patch.as_object().is_some_and(|p| !p.is_empty()) {
+            self.ctx.objects.merge_patch_dry_run(resource, &ns, &name, &patch, false).await?;
+        }
+        Ok(())
+    }
+
     async fn write_once(&self, base: &Value, desired: Option<&Value>, finalizer: FinalizerChange) -> Result<Value, objects::Error> {
         let (ns, name) = identity(base);
         let resource = &self.ctx.resource;
         let mut patch = desired.and_then(|d| merge_diff(base, d)).unwrap_or(Value::Object(Map::new()));
+        strip_server_fields(&mut patch);
         if finalizer != FinalizerChange::Keep {
             let name = &self.ctx.storage.keys.finalizer;
             let mut list: Vec<Value> =
@@ -366,6 +428,46 @@ impl Queue {
     }
 }
 
+impl processing::Checkpoint for Queue {
+    fn save<'a>(&'a self, base: &'a Value, desired: &'a Value) -> futures::future::BoxFuture<'a, Option<Value>> {
+        Box::pin(async move {
+            match self.write_once(base, Some(desired), FinalizerChange::Keep).await {
+                Ok(stored) => Some(stored),
+                Err(e) => {
+                    debug!(error = %crate::error::chain(&e), "checkpoint not written; the final write will carry it");
+                    None
+                }
+            }
+        })
+    }
+}
+
+/// Removes metadata the server owns from a patch: a stale `resourceVersion` would turn the
+/// patch into a conflicting optimistic lock.
+fn strip_server_fields(patch: &mut Value) {
+    if let Some(meta) = patch.get_mut("metadata").and_then(Value::as_object_mut) {
+        for key in [
+            "resourceVersion",
+            "generation",
+            "managedFields",
+            "uid",
+            "creationTimestamp",
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+            "selfLink",
+            "name",
+            "namespace",
+        ] {
+            meta.remove(key);
+        }
+        if meta.is_empty() {
+            if let Some(p) = patch.as_object_mut() {
+                p.remove("metadata");
+            }
+        }
+    }
+}
+
 enum Written {
     Stored(Value),
     Nothing,
@@ -380,35 +482,6 @@ fn identity(body: &Value) -> (String, String) {
 
 fn processing_object<'a>(patch: &'a mut Value, key: &str) -> &'a mut Map<String, Value> {
     crate::persistence::progress::object_at(patch, &[key])
-}
-
-/// The RFC 7386 merge patch that turns `from` into `to`; `None` when they are equal.
-pub fn merge_diff(from: &Value, to: &Value) -> Option<Value> {
-    match (from, to) {
-        (Value::Object(a), Value::Object(b)) => {
-            let mut out = Map::new();
-            for (k, vb) in b {
-                match a.get(k) {
-                    Some(va) => {
-                        if let Some(d) = merge_diff(va, vb) {
-                            out.insert(k.clone(), d);
-                        }
-                    }
-                    None => {
-                        out.insert(k.clone(), vb.clone());
-                    }
-                }
-            }
-            for k in a.keys() {
-                if !b.contains_key(k) {
-                    out.insert(k.clone(), Value::Null);
-                }
-            }
-            (!out.is_empty()).then_some(Value::Object(out))
-        }
-        (a, b) if a == b => None,
-        (_, b) => Some(b.clone()),
-    }
 }
 
 /// Re-applies the changes from `original` to `desired` on top of a freshly read body.

@@ -11,11 +11,15 @@ pub enum Error {
     Config(#[source] kube::Error),
 }
 
+/// The user agent of every API request, so audit logs show which writes are Capstan's.
+pub const USER_AGENT: &str = concat!("capstan/", env!("CARGO_PKG_VERSION"));
+
 /// Builds a client with Capstan's user agent.
 ///
 /// # Errors
 /// [`Error::Config`] when neither a kubeconfig nor an in-cluster configuration works.
 pub async fn connect() -> Result<Client, Error> {
-    let config = kube::Config::infer().await.map_err(|e| Error::Config(kube::Error::InferConfig(e)))?;
+    let mut config = kube::Config::infer().await.map_err(|e| Error::Config(kube::Error::InferConfig(e)))?;
+    config.headers.push((http::header::USER_AGENT, http::HeaderValue::from_static(USER_AGENT)));
     Client::try_from(config).map_err(Error::Config)
 }

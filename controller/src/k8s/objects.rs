@@ -105,6 +105,30 @@ impl Objects {
     }
 }
 
+impl Objects {
+    /// Validates a merge patch with a server-side dry run (nothing is stored).
+    ///
+    /// # Errors
+    /// See [`Error`]; [`Error::Invalid`] when the API server would reject it.
+    pub async fn merge_patch_dry_run(
+        &self,
+        resource: &ResolvedResource,
+        namespace: &str,
+        name: &str,
+        patch: &Value,
+        status: bool,
+    ) -> Result<(), Error> {
+        let api = self.api(resource, Some(namespace));
+        let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), dry_run: true, ..PatchParams::default() };
+        if status {
+            api.patch_status(name, &params, &Patch::Merge(patch)).await?;
+        } else {
+            api.patch(name, &params, &Patch::Merge(patch)).await?;
+        }
+        Ok(())
+    }
+}
+
 /// kube's description of a resolved resource.
 pub fn api_resource(resource: &ResolvedResource) -> ApiResource {
     ApiResource {

@@ -56,7 +56,21 @@ fn body() -> Value {
 async fn run(body: &Value, event: EventType, handlers: &[Registration], memory: Memory, script: &Script) -> Plan {
     let storage = Storage::annotations("capstan.dev");
     let cancel = CancellationToken::new();
-    cycle(Input { body, event, resource: &resource(), handlers, memory, storage: &storage, cancel: &cancel }, script).await
+    cycle(
+        Input {
+            body,
+            event,
+            resource: &resource(),
+            handlers,
+            memory,
+            storage: &storage,
+            cancel: &cancel,
+            checkpoint: None,
+            checkpoint_after: Duration::from_secs(1),
+        },
+        script,
+    )
+    .await
 }
 
 fn merge(p: Value) -> Patch {
@@ -256,7 +270,8 @@ async fn a_rejected_patch_becomes_a_failed_attempt_and_keeps_the_rest() {
     let plan = run(&body(), EventType::Added, &handlers, Memory::default(), &script).await;
     assert_eq!(plan.patched.len(), 1);
     let storage = Storage::annotations("capstan.dev");
-    let fallback = reject(&plan, &storage, "spec.size: Invalid value").unwrap();
+    let mut fallback = plan.fallback.clone().unwrap();
+    reject(&plan.patched[0], &storage, "spec.size: Invalid value", &mut fallback);
     assert_eq!(fallback["spec"]["size"], 1, "the handler's patch is dropped");
     let ann = &fallback["metadata"]["annotations"];
     let patcher: ProgressRecord = serde_json::from_str(ann["capstan.dev/patcher"].as_str().unwrap()).unwrap();
@@ -264,6 +279,10 @@ async fn a_rejected_patch_becomes_a_failed_attempt_and_keeps_the_rest() {
     assert_eq!(patcher.retries, 1);
     let quiet: ProgressRecord = serde_json::from_str(ann["capstan.dev/quiet"].as_str().unwrap()).unwrap();
     assert!(quiet.success, "the other handler's progress is kept");
+
+    let mut accepted = plan.fallback.clone().unwrap();
+    accept(&plan.patched[0], &storage, &mut accepted);
+    assert_eq!(accepted["spec"]["size"], "not a number");
 }
 
 #[tokio::test]
