@@ -18,14 +18,20 @@ use crate::{
     grpc::{self, Hub},
     k8s,
     model::{Diagnostic, ResolvedResource, ResourceSelector},
-    observability::{admin::Admin, health::{Check, Health}},
+    observability::{
+        admin::Admin,
+        health::{Check, Health},
+    },
 };
 
 /// Resolves registration selectors through API discovery.
 struct DiscoveryResolver(k8s::discovery::Discovery);
 
 impl grpc::Resolver for DiscoveryResolver {
-    fn resolve<'a>(&'a self, selector: &'a ResourceSelector) -> BoxFuture<'a, Result<ResolvedResource, Diagnostic>> {
+    fn resolve<'a>(
+        &'a self,
+        selector: &'a ResourceSelector,
+    ) -> BoxFuture<'a, Result<ResolvedResource, Diagnostic>> {
         Box::pin(async move {
             self.0.resolve(selector).await.map_err(|e| {
                 let mut d = Diagnostic::error(e.reason(), e.to_string());
@@ -45,7 +51,10 @@ impl grpc::Resolver for DiscoveryResolver {
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> {
     let client = k8s::client::connect().await?;
     let objects = k8s::objects::Objects::new(client.clone());
-    let resolver = Arc::new(DiscoveryResolver(k8s::discovery::Discovery::new(client, settings.discovery_ttl)));
+    let resolver = Arc::new(DiscoveryResolver(k8s::discovery::Discovery::new(
+        client,
+        settings.discovery_ttl,
+    )));
     let hub = Hub::new(settings.hub.clone());
     let health = Health::default();
     {
@@ -56,9 +65,14 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
         });
     }
     let serving = shutdown.child_token();
-    let server =
-        grpc::Server::bind(settings.listen.clone(), hub.clone(), resolver, settings.connection.clone(), serving.clone())
-            .await?;
+    let server = grpc::Server::bind(
+        settings.listen.clone(),
+        hub.clone(),
+        resolver,
+        settings.connection.clone(),
+        serving.clone(),
+    )
+    .await?;
     let admin = Admin::bind(settings.admin_listen, health.clone()).await?;
     info!(listen = %server.local(), admin = ?admin.local_addr(), version = env!("CARGO_PKG_VERSION"), "capstan started");
 
@@ -118,6 +132,9 @@ async fn drain(hub: &Hub, grace: Duration) {
     }
     let left = hub.in_flight();
     if left > 0 {
-        warn!(left, "in-flight invocations did not finish within the shutdown grace");
+        warn!(
+            left,
+            "in-flight invocations did not finish within the shutdown grace"
+        );
     }
 }

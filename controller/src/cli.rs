@@ -29,6 +29,7 @@ pub struct Cli {
 
 /// The subcommands.
 #[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant, reason = "parsed once at start-up")]
 pub enum Command {
     /// Run the controller: serve handler processes and watch the cluster.
     Run(RunArgs),
@@ -44,7 +45,11 @@ pub enum Command {
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// Where handler processes connect: unix:///path/to.sock or 127.0.0.1:PORT.
-    #[arg(long, env = "CAPSTAN_LISTEN", default_value = "unix:///run/capstan/capstan.sock")]
+    #[arg(
+        long,
+        env = "CAPSTAN_LISTEN",
+        default_value = "unix:///run/capstan/capstan.sock"
+    )]
     pub listen: Listen,
 
     /// Address of the admin HTTP endpoint serving /healthz and /readyz.
@@ -94,7 +99,12 @@ pub struct RunArgs {
     pub discovery_ttl: Duration,
 
     /// Watch only this namespace (repeatable); without it, the whole cluster is watched.
-    #[arg(long = "namespace", short = 'n', env = "CAPSTAN_NAMESPACES", value_delimiter = ',')]
+    #[arg(
+        long = "namespace",
+        short = 'n',
+        env = "CAPSTAN_NAMESPACES",
+        value_delimiter = ','
+    )]
     pub namespaces: Vec<String>,
 
     /// The prefix of every annotation Capstan stores on objects (progress, diff-base).
@@ -182,7 +192,12 @@ impl RunArgs {
         settings.hub.max_losses = self.max_losses.max(1);
         settings.connection.supported_kinds = Some(crate::engine::SUPPORTED_KINDS.to_vec());
         settings.engine.storage = self.storage();
-        settings.engine.namespaces = self.namespaces.iter().filter(|n| !n.is_empty()).cloned().collect();
+        settings.engine.namespaces = self
+            .namespaces
+            .iter()
+            .filter(|n| !n.is_empty())
+            .cloned()
+            .collect();
         settings.engine.worker_limit = self.worker_limit.max(1);
         settings.engine.watch.inactivity_timeout = self.watch_inactivity_timeout;
         settings.engine.checkpoint_after = self.checkpoint_after;
@@ -199,14 +214,23 @@ impl RunArgs {
         }
         let progress = match self.progress_storage {
             ProgressKind::Annotations => ProgressStorage::Annotations(keys.clone()),
-            ProgressKind::Status => ProgressStorage::Status { name: self.status_field.clone() },
+            ProgressKind::Status => ProgressStorage::Status {
+                name: self.status_field.clone(),
+            },
             ProgressKind::Smart => ProgressStorage::Smart(keys.clone(), self.status_field.clone()),
         };
         let diffbase = match self.diffbase_storage {
             DiffBaseKind::Annotations => DiffBaseStorage::Annotations(keys.clone()),
-            DiffBaseKind::Status => DiffBaseStorage::Status { name: self.status_field.clone() },
+            DiffBaseKind::Status => DiffBaseStorage::Status {
+                name: self.status_field.clone(),
+            },
         };
-        Storage { keys, progress, diffbase, finalizers: true }
+        Storage {
+            keys,
+            progress,
+            diffbase,
+            finalizers: true,
+        }
     }
 }
 
@@ -222,8 +246,17 @@ mod tests {
 
     #[test]
     fn run_flags_map_onto_settings() {
-        let cli = Cli::parse_from(["capstan", "run", "--listen", "127.0.0.1:0", "--ping-timeout", "2s"]);
-        let Command::Run(args) = cli.command else { panic!("not run") };
+        let cli = Cli::parse_from([
+            "capstan",
+            "run",
+            "--listen",
+            "127.0.0.1:0",
+            "--ping-timeout",
+            "2s",
+        ]);
+        let Command::Run(args) = cli.command else {
+            panic!("not run")
+        };
         let s = args.settings();
         assert_eq!(s.connection.ping_timeout, Duration::from_secs(2));
         assert!(matches!(s.listen, Listen::Tcp(_)));

@@ -54,7 +54,10 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         Some(i) => (&s[..i], &s[i..]),
         None => (s, "s"),
     };
-    let value: f64 = number.trim().parse().map_err(|_| format!("{s:?} is not a duration (e.g. 500ms, 10s, 2m, 1h)"))?;
+    let value: f64 = number
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (e.g. 500ms, 10s, 2m, 1h)"))?;
     let seconds = match unit {
         "ms" => value / 1000.0,
         "s" => value,

@@ -94,7 +94,13 @@ impl Engine {
     /// An engine dispatching through `hub`.
     pub fn new(hub: Hub, objects: Objects, settings: Settings, health: Health) -> Self {
         let invoker: Arc<dyn Invoker> = Arc::new(hub.clone());
-        Self { hub, invoker, objects, settings, health }
+        Self {
+            hub,
+            invoker,
+            objects,
+            settings,
+            health,
+        }
     }
 
     /// Runs until `cancel` fires.
@@ -108,7 +114,11 @@ impl Engine {
             let connected = registrations.borrow_and_update().clone();
             registry.update(&connected);
             let groups = registry.by_resource();
-            let stale: Vec<ResourceKey> = watched.keys().filter(|k| !groups.contains_key(*k)).cloned().collect();
+            let stale: Vec<ResourceKey> = watched
+                .keys()
+                .filter(|k| !groups.contains_key(*k))
+                .cloned()
+                .collect();
             for key in stale {
                 if let Some(w) = watched.remove(&key) {
                     info!(resource = %key.plural, "no handlers left; stopped watching");
@@ -132,7 +142,9 @@ impl Engine {
                         }
                     }
                     None => {
-                        let Some(resource) = handlers.first().and_then(|h| h.resource.clone()) else { continue };
+                        let Some(resource) = handlers.first().and_then(|h| h.resource.clone()) else {
+                            continue;
+                        };
                         let w = self.start(&resource, handlers, &limit, &cancel, &mut tasks);
                         watched.insert(key, w);
                     }
@@ -200,7 +212,11 @@ impl Engine {
             {
                 let status = status.clone();
                 self.health.readiness(&format!("{name}/synced"), move || {
-                    if status.is_synced() { Check::pass("listed") } else { Check::fail("initial listing not finished") }
+                    if status.is_synced() {
+                        Check::pass("listed")
+                    } else {
+                        Check::fail("initial listing not finished")
+                    }
                 });
                 checks.push(format!("{name}/synced"));
             }
@@ -234,7 +250,12 @@ impl Engine {
             );
         }
         info!(%resource, handlers = handlers.len(), "watching");
-        Watched { handlers: handlers_tx, cancel, queue, checks }
+        Watched {
+            handlers: handlers_tx,
+            cancel,
+            queue,
+            checks,
+        }
     }
 }
 
@@ -246,7 +267,17 @@ fn common_selectors(handlers: &[Registration]) -> (Option<String>, Option<String
         (!first.is_empty() && handlers.iter().all(|h| f(h) == first)).then(|| first.to_owned())
     };
     (
-        pick(|h| h.selector.as_ref().map(|s| s.label_selector.as_str()).unwrap_or_default()),
-        pick(|h| h.selector.as_ref().map(|s| s.field_selector.as_str()).unwrap_or_default()),
+        pick(|h| {
+            h.selector
+                .as_ref()
+                .map(|s| s.label_selector.as_str())
+                .unwrap_or_default()
+        }),
+        pick(|h| {
+            h.selector
+                .as_ref()
+                .map(|s| s.field_selector.as_str())
+                .unwrap_or_default()
+        }),
     )
 }

@@ -13,7 +13,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Version => {
-            println!("capstan {} (protocol {})", env!("CARGO_PKG_VERSION"), capstan_proto::PROTOCOL_VERSION);
+            println!(
+                "capstan {} (protocol {})",
+                env!("CARGO_PKG_VERSION"),
+                capstan_proto::PROTOCOL_VERSION
+            );
             ExitCode::SUCCESS
         }
         Command::Freeze(_) | Command::Resume(_) => {

@@ -16,7 +16,7 @@ pub use handler::{
     Registration, TimerOptions, ValueMatch,
 };
 pub use invocation::{
-    Activity, AdmissionVerdict, CancelReason, ChangeReason, Credentials, DiffItem, DiffOperation, EventType, KindResult,
-    Outcome, Patch, PatchTarget, PatchType, Payload, SubhandlerOutcome, SubhandlerState, Work,
+    Activity, AdmissionVerdict, CancelReason, ChangeReason, Credentials, DiffItem, DiffOperation, EventType,
+    KindResult, Outcome, Patch, PatchTarget, PatchType, Payload, SubhandlerOutcome, SubhandlerState, Work,
 };
 pub use resource::{ResolvedResource, ResourceRef, ResourceSelector};

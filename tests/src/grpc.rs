@@ -35,11 +35,19 @@ pub fn example_resource() -> ResolvedResource {
 }
 
 impl Resolver for TestResolver {
-    fn resolve<'a>(&'a self, selector: &'a ResourceSelector) -> BoxFuture<'a, Result<ResolvedResource, Diagnostic>> {
+    fn resolve<'a>(
+        &'a self,
+        selector: &'a ResourceSelector,
+    ) -> BoxFuture<'a, Result<ResolvedResource, Diagnostic>> {
         Box::pin(async move {
             match selector.name.as_str() {
-                "examples" | "Example" | "example" | "cex" | "examples.demo.capstan.dev" => Ok(example_resource()),
-                other => Err(Diagnostic::error("UNKNOWN_RESOURCE", format!("no resource matches {other:?}"))),
+                "examples" | "Example" | "example" | "cex" | "examples.demo.capstan.dev" => {
+                    Ok(example_resource())
+                }
+                other => Err(Diagnostic::error(
+                    "UNKNOWN_RESOURCE",
+                    format!("no resource matches {other:?}"),
+                )),
             }
         })
     }
@@ -63,7 +71,10 @@ impl TestServer {
     }
 
     /// Starts a server with the given settings.
-    pub async fn with_settings(settings: connection::Settings, hub_settings: grpc::hub::Settings) -> Result<Self> {
+    pub async fn with_settings(
+        settings: connection::Settings,
+        hub_settings: grpc::hub::Settings,
+    ) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let socket = dir.path().join("run/capstan.sock");
         let hub = Hub::new(hub_settings);
@@ -81,7 +92,13 @@ impl TestServer {
                 eprintln!("test server failed: {e}");
             }
         });
-        Ok(Self { hub, socket, shutdown, task: Some(task), _dir: dir })
+        Ok(Self {
+            hub,
+            socket,
+            shutdown,
+            task: Some(task),
+            _dir: dir,
+        })
     }
 
     /// The endpoint string handler processes use.
@@ -134,7 +151,10 @@ pub fn registration(id: &str, kind: pb::HandlerKind) -> pb::HandlerRegistration 
     pb::HandlerRegistration {
         handler_id: id.into(),
         kind: kind as i32,
-        resource: Some(pb::ResourceSelector { name: "examples".into(), ..Default::default() }),
+        resource: Some(pb::ResourceSelector {
+            name: "examples".into(),
+            ..Default::default()
+        }),
         ..Default::default()
     }
 }
@@ -142,8 +162,15 @@ pub fn registration(id: &str, kind: pb::HandlerKind) -> pb::HandlerRegistration 
 /// A hello with the given registrations and the usual capabilities.
 pub fn hello(handlers: Vec<pb::HandlerRegistration>) -> pb::Hello {
     pb::Hello {
-        capabilities: vec![pb::Capability::SdkFilters as i32, pb::Capability::Subhandlers as i32],
-        sdk: Some(pb::SoftwareInfo { name: "raw-test-client".into(), version: "0".into(), language: "rust".into() }),
+        capabilities: vec![
+            pb::Capability::SdkFilters as i32,
+            pb::Capability::Subhandlers as i32,
+        ],
+        sdk: Some(pb::SoftwareInfo {
+            name: "raw-test-client".into(),
+            version: "0".into(),
+            language: "rust".into(),
+        }),
         instance_id: "test".into(),
         handlers,
         max_in_flight: 0,
@@ -155,19 +182,27 @@ impl RawClient {
     /// refused the stream outright.
     pub async fn open(channel: Channel, first: In) -> Result<Result<Self, Status>> {
         let (tx, rx) = mpsc::channel(16);
-        tx.send(pb::ConnectRequest { message: Some(first) }).await.map_err(|_| anyhow!("send failed"))?;
+        tx.send(pb::ConnectRequest { message: Some(first) })
+            .await
+            .map_err(|_| anyhow!("send failed"))?;
         let mut client = RuntimeServiceClient::new(channel)
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20);
         match client.connect(ReceiverStream::new(rx)).await {
-            Ok(response) => Ok(Ok(Self { tx: Some(tx), rx: response.into_inner(), auto_pong: true })),
+            Ok(response) => Ok(Ok(Self {
+                tx: Some(tx),
+                rx: response.into_inner(),
+                auto_pong: true,
+            })),
             Err(status) => Ok(Err(status)),
         }
     }
 
     /// Opens a stream with a hello and returns the client and the welcome.
     pub async fn connect(channel: Channel, hello: pb::Hello) -> Result<(Self, pb::Welcome)> {
-        let mut client = Self::open(channel, In::Hello(hello)).await?.map_err(|s| anyhow!("refused: {s:?}"))?;
+        let mut client = Self::open(channel, In::Hello(hello))
+            .await?
+            .map_err(|s| anyhow!("refused: {s:?}"))?;
         match client.recv().await? {
             Out::Welcome(w) => Ok((client, w)),
             other => bail!("expected welcome, got {other:?}"),
@@ -176,8 +211,15 @@ impl RawClient {
 
     /// Sends one message.
     pub async fn send(&self, message: In) -> Result<()> {
-        let tx = self.tx.as_ref().ok_or_else(|| anyhow!("client side already closed"))?;
-        tx.send(pb::ConnectRequest { message: Some(message) }).await.map_err(|_| anyhow!("stream closed"))
+        let tx = self
+            .tx
+            .as_ref()
+            .ok_or_else(|| anyhow!("client side already closed"))?;
+        tx.send(pb::ConnectRequest {
+            message: Some(message),
+        })
+        .await
+        .map_err(|_| anyhow!("stream closed"))
     }
 
     /// Closes the client's sending side.
@@ -199,8 +241,14 @@ impl RawClient {
                 .await
                 .map_err(|_| anyhow!("nothing received within {timeout:?}"))?;
             match next {
-                Ok(Some(pb::ConnectResponse { message: Some(Out::Ping(ping)) })) if self.auto_pong => {
-                    self.send(In::Pong(pb::Pong { nonce: ping.nonce, in_flight: 0 })).await?;
+                Ok(Some(pb::ConnectResponse {
+                    message: Some(Out::Ping(ping)),
+                })) if self.auto_pong => {
+                    self.send(In::Pong(pb::Pong {
+                        nonce: ping.nonce,
+                        in_flight: 0,
+                    }))
+                    .await?;
                 }
                 Ok(Some(pb::ConnectResponse { message: Some(m) })) => return Ok(m),
                 Ok(Some(_)) => bail!("empty message from the server"),
@@ -216,7 +264,10 @@ impl RawClient {
             match self.recv_within(timeout).await {
                 Ok(_) => continue,
                 Err(e) => {
-                    return e.downcast::<StreamEnded>().map(|s| s.0).map_err(|e| anyhow!("no status: {e}"));
+                    return e
+                        .downcast::<StreamEnded>()
+                        .map(|s| s.0)
+                        .map_err(|e| anyhow!("no status: {e}"));
                 }
             }
         }
@@ -248,7 +299,9 @@ pub fn success(invocation_id: &str, result: Option<&str>, patches: Vec<pb::Patch
     In::Result(pb::InvocationResult {
         invocation_id: invocation_id.into(),
         outcome: Some(pb::invocation_result::Outcome::Success(pb::Success {
-            result: result.map(|r| pb::Json { json: r.as_bytes().to_vec() }),
+            result: result.map(|r| pb::Json {
+                json: r.as_bytes().to_vec(),
+            }),
             kind_result: None,
         })),
         patches,
@@ -261,6 +314,8 @@ pub fn merge_patch(json: &str) -> pb::Patch {
     pb::Patch {
         r#type: pb::PatchType::Merge as i32,
         target: pb::PatchTarget::Object as i32,
-        body: Some(pb::Json { json: json.as_bytes().to_vec() }),
+        body: Some(pb::Json {
+            json: json.as_bytes().to_vec(),
+        }),
     }
 }

@@ -7,5 +7,6 @@
 
 pub mod grpc;
 pub mod process;
+pub mod proxy;
 pub mod scenario;
 pub mod testenv;

@@ -9,7 +9,10 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, anyhow, bail};
-use tokio::{process::{Child, Command}, sync::OnceCell};
+use tokio::{
+    process::{Child, Command},
+    sync::OnceCell,
+};
 
 use crate::testenv::{TestEnv, repo_root};
 
@@ -18,8 +21,14 @@ static CAPSTAN: OnceCell<PathBuf> = OnceCell::const_new();
 /// The directory holding this build's binaries (`target/<profile>`).
 pub fn bin_dir() -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
-    let deps = exe.parent().ok_or_else(|| anyhow!("no parent of {}", exe.display()))?;
-    let dir = if deps.ends_with("deps") { deps.parent().unwrap_or(deps) } else { deps };
+    let deps = exe
+        .parent()
+        .ok_or_else(|| anyhow!("no parent of {}", exe.display()))?;
+    let dir = if deps.ends_with("deps") {
+        deps.parent().unwrap_or(deps)
+    } else {
+        deps
+    };
     Ok(dir.to_path_buf())
 }
 
@@ -28,16 +37,24 @@ pub async fn capstan_binary() -> Result<PathBuf> {
     CAPSTAN
         .get_or_try_init(|| async {
             let dir = bin_dir()?;
-            let profile = dir.file_name().and_then(|n| n.to_str()).unwrap_or("debug").to_owned();
+            let profile = dir
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or("debug")
+                .to_owned();
             let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-            cmd.current_dir(repo_root()).args(["build", "-p", "capstan", "--bin", "capstan"]);
+            cmd.current_dir(repo_root())
+                .args(["build", "-p", "capstan", "--bin", "capstan"]);
             if profile == "release" {
                 cmd.arg("--release");
             }
             if let Some(target) = dir.parent() {
                 cmd.env("CARGO_TARGET_DIR", target);
             }
-            let status = cmd.status().await.context("running cargo build for the capstan binary")?;
+            let status = cmd
+                .status()
+                .await
+                .context("running cargo build for the capstan binary")?;
             if !status.success() {
                 bail!("building the capstan binary failed");
             }
@@ -51,7 +68,10 @@ pub async fn capstan_binary() -> Result<PathBuf> {
 pub fn handler_binary() -> Result<PathBuf> {
     let path = bin_dir()?.join("capstan-e2e-handler");
     if !path.is_file() {
-        bail!("{} is missing; run the tests with cargo test -p capstan-tests", path.display());
+        bail!(
+            "{} is missing; run the tests with cargo test -p capstan-tests",
+            path.display()
+        );
     }
     Ok(path)
 }
@@ -71,7 +91,13 @@ pub struct Process {
 
 impl Process {
     /// Starts `program` with `args` and `env`, logging to `<dir>/<name>.log`.
-    pub fn spawn(name: &str, program: &Path, args: &[String], env: &HashMap<String, String>, dir: &Path) -> Result<Self> {
+    pub fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &HashMap<String, String>,
+        dir: &Path,
+    ) -> Result<Self> {
         let log = dir.join(format!("{name}.log"));
         let file = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
         let child = Command::new(program)
@@ -83,7 +109,11 @@ impl Process {
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {}", program.display()))?;
-        Ok(Self { child, log, name: name.to_owned() })
+        Ok(Self {
+            child,
+            log,
+            name: name.to_owned(),
+        })
     }
 
     /// The output so far.
@@ -99,10 +129,18 @@ impl Process {
                 return Ok(());
             }
             if let Some(status) = self.child.try_wait()? {
-                bail!("{} exited ({status}) before printing {needle:?}:\n{}", self.name, tail(&self.output()));
+                bail!(
+                    "{} exited ({status}) before printing {needle:?}:\n{}",
+                    self.name,
+                    tail(&self.output())
+                );
             }
             if tokio::time::Instant::now() > deadline {
-                bail!("{} did not print {needle:?} within {timeout:?}:\n{}", self.name, tail(&self.output()));
+                bail!(
+                    "{} did not print {needle:?} within {timeout:?}:\n{}",
+                    self.name,
+                    tail(&self.output())
+                );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -111,7 +149,11 @@ impl Process {
     /// Sends SIGTERM and waits for the exit.
     pub async fn terminate(&mut self) -> Result<ExitStatus> {
         if let Some(pid) = self.child.id() {
-            let _ = Command::new("kill").arg("-TERM").arg(pid.to_string()).status().await;
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(pid.to_string())
+                .status()
+                .await;
         }
         match tokio::time::timeout(Duration::from_secs(40), self.child.wait()).await {
             Ok(status) => Ok(status?),
@@ -154,6 +196,11 @@ impl Controller {
     /// Starts `capstan run` with extra arguments, listening on a socket in the testenv's
     /// scratch directory. `name` distinguishes several controllers of one test.
     pub async fn start(env: &TestEnv, name: &str, extra: &[&str]) -> Result<Self> {
+        Self::start_with(env, &env.kubeconfig, name, extra).await
+    }
+
+    /// Like [`Controller::start`] with another kubeconfig (a proxy, an impersonated identity).
+    pub async fn start_with(env: &TestEnv, kubeconfig: &Path, name: &str, extra: &[&str]) -> Result<Self> {
         let bin = capstan_binary().await?;
         let socket = env.scratch().join(format!("{name}.sock"));
         let admin = format!("127.0.0.1:{}", free_port()?);
@@ -168,11 +215,17 @@ impl Controller {
         ];
         args.extend(extra.iter().map(|s| (*s).to_owned()));
         let mut vars = HashMap::new();
-        vars.insert("KUBECONFIG".to_owned(), env.kubeconfig.to_string_lossy().into_owned());
+        vars.insert("KUBECONFIG".to_owned(), kubeconfig.to_string_lossy().into_owned());
         vars.insert("NO_COLOR".to_owned(), "1".to_owned());
         let mut process = Process::spawn(name, &bin, &args, &vars, env.scratch())?;
-        process.wait_for("capstan started", Duration::from_secs(60)).await?;
-        Ok(Self { process, socket, admin })
+        process
+            .wait_for("capstan started", Duration::from_secs(60))
+            .await?;
+        Ok(Self {
+            process,
+            socket,
+            admin,
+        })
     }
 
     /// Restarts the controller with the same socket and arguments after it stopped.
@@ -185,13 +238,26 @@ impl Controller {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut stream = tokio::net::TcpStream::connect(&self.admin).await?;
         stream
-            .write_all(format!("GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n", self.admin).as_bytes())
+            .write_all(
+                format!(
+                    "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+                    self.admin
+                )
+                .as_bytes(),
+            )
             .await?;
         let mut raw = Vec::new();
         stream.read_to_end(&mut raw).await?;
         let text = String::from_utf8_lossy(&raw);
-        let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+        let code = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
         Ok((code, body))
     }
 }
@@ -199,8 +265,10 @@ impl Controller {
 /// A handler process of the tests crate (`capstan-e2e-handler`).
 pub fn start_handler(env: &TestEnv, name: &str, endpoint: &str, vars: &[(&str, &str)]) -> Result<Process> {
     let bin = handler_binary()?;
-    let mut env_vars: HashMap<String, String> =
-        vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+    let mut env_vars: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
     env_vars.insert("CAPSTAN_ENDPOINT".into(), endpoint.to_owned());
     env_vars.entry("RUST_LOG".into()).or_insert_with(|| "info".into());
     Process::spawn(name, &bin, &[], &env_vars, env.scratch())

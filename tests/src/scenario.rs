@@ -48,8 +48,19 @@ impl Scenario {
             &controller.endpoint(),
             &[("E2E_HANDLERS", presets), ("E2E_LOG", &calls.to_string_lossy())],
         )?;
-        controller.process.wait_for("handler process connected", Duration::from_secs(60)).await?;
-        Ok(Self { env, client, controller, handler, calls, presets: presets.to_owned(), namespace: "default".into() })
+        controller
+            .process
+            .wait_for("handler process connected", Duration::from_secs(60))
+            .await?;
+        Ok(Self {
+            env,
+            client,
+            controller,
+            handler,
+            calls,
+            presets: presets.to_owned(),
+            namespace: "default".into(),
+        })
     }
 
     /// The example API in the test namespace.
@@ -75,7 +86,9 @@ impl Scenario {
 
     /// Merge-patches an object (as a user would with kubectl).
     pub async fn patch(&self, name: &str, patch: Value) -> Result<()> {
-        self.api().patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        self.api()
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
         Ok(())
     }
 
@@ -87,18 +100,28 @@ impl Scenario {
 
     /// The object, or `None` when it does not exist.
     pub async fn get(&self, name: &str) -> Result<Option<Value>> {
-        Ok(self.api().get_opt(name).await?.map(|o| serde_json::to_value(o).unwrap_or_default()))
+        Ok(self
+            .api()
+            .get_opt(name)
+            .await?
+            .map(|o| serde_json::to_value(o).unwrap_or_default()))
     }
 
     /// Polls the object until `check` holds; returns it.
-    pub async fn wait(&self, name: &str, timeout: Duration, what: &str, check: impl Fn(&Value) -> bool) -> Result<Value> {
+    pub async fn wait(
+        &self,
+        name: &str,
+        timeout: Duration,
+        what: &str,
+        check: impl Fn(&Value) -> bool,
+    ) -> Result<Value> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let current = self.get(name).await?;
-            if let Some(obj) = &current {
-                if check(obj) {
-                    return Ok(obj.clone());
-                }
+            if let Some(obj) = &current
+                && check(obj)
+            {
+                return Ok(obj.clone());
             }
             if tokio::time::Instant::now() > deadline {
                 bail!(
@@ -117,7 +140,10 @@ impl Scenario {
         let deadline = tokio::time::Instant::now() + timeout;
         while self.get(name).await?.is_some() {
             if tokio::time::Instant::now() > deadline {
-                bail!("{name} still exists after {timeout:?}\ncontroller log tail:\n{}", tail(&self.controller.process.output(), 40));
+                bail!(
+                    "{name} still exists after {timeout:?}\ncontroller log tail:\n{}",
+                    tail(&self.controller.process.output(), 40)
+                );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -141,7 +167,10 @@ impl Scenario {
 
     /// How many times `handler` was called for `name`.
     pub fn count(&self, handler: &str, name: &str) -> usize {
-        self.calls().iter().filter(|(h, n, _)| h == handler && n == name).count()
+        self.calls()
+            .iter()
+            .filter(|(h, n, _)| h == handler && n == name)
+            .count()
     }
 
     /// Writes (create, update, patch, delete) by the controller to objects named `name`, from
@@ -156,7 +185,10 @@ impl Scenario {
             &self.env,
             "handler",
             &self.controller.endpoint(),
-            &[("E2E_HANDLERS", &self.presets), ("E2E_LOG", &self.calls.to_string_lossy())],
+            &[
+                ("E2E_HANDLERS", &self.presets),
+                ("E2E_LOG", &self.calls.to_string_lossy()),
+            ],
         )?;
         Ok(())
     }
@@ -187,12 +219,16 @@ pub fn tail(s: &str, n: usize) -> String {
 
 /// An annotation of an object.
 pub fn annotation<'a>(obj: &'a Value, key: &str) -> Option<&'a str> {
-    obj.pointer("/metadata/annotations").and_then(|a| a.get(key)).and_then(Value::as_str)
+    obj.pointer("/metadata/annotations")
+        .and_then(|a| a.get(key))
+        .and_then(Value::as_str)
 }
 
 /// A label of an object.
 pub fn label<'a>(obj: &'a Value, key: &str) -> Option<&'a str> {
-    obj.pointer("/metadata/labels").and_then(|a| a.get(key)).and_then(Value::as_str)
+    obj.pointer("/metadata/labels")
+        .and_then(|a| a.get(key))
+        .and_then(Value::as_str)
 }
 
 /// Whether the object carries Capstan's finalizer.

@@ -27,17 +27,20 @@ static BINARY: OnceCell<PathBuf> = OnceCell::const_new();
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
 }
 
 /// Builds (or finds) the testenv binary once per test process.
 pub async fn binary() -> Result<PathBuf> {
     BINARY
         .get_or_try_init(|| async {
-            if let Ok(bin) = std::env::var("CAPSTAN_TESTENV_BIN") {
-                if Path::new(&bin).is_file() {
-                    return Ok(PathBuf::from(bin));
-                }
+            if let Ok(bin) = std::env::var("CAPSTAN_TESTENV_BIN")
+                && Path::new(&bin).is_file()
+            {
+                return Ok(PathBuf::from(bin));
             }
             let script = repo_root().join("tests/testenv/build.sh");
             let out = Command::new("bash")
@@ -47,7 +50,10 @@ pub async fn binary() -> Result<PathBuf> {
                 .await
                 .with_context(|| format!("running {}", script.display()))?;
             if !out.status.success() {
-                bail!("building capstan-testenv failed ({}); see the output above", out.status);
+                bail!(
+                    "building capstan-testenv failed ({}); see the output above",
+                    out.status
+                );
             }
             let stdout = String::from_utf8_lossy(&out.stdout);
             let path = stdout.lines().last().map(str::trim).unwrap_or_default();
@@ -97,14 +103,31 @@ impl TestEnv {
         let mut lines = BufReader::new(stdout).lines();
         let line = tokio::time::timeout(Duration::from_secs(120), lines.next_line())
             .await
-            .map_err(|_| anyhow!("the API server did not become ready in time; see {}", log.display()))??;
+            .map_err(|_| {
+                anyhow!(
+                    "the API server did not become ready in time; see {}",
+                    log.display()
+                )
+            })??;
         let Some(line) = line else {
             let tail = std::fs::read_to_string(&log).unwrap_or_default();
             let tail: Vec<&str> = tail.lines().rev().take(15).collect();
-            bail!("the API server exited before it was ready:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+            bail!(
+                "the API server exited before it was ready:\n{}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
         };
-        let kubeconfig = PathBuf::from(line.strip_prefix("ready ").ok_or_else(|| anyhow!("unexpected line {line:?}"))?);
-        Ok(Self { child, kubeconfig, audit_log, log, dir })
+        let kubeconfig = PathBuf::from(
+            line.strip_prefix("ready ")
+                .ok_or_else(|| anyhow!("unexpected line {line:?}"))?,
+        );
+        Ok(Self {
+            child,
+            kubeconfig,
+            audit_log,
+            log,
+            dir,
+        })
     }
 
     /// A kube client with the admin credentials.
@@ -130,7 +153,11 @@ impl TestEnv {
     pub async fn kubectl_ok(&self, args: &[&str]) -> Result<String> {
         let out = self.kubectl().args(args).output().await?;
         if !out.status.success() {
-            bail!("kubectl {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "kubectl {} failed: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
@@ -139,14 +166,21 @@ impl TestEnv {
     pub async fn apply(&self, yaml: &str) -> Result<()> {
         let file = self.dir.path().join(format!("apply-{}.yaml", rand_suffix()));
         std::fs::write(&file, yaml)?;
-        self.kubectl_ok(&["apply", "--server-side", "-f", &file.to_string_lossy()]).await?;
+        self.kubectl_ok(&["apply", "--server-side", "-f", &file.to_string_lossy()])
+            .await?;
         Ok(())
     }
 
     /// Applies a CRD and waits until it is established.
     pub async fn apply_crd(&self, yaml: &str, name: &str) -> Result<()> {
         self.apply(yaml).await?;
-        self.kubectl_ok(&["wait", "--for=condition=Established", "--timeout=60s", &format!("crd/{name}")]).await?;
+        self.kubectl_ok(&[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            &format!("crd/{name}"),
+        ])
+        .await?;
         Ok(())
     }
 
@@ -159,13 +193,20 @@ impl TestEnv {
     /// The audit events so far, as JSON.
     pub fn audit_events(&self) -> Result<Vec<Value>> {
         let text = std::fs::read_to_string(&self.audit_log).unwrap_or_default();
-        Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
+        Ok(text
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect())
     }
 
     /// Stops the instance gracefully (SIGTERM) and waits for it.
     pub async fn stop(mut self) -> Result<()> {
         if let Some(pid) = self.child.id() {
-            let _ = Command::new("kill").arg("-TERM").arg(pid.to_string()).status().await;
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(pid.to_string())
+                .status()
+                .await;
         }
         match tokio::time::timeout(Duration::from_secs(40), self.child.wait()).await {
             Ok(status) => {
@@ -179,7 +220,10 @@ impl TestEnv {
 
 /// The dynamic API of the example resource in `namespace`.
 pub fn examples(client: &Client, namespace: &str) -> Api<DynamicObject> {
-    let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("demo.capstan.dev", "v1", "Example"), "examples");
+    let ar = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("demo.capstan.dev", "v1", "Example"),
+        "examples",
+    );
     Api::namespaced_with(client.clone(), namespace, &ar)
 }
 
@@ -191,6 +235,9 @@ pub async fn apply_object(api: &Api<DynamicObject>, name: &str, object: &Value) 
 
 /// A short random suffix for names.
 pub fn rand_suffix() -> String {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
     format!("{:x}{:x}", std::process::id(), nanos)
 }

@@ -20,9 +20,14 @@ fn handled(o: &serde_json::Value) -> bool {
 async fn a_create_with_three_handlers_costs_one_patch() -> anyhow::Result<()> {
     let s = Scenario::start("create3", &[]).await?;
     s.create("one", json!({})).await?;
-    s.wait("one", T, "handled", |o| handled(o) && label(o, "e2e/b").is_some()).await?;
+    s.wait("one", T, "handled", |o| handled(o) && label(o, "e2e/b").is_some())
+        .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(s.writes("one"), ["patch"], "one PATCH, and the echo of it costs nothing");
+    assert_eq!(
+        s.writes("one"),
+        ["patch"],
+        "one PATCH, and the echo of it costs nothing"
+    );
     Ok(())
 }
 
@@ -36,7 +41,11 @@ async fn a_delete_handler_adds_one_patch_for_the_finalizer() -> anyhow::Result<(
     s.delete("two").await?;
     s.wait_gone("two", T).await?;
     let writes = s.writes("two");
-    assert_eq!(writes.iter().filter(|w| *w == "patch").count(), 3, "the delete cycle is one more: {writes:?}");
+    assert_eq!(
+        writes.iter().filter(|w| *w == "patch").count(),
+        3,
+        "the delete cycle is one more: {writes:?}"
+    );
     Ok(())
 }
 
@@ -44,7 +53,10 @@ async fn a_delete_handler_adds_one_patch_for_the_finalizer() -> anyhow::Result<(
 async fn results_add_one_status_patch_and_foreign_status_changes_cost_nothing() -> anyhow::Result<()> {
     let s = Scenario::start("results", &[]).await?;
     s.create("three", json!({})).await?;
-    s.wait("three", T, "handled", |o| handled(o) && o.pointer("/status/create_fn").is_some()).await?;
+    s.wait("three", T, "handled", |o| {
+        handled(o) && o.pointer("/status/create_fn").is_some()
+    })
+    .await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(s.writes("three"), ["patch/status", "patch"]);
     // A third party changes only the status.
@@ -56,7 +68,11 @@ async fn results_add_one_status_patch_and_foreign_status_changes_cost_nothing() 
     )
     .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(s.writes("three"), ["patch/status", "patch"], "the controller wrote nothing more");
+    assert_eq!(
+        s.writes("three"),
+        ["patch/status", "patch"],
+        "the controller wrote nothing more"
+    );
     assert_eq!(s.count("create_fn", "three"), 1);
     Ok(())
 }

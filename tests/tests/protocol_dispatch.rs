@@ -2,7 +2,9 @@
 //! engine: invocation → result, temporary errors redelivered after their delay, cancellation,
 //! redelivery after a dropped connection, stale results and malformed patches.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use capstan::model::{ChangeReason, Outcome, Patch, PatchTarget, PatchType, Payload, Work};
 use capstan_proto::pb::{self, connect_request::Message as In, connect_response::Message as Out};
@@ -13,15 +15,24 @@ fn create_work(key: &str) -> Work {
     let mut work = Work::new(
         "create_fn",
         key,
-        Payload::Change { reason: ChangeReason::Create, old: None, new: Some(json!({"spec": {}})), diff: vec![], field: String::new() },
+        Payload::Change {
+            reason: ChangeReason::Create,
+            old: None,
+            new: Some(json!({"spec": {}})),
+            diff: vec![],
+            field: String::new(),
+        },
     );
     work.body = Some(json!({"metadata": {"name": "one"}, "spec": {"size": 1}}));
     work
 }
 
 async fn connect(server: &TestServer) -> anyhow::Result<RawClient> {
-    let (client, _) =
-        RawClient::connect(server.channel().await?, hello(vec![registration("create_fn", pb::HandlerKind::Create)])).await?;
+    let (client, _) = RawClient::connect(
+        server.channel().await?,
+        hello(vec![registration("create_fn", pb::HandlerKind::Create)]),
+    )
+    .await?;
     Ok(client)
 }
 
@@ -37,16 +48,28 @@ async fn an_invocation_round_trips_with_result_and_patch() -> anyhow::Result<()>
     assert_eq!(inv.idempotency_key, "uid-1/create_fn");
     let body: serde_json::Value = serde_json::from_slice(&inv.body.expect("body").json)?;
     assert_eq!(body["spec"]["size"], 1);
-    let Some(pb::invocation::Payload::Change(change)) = inv.payload else { panic!("not a change") };
+    let Some(pb::invocation::Payload::Change(change)) = inv.payload else {
+        panic!("not a change")
+    };
     assert_eq!(change.reason, pb::ChangeReason::Create as i32);
     client
-        .send(success(&inv.invocation_id, Some(r#"{"message":"hello"}"#), vec![merge_patch(r#"{"spec":{"size":2}}"#)]))
+        .send(success(
+            &inv.invocation_id,
+            Some(r#"{"message":"hello"}"#),
+            vec![merge_patch(r#"{"spec":{"size":2}}"#)],
+        ))
         .await?;
-    let Outcome::Success { result, patches, .. } = outcome.await? else { panic!("not a success") };
+    let Outcome::Success { result, patches, .. } = outcome.await? else {
+        panic!("not a success")
+    };
     assert_eq!(result, Some(json!({"message": "hello"})));
     assert_eq!(
         patches,
-        vec![Patch { patch_type: PatchType::Merge, target: PatchTarget::Object, body: json!({"spec": {"size": 2}}) }]
+        vec![Patch {
+            patch_type: PatchType::Merge,
+            target: PatchTarget::Object,
+            body: json!({"spec": {"size": 2}})
+        }]
     );
     Ok(())
 }
@@ -61,7 +84,9 @@ async fn a_temporary_error_is_redelivered_after_its_delay() -> anyhow::Result<()
         let mut work = create_work("uid-2/create_fn");
         loop {
             match hub.invoke(work.clone()).await {
-                Outcome::Temporary { delay, diagnostics, .. } => {
+                Outcome::Temporary {
+                    delay, diagnostics, ..
+                } => {
                     tokio::time::sleep(delay.unwrap_or_default()).await;
                     work.attempt += 1;
                     work.last_error = diagnostics.into_iter().next();
@@ -75,15 +100,26 @@ async fn a_temporary_error_is_redelivered_after_its_delay() -> anyhow::Result<()
     client
         .send(In::Result(pb::InvocationResult {
             invocation_id: first.invocation_id.clone(),
-            outcome: Some(pb::invocation_result::Outcome::TemporaryError(pb::TemporaryError {
-                retry_after: Some(prost_types::Duration { seconds: 0, nanos: 400_000_000 }),
-                diagnostics: vec![pb::Diagnostic { summary: "not yet".into(), ..Default::default() }],
-            })),
+            outcome: Some(pb::invocation_result::Outcome::TemporaryError(
+                pb::TemporaryError {
+                    retry_after: Some(prost_types::Duration {
+                        seconds: 0,
+                        nanos: 400_000_000,
+                    }),
+                    diagnostics: vec![pb::Diagnostic {
+                        summary: "not yet".into(),
+                        ..Default::default()
+                    }],
+                },
+            )),
             ..Default::default()
         }))
         .await?;
     let second = client.invocation().await?;
-    assert!(failed_at.elapsed() >= Duration::from_millis(400), "redelivered too early");
+    assert!(
+        failed_at.elapsed() >= Duration::from_millis(400),
+        "redelivered too early"
+    );
     assert_eq!(second.attempt, 2);
     assert_eq!(second.idempotency_key, first.idempotency_key);
     assert_ne!(second.invocation_id, first.invocation_id);
@@ -104,7 +140,9 @@ async fn a_long_invocation_is_cancelled_and_answers_cancelled() -> anyhow::Resul
     let outcome = tokio::spawn(async move { hub.invoke(work).await });
     let inv = client.invocation().await?;
     stop.cancel();
-    let Out::Cancel(cancel) = client.recv().await? else { panic!("expected a cancel") };
+    let Out::Cancel(cancel) = client.recv().await? else {
+        panic!("expected a cancel")
+    };
     assert_eq!(cancel.invocation_id, inv.invocation_id);
     assert_eq!(cancel.reason, pb::CancelReason::ResourceDeleted as i32);
     assert!(cancel.grace_period.is_some());
@@ -123,7 +161,10 @@ async fn a_long_invocation_is_cancelled_and_answers_cancelled() -> anyhow::Resul
 async fn a_deadline_sends_cancel_and_an_unanswered_attempt_times_out() -> anyhow::Result<()> {
     let server = TestServer::with_settings(
         Default::default(),
-        capstan::grpc::hub::Settings { cancel_grace: Duration::from_millis(200), ..Default::default() },
+        capstan::grpc::hub::Settings {
+            cancel_grace: Duration::from_millis(200),
+            ..Default::default()
+        },
     )
     .await?;
     let mut client = connect(&server).await?;
@@ -133,12 +174,16 @@ async fn a_deadline_sends_cancel_and_an_unanswered_attempt_times_out() -> anyhow
     let outcome = tokio::spawn(async move { hub.invoke(work).await });
     let inv = client.invocation().await?;
     assert!(inv.deadline.is_some());
-    let Out::Cancel(cancel) = client.recv().await? else { panic!("expected a cancel") };
+    let Out::Cancel(cancel) = client.recv().await? else {
+        panic!("expected a cancel")
+    };
     assert_eq!(cancel.reason, pb::CancelReason::DeadlineExceeded as i32);
     assert_eq!(outcome.await?, Outcome::TimedOut);
     // The late result is stale now.
     client.send(success(&inv.invocation_id, None, vec![])).await?;
-    let Out::Notice(notice) = client.recv().await? else { panic!("expected a notice") };
+    let Out::Notice(notice) = client.recv().await? else {
+        panic!("expected a notice")
+    };
     assert_eq!(notice.diagnostics[0].reason, "STALE_INVOCATION");
     Ok(())
 }
@@ -155,8 +200,13 @@ async fn a_dropped_connection_requeues_the_work_for_the_next_connection() -> any
     let again = second.invocation().await?;
     assert_eq!(again.attempt, 2);
     assert_eq!(again.idempotency_key, lost.idempotency_key);
-    assert_eq!(again.last_error.expect("last error").reason, "HANDLER_PROCESS_LOST");
-    second.send(success(&again.invocation_id, Some("42"), vec![])).await?;
+    assert_eq!(
+        again.last_error.expect("last error").reason,
+        "HANDLER_PROCESS_LOST"
+    );
+    second
+        .send(success(&again.invocation_id, Some("42"), vec![]))
+        .await?;
     assert_eq!(outcome.await?, Outcome::success(Some(json!(42))));
     Ok(())
 }
@@ -171,7 +221,9 @@ async fn connect_retrying(server: &TestServer) -> anyhow::Result<RawClient> {
         .await?
         {
             Ok(mut client) => {
-                let Out::Welcome(_) = client.recv().await? else { anyhow::bail!("no welcome") };
+                let Out::Welcome(_) = client.recv().await? else {
+                    anyhow::bail!("no welcome")
+                };
                 return Ok(client);
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
@@ -185,7 +237,9 @@ async fn stale_results_and_malformed_patches_get_diagnostics() -> anyhow::Result
     let server = TestServer::start().await?;
     let mut client = connect(&server).await?;
     client.send(success("no-such-invocation", None, vec![])).await?;
-    let Out::Notice(notice) = client.recv().await? else { panic!("expected a notice") };
+    let Out::Notice(notice) = client.recv().await? else {
+        panic!("expected a notice")
+    };
     assert_eq!(notice.invocation_id, "no-such-invocation");
     assert_eq!(notice.diagnostics[0].reason, "STALE_INVOCATION");
 
@@ -195,12 +249,18 @@ async fn stale_results_and_malformed_patches_get_diagnostics() -> anyhow::Result
     let bad = pb::Patch {
         r#type: pb::PatchType::Json as i32,
         target: pb::PatchTarget::Object as i32,
-        body: Some(pb::Json { json: br#"{"op": "add"}"#.to_vec() }),
+        body: Some(pb::Json {
+            json: br#"{"op": "add"}"#.to_vec(),
+        }),
     };
     client.send(success(&inv.invocation_id, None, vec![bad])).await?;
-    let Out::Notice(notice) = client.recv().await? else { panic!("expected a notice") };
+    let Out::Notice(notice) = client.recv().await? else {
+        panic!("expected a notice")
+    };
     assert_eq!(notice.diagnostics[0].reason, "MALFORMED_PATCH");
-    let Outcome::Permanent { diagnostics, .. } = outcome.await? else { panic!("not permanent") };
+    let Outcome::Permanent { diagnostics, .. } = outcome.await? else {
+        panic!("not permanent")
+    };
     assert_eq!(diagnostics[0].reason, "MALFORMED_PATCH");
     // The connection is still usable.
     let hub = server.hub.clone();
@@ -222,11 +282,15 @@ async fn result_acks_are_sent_when_negotiated() -> anyhow::Result<()> {
     let outcome = tokio::spawn(async move { hub.invoke(create_work("uid-8/create_fn")).await });
     let inv = client.invocation().await?;
     client.send(success(&inv.invocation_id, None, vec![])).await?;
-    let Out::ResultAck(ack) = client.recv().await? else { panic!("expected an ack") };
+    let Out::ResultAck(ack) = client.recv().await? else {
+        panic!("expected an ack")
+    };
     assert!(ack.accepted);
     outcome.await?;
     client.send(success(&inv.invocation_id, None, vec![])).await?;
-    let Out::ResultAck(ack) = client.recv().await? else { panic!("expected an ack") };
+    let Out::ResultAck(ack) = client.recv().await? else {
+        panic!("expected an ack")
+    };
     assert!(!ack.accepted);
     assert_eq!(ack.diagnostics[0].reason, "STALE_INVOCATION");
     Ok(())

@@ -12,10 +12,15 @@ use tonic::Code;
 async fn registrations_are_accepted_or_rejected_one_by_one() -> anyhow::Result<()> {
     let server = TestServer::start().await?;
     let mut unknown = registration("unknown_fn", pb::HandlerKind::Create);
-    unknown.resource = Some(pb::ResourceSelector { name: "nonexistents".into(), ..Default::default() });
+    unknown.resource = Some(pb::ResourceSelector {
+        name: "nonexistents".into(),
+        ..Default::default()
+    });
     let mut bad_filter = registration("filtered_fn", pb::HandlerKind::Update);
     bad_filter.filters = Some(pb::Filters {
-        value: Some(pb::ValueMatch { condition: Some(pb::value_match::Condition::Presence(1)) }),
+        value: Some(pb::ValueMatch {
+            condition: Some(pb::value_match::Condition::Presence(1)),
+        }),
         ..Default::default()
     });
     let mut bad_kind = registration("weird_fn", pb::HandlerKind::Create);
@@ -26,13 +31,26 @@ async fn registrations_are_accepted_or_rejected_one_by_one() -> anyhow::Result<(
         bad_filter,
         registration("create_fn", pb::HandlerKind::Update),
         bad_kind,
-        pb::HandlerRegistration { handler_id: "startup_fn".into(), kind: pb::HandlerKind::Startup as i32, ..Default::default() },
+        pb::HandlerRegistration {
+            handler_id: "startup_fn".into(),
+            kind: pb::HandlerKind::Startup as i32,
+            ..Default::default()
+        },
     ];
     let (_client, welcome) = RawClient::connect(server.channel().await?, hello(handlers)).await?;
     let verdicts: Vec<(String, bool, String)> = welcome
         .registrations
         .iter()
-        .map(|r| (r.handler_id.clone(), r.accepted, r.diagnostics.first().map(|d| d.reason.clone()).unwrap_or_default()))
+        .map(|r| {
+            (
+                r.handler_id.clone(),
+                r.accepted,
+                r.diagnostics
+                    .first()
+                    .map(|d| d.reason.clone())
+                    .unwrap_or_default(),
+            )
+        })
         .collect();
     assert_eq!(
         verdicts,
@@ -45,11 +63,21 @@ async fn registrations_are_accepted_or_rejected_one_by_one() -> anyhow::Result<(
             ("startup_fn".into(), true, String::new()),
         ]
     );
-    let resolved = welcome.registrations[0].resource.clone().expect("resolved resource");
-    assert_eq!((resolved.plural.as_str(), resolved.group.as_str()), ("examples", "demo.capstan.dev"));
+    let resolved = welcome.registrations[0]
+        .resource
+        .clone()
+        .expect("resolved resource");
+    assert_eq!(
+        (resolved.plural.as_str(), resolved.group.as_str()),
+        ("examples", "demo.capstan.dev")
+    );
     let limits = welcome.limits.expect("limits");
     assert_eq!(limits.max_message_bytes, 16 * 1024 * 1024);
-    assert!(welcome.capabilities.contains(&(pb::Capability::SdkFilters as i32)));
+    assert!(
+        welcome
+            .capabilities
+            .contains(&(pb::Capability::SdkFilters as i32))
+    );
     assert_eq!(server.hub.registrations().borrow().len(), 2);
     Ok(())
 }
@@ -58,11 +86,18 @@ async fn registrations_are_accepted_or_rejected_one_by_one() -> anyhow::Result<(
 async fn nothing_accepted_ends_the_stream_with_failed_precondition() -> anyhow::Result<()> {
     let server = TestServer::start().await?;
     let mut unknown = registration("unknown_fn", pb::HandlerKind::Create);
-    unknown.resource = Some(pb::ResourceSelector { name: "nonexistents".into(), ..Default::default() });
+    unknown.resource = Some(pb::ResourceSelector {
+        name: "nonexistents".into(),
+        ..Default::default()
+    });
     let refused = RawClient::open(server.channel().await?, In::Hello(hello(vec![unknown]))).await?;
     let status = refused.err().expect("the stream must be refused");
     assert_eq!(status.code(), Code::FailedPrecondition);
-    assert!(status.message().contains("NO_HANDLERS_ACCEPTED"), "{}", status.message());
+    assert!(
+        status.message().contains("NO_HANDLERS_ACCEPTED"),
+        "{}",
+        status.message()
+    );
     assert!(status.message().contains("nonexistents"), "{}", status.message());
     Ok(())
 }
@@ -70,13 +105,27 @@ async fn nothing_accepted_ends_the_stream_with_failed_precondition() -> anyhow::
 #[tokio::test]
 async fn anything_but_hello_first_is_a_protocol_violation() -> anyhow::Result<()> {
     let server = TestServer::start().await?;
-    let refused = RawClient::open(server.channel().await?, In::Pong(pb::Pong { nonce: 1, in_flight: 0 })).await?;
+    let refused = RawClient::open(
+        server.channel().await?,
+        In::Pong(pb::Pong {
+            nonce: 1,
+            in_flight: 0,
+        }),
+    )
+    .await?;
     let status = refused.err().expect("the stream must be refused");
     assert_eq!(status.code(), Code::InvalidArgument);
-    assert!(status.message().contains("first message must be hello"), "{}", status.message());
+    assert!(
+        status.message().contains("first message must be hello"),
+        "{}",
+        status.message()
+    );
     // The server is unaffected: a proper client still connects.
-    let (_client, welcome) =
-        RawClient::connect(server.channel().await?, hello(vec![registration("c", pb::HandlerKind::Create)])).await?;
+    let (_client, welcome) = RawClient::connect(
+        server.channel().await?,
+        hello(vec![registration("c", pb::HandlerKind::Create)]),
+    )
+    .await?;
     assert!(welcome.registrations[0].accepted);
     Ok(())
 }
@@ -84,8 +133,11 @@ async fn anything_but_hello_first_is_a_protocol_violation() -> anyhow::Result<()
 #[tokio::test]
 async fn a_handler_id_owned_by_a_live_connection_is_rejected() -> anyhow::Result<()> {
     let server = TestServer::start().await?;
-    let (_first, _) =
-        RawClient::connect(server.channel().await?, hello(vec![registration("c", pb::HandlerKind::Create)])).await?;
+    let (_first, _) = RawClient::connect(
+        server.channel().await?,
+        hello(vec![registration("c", pb::HandlerKind::Create)]),
+    )
+    .await?;
     let second = RawClient::open(
         server.channel().await?,
         In::Hello(hello(vec![registration("c", pb::HandlerKind::Create)])),
@@ -109,11 +161,15 @@ async fn a_second_hello_ends_the_stream() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn health_and_reflection_are_served_on_the_socket() -> anyhow::Result<()> {
-    use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+    use tonic_health::pb::{
+        HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+    };
     let server = TestServer::start().await?;
     let mut health = HealthClient::new(server.channel().await?);
     let response = health
-        .check(HealthCheckRequest { service: "capstan.v1.RuntimeService".into() })
+        .check(HealthCheckRequest {
+            service: "capstan.v1.RuntimeService".into(),
+        })
         .await?
         .into_inner();
     assert_eq!(response.status(), ServingStatus::Serving);

@@ -114,12 +114,52 @@ mod tests {
 
     #[test]
     fn follows_kopf_order() {
-        assert_eq!(detect(Facts { event: EventType::Deleted, deleting: true, ..facts() }), Cause::Gone);
-        assert_eq!(detect(Facts { deleting: true, ..facts() }), Cause::Free);
-        assert_eq!(detect(Facts { deleting: true, finalizer_present: true, ..facts() }), Cause::Delete);
-        assert_eq!(detect(Facts { has_diffbase: false, initial: true, ..facts() }), Cause::Create);
-        assert_eq!(detect(Facts { initial: true, ..facts() }), Cause::Resume);
+        assert_eq!(
+            detect(Facts {
+                event: EventType::Deleted,
+                deleting: true,
+                ..facts()
+            }),
+            Cause::Gone
+        );
+        assert_eq!(
+            detect(Facts {
+                deleting: true,
+                ..facts()
+            }),
+            Cause::Free
+        );
+        assert_eq!(
+            detect(Facts {
+                deleting: true,
+                finalizer_present: true,
+                ..facts()
+            }),
+            Cause::Delete
+        );
+        assert_eq!(
+            detect(Facts {
+                has_diffbase: false,
+                initial: true,
+                ..facts()
+            }),
+            Cause::Create
+        );
+        assert_eq!(
+            detect(Facts {
+                initial: true,
+                ..facts()
+            }),
+            Cause::Resume
+        );
         assert_eq!(detect(facts()), Cause::Noop);
-        assert_eq!(detect(Facts { changed: true, initial: true, ..facts() }), Cause::Update);
+        assert_eq!(
+            detect(Facts {
+                changed: true,
+                initial: true,
+                ..facts()
+            }),
+            Cause::Update
+        );
     }
 }

@@ -25,8 +25,18 @@ fn walk(path: &mut Vec<String>, old: Option<&Value>, new: Option<&Value>, out: &
             }
         }
         (Some(a), Some(b)) if a == b => {}
-        (None, Some(b)) => out.push(DiffItem { operation: DiffOperation::Add, path: path.clone(), old: None, new: Some(b.clone()) }),
-        (Some(a), None) => out.push(DiffItem { operation: DiffOperation::Remove, path: path.clone(), old: Some(a.clone()), new: None }),
+        (None, Some(b)) => out.push(DiffItem {
+            operation: DiffOperation::Add,
+            path: path.clone(),
+            old: None,
+            new: Some(b.clone()),
+        }),
+        (Some(a), None) => out.push(DiffItem {
+            operation: DiffOperation::Remove,
+            path: path.clone(),
+            old: Some(a.clone()),
+            new: None,
+        }),
         (Some(a), Some(b)) => out.push(DiffItem {
             operation: DiffOperation::Change,
             path: path.clone(),
@@ -42,12 +52,23 @@ pub fn reduce(items: &[DiffItem], field: &[String]) -> Vec<DiffItem> {
         .iter()
         .filter_map(|item| {
             if item.path.starts_with(field) {
-                Some(DiffItem { path: item.path[field.len()..].to_vec(), ..item.clone() })
+                Some(DiffItem {
+                    path: item.path[field.len()..].to_vec(),
+                    ..item.clone()
+                })
             } else if field.starts_with(&item.path) {
                 // A whole parent changed: narrow its values down to the field.
                 let rest = &field[item.path.len()..];
-                let old = item.old.as_ref().and_then(|v| super::essence::lookup(v, rest)).cloned();
-                let new = item.new.as_ref().and_then(|v| super::essence::lookup(v, rest)).cloned();
+                let old = item
+                    .old
+                    .as_ref()
+                    .and_then(|v| super::essence::lookup(v, rest))
+                    .cloned();
+                let new = item
+                    .new
+                    .as_ref()
+                    .and_then(|v| super::essence::lookup(v, rest))
+                    .cloned();
                 let operation = match (&old, &new) {
                     (None, None) => return None,
                     (a, b) if a == b => return None,
@@ -55,7 +76,12 @@ pub fn reduce(items: &[DiffItem], field: &[String]) -> Vec<DiffItem> {
                     (Some(_), None) => DiffOperation::Remove,
                     _ => DiffOperation::Change,
                 };
-                Some(DiffItem { operation, path: Vec::new(), old, new })
+                Some(DiffItem {
+                    operation,
+                    path: Vec::new(),
+                    old,
+                    new,
+                })
             } else {
                 None
             }
@@ -91,7 +117,10 @@ mod tests {
 
     #[test]
     fn reduces_to_a_field() {
-        let items = diff(Some(&json!({"spec": {"a": 1}})), Some(&json!({"spec": {"a": 2, "b": 1}})));
+        let items = diff(
+            Some(&json!({"spec": {"a": 1}})),
+            Some(&json!({"spec": {"a": 2, "b": 1}})),
+        );
         let reduced = reduce(&items, &["spec".to_owned(), "a".to_owned()]);
         assert_eq!(reduced.len(), 1);
         assert!(reduced[0].path.is_empty());

@@ -39,10 +39,10 @@ impl Rules {
             }
         }
         let mut metadata = Map::new();
-        if let Some(labels) = body.pointer("/metadata/labels").and_then(Value::as_object) {
-            if !labels.is_empty() {
-                metadata.insert("labels".into(), Value::Object(labels.clone()));
-            }
+        if let Some(labels) = body.pointer("/metadata/labels").and_then(Value::as_object)
+            && !labels.is_empty()
+        {
+            metadata.insert("labels".into(), Value::Object(labels.clone()));
         }
         if let Some(annotations) = body.pointer("/metadata/annotations").and_then(Value::as_object) {
             let foreign = operator_prefixes(annotations);
@@ -64,7 +64,10 @@ impl Rules {
         }
         let mut essence = Value::Object(essence);
         for path in &self.extra_fields {
-            if matches!(path.first().map(String::as_str), Some("metadata" | "apiVersion" | "kind")) {
+            if matches!(
+                path.first().map(String::as_str),
+                Some("metadata" | "apiVersion" | "kind")
+            ) {
                 continue;
             }
             if let Some(value) = lookup(body, path) {
@@ -94,14 +97,20 @@ pub fn lookup<'a>(value: &'a Value, path: &[String]) -> Option<&'a Value> {
 }
 
 fn set(value: &mut Value, path: &[String], new: Value) {
-    let Some((last, parents)) = path.split_last() else { return };
+    let Some((last, parents)) = path.split_last() else {
+        return;
+    };
     let mut current = value;
     for key in parents {
         if !current.is_object() {
             *current = Value::Object(Map::new());
         }
-        let Some(map) = current.as_object_mut() else { return };
-        current = map.entry(key.clone()).or_insert_with(|| Value::Object(Map::new()));
+        let Some(map) = current.as_object_mut() else {
+            return;
+        };
+        current = map
+            .entry(key.clone())
+            .or_insert_with(|| Value::Object(Map::new()));
     }
     if !current.is_object() {
         *current = Value::Object(Map::new());
@@ -127,7 +136,10 @@ mod tests {
     use super::*;
 
     fn rules() -> Rules {
-        Rules { prefix: "capstan.dev".into(), extra_fields: vec![vec!["status".into(), "phase".into()]] }
+        Rules {
+            prefix: "capstan.dev".into(),
+            extra_fields: vec![vec!["status".into(), "phase".into()]],
+        }
     }
 
     #[test]
@@ -168,7 +180,10 @@ mod tests {
                          "annotations": {"capstan.dev/create_fn": "{}"}},
             "spec": {"a": 1}, "status": {"create_fn": {"message": "hi"}}
         });
-        let rules = Rules { prefix: "capstan.dev".into(), extra_fields: vec![] };
+        let rules = Rules {
+            prefix: "capstan.dev".into(),
+            extra_fields: vec![],
+        };
         assert_eq!(rules.essence(&before), rules.essence(&after));
     }
 }

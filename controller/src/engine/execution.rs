@@ -34,15 +34,15 @@ pub enum Verdict {
 
 /// Checks the limits before an attempt; returns the failure message when none is allowed.
 pub fn exhausted(reg: &Registration, record: &ProgressRecord, now: SystemTime) -> Option<String> {
-    if let (Some(timeout), Some(started)) = (reg.timeout, record.started_at()) {
-        if now.duration_since(started).unwrap_or_default() >= timeout {
-            return Some(format!("{} has timed out after {timeout:?}", reg.id));
-        }
+    if let (Some(timeout), Some(started)) = (reg.timeout, record.started_at())
+        && now.duration_since(started).unwrap_or_default() >= timeout
+    {
+        return Some(format!("{} has timed out after {timeout:?}", reg.id));
     }
-    if let Some(retries) = reg.retries {
-        if record.retries >= retries {
-            return Some(format!("{} has exceeded {retries} retries", reg.id));
-        }
+    if let Some(retries) = reg.retries
+        && record.retries >= retries
+    {
+        return Some(format!("{} has exceeded {retries} retries", reg.id));
     }
     None
 }
@@ -54,9 +54,15 @@ pub fn judge(reg: &Registration, record: &mut ProgressRecord, outcome: Outcome, 
             finish(record, now, true, None);
             Verdict::Success { result, patches }
         }
-        Outcome::Temporary { delay, diagnostics, .. } => {
-            retry(reg, record, now, delay.unwrap_or(reg.backoff), &summary(&diagnostics, "temporary error"))
-        }
+        Outcome::Temporary {
+            delay, diagnostics, ..
+        } => retry(
+            reg,
+            record,
+            now,
+            delay.unwrap_or(reg.backoff),
+            &summary(&diagnostics, "temporary error"),
+        ),
         Outcome::Permanent { diagnostics, .. } => {
             finish(record, now, false, Some(summary(&diagnostics, "permanent error")));
             Verdict::Failure
@@ -71,7 +77,10 @@ pub fn judge(reg: &Registration, record: &mut ProgressRecord, outcome: Outcome, 
                 }
                 ErrorsMode::Ignored => {
                     finish(record, now, true, None);
-                    Verdict::Success { result: None, patches: Vec::new() }
+                    Verdict::Success {
+                        result: None,
+                        patches: Vec::new(),
+                    }
                 }
             }
         }
@@ -82,21 +91,40 @@ pub fn judge(reg: &Registration, record: &mut ProgressRecord, outcome: Outcome, 
 
 /// Records a failed attempt that will be retried after `delay`, unless the limits say this
 /// was the last one.
-pub fn retry(reg: &Registration, record: &mut ProgressRecord, now: SystemTime, delay: Duration, message: &str) -> Verdict {
-    let runtime = record.started_at().and_then(|s| now.duration_since(s).ok()).unwrap_or_default();
-    if let Some(timeout) = reg.timeout {
-        if runtime + delay >= timeout {
-            record.retries += 1;
-            finish(record, now, false, Some(format!("{message} (timed out after {timeout:?})")));
-            return Verdict::Failure;
-        }
+pub fn retry(
+    reg: &Registration,
+    record: &mut ProgressRecord,
+    now: SystemTime,
+    delay: Duration,
+    message: &str,
+) -> Verdict {
+    let runtime = record
+        .started_at()
+        .and_then(|s| now.duration_since(s).ok())
+        .unwrap_or_default();
+    if let Some(timeout) = reg.timeout
+        && runtime + delay >= timeout
+    {
+        record.retries += 1;
+        finish(
+            record,
+            now,
+            false,
+            Some(format!("{message} (timed out after {timeout:?})")),
+        );
+        return Verdict::Failure;
     }
-    if let Some(retries) = reg.retries {
-        if record.retries + 1 >= retries {
-            record.retries += 1;
-            finish(record, now, false, Some(format!("{message} (no retries left of {retries})")));
-            return Verdict::Failure;
-        }
+    if let Some(retries) = reg.retries
+        && record.retries + 1 >= retries
+    {
+        record.retries += 1;
+        finish(
+            record,
+            now,
+            false,
+            Some(format!("{message} (no retries left of {retries})")),
+        );
+        return Verdict::Failure;
     }
     record.retries += 1;
     record.delayed = Some(time::format(now + delay));
@@ -164,12 +192,18 @@ mod tests {
     #[test]
     fn unclassified_errors_follow_the_errors_mode() {
         let mut reg = Registration::new("h", HandlerKind::Create, None);
-        let err = || Outcome::Unclassified { diagnostics: vec![], subhandlers: vec![] };
+        let err = || Outcome::Unclassified {
+            diagnostics: vec![],
+            subhandlers: vec![],
+        };
         let mut record = ProgressRecord::default();
         assert_eq!(judge(&reg, &mut record, err(), now()), Verdict::Retry);
         assert_eq!(record.delayed_until(), Some(now() + reg.backoff));
         reg.errors = ErrorsMode::Ignored;
-        assert!(matches!(judge(&reg, &mut record, err(), now()), Verdict::Success { .. }));
+        assert!(matches!(
+            judge(&reg, &mut record, err(), now()),
+            Verdict::Success { .. }
+        ));
         reg.errors = ErrorsMode::Permanent;
         let mut record = ProgressRecord::default();
         assert_eq!(judge(&reg, &mut record, err(), now()), Verdict::Failure);
@@ -179,8 +213,14 @@ mod tests {
     fn success_finishes_and_counts_the_attempt() {
         let reg = Registration::new("h", HandlerKind::Create, None);
         let mut record = ProgressRecord::started(now(), "create");
-        assert!(matches!(judge(&reg, &mut record, Outcome::success(None), now()), Verdict::Success { .. }));
+        assert!(matches!(
+            judge(&reg, &mut record, Outcome::success(None), now()),
+            Verdict::Success { .. }
+        ));
         assert!(record.success && record.stopped.is_some() && record.retries == 1);
-        assert_eq!(judge(&reg, &mut record, Outcome::Skipped, now()), Verdict::Unrecorded);
+        assert_eq!(
+            judge(&reg, &mut record, Outcome::Skipped, now()),
+            Verdict::Unrecorded
+        );
     }
 }

@@ -24,17 +24,30 @@ pub struct Subject<'a> {
 pub fn prematch(reg: &Registration, s: Subject<'_>) -> bool {
     let f = &reg.filters;
     let meta = |kind: &str, key: &str| -> Option<String> {
-        s.body.pointer(&format!("/metadata/{kind}"))?.get(key)?.as_str().map(str::to_owned)
+        s.body
+            .pointer(&format!("/metadata/{kind}"))?
+            .get(key)?
+            .as_str()
+            .map(str::to_owned)
     };
-    if !f.labels.iter().all(|(k, m)| m.matches(meta("labels", k).as_deref())) {
+    if !f
+        .labels
+        .iter()
+        .all(|(k, m)| m.matches(meta("labels", k).as_deref()))
+    {
         return false;
     }
-    if !f.annotations.iter().all(|(k, m)| m.matches(meta("annotations", k).as_deref())) {
+    if !f
+        .annotations
+        .iter()
+        .all(|(k, m)| m.matches(meta("annotations", k).as_deref()))
+    {
         return false;
     }
     if let Some(value) = &f.value {
         let matched = if s.old.is_some() || s.new.is_some() {
-            value.matches(s.old.and_then(|o| lookup(o, &f.field))) || value.matches(s.new.and_then(|n| lookup(n, &f.field)))
+            value.matches(s.old.and_then(|o| lookup(o, &f.field)))
+                || value.matches(s.new.and_then(|n| lookup(n, &f.field)))
         } else {
             value.matches(lookup(s.body, &f.field))
         };
@@ -61,8 +74,15 @@ fn change_matches(reg: &Registration, s: Subject<'_>) -> bool {
 }
 
 /// The change handlers to run for `cause`, in registration order.
-pub fn select<'a>(handlers: &'a [Registration], cause: Cause, initial: bool, s: Subject<'_>) -> Vec<&'a Registration> {
-    let Some(reason) = cause.reason() else { return Vec::new() };
+pub fn select<'a>(
+    handlers: &'a [Registration],
+    cause: Cause,
+    initial: bool,
+    s: Subject<'_>,
+) -> Vec<&'a Registration> {
+    let Some(reason) = cause.reason() else {
+        return Vec::new();
+    };
     handlers
         .iter()
         .filter(|h| match h.kind {
@@ -72,7 +92,8 @@ pub fn select<'a>(handlers: &'a [Registration], cause: Cause, initial: bool, s: 
             HandlerKind::Resume => {
                 initial
                     && reason != ChangeReason::Create
-                    && (reason != ChangeReason::Delete || matches!(h.options, KindOptions::Resume { deleted: true }))
+                    && (reason != ChangeReason::Delete
+                        || matches!(h.options, KindOptions::Resume { deleted: true }))
             }
             HandlerKind::Field => reason != ChangeReason::Delete,
             _ => false,
@@ -95,12 +116,28 @@ mod tests {
     #[test]
     fn label_and_annotation_filters() {
         let mut r = reg("a", HandlerKind::Create);
-        r.filters.labels.insert("app".into(), MetaMatch::Equals("db".into()));
+        r.filters
+            .labels
+            .insert("app".into(), MetaMatch::Equals("db".into()));
         r.filters.annotations.insert("skip".into(), MetaMatch::Absent);
         let body = json!({"metadata": {"labels": {"app": "db"}}});
-        assert!(prematch(&r, Subject { body: &body, old: None, new: None }));
+        assert!(prematch(
+            &r,
+            Subject {
+                body: &body,
+                old: None,
+                new: None
+            }
+        ));
         let body = json!({"metadata": {"labels": {"app": "db"}, "annotations": {"skip": "1"}}});
-        assert!(!prematch(&r, Subject { body: &body, old: None, new: None }));
+        assert!(!prematch(
+            &r,
+            Subject {
+                body: &body,
+                old: None,
+                new: None
+            }
+        ));
     }
 
     #[test]
@@ -109,20 +146,40 @@ mod tests {
         r.filters.field = vec!["spec".into(), "size".into()];
         let old = json!({"spec": {"size": 1}});
         let new = json!({"spec": {"size": 2}});
-        let s = Subject { body: &new, old: Some(&old), new: Some(&new) };
+        let s = Subject {
+            body: &new,
+            old: Some(&old),
+            new: Some(&new),
+        };
         let handlers = [r.clone()];
         assert_eq!(select(&handlers, Cause::Update, false, s).len(), 1);
-        assert_eq!(select(&handlers, Cause::Update, false, Subject { old: Some(&new), ..s }).len(), 0);
+        assert_eq!(
+            select(&handlers, Cause::Update, false, Subject { old: Some(&new), ..s }).len(),
+            0
+        );
         r.filters.new = Some(ValueMatch::Equals(json!(3)));
         assert_eq!(select(&[r], Cause::Update, false, s).len(), 0);
     }
 
     #[test]
     fn resume_handlers_only_when_initial_and_not_on_create() {
-        let handlers = [reg("c", HandlerKind::Create), reg("r", HandlerKind::Resume), reg("u", HandlerKind::Update)];
+        let handlers = [
+            reg("c", HandlerKind::Create),
+            reg("r", HandlerKind::Resume),
+            reg("u", HandlerKind::Update),
+        ];
         let body = json!({});
-        let s = Subject { body: &body, old: None, new: None };
-        let ids = |c, i| select(&handlers, c, i, s).iter().map(|h| h.id.0.clone()).collect::<Vec<_>>();
+        let s = Subject {
+            body: &body,
+            old: None,
+            new: None,
+        };
+        let ids = |c, i| {
+            select(&handlers, c, i, s)
+                .iter()
+                .map(|h| h.id.0.clone())
+                .collect::<Vec<_>>()
+        };
         assert_eq!(ids(Cause::Create, true), ["c"]);
         assert_eq!(ids(Cause::Resume, true), ["r"]);
         assert_eq!(ids(Cause::Update, true), ["r", "u"]);

@@ -32,8 +32,8 @@ use super::{
 };
 use crate::{
     model::{
-        CancelReason, ChangeReason, Diagnostic, EventType, HandlerId, HandlerKind, Outcome, Patch, PatchType, Payload,
-        Registration, ResolvedResource, ResourceRef, SubhandlerState, Work,
+        CancelReason, ChangeReason, Diagnostic, EventType, HandlerId, HandlerKind, Outcome, Patch, PatchType,
+        Payload, Registration, ResolvedResource, ResourceRef, SubhandlerState, Work,
     },
     persistence::{DiffBaseStorage, Keys, ProgressRecord, ProgressStorage, progress::object_at, time},
 };
@@ -193,7 +193,10 @@ pub fn rules(storage: &Storage, handlers: &[Registration]) -> Rules {
         .collect();
     extra.sort();
     extra.dedup();
-    Rules { prefix: storage.keys.prefix.clone(), extra_fields: extra }
+    Rules {
+        prefix: storage.keys.prefix.clone(),
+        extra_fields: extra,
+    }
 }
 
 /// Whether our finalizer is on the body.
@@ -211,14 +214,23 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
         return Plan::idle(Cause::Gone, body, FinalizerChange::Keep);
     }
     let storage = input.storage;
-    let deleting = body.pointer("/metadata/deletionTimestamp").is_some_and(|v| !v.is_null());
+    let deleting = body
+        .pointer("/metadata/deletionTimestamp")
+        .is_some_and(|v| !v.is_null());
     let present = has_finalizer(body, &storage.keys.finalizer);
     let rules = rules(storage, input.handlers);
     let new = rules.essence(body);
     let old = storage.diffbase.fetch(body).map(|o| rules.essence(&o));
-    let body_only = Subject { body, old: None, new: None };
+    let body_only = Subject {
+        body,
+        old: None,
+        new: None,
+    };
     let must_block = storage.finalizers
-        && input.handlers.iter().any(|h| h.requires_finalizer() && matching::prematch(h, body_only));
+        && input
+            .handlers
+            .iter()
+            .any(|h| h.requires_finalizer() && matching::prematch(h, body_only));
     let mut finalizer = FinalizerChange::Keep;
     if !deleting && must_block && !present {
         return Plan::idle(Cause::Noop, body, FinalizerChange::Add);
@@ -241,7 +253,11 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
         plan.done = cause == Cause::Noop;
         return plan;
     };
-    let subject = Subject { body, old: old.as_ref(), new: Some(&new) };
+    let subject = Subject {
+        body,
+        old: old.as_ref(),
+        new: Some(&new),
+    };
     let selected = matching::select(input.handlers, cause, initial, subject);
     let purpose = causes::purpose(reason);
     let mut running = body.clone();
@@ -249,8 +265,13 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
     let mut steps: Vec<Step> = Vec::with_capacity(selected.len());
     let mut interrupted = false;
     for reg in selected {
-        let fetched = storage.progress.fetch(&reg.id.0, body).filter(|r| r.purpose.as_deref() == Some(purpose));
-        let mut record = fetched.clone().unwrap_or_else(|| ProgressRecord::started(now, purpose));
+        let fetched = storage
+            .progress
+            .fetch(&reg.id.0, body)
+            .filter(|r| r.purpose.as_deref() == Some(purpose));
+        let mut record = fetched
+            .clone()
+            .unwrap_or_else(|| ProgressRecord::started(now, purpose));
         let mut step = Step {
             registration: reg.clone(),
             fetched,
@@ -274,7 +295,16 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
             continue;
         }
         let children = child_states(storage, reg, body, &record);
-        let work = work(&input, reg, reason, &record, &running, old.as_ref(), &new, children);
+        let work = work(
+            &input,
+            reg,
+            reason,
+            &record,
+            &running,
+            old.as_ref(),
+            &new,
+            children,
+        );
         debug!(handler.id = %reg.id, attempt = work.attempt, "invoking");
         let invocation = invoker.invoke(work);
         let outcome = match input.checkpoint.filter(|_| !steps.is_empty()) {
@@ -312,7 +342,9 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
                 let mut scratch = running.clone();
                 match apply_patches(&mut scratch, &patches) {
                     Ok(()) => {
-                        step.patched = !patches.is_empty() || result.is_some() || step.children.iter().any(|c| c.result.is_some());
+                        step.patched = !patches.is_empty()
+                            || result.is_some()
+                            || step.children.iter().any(|c| c.result.is_some());
                         let before = std::mem::replace(&mut running, scratch);
                         if let Some(result) = result {
                             store_result(&mut running, &reg.id.0, result);
@@ -337,14 +369,28 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
                     }
                 }
             }
-            Verdict::Retry => info!(handler.id = %reg.id, delayed = ?record.delayed, message = ?record.message, "handler will be retried"),
-            Verdict::Failure => warn!(handler.id = %reg.id, message = ?record.message, "handler failed permanently"),
+            Verdict::Retry => {
+                info!(handler.id = %reg.id, delayed = ?record.delayed, message = ?record.message, "handler will be retried")
+            }
+            Verdict::Failure => {
+                warn!(handler.id = %reg.id, message = ?record.message, "handler failed permanently")
+            }
             Verdict::Unrecorded => {}
         }
         steps.push(step.with(record));
     }
     // An interrupted cycle (shutdown, pause) still records what finished before it.
-    let mut plan = compose(&base, running, &steps, &input, cause, &rules, old.as_ref(), finalizer, true);
+    let mut plan = compose(
+        &base,
+        running,
+        &steps,
+        &input,
+        cause,
+        &rules,
+        old.as_ref(),
+        finalizer,
+        true,
+    );
     plan.interrupted = interrupted;
     if interrupted {
         plan.done = false;
@@ -411,14 +457,18 @@ fn compose(
                 registration: s.registration.clone(),
                 record: s.before.clone(),
                 after: s.record.clone(),
-                children: s.children.iter().map(|c| (c.id.clone(), c.record.clone())).collect(),
+                children: s
+                    .children
+                    .iter()
+                    .map(|c| (c.id.clone(), c.record.clone()))
+                    .collect(),
                 delta: s.delta.clone(),
             });
         }
-        if !s.record.finished() {
-            if let Some(t) = s.record.delayed_until() {
-                wake_at = Some(wake_at.map_or(t, |w| w.min(t)));
-            }
+        if !s.record.finished()
+            && let Some(t) = s.record.delayed_until()
+        {
+            wake_at = Some(wake_at.map_or(t, |w| w.min(t)));
         }
     }
     if done {
@@ -445,7 +495,13 @@ fn compose(
         info!(%cause, handlers = steps.len(), "cause handled");
     } else {
         for s in steps {
-            store_if_changed(storage, &s.registration.id.0, s.fetched.as_ref(), &s.record, &mut desired);
+            store_if_changed(
+                storage,
+                &s.registration.id.0,
+                s.fetched.as_ref(),
+                &s.record,
+                &mut desired,
+            );
             for c in &s.children {
                 store_if_changed(storage, &c.id, c.fetched.as_ref(), &c.record, &mut desired);
             }
@@ -455,7 +511,13 @@ fn compose(
     // attempts once the rejection's message is known.
     if !patched.is_empty() {
         for s in steps.iter().filter(|s| !s.patched) {
-            store_if_changed(storage, &s.registration.id.0, s.fetched.as_ref(), &s.record, &mut fallback);
+            store_if_changed(
+                storage,
+                &s.registration.id.0,
+                s.fetched.as_ref(),
+                &s.record,
+                &mut fallback,
+            );
         }
     }
     let desired = (desired != *body).then_some(desired);
@@ -463,17 +525,35 @@ fn compose(
     if finalizer == FinalizerChange::Remove && !has_finalizer(body, &storage.keys.finalizer) {
         finalizer = FinalizerChange::Keep;
     }
-    Plan { cause, base: body.clone(), desired, fallback, patched, finalizer, wake_at, done, interrupted: false }
+    Plan {
+        cause,
+        base: body.clone(),
+        desired,
+        fallback,
+        patched,
+        finalizer,
+        wake_at,
+        done,
+        interrupted: false,
+    }
 }
 
 fn mark_managed(storage: &Storage, body: &mut Value) {
     if !storage.keys.prefix.starts_with("kopf.") && storage.diffbase.annotation_key().is_some() {
-        object_at(body, &["metadata", "annotations"])
-            .insert(format!("{}/{}", storage.keys.prefix, essence::MANAGED_MARKER), Value::String("yes".into()));
+        object_at(body, &["metadata", "annotations"]).insert(
+            format!("{}/{}", storage.keys.prefix, essence::MANAGED_MARKER),
+            Value::String("yes".into()),
+        );
     }
 }
 
-fn store_if_changed(storage: &Storage, id: &str, fetched: Option<&ProgressRecord>, record: &ProgressRecord, body: &mut Value) {
+fn store_if_changed(
+    storage: &Storage,
+    id: &str,
+    fetched: Option<&ProgressRecord>,
+    record: &ProgressRecord,
+    body: &mut Value,
+) {
     if fetched != Some(record) {
         storage.progress.store(id, record, body);
     }
@@ -484,7 +564,13 @@ fn store_if_changed(storage: &Storage, id: &str, fetched: Option<&ProgressRecord
 pub fn reject(patched: &Patched, storage: &Storage, message: &str, body: &mut Value) {
     let mut record = patched.record.clone();
     let text = format!("the API server rejected the handler's patch: {message}");
-    let _ = execution::retry(&patched.registration, &mut record, SystemTime::now(), patched.registration.backoff, &text);
+    let _ = execution::retry(
+        &patched.registration,
+        &mut record,
+        SystemTime::now(),
+        patched.registration.backoff,
+        &text,
+    );
     storage.progress.store(&patched.registration.id.0, &record, body);
 }
 
@@ -493,7 +579,9 @@ pub fn accept(patched: &Patched, storage: &Storage, body: &mut Value) {
     if !patched.delta.is_null() {
         json_patch::merge(body, &patched.delta);
     }
-    storage.progress.store(&patched.registration.id.0, &patched.after, body);
+    storage
+        .progress
+        .store(&patched.registration.id.0, &patched.after, body);
     for (id, record) in &patched.children {
         storage.progress.store(id, record, body);
     }
@@ -538,7 +626,12 @@ fn subhandlers_of(outcome: &Outcome) -> Vec<crate::model::SubhandlerOutcome> {
     }
 }
 
-fn child_states(storage: &Storage, parent: &Registration, body: &Value, record: &ProgressRecord) -> Vec<SubhandlerState> {
+fn child_states(
+    storage: &Storage,
+    parent: &Registration,
+    body: &Value,
+    record: &ProgressRecord,
+) -> Vec<SubhandlerState> {
     let prefix = format!("{}/", parent.id);
     record
         .subrefs
@@ -572,7 +665,10 @@ fn record_children(
         let full = format!("{}/{}", parent.id, child.id);
         let mut reg = parent.clone();
         reg.id = HandlerId(full.clone());
-        let fetched = storage.progress.fetch(&full, body).filter(|r| r.purpose == record.purpose);
+        let fetched = storage
+            .progress
+            .fetch(&full, body)
+            .filter(|r| r.purpose == record.purpose);
         let mut child_record = fetched.clone().unwrap_or_else(|| ProgressRecord {
             started: Some(time::format(now)),
             purpose: record.purpose.clone(),
@@ -586,7 +682,12 @@ fn record_children(
             record.subrefs.push(full.clone());
             record.subrefs.sort();
         }
-        step.children.push(Child { id: full, fetched, record: child_record, result });
+        step.children.push(Child {
+            id: full,
+            fetched,
+            record: child_record,
+            result,
+        });
     }
 }
 
@@ -636,8 +737,12 @@ pub fn apply_patches(body: &mut Value, patches: &[Patch]) -> Result<(), Diagnost
             PatchType::Json => {
                 let ops: json_patch::Patch = serde_json::from_value(p.body.clone())
                     .map_err(|e| Diagnostic::error("MALFORMED_PATCH", format!("not a JSON patch: {e}")))?;
-                json_patch::patch(body, &ops)
-                    .map_err(|e| Diagnostic::error("PATCH_DOES_NOT_APPLY", format!("the JSON patch does not apply: {e}")))?;
+                json_patch::patch(body, &ops).map_err(|e| {
+                    Diagnostic::error(
+                        "PATCH_DOES_NOT_APPLY",
+                        format!("the JSON patch does not apply: {e}"),
+                    )
+                })?;
             }
         }
     }
@@ -646,14 +751,22 @@ pub fn apply_patches(body: &mut Value, patches: &[Patch]) -> Result<(), Diagnost
 
 /// The reference of an object, from its body.
 pub fn object_ref(resource: &ResolvedResource, body: &Value) -> ResourceRef {
-    let meta = |k: &str| body.pointer(&format!("/metadata/{k}")).and_then(Value::as_str).unwrap_or_default().to_owned();
+    let meta = |k: &str| {
+        body.pointer(&format!("/metadata/{k}"))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
     ResourceRef {
         resource: resource.clone(),
         namespace: meta("namespace"),
         name: meta("name"),
         uid: meta("uid"),
         resource_version: meta("resourceVersion"),
-        generation: body.pointer("/metadata/generation").and_then(Value::as_i64).unwrap_or(0),
+        generation: body
+            .pointer("/metadata/generation")
+            .and_then(Value::as_i64)
+            .unwrap_or(0),
     }
 }
 
@@ -680,12 +793,29 @@ fn work(
             field.join("."),
         )
     } else {
-        (old.cloned(), Some(new.clone()), diff::diff(old, Some(new)), String::new())
+        (
+            old.cloned(),
+            Some(new.clone()),
+            diff::diff(old, Some(new)),
+            String::new(),
+        )
     };
     let mut work = Work::new(
         reg.id.0.clone(),
-        format!("{}/{}/{}/{}", object.uid, reg.id, causes::purpose(reason), record.started.as_deref().unwrap_or_default()),
-        Payload::Change { reason, old: old_v, new: new_v, diff: items, field },
+        format!(
+            "{}/{}/{}/{}",
+            object.uid,
+            reg.id,
+            causes::purpose(reason),
+            record.started.as_deref().unwrap_or_default()
+        ),
+        Payload::Change {
+            reason,
+            old: old_v,
+            new: new_v,
+            diff: items,
+            field,
+        },
     );
     work.attempt = record.retries + 1;
     work.started = started;
@@ -696,7 +826,10 @@ fn work(
     work.object = Some(object);
     work.body = Some(running.clone());
     work.param = reg.param.clone();
-    work.last_error = record.message.as_ref().map(|m| Diagnostic::error("PREVIOUS_ATTEMPT_FAILED", m.clone()));
+    work.last_error = record
+        .message
+        .as_ref()
+        .map(|m| Diagnostic::error("PREVIOUS_ATTEMPT_FAILED", m.clone()));
     work.subhandlers = subhandlers;
     work.cancel = input.cancel.child_token();
     work.cancel_reason = CancelReason::RuntimeShutdown;

@@ -15,7 +15,10 @@ use std::{
 
 use parking_lot::Mutex;
 use serde_json::{Map, Value};
-use tokio::{sync::{Semaphore, watch}, task::JoinHandle};
+use tokio::{
+    sync::{Semaphore, watch},
+    task::JoinHandle,
+};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
@@ -67,17 +70,24 @@ struct Slot {
 }
 
 fn uid_of(body: &Value) -> Option<String> {
-    body.pointer("/metadata/uid").and_then(Value::as_str).map(str::to_owned)
+    body.pointer("/metadata/uid")
+        .and_then(Value::as_str)
+        .map(str::to_owned)
 }
 
 fn rv_of(body: &Value) -> Option<u64> {
-    body.pointer("/metadata/resourceVersion").and_then(Value::as_str).and_then(|s| s.parse().ok())
+    body.pointer("/metadata/resourceVersion")
+        .and_then(Value::as_str)
+        .and_then(|s| s.parse().ok())
 }
 
 impl Queue {
     /// Empty queues for one resource.
     pub fn new(ctx: Context) -> Self {
-        Self { ctx: Arc::new(ctx), slots: Arc::new(Mutex::new(HashMap::new())) }
+        Self {
+            ctx: Arc::new(ctx),
+            slots: Arc::new(Mutex::new(HashMap::new())),
+        }
     }
 
     /// How many objects are known.
@@ -99,8 +109,15 @@ impl Queue {
 
     fn dispatch_event_handlers(&self, event_type: EventType, body: &Value) {
         let handlers = self.ctx.handlers.borrow().clone();
-        let subject = Subject { body, old: None, new: None };
-        for reg in handlers.iter().filter(|h| h.kind == HandlerKind::Event && matching::prematch(h, subject)) {
+        let subject = Subject {
+            body,
+            old: None,
+            new: None,
+        };
+        for reg in handlers
+            .iter()
+            .filter(|h| h.kind == HandlerKind::Event && matching::prematch(h, subject))
+        {
             let object = processing::object_ref(&self.ctx.resource, body);
             let key = format!("{}/{}/{}", object.uid, reg.id, object.resource_version);
             let mut work = Work::new(reg.id.0.clone(), key, Payload::Event { event_type });
@@ -114,7 +131,10 @@ impl Queue {
                 async move {
                     match invoker.invoke(work).await {
                         Outcome::Success { .. } | Outcome::Skipped => debug!("event handler succeeded"),
-                        other => warn!(outcome = other.as_str(), "event handler failed; not retried (as kopf)"),
+                        other => warn!(
+                            outcome = other.as_str(),
+                            "event handler failed; not retried (as kopf)"
+                        ),
                     }
                 }
                 .instrument(info_span!("event", handler.id = %id)),
@@ -130,16 +150,18 @@ impl Queue {
         };
         let mut slots = self.slots.lock();
         let slot = slots.entry(uid.clone()).or_insert_with(|| Slot {
-            memory: Memory { noticed_by_listing: event_type == EventType::Listing, fully_handled_once: false },
+            memory: Memory {
+                noticed_by_listing: event_type == EventType::Listing,
+                fully_handled_once: false,
+            },
             ..Slot::default()
         });
-        if event_type != EventType::Deleted {
-            if let (Some(written), Some(rv)) = (slot.written_rv, rv_of(&body)) {
-                if rv < written {
-                    debug!(%uid, rv, written, "stale event older than our own write dropped");
-                    return;
-                }
-            }
+        if event_type != EventType::Deleted
+            && let (Some(written), Some(rv)) = (slot.written_rv, rv_of(&body))
+            && rv < written
+        {
+            debug!(%uid, rv, written, "stale event older than our own write dropped");
+            return;
         }
         slot.pending = Some((event_type, body));
         if !slot.running {
@@ -154,9 +176,16 @@ impl Queue {
     pub fn resync(&self) {
         let bodies: Vec<Value> = {
             let slots = self.slots.lock();
-            slots.values().filter(|s| !s.gone && s.pending.is_none()).filter_map(|s| s.last_body.clone()).collect()
+            slots
+                .values()
+                .filter(|s| !s.gone && s.pending.is_none())
+                .filter_map(|s| s.last_body.clone())
+                .collect()
         };
-        debug!(objects = bodies.len(), "handlers changed; re-processing known objects");
+        debug!(
+            objects = bodies.len(),
+            "handlers changed; re-processing known objects"
+        );
         for body in bodies {
             self.push(EventType::Modified, body);
         }
@@ -195,16 +224,30 @@ impl Queue {
                     }
                 }
             };
-            let Some(((event_type, body), memory)) = next else { return };
+            let Some(((event_type, body), memory)) = next else {
+                return;
+            };
             if self.ctx.cancel.is_cancelled() {
                 self.slots.lock().remove(&uid);
                 return;
             }
-            let Ok(_permit) = self.ctx.limit.clone().acquire_owned().await else { return };
-            let name = body.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default().to_owned();
-            let namespace = body.pointer("/metadata/namespace").and_then(Value::as_str).unwrap_or_default().to_owned();
+            let Ok(_permit) = self.ctx.limit.clone().acquire_owned().await else {
+                return;
+            };
+            let name = body
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned();
+            let namespace = body
+                .pointer("/metadata/namespace")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned();
             let span = info_span!("object", object.resource = %self.ctx.resource.plural, object.namespace = %namespace, object.name = %name, object.uid = %uid);
-            self.process(&uid, event_type, body, memory).instrument(span).await;
+            self.process(&uid, event_type, body, memory)
+                .instrument(span)
+                .await;
         }
     }
 
@@ -332,7 +375,8 @@ impl Queue {
                     if self.ctx.cancel.is_cancelled() {
                         return Written::Failed;
                     }
-                    let delay = Duration::from_secs(u64::from(attempts.min(5)).pow(2)).min(Duration::from_secs(30));
+                    let delay =
+                        Duration::from_secs(u64::from(attempts.min(5)).pow(2)).min(Duration::from_secs(30));
                     warn!(error = %crate::error::chain(&e), retry_in = ?delay, "writing the object failed; retrying");
                     tokio::select! {
                         () = self.ctx.cancel.cancelled() => return Written::Failed,
@@ -347,7 +391,9 @@ impl Queue {
     /// server-side dry run) and records the ones the API server refuses as failed attempts.
     async fn isolate(&self, plan: &Plan, base: &Value, message: &str) -> Value {
         let storage = &self.ctx.storage;
-        let Some(mut body) = plan.fallback.clone() else { return base.clone() };
+        let Some(mut body) = plan.fallback.clone() else {
+            return base.clone();
+        };
         for p in &plan.patched {
             let mut candidate = body.clone();
             processing::accept(p, storage, &mut candidate);
@@ -369,29 +415,47 @@ impl Queue {
     async fn dry_run(&self, base: &Value, candidate: &Value) -> Result<(), objects::Error> {
         let (ns, name) = identity(base);
         let resource = &self.ctx.resource;
-        let Some(mut patch) = merge_diff(base, candidate) else { return Ok(()) };
+        let Some(mut patch) = merge_diff(base, candidate) else {
+            return Ok(());
+        };
         strip_server_fields(&mut patch);
-        if resource.status_subresource {
-            if let Some(status) = patch.as_object_mut().and_then(|p| p.remove("status")) {
-                let status_patch = serde_json::json!({ "status": status });
-                self.ctx.objects.merge_patch_dry_run(resource, &ns, &name, &status_patch, true).await?;
-            }
+        if resource.status_subresource
+            && let Some(status) = patch.as_object_mut().and_then(|p| p.remove("status"))
+        {
+            let status_patch = serde_json::json!({ "status": status });
+            self.ctx
+                .objects
+                .merge_patch_dry_run(resource, &ns, &name, &status_patch, true)
+                .await?;
         }
         if patch.as_object().is_some_and(|p| !p.is_empty()) {
-            self.ctx.objects.merge_patch_dry_run(resource, &ns, &name, &patch, false).await?;
+            self.ctx
+                .objects
+                .merge_patch_dry_run(resource, &ns, &name, &patch, false)
+                .await?;
         }
         Ok(())
     }
 
-    async fn write_once(&self, base: &Value, desired: Option<&Value>, finalizer: FinalizerChange) -> Result<Value, objects::Error> {
+    async fn write_once(
+        &self,
+        base: &Value,
+        desired: Option<&Value>,
+        finalizer: FinalizerChange,
+    ) -> Result<Value, objects::Error> {
         let (ns, name) = identity(base);
         let resource = &self.ctx.resource;
-        let mut patch = desired.and_then(|d| merge_diff(base, d)).unwrap_or(Value::Object(Map::new()));
+        let mut patch = desired
+            .and_then(|d| merge_diff(base, d))
+            .unwrap_or(Value::Object(Map::new()));
         strip_server_fields(&mut patch);
         if finalizer != FinalizerChange::Keep {
             let name = &self.ctx.storage.keys.finalizer;
-            let mut list: Vec<Value> =
-                base.pointer("/metadata/finalizers").and_then(Value::as_array).cloned().unwrap_or_default();
+            let mut list: Vec<Value> = base
+                .pointer("/metadata/finalizers")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default();
             list.retain(|f| f.as_str() != Some(name));
             if finalizer == FinalizerChange::Add {
                 list.push(Value::String(name.clone()));
@@ -410,10 +474,19 @@ impl Queue {
         let mut stored = None;
         if let Some(status) = status {
             let status_patch = serde_json::json!({ "status": status });
-            stored = Some(self.ctx.objects.merge_patch(resource, &ns, &name, &status_patch, true).await?);
+            stored = Some(
+                self.ctx
+                    .objects
+                    .merge_patch(resource, &ns, &name, &status_patch, true)
+                    .await?,
+            );
         }
         if patch.as_object().is_some_and(|p| !p.is_empty()) {
-            let result = self.ctx.objects.merge_patch(resource, &ns, &name, &patch, false).await?;
+            let result = self
+                .ctx
+                .objects
+                .merge_patch(resource, &ns, &name, &patch, false)
+                .await?;
             if let Some(d) = desired {
                 report_dropped_fields(&patch, &result, d);
             }
@@ -429,7 +502,11 @@ impl Queue {
 }
 
 impl processing::Checkpoint for Queue {
-    fn save<'a>(&'a self, base: &'a Value, desired: &'a Value) -> futures::future::BoxFuture<'a, Option<Value>> {
+    fn save<'a>(
+        &'a self,
+        base: &'a Value,
+        desired: &'a Value,
+    ) -> futures::future::BoxFuture<'a, Option<Value>> {
         Box::pin(async move {
             match self.write_once(base, Some(desired), FinalizerChange::Keep).await {
                 Ok(stored) => Some(stored),
@@ -460,10 +537,10 @@ fn strip_server_fields(patch: &mut Value) {
         ] {
             meta.remove(key);
         }
-        if meta.is_empty() {
-            if let Some(p) = patch.as_object_mut() {
-                p.remove("metadata");
-            }
+        if meta.is_empty()
+            && let Some(p) = patch.as_object_mut()
+        {
+            p.remove("metadata");
         }
     }
 }
@@ -476,7 +553,12 @@ enum Written {
 }
 
 fn identity(body: &Value) -> (String, String) {
-    let get = |k: &str| body.pointer(&format!("/metadata/{k}")).and_then(Value::as_str).unwrap_or_default().to_owned();
+    let get = |k: &str| {
+        body.pointer(&format!("/metadata/{k}"))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
     (get("namespace"), get("name"))
 }
 
@@ -502,7 +584,13 @@ fn report_dropped_fields(patch: &Value, stored: &Value, desired: &Value) {
     }
 }
 
-fn walk_dropped(path: &mut Vec<String>, patch: &Value, stored: &Value, desired: &Value, out: &mut Vec<String>) {
+fn walk_dropped(
+    path: &mut Vec<String>,
+    patch: &Value,
+    stored: &Value,
+    desired: &Value,
+    out: &mut Vec<String>,
+) {
     match patch {
         Value::Object(p) => {
             for (k, v) in p {
@@ -548,7 +636,10 @@ mod tests {
         let mut desired = json!({"metadata": {"annotations": {"a": "1", "ours": "yes"}}, "spec": {"x": 1}});
         let fresh = json!({"metadata": {"annotations": {"a": "1", "theirs": "t"}}, "spec": {"x": 2}});
         rebase(&mut desired, &original, &fresh);
-        assert_eq!(desired, json!({"metadata": {"annotations": {"a": "1", "ours": "yes", "theirs": "t"}}, "spec": {"x": 2}}));
+        assert_eq!(
+            desired,
+            json!({"metadata": {"annotations": {"a": "1", "ours": "yes", "theirs": "t"}}, "spec": {"x": 2}})
+        );
     }
 
     #[test]

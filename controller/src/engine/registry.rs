@@ -36,7 +36,10 @@ impl Registry {
         let mut groups: BTreeMap<ResourceKey, Vec<Registration>> = BTreeMap::new();
         for reg in &self.known {
             if let Some(resource) = &reg.resource {
-                groups.entry(ResourceKey::of(resource)).or_default().push(reg.clone());
+                groups
+                    .entry(ResourceKey::of(resource))
+                    .or_default()
+                    .push(reg.clone());
             }
         }
         groups.into_iter().map(|(k, v)| (k, Arc::new(v))).collect()
@@ -57,7 +60,11 @@ pub struct ResourceKey {
 impl ResourceKey {
     /// The key of a resource.
     pub fn of(r: &ResolvedResource) -> Self {
-        Self { group: r.group.clone(), version: r.version.clone(), plural: r.plural.clone() }
+        Self {
+            group: r.group.clone(),
+            version: r.version.clone(),
+            plural: r.plural.clone(),
+        }
     }
 }
 
@@ -68,7 +75,10 @@ mod tests {
 
     fn reg(id: &str) -> Registration {
         let mut r = Registration::new(id, HandlerKind::Create, None);
-        r.resource = Some(ResolvedResource { plural: "examples".into(), ..Default::default() });
+        r.resource = Some(ResolvedResource {
+            plural: "examples".into(),
+            ..Default::default()
+        });
         r
     }
 
@@ -77,9 +87,20 @@ mod tests {
         let mut registry = Registry::default();
         registry.update(&[reg("a"), reg("d")]);
         registry.update(&[]);
-        assert_eq!(registry.by_resource().values().next().unwrap().len(), 2, "kept while nobody is connected");
+        assert_eq!(
+            registry.by_resource().values().next().unwrap().len(),
+            2,
+            "kept while nobody is connected"
+        );
         registry.update(&[reg("a")]);
-        let ids: Vec<_> = registry.by_resource().values().next().unwrap().iter().map(|r| r.id.0.clone()).collect();
+        let ids: Vec<_> = registry
+            .by_resource()
+            .values()
+            .next()
+            .unwrap()
+            .iter()
+            .map(|r| r.id.0.clone())
+            .collect();
         assert_eq!(ids, ["a"]);
     }
 }

@@ -30,7 +30,10 @@ pub trait Resolver: Send + Sync + 'static {
     ///
     /// # Errors
     /// A diagnostic saying why the selector matches no resource (or several).
-    fn resolve<'a>(&'a self, selector: &'a ResourceSelector) -> BoxFuture<'a, Result<ResolvedResource, Diagnostic>>;
+    fn resolve<'a>(
+        &'a self,
+        selector: &'a ResourceSelector,
+    ) -> BoxFuture<'a, Result<ResolvedResource, Diagnostic>>;
 }
 
 /// Per-connection tunables.
@@ -99,13 +102,20 @@ pub async fn accept(
     let hello = match first.and_then(|m| m.message) {
         Some(In::Hello(hello)) => hello,
         Some(other) => {
-            warn!(got = message_name(&other), "handler process sent something other than hello first");
+            warn!(
+                got = message_name(&other),
+                "handler process sent something other than hello first"
+            );
             return Err(Status::invalid_argument(format!(
                 "PROTOCOL_VIOLATION: the first message must be hello, got {}",
                 message_name(&other)
             )));
         }
-        None => return Err(Status::invalid_argument("PROTOCOL_VIOLATION: the stream ended before hello")),
+        None => {
+            return Err(Status::invalid_argument(
+                "PROTOCOL_VIOLATION: the stream ended before hello",
+            ));
+        }
     };
     let capabilities: Vec<pb::Capability> = hello
         .capabilities
@@ -113,7 +123,13 @@ pub async fn accept(
         .filter_map(|c| pb::Capability::try_from(*c).ok())
         .filter(|c| SUPPORTED.contains(c))
         .collect();
-    let (mut statuses, accepted) = validate(&hub, resolver.as_ref(), &hello, settings.supported_kinds.as_deref()).await;
+    let (mut statuses, accepted) = validate(
+        &hub,
+        resolver.as_ref(),
+        &hello,
+        settings.supported_kinds.as_deref(),
+    )
+    .await;
     let sdk = hello.sdk.clone().unwrap_or_default();
     if accepted.is_empty() {
         let why: Vec<String> = statuses
@@ -123,7 +139,11 @@ pub async fn accept(
         warn!(sdk = %sdk.name, rejected = %why.join("; "), "no handler registration accepted");
         return Err(Status::failed_precondition(format!(
             "NO_HANDLERS_ACCEPTED: no handler registration was accepted ({})",
-            if why.is_empty() { "hello registered no handlers".to_owned() } else { why.join("; ") }
+            if why.is_empty() {
+                "hello registered no handlers".to_owned()
+            } else {
+                why.join("; ")
+            }
         )));
     }
     let max_in_flight = match hello.max_in_flight {
@@ -153,10 +173,19 @@ pub async fn accept(
         registrations: statuses,
     };
     let (resp_tx, resp_rx) = mpsc::channel(16);
-    let _ = resp_tx.send(Ok(pb::ConnectResponse { message: Some(Out::Welcome(welcome)) })).await;
+    let _ = resp_tx
+        .send(Ok(pb::ConnectResponse {
+            message: Some(Out::Welcome(welcome)),
+        }))
+        .await;
     hub.open(conn);
     let span = info_span!("connection", connection.id = conn, sdk = %sdk.name, sdk.version = %sdk.version, peer.instance = %hello.instance_id);
-    span.in_scope(|| info!(handlers = hub_handler_count(&hub, conn), max_in_flight, "handler process connected"));
+    span.in_scope(|| {
+        info!(
+            handlers = hub_handler_count(&hub, conn),
+            max_in_flight, "handler process connected"
+        )
+    });
     let task = Connection {
         hub,
         conn,
@@ -198,25 +227,39 @@ async fn validate(
     let mut statuses = Vec::with_capacity(hello.handlers.len());
     let mut accepted = Vec::new();
     let mut seen = HashSet::new();
-    let ids: Vec<HandlerId> = hello.handlers.iter().map(|h| HandlerId(h.handler_id.clone())).collect();
+    let ids: Vec<HandlerId> = hello
+        .handlers
+        .iter()
+        .map(|h| HandlerId(h.handler_id.clone()))
+        .collect();
     let owned = hub.owned(&ids);
     for (index, raw) in hello.handlers.iter().enumerate() {
-        let mut status = pb::RegistrationStatus { handler_id: raw.handler_id.clone(), ..Default::default() };
+        let mut status = pb::RegistrationStatus {
+            handler_id: raw.handler_id.clone(),
+            ..Default::default()
+        };
         let result = match convert::registration(index, raw) {
             Err(diags) => Err(diags),
-            Ok(_) if !seen.insert(raw.handler_id.clone()) => Err(vec![Diagnostic::error(
-                "DUPLICATE_HANDLER_ID",
-                format!("handler id {:?} is registered more than once", raw.handler_id),
-            )
-            .at(format!("handlers[{index}].handler_id"))]),
-            Ok(reg) if supported.is_some_and(|kinds| !kinds.contains(&reg.kind)) => Err(vec![Diagnostic::error(
-                "UNSUPPORTED_HANDLER_KIND",
-                format!("this controller does not run {} handlers", reg.kind),
-            )
-            .at(format!("handlers[{index}].kind"))]),
+            Ok(_) if !seen.insert(raw.handler_id.clone()) => Err(vec![
+                Diagnostic::error(
+                    "DUPLICATE_HANDLER_ID",
+                    format!("handler id {:?} is registered more than once", raw.handler_id),
+                )
+                .at(format!("handlers[{index}].handler_id")),
+            ]),
+            Ok(reg) if supported.is_some_and(|kinds| !kinds.contains(&reg.kind)) => Err(vec![
+                Diagnostic::error(
+                    "UNSUPPORTED_HANDLER_KIND",
+                    format!("this controller does not run {} handlers", reg.kind),
+                )
+                .at(format!("handlers[{index}].kind")),
+            ]),
             Ok(reg) if owned.contains(&reg.id) => Err(vec![Diagnostic::error(
                 "HANDLER_ID_TAKEN",
-                format!("handler {} is already registered by another connected handler process", reg.id),
+                format!(
+                    "handler {} is already registered by another connected handler process",
+                    reg.id
+                ),
             )]),
             Ok(mut reg) => match &reg.selector {
                 Some(selector) => match resolver.resolve(selector).await {
@@ -268,7 +311,11 @@ struct Connection {
 }
 
 impl Connection {
-    async fn run(self, mut inbound: Streaming<pb::ConnectRequest>, mut out_rx: mpsc::Receiver<pb::ConnectResponse>) {
+    async fn run(
+        self,
+        mut inbound: Streaming<pb::ConnectRequest>,
+        mut out_rx: mpsc::Receiver<pb::ConnectResponse>,
+    ) {
         let mut ping = tokio::time::interval(self.settings.ping_interval);
         ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         ping.tick().await;
@@ -318,12 +365,17 @@ impl Connection {
         if let Some(status) = end {
             let _ = self.resp_tx.try_send(Err(status));
         }
-        info!(in_flight_elsewhere = self.hub.in_flight(), "handler process disconnected");
+        info!(
+            in_flight_elsewhere = self.hub.in_flight(),
+            "handler process disconnected"
+        );
     }
 
     fn inbound_error(&self, status: Status) -> Status {
-        if matches!(status.code(), tonic::Code::OutOfRange | tonic::Code::ResourceExhausted)
-            || status.message().contains("too large")
+        if matches!(
+            status.code(),
+            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
+        ) || status.message().contains("too large")
         {
             warn!(error = %status.message(), "handler process sent an oversized message");
             Status::resource_exhausted(format!(
@@ -338,11 +390,17 @@ impl Connection {
     }
 
     /// Handles one message; returns a status when the stream must end.
-    async fn handle(&self, request: pb::ConnectRequest, awaiting: &mut Option<(u64, tokio::time::Instant)>) -> Option<Status> {
+    async fn handle(
+        &self,
+        request: pb::ConnectRequest,
+        awaiting: &mut Option<(u64, tokio::time::Instant)>,
+    ) -> Option<Status> {
         match request.message {
             Some(In::Hello(_)) => {
                 warn!("handler process sent a second hello");
-                return Some(Status::invalid_argument("PROTOCOL_VIOLATION: hello may be sent only once"));
+                return Some(Status::invalid_argument(
+                    "PROTOCOL_VIOLATION: hello may be sent only once",
+                ));
             }
             Some(In::Result(result)) => self.on_result(&result).await,
             Some(In::Update(update)) => self.on_update(update).await,
@@ -357,15 +415,19 @@ impl Connection {
             Some(In::FlowControl(fc)) => {
                 let handler = (!fc.handler_id.is_empty()).then(|| HandlerId(fc.handler_id.clone()));
                 debug!(handler = ?handler, max_in_flight = fc.max_in_flight, "flow control");
-                self.hub.flow_control(self.conn, handler.as_ref(), fc.max_in_flight);
+                self.hub
+                    .flow_control(self.conn, handler.as_ref(), fc.max_in_flight);
             }
             Some(In::Goodbye(goodbye)) => {
                 info!(reason = %goodbye.reason, "handler process says goodbye; no new invocations");
                 self.hub.close_for_dispatch(self.conn);
             }
             None => {
-                self.notice("", Diagnostic::warning("UNKNOWN_MESSAGE", "a message with no known content was ignored"))
-                    .await;
+                self.notice(
+                    "",
+                    Diagnostic::warning("UNKNOWN_MESSAGE", "a message with no known content was ignored"),
+                )
+                .await;
             }
         }
         None
@@ -386,7 +448,12 @@ impl Connection {
                         accepted: problem.is_none(),
                         diagnostics: problem.iter().map(convert::diagnostic_to_pb).collect(),
                     };
-                    let _ = self.resp_tx.send(Ok(pb::ConnectResponse { message: Some(Out::ResultAck(ack)) })).await;
+                    let _ = self
+                        .resp_tx
+                        .send(Ok(pb::ConnectResponse {
+                            message: Some(Out::ResultAck(ack)),
+                        }))
+                        .await;
                 }
             }
             Err(e) => {
@@ -398,7 +465,12 @@ impl Connection {
                         accepted: false,
                         diagnostics: vec![convert::diagnostic_to_pb(&d)],
                     };
-                    let _ = self.resp_tx.send(Ok(pb::ConnectResponse { message: Some(Out::ResultAck(ack)) })).await;
+                    let _ = self
+                        .resp_tx
+                        .send(Ok(pb::ConnectResponse {
+                            message: Some(Out::ResultAck(ack)),
+                        }))
+                        .await;
                 } else {
                     self.notice(&result.invocation_id, d).await;
                 }
@@ -421,17 +493,30 @@ impl Connection {
                 if !update.patches.is_empty() {
                     self.notice(
                         &update.invocation_id,
-                        Diagnostic::warning("UPDATES_NOT_ACCEPTED", "this invocation does not accept interim patches"),
+                        Diagnostic::warning(
+                            "UPDATES_NOT_ACCEPTED",
+                            "this invocation does not accept interim patches",
+                        ),
                     )
                     .await;
                 }
             }
-            Err(e) => self.notice(&update.invocation_id, Diagnostic::warning("STALE_INVOCATION", e.to_string())).await,
+            Err(e) => {
+                self.notice(
+                    &update.invocation_id,
+                    Diagnostic::warning("STALE_INVOCATION", e.to_string()),
+                )
+                .await
+            }
         }
     }
 
     fn on_log(&self, record: &pb::LogRecord) {
-        let handler = self.hub.handler_of(&record.invocation_id).map(|h| h.0).unwrap_or_default();
+        let handler = self
+            .hub
+            .handler_of(&record.invocation_id)
+            .map(|h| h.0)
+            .unwrap_or_default();
         let level = match pb::LogLevel::try_from(record.level) {
             Ok(pb::LogLevel::Debug) => Level::DEBUG,
             Ok(pb::LogLevel::Warning) => Level::WARN,
@@ -441,9 +526,15 @@ impl Connection {
         let inv = record.invocation_id.as_str();
         let msg = record.message.as_str();
         match level {
-            Level::DEBUG => debug!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}"),
-            Level::WARN => warn!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}"),
-            Level::ERROR => tracing::error!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}"),
+            Level::DEBUG => {
+                debug!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}")
+            }
+            Level::WARN => {
+                warn!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}")
+            }
+            Level::ERROR => {
+                tracing::error!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}")
+            }
             _ => info!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}"),
         }
     }
@@ -453,6 +544,11 @@ impl Connection {
             invocation_id: invocation_id.to_owned(),
             diagnostics: vec![convert::diagnostic_to_pb(&diagnostic)],
         };
-        let _ = self.resp_tx.send(Ok(pb::ConnectResponse { message: Some(Out::Notice(notice)) })).await;
+        let _ = self
+            .resp_tx
+            .send(Ok(pb::ConnectResponse {
+                message: Some(Out::Notice(notice)),
+            }))
+            .await;
     }
 }

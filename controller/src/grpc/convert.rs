@@ -27,14 +27,18 @@ pub fn registration(index: usize, reg: &pb::HandlerRegistration) -> Result<Regis
     let at = |field: &str| format!("handlers[{index}].{field}");
     let mut problems = Vec::new();
     if reg.handler_id.trim().is_empty() {
-        problems.push(Diagnostic::error("INVALID_HANDLER_ID", "the handler id is empty").at(at("handler_id")));
+        problems
+            .push(Diagnostic::error("INVALID_HANDLER_ID", "the handler id is empty").at(at("handler_id")));
     }
     let kind = match handler_kind(reg.kind) {
         Some(kind) => kind,
         None => {
             problems.push(
-                Diagnostic::error("UNKNOWN_HANDLER_KIND", format!("unknown handler kind {}", reg.kind))
-                    .at(at("kind")),
+                Diagnostic::error(
+                    "UNKNOWN_HANDLER_KIND",
+                    format!("unknown handler kind {}", reg.kind),
+                )
+                .at(at("kind")),
             );
             return Err(problems);
         }
@@ -49,15 +53,21 @@ pub fn registration(index: usize, reg: &pb::HandlerRegistration) -> Result<Regis
         }),
         (_, true) => {
             problems.push(
-                Diagnostic::error("MISSING_RESOURCE", format!("{kind} handlers need a resource selector"))
-                    .at(at("resource")),
+                Diagnostic::error(
+                    "MISSING_RESOURCE",
+                    format!("{kind} handlers need a resource selector"),
+                )
+                .at(at("resource")),
             );
             None
         }
         (Some(_), false) => {
             problems.push(
-                Diagnostic::error("UNEXPECTED_RESOURCE", format!("{kind} handlers take no resource selector"))
-                    .at(at("resource")),
+                Diagnostic::error(
+                    "UNEXPECTED_RESOURCE",
+                    format!("{kind} handlers take no resource selector"),
+                )
+                .at(at("resource")),
             );
             None
         }
@@ -80,8 +90,11 @@ pub fn registration(index: usize, reg: &pb::HandlerRegistration) -> Result<Regis
         Ok(pb::ErrorsMode::Ignored) => ErrorsMode::Ignored,
         Err(_) => {
             problems.push(
-                Diagnostic::error("UNKNOWN_ERRORS_MODE", format!("unknown errors mode {}", reg.errors_mode))
-                    .at(at("errors_mode")),
+                Diagnostic::error(
+                    "UNKNOWN_ERRORS_MODE",
+                    format!("unknown errors mode {}", reg.errors_mode),
+                )
+                .at(at("errors_mode")),
             );
             kind.default_errors_mode()
         }
@@ -95,13 +108,18 @@ pub fn registration(index: usize, reg: &pb::HandlerRegistration) -> Result<Regis
     out.param = match reg.param.as_ref().map(json) {
         Some(Ok(v)) => Some(v),
         Some(Err(e)) => {
-            problems.push(Diagnostic::error("MALFORMED_JSON", format!("param is not JSON: {e}")).at(at("param")));
+            problems
+                .push(Diagnostic::error("MALFORMED_JSON", format!("param is not JSON: {e}")).at(at("param")));
             None
         }
         None => None,
     };
     out.options = kind_options(reg, kind, &at, &mut problems);
-    if problems.is_empty() { Ok(out) } else { Err(problems) }
+    if problems.is_empty() {
+        Ok(out)
+    } else {
+        Err(problems)
+    }
 }
 
 fn kind_options(
@@ -112,20 +130,38 @@ fn kind_options(
 ) -> KindOptions {
     use pb::handler_registration::KindOptions as K;
     let mismatch = |name: &str| {
-        Diagnostic::error("OPTIONS_KIND_MISMATCH", format!("{name} options given for a {kind} handler")).at(at(name))
+        Diagnostic::error(
+            "OPTIONS_KIND_MISMATCH",
+            format!("{name} options given for a {kind} handler"),
+        )
+        .at(at(name))
     };
     match (&reg.kind_options, kind) {
         (None, HandlerKind::Timer) => {
-            problems.push(Diagnostic::error("MISSING_INTERVAL", "timer handlers need an interval").at(at("timer")));
+            problems.push(
+                Diagnostic::error("MISSING_INTERVAL", "timer handlers need an interval").at(at("timer")),
+            );
             KindOptions::None
         }
         (None, _) => KindOptions::None,
         (Some(K::Daemon(d)), HandlerKind::Daemon) => KindOptions::Daemon(DaemonOptions {
             initial_delay: duration(d.initial_delay.as_ref(), &at("daemon.initial_delay"), problems)
                 .unwrap_or_default(),
-            cancellation_backoff: duration(d.cancellation_backoff.as_ref(), &at("daemon.cancellation_backoff"), problems),
-            cancellation_timeout: duration(d.cancellation_timeout.as_ref(), &at("daemon.cancellation_timeout"), problems),
-            restart_backoff: duration(d.restart_backoff.as_ref(), &at("daemon.restart_backoff"), problems),
+            cancellation_backoff: duration(
+                d.cancellation_backoff.as_ref(),
+                &at("daemon.cancellation_backoff"),
+                problems,
+            ),
+            cancellation_timeout: duration(
+                d.cancellation_timeout.as_ref(),
+                &at("daemon.cancellation_timeout"),
+                problems,
+            ),
+            restart_backoff: duration(
+                d.restart_backoff.as_ref(),
+                &at("daemon.restart_backoff"),
+                problems,
+            ),
             no_restart_after_success: d.no_restart_after_success,
         }),
         (Some(K::Timer(t)), HandlerKind::Timer) => {
@@ -215,16 +251,22 @@ fn handler_kind(raw: i32) -> Option<HandlerKind> {
 fn filters(f: Option<&pb::Filters>, kind: HandlerKind) -> Result<model::Filters, Vec<Diagnostic>> {
     let Some(f) = f else {
         return if kind == HandlerKind::Field {
-            Err(vec![Diagnostic::error("MISSING_FIELD", "field handlers need a field").at("field")])
+            Err(vec![
+                Diagnostic::error("MISSING_FIELD", "field handlers need a field").at("field"),
+            ])
         } else {
             Ok(model::Filters::default())
         };
     };
     let mut problems = Vec::new();
-    let mut out = model::Filters { sdk_when: f.sdk_when, ..model::Filters::default() };
-    for (name, source, target) in
-        [("labels", &f.labels, &mut out.labels), ("annotations", &f.annotations, &mut out.annotations)]
-    {
+    let mut out = model::Filters {
+        sdk_when: f.sdk_when,
+        ..model::Filters::default()
+    };
+    for (name, source, target) in [
+        ("labels", &f.labels, &mut out.labels),
+        ("annotations", &f.annotations, &mut out.annotations),
+    ] {
         for (key, m) in source {
             if key.is_empty() {
                 problems.push(Diagnostic::error("BAD_FILTER", format!("empty key in {name}")).at(name));
@@ -246,21 +288,24 @@ fn filters(f: Option<&pb::Filters>, kind: HandlerKind) -> Result<model::Filters,
     }
     if !f.field.is_empty() {
         if f.field.split('.').any(str::is_empty) {
-            problems.push(Diagnostic::error("BAD_FILTER", format!("malformed field path {:?}", f.field)).at("field"));
+            problems.push(
+                Diagnostic::error("BAD_FILTER", format!("malformed field path {:?}", f.field)).at("field"),
+            );
         }
         out.field = f.field.split('.').map(str::to_owned).collect();
     } else if kind == HandlerKind::Field {
         problems.push(Diagnostic::error("MISSING_FIELD", "field handlers need a field").at("field"));
     }
     let has_field = !f.field.is_empty();
-    for (name, source, target) in
-        [("value", &f.value, &mut out.value), ("old", &f.old, &mut out.old), ("new", &f.new, &mut out.new)]
-    {
+    for (name, source, target) in [
+        ("value", &f.value, &mut out.value),
+        ("old", &f.old, &mut out.old),
+        ("new", &f.new, &mut out.new),
+    ] {
         let Some(m) = source else { continue };
         if !has_field {
-            problems.push(
-                Diagnostic::error("BAD_FILTER", format!("{name} is given without a field")).at(name),
-            );
+            problems
+                .push(Diagnostic::error("BAD_FILTER", format!("{name} is given without a field")).at(name));
         }
         match value_match(m) {
             Ok(m) => *target = Some(m),
@@ -268,15 +313,23 @@ fn filters(f: Option<&pb::Filters>, kind: HandlerKind) -> Result<model::Filters,
         }
     }
     if f.value.is_some() && (f.old.is_some() || f.new.is_some()) {
-        problems.push(Diagnostic::error("BAD_FILTER", "value cannot be combined with old or new").at("value"));
+        problems
+            .push(Diagnostic::error("BAD_FILTER", "value cannot be combined with old or new").at("value"));
     }
     if (f.old.is_some() || f.new.is_some()) && !matches!(kind, HandlerKind::Update | HandlerKind::Field) {
         problems.push(
-            Diagnostic::error("BAD_FILTER", format!("old and new filters are not allowed for {kind} handlers"))
-                .at("old"),
+            Diagnostic::error(
+                "BAD_FILTER",
+                format!("old and new filters are not allowed for {kind} handlers"),
+            )
+            .at("old"),
         );
     }
-    if problems.is_empty() { Ok(out) } else { Err(problems) }
+    if problems.is_empty() {
+        Ok(out)
+    } else {
+        Err(problems)
+    }
 }
 
 fn meta_match(m: &pb::MetaMatch) -> Option<MetaMatch> {
@@ -304,12 +357,18 @@ fn value_match(m: &pb::ValueMatch) -> Result<ValueMatch, Diagnostic> {
     }
 }
 
-fn duration(d: Option<&prost_types::Duration>, field: &str, problems: &mut Vec<Diagnostic>) -> Option<Duration> {
+fn duration(
+    d: Option<&prost_types::Duration>,
+    field: &str,
+    problems: &mut Vec<Diagnostic>,
+) -> Option<Duration> {
     let d = d?;
     match Duration::try_from(*d) {
         Ok(d) => Some(d),
         Err(_) => {
-            problems.push(Diagnostic::error("BAD_DURATION", "the duration is negative or out of range").at(field));
+            problems.push(
+                Diagnostic::error("BAD_DURATION", "the duration is negative or out of range").at(field),
+            );
             None
         }
     }
@@ -325,7 +384,9 @@ pub fn json(j: &pb::Json) -> Result<Value, serde_json::Error> {
 
 /// Encodes a JSON value for the wire.
 pub fn to_json(v: &Value) -> pb::Json {
-    pb::Json { json: serde_json::to_vec(v).unwrap_or_else(|_| b"null".to_vec()) }
+    pb::Json {
+        json: serde_json::to_vec(v).unwrap_or_else(|_| b"null".to_vec()),
+    }
 }
 
 fn opt_json(v: Option<&Value>) -> Option<pb::Json> {
@@ -396,10 +457,21 @@ pub fn cancel_reason_to_pb(r: CancelReason) -> pb::CancelReason {
 }
 
 /// Builds the wire invocation for one attempt of `work`.
-pub fn invocation(work: &Work, invocation_id: &str, attempt: u32, deadline: Option<SystemTime>) -> pb::Invocation {
+pub fn invocation(
+    work: &Work,
+    invocation_id: &str,
+    attempt: u32,
+    deadline: Option<SystemTime>,
+) -> pb::Invocation {
     use pb::invocation::Payload as P;
     let payload = match &work.payload {
-        Payload::Change { reason, old, new, diff, field } => P::Change(pb::ResourceChange {
+        Payload::Change {
+            reason,
+            old,
+            new,
+            diff,
+            field,
+        } => P::Change(pb::ResourceChange {
             reason: match reason {
                 ChangeReason::Create => pb::ChangeReason::Create,
                 ChangeReason::Update => pb::ChangeReason::Update,
@@ -432,18 +504,25 @@ pub fn invocation(work: &Work, invocation_id: &str, attempt: u32, deadline: Opti
             } as i32,
         }),
         Payload::Daemon { restarts } => P::Daemon(pb::DaemonStart { restarts: *restarts }),
-        Payload::Timer { scheduled } => P::Timer(pb::TimerTick { scheduled_time: Some(timestamp(*scheduled)) }),
+        Payload::Timer { scheduled } => P::Timer(pb::TimerTick {
+            scheduled_time: Some(timestamp(*scheduled)),
+        }),
         Payload::Index { deleted } => P::Index(pb::IndexRequest { deleted: *deleted }),
-        Payload::Admission { uid, operation, subresource, dry_run, old_object, user_info } => {
-            P::Admission(pb::AdmissionRequest {
-                uid: uid.clone(),
-                operation: operation.clone(),
-                subresource: subresource.clone(),
-                dry_run: *dry_run,
-                old_object: opt_json(old_object.as_ref()),
-                user_info: opt_json(user_info.as_ref()),
-            })
-        }
+        Payload::Admission {
+            uid,
+            operation,
+            subresource,
+            dry_run,
+            old_object,
+            user_info,
+        } => P::Admission(pb::AdmissionRequest {
+            uid: uid.clone(),
+            operation: operation.clone(),
+            subresource: subresource.clone(),
+            dry_run: *dry_run,
+            old_object: opt_json(old_object.as_ref()),
+            user_info: opt_json(user_info.as_ref()),
+        }),
         Payload::Probe => P::Probe(pb::ProbeRequest {}),
         Payload::Activity(a) => P::Activity(pb::ActivityRequest {
             activity: match a {
@@ -514,7 +593,10 @@ pub fn patches(patches: &[pb::Patch]) -> Result<Vec<Patch>, Diagnostic> {
             let patch_type = match pb::PatchType::try_from(p.r#type) {
                 Ok(pb::PatchType::Merge) if body.is_object() => PatchType::Merge,
                 Ok(pb::PatchType::Merge) => {
-                    return Err(Diagnostic::error("MALFORMED_PATCH", "a merge patch must be a JSON object").at(&field));
+                    return Err(
+                        Diagnostic::error("MALFORMED_PATCH", "a merge patch must be a JSON object")
+                            .at(&field),
+                    );
                 }
                 Ok(pb::PatchType::Json) => {
                     serde_json::from_value::<json_patch::Patch>(body.clone()).map_err(|e| {
@@ -524,20 +606,29 @@ pub fn patches(patches: &[pb::Patch]) -> Result<Vec<Patch>, Diagnostic> {
                     PatchType::Json
                 }
                 _ => {
-                    return Err(
-                        Diagnostic::error("MALFORMED_PATCH", format!("unknown patch type {}", p.r#type)).at(&field)
-                    );
+                    return Err(Diagnostic::error(
+                        "MALFORMED_PATCH",
+                        format!("unknown patch type {}", p.r#type),
+                    )
+                    .at(&field));
                 }
             };
             let target = match pb::PatchTarget::try_from(p.target) {
                 Ok(pb::PatchTarget::Status) => PatchTarget::Status,
                 Ok(_) => PatchTarget::Object,
                 Err(_) => {
-                    return Err(Diagnostic::error("MALFORMED_PATCH", format!("unknown patch target {}", p.target))
-                        .at(&field));
+                    return Err(Diagnostic::error(
+                        "MALFORMED_PATCH",
+                        format!("unknown patch target {}", p.target),
+                    )
+                    .at(&field));
                 }
             };
-            Ok(Patch { patch_type, target, body })
+            Ok(Patch {
+                patch_type,
+                target,
+                body,
+            })
         })
         .collect()
 }
@@ -549,7 +640,15 @@ pub fn outcome(result: &pb::InvocationResult) -> (Outcome, Option<Diagnostic>) {
     use pb::invocation_result::Outcome as O;
     let subhandlers = match subhandler_outcomes(&result.subhandlers) {
         Ok(s) => s,
-        Err(d) => return (Outcome::Permanent { diagnostics: vec![d.clone()], subhandlers: Vec::new() }, Some(d)),
+        Err(d) => {
+            return (
+                Outcome::Permanent {
+                    diagnostics: vec![d.clone()],
+                    subhandlers: Vec::new(),
+                },
+                Some(d),
+            );
+        }
     };
     let diags = |ds: &[pb::Diagnostic]| ds.iter().map(diagnostic_from_pb).collect::<Vec<_>>();
     let converted = match &result.outcome {
@@ -559,25 +658,47 @@ pub fn outcome(result: &pb::InvocationResult) -> (Outcome, Option<Diagnostic>) {
             diagnostics: diags(&t.diagnostics),
             subhandlers,
         }),
-        Some(O::PermanentError(p)) => Ok(Outcome::Permanent { diagnostics: diags(&p.diagnostics), subhandlers }),
-        Some(O::UnclassifiedError(u)) => {
-            Ok(Outcome::Unclassified { diagnostics: diags(&u.diagnostics), subhandlers })
-        }
+        Some(O::PermanentError(p)) => Ok(Outcome::Permanent {
+            diagnostics: diags(&p.diagnostics),
+            subhandlers,
+        }),
+        Some(O::UnclassifiedError(u)) => Ok(Outcome::Unclassified {
+            diagnostics: diags(&u.diagnostics),
+            subhandlers,
+        }),
         Some(O::Cancelled(_)) => Ok(Outcome::Cancelled),
         Some(O::Skipped(_)) => Ok(Outcome::Skipped),
-        None => Err(Diagnostic::error("MISSING_OUTCOME", "the result carries no outcome")),
+        None => Err(Diagnostic::error(
+            "MISSING_OUTCOME",
+            "the result carries no outcome",
+        )),
     };
     match converted {
         Ok(o) => (o, None),
-        Err(d) => (Outcome::Permanent { diagnostics: vec![d.clone()], subhandlers: Vec::new() }, Some(d)),
+        Err(d) => (
+            Outcome::Permanent {
+                diagnostics: vec![d.clone()],
+                subhandlers: Vec::new(),
+            },
+            Some(d),
+        ),
     }
 }
 
-fn success(s: &pb::Success, raw_patches: &[pb::Patch], subhandlers: Vec<SubhandlerOutcome>) -> Result<Outcome, Diagnostic> {
+fn success(
+    s: &pb::Success,
+    raw_patches: &[pb::Patch],
+    subhandlers: Vec<SubhandlerOutcome>,
+) -> Result<Outcome, Diagnostic> {
     let result = match s.result.as_ref().map(json) {
         Some(Ok(Value::Null)) | None => None,
         Some(Ok(v)) => Some(v),
-        Some(Err(e)) => return Err(Diagnostic::error("MALFORMED_JSON", format!("the result is not JSON: {e}"))),
+        Some(Err(e)) => {
+            return Err(Diagnostic::error(
+                "MALFORMED_JSON",
+                format!("the result is not JSON: {e}"),
+            ));
+        }
     };
     let kind_result = match &s.kind_result {
         Some(pb::success::KindResult::Admission(a)) => Some(KindResult::Admission(model::AdmissionVerdict {
@@ -601,7 +722,12 @@ fn success(s: &pb::Success, raw_patches: &[pb::Patch], subhandlers: Vec<Subhandl
         })),
         None => None,
     };
-    Ok(Outcome::Success { result, kind_result, patches: patches(raw_patches)?, subhandlers })
+    Ok(Outcome::Success {
+        result,
+        kind_result,
+        patches: patches(raw_patches)?,
+        subhandlers,
+    })
 }
 
 fn subhandler_outcomes(raw: &[pb::SubhandlerOutcome]) -> Result<Vec<SubhandlerOutcome>, Diagnostic> {
@@ -609,7 +735,10 @@ fn subhandler_outcomes(raw: &[pb::SubhandlerOutcome]) -> Result<Vec<SubhandlerOu
     raw.iter()
         .map(|s| {
             if s.subhandler_id.is_empty() {
-                return Err(Diagnostic::error("INVALID_HANDLER_ID", "a sub-handler outcome has no id"));
+                return Err(Diagnostic::error(
+                    "INVALID_HANDLER_ID",
+                    "a sub-handler outcome has no id",
+                ));
             }
             let diags = |ds: &[pb::Diagnostic]| ds.iter().map(diagnostic_from_pb).collect::<Vec<_>>();
             let outcome = match &s.outcome {
@@ -619,12 +748,14 @@ fn subhandler_outcomes(raw: &[pb::SubhandlerOutcome]) -> Result<Vec<SubhandlerOu
                     diagnostics: diags(&t.diagnostics),
                     subhandlers: Vec::new(),
                 },
-                Some(O::PermanentError(p)) => {
-                    Outcome::Permanent { diagnostics: diags(&p.diagnostics), subhandlers: Vec::new() }
-                }
-                Some(O::UnclassifiedError(u)) => {
-                    Outcome::Unclassified { diagnostics: diags(&u.diagnostics), subhandlers: Vec::new() }
-                }
+                Some(O::PermanentError(p)) => Outcome::Permanent {
+                    diagnostics: diags(&p.diagnostics),
+                    subhandlers: Vec::new(),
+                },
+                Some(O::UnclassifiedError(u)) => Outcome::Unclassified {
+                    diagnostics: diags(&u.diagnostics),
+                    subhandlers: Vec::new(),
+                },
                 None => {
                     return Err(Diagnostic::error(
                         "MISSING_OUTCOME",
@@ -632,7 +763,10 @@ fn subhandler_outcomes(raw: &[pb::SubhandlerOutcome]) -> Result<Vec<SubhandlerOu
                     ));
                 }
             };
-            Ok(SubhandlerOutcome { id: s.subhandler_id.clone(), outcome })
+            Ok(SubhandlerOutcome {
+                id: s.subhandler_id.clone(),
+                outcome,
+            })
         })
         .collect()
 }
@@ -645,7 +779,10 @@ mod tests {
         pb::HandlerRegistration {
             handler_id: "h".into(),
             kind: kind as i32,
-            resource: Some(pb::ResourceSelector { name: "examples".into(), ..Default::default() }),
+            resource: Some(pb::ResourceSelector {
+                name: "examples".into(),
+                ..Default::default()
+            }),
             ..Default::default()
         }
     }
@@ -668,14 +805,19 @@ mod tests {
         assert_eq!(err[0].field, "handlers[3].kind");
         let mut no_sel = reg(pb::HandlerKind::Update);
         no_sel.resource = None;
-        assert_eq!(registration(0, &no_sel).unwrap_err()[0].reason, "MISSING_RESOURCE");
+        assert_eq!(
+            registration(0, &no_sel).unwrap_err()[0].reason,
+            "MISSING_RESOURCE"
+        );
     }
 
     #[test]
     fn rejects_bad_filters() {
         let mut r = reg(pb::HandlerKind::Create);
         r.filters = Some(pb::Filters {
-            value: Some(pb::ValueMatch { condition: Some(pb::value_match::Condition::Presence(1)) }),
+            value: Some(pb::ValueMatch {
+                condition: Some(pb::value_match::Condition::Presence(1)),
+            }),
             labels: [("app".to_owned(), pb::MetaMatch { condition: None })].into(),
             ..Default::default()
         });
@@ -687,8 +829,14 @@ mod tests {
 
     #[test]
     fn field_handlers_need_a_field_and_timers_an_interval() {
-        assert_eq!(registration(0, &reg(pb::HandlerKind::Field)).unwrap_err()[0].reason, "MISSING_FIELD");
-        assert_eq!(registration(0, &reg(pb::HandlerKind::Timer)).unwrap_err()[0].reason, "MISSING_INTERVAL");
+        assert_eq!(
+            registration(0, &reg(pb::HandlerKind::Field)).unwrap_err()[0].reason,
+            "MISSING_FIELD"
+        );
+        assert_eq!(
+            registration(0, &reg(pb::HandlerKind::Timer)).unwrap_err()[0].reason,
+            "MISSING_INTERVAL"
+        );
     }
 
     #[test]
@@ -706,7 +854,9 @@ mod tests {
             patches: vec![pb::Patch {
                 r#type: t as i32,
                 target: pb::PatchTarget::Object as i32,
-                body: Some(pb::Json { json: body.as_bytes().to_vec() }),
+                body: Some(pb::Json {
+                    json: body.as_bytes().to_vec(),
+                }),
             }],
             ..Default::default()
         }
@@ -714,7 +864,10 @@ mod tests {
 
     #[test]
     fn malformed_patches_become_permanent_failures() {
-        let (o, d) = outcome(&result_with_patch(pb::PatchType::Json, r#"[{"op":"frobnicate"}]"#));
+        let (o, d) = outcome(&result_with_patch(
+            pb::PatchType::Json,
+            r#"[{"op":"frobnicate"}]"#,
+        ));
         assert_eq!(d.unwrap().reason, "MALFORMED_PATCH");
         assert!(matches!(o, Outcome::Permanent { .. }));
         let (_, d) = outcome(&result_with_patch(pb::PatchType::Merge, "[1]"));
@@ -725,9 +878,14 @@ mod tests {
 
     #[test]
     fn valid_patches_pass() {
-        let (o, d) = outcome(&result_with_patch(pb::PatchType::Json, r#"[{"op":"add","path":"/a","value":1}]"#));
+        let (o, d) = outcome(&result_with_patch(
+            pb::PatchType::Json,
+            r#"[{"op":"add","path":"/a","value":1}]"#,
+        ));
         assert!(d.is_none());
-        let Outcome::Success { patches, .. } = o else { panic!("not a success") };
+        let Outcome::Success { patches, .. } = o else {
+            panic!("not a success")
+        };
         assert_eq!(patches[0].patch_type, PatchType::Json);
     }
 }

@@ -42,7 +42,10 @@ pub struct Settings {
 
 impl Default for Settings {
     fn default() -> Self {
-        Self { cancel_grace: Duration::from_secs(5), max_losses: 3 }
+        Self {
+            cancel_grace: Duration::from_secs(5),
+            max_losses: 3,
+        }
     }
 }
 
@@ -98,6 +101,7 @@ struct InFlight {
     updates: Option<mpsc::UnboundedSender<Vec<Patch>>>,
 }
 
+#[allow(clippy::large_enum_variant, reason = "one per invocation, moved once")]
 enum Delivery {
     Result(Outcome),
     Lost,
@@ -147,13 +151,22 @@ impl Hub {
 
     /// How many handler processes are connected (and past the handshake).
     pub fn connections(&self) -> usize {
-        self.inner.state.lock().connections.values().filter(|c| c.open).count()
+        self.inner
+            .state
+            .lock()
+            .connections
+            .values()
+            .filter(|c| c.open)
+            .count()
     }
 
     /// Which of `ids` are owned by a live connection already.
     pub(crate) fn owned(&self, ids: &[HandlerId]) -> HashSet<HandlerId> {
         let state = self.inner.state.lock();
-        ids.iter().filter(|id| state.owners.contains_key(*id)).cloned().collect()
+        ids.iter()
+            .filter(|id| state.owners.contains_key(*id))
+            .cloned()
+            .collect()
     }
 
     /// Attaches a connection with its accepted registrations, closed for dispatch until
@@ -179,10 +192,24 @@ impl Hub {
             order.push(reg.id.clone());
             handlers.insert(
                 reg.id.clone(),
-                HandlerSlot { max_in_flight: reg.max_in_flight, registration: reg, in_flight: 0 },
+                HandlerSlot {
+                    max_in_flight: reg.max_in_flight,
+                    registration: reg,
+                    in_flight: 0,
+                },
             );
         }
-        state.connections.insert(id, Conn { tx, open: false, max_in_flight, in_flight: 0, handlers, order });
+        state.connections.insert(
+            id,
+            Conn {
+                tx,
+                open: false,
+                max_in_flight,
+                in_flight: 0,
+                handlers,
+                order,
+            },
+        );
         (id, taken)
     }
 
@@ -207,14 +234,20 @@ impl Hub {
     /// as new attempts by the callers waiting for it.
     pub(crate) fn detach(&self, conn: ConnectionId) {
         let mut state = self.inner.state.lock();
-        let Some(c) = state.connections.remove(&conn) else { return };
+        let Some(c) = state.connections.remove(&conn) else {
+            return;
+        };
         for id in c.handlers.keys() {
             if state.owners.get(id) == Some(&conn) {
                 state.owners.remove(id);
             }
         }
-        let lost: Vec<String> =
-            state.in_flight.iter().filter(|(_, f)| f.conn == conn).map(|(id, _)| id.clone()).collect();
+        let lost: Vec<String> = state
+            .in_flight
+            .iter()
+            .filter(|(_, f)| f.conn == conn)
+            .map(|(id, _)| id.clone())
+            .collect();
         for id in lost {
             if let Some(f) = state.in_flight.remove(&id) {
                 let _ = f.reply.send(Delivery::Lost);
@@ -227,7 +260,9 @@ impl Hub {
     /// pauses.
     pub(crate) fn flow_control(&self, conn: ConnectionId, handler: Option<&HandlerId>, max_in_flight: u32) {
         let mut state = self.inner.state.lock();
-        let Some(c) = state.connections.get_mut(&conn) else { return };
+        let Some(c) = state.connections.get_mut(&conn) else {
+            return;
+        };
         match handler {
             None => c.max_in_flight = max_in_flight,
             Some(h) => {
@@ -253,9 +288,18 @@ impl Hub {
 
     /// Sends a message to every open connection, best effort (`Drain`).
     pub fn broadcast(&self, message: pb::connect_response::Message) {
-        let txs: Vec<_> = self.inner.state.lock().connections.values().map(|c| c.tx.clone()).collect();
+        let txs: Vec<_> = self
+            .inner
+            .state
+            .lock()
+            .connections
+            .values()
+            .map(|c| c.tx.clone())
+            .collect();
         for tx in txs {
-            let _ = tx.try_send(pb::ConnectResponse { message: Some(message.clone()) });
+            let _ = tx.try_send(pb::ConnectResponse {
+                message: Some(message.clone()),
+            });
         }
     }
 
@@ -277,7 +321,10 @@ impl Hub {
     ) -> Result<Option<Diagnostic>, Error> {
         let (outcome, problem) = convert::outcome(result);
         let mut state = self.inner.state.lock();
-        let owned = state.in_flight.get(&result.invocation_id).is_some_and(|f| f.conn == conn);
+        let owned = state
+            .in_flight
+            .get(&result.invocation_id)
+            .is_some_and(|f| f.conn == conn);
         if !owned {
             return Err(Error::Stale(result.invocation_id.clone()));
         }
@@ -293,7 +340,12 @@ impl Hub {
     ///
     /// # Errors
     /// [`Error::Stale`] when no such invocation is in flight on that connection.
-    pub(crate) fn update(&self, conn: ConnectionId, invocation_id: &str, patches: Vec<Patch>) -> Result<bool, Error> {
+    pub(crate) fn update(
+        &self,
+        conn: ConnectionId,
+        invocation_id: &str,
+        patches: Vec<Patch>,
+    ) -> Result<bool, Error> {
         let state = self.inner.state.lock();
         match state.in_flight.get(invocation_id) {
             Some(f) if f.conn == conn => Ok(f.updates.as_ref().is_some_and(|tx| tx.send(patches).is_ok())),
@@ -303,15 +355,26 @@ impl Hub {
 
     /// The registration of `handler` on connection `conn`, for logs.
     pub(crate) fn handler_of(&self, invocation_id: &str) -> Option<HandlerId> {
-        self.inner.state.lock().in_flight.get(invocation_id).map(|f| f.handler.clone())
+        self.inner
+            .state
+            .lock()
+            .in_flight
+            .get(invocation_id)
+            .map(|f| f.handler.clone())
     }
 
     fn publish(&self, state: &State) {
-        let mut conns: Vec<(&ConnectionId, &Conn)> = state.connections.iter().filter(|(_, c)| c.open).collect();
+        let mut conns: Vec<(&ConnectionId, &Conn)> =
+            state.connections.iter().filter(|(_, c)| c.open).collect();
         conns.sort_by_key(|(id, _)| **id);
         let all: Vec<Registration> = conns
             .into_iter()
-            .flat_map(|(_, c)| c.order.iter().filter_map(|id| c.handlers.get(id)).map(|s| s.registration.clone()))
+            .flat_map(|(_, c)| {
+                c.order
+                    .iter()
+                    .filter_map(|id| c.handlers.get(id))
+                    .map(|s| s.registration.clone())
+            })
             .collect();
         self.inner.registrations.send_if_modified(|current| {
             if **current == all {
@@ -349,7 +412,9 @@ impl Hub {
                             return Outcome::Permanent {
                                 diagnostics: vec![Diagnostic::error(
                                     "HANDLER_PROCESS_LOST",
-                                    format!("the handler process disconnected {losses} times while processing"),
+                                    format!(
+                                        "the handler process disconnected {losses} times while processing"
+                                    ),
                                 )],
                                 subhandlers: Vec::new(),
                             };
@@ -388,9 +453,16 @@ impl Hub {
                 },
             );
         }
-        let mut guard = AttemptGuard { hub: self, invocation_id: &invocation_id, armed: true, cancel_sent: false };
+        let mut guard = AttemptGuard {
+            hub: self,
+            invocation_id: &invocation_id,
+            armed: true,
+            cancel_sent: false,
+        };
         let invocation = convert::invocation(work, &invocation_id, work.attempt, wall_deadline);
-        let message = pb::ConnectResponse { message: Some(pb::connect_response::Message::Invocation(invocation)) };
+        let message = pb::ConnectResponse {
+            message: Some(pb::connect_response::Message::Invocation(invocation)),
+        };
         if grant.tx.send(message).await.is_err() {
             guard.withdraw();
             return Delivery::Lost;
@@ -424,12 +496,20 @@ impl Hub {
         let notify = Arc::new(Notify::new());
         {
             let mut state = self.inner.state.lock();
-            state.waiters.entry(handler.clone()).or_default().push_back((waiter_id, notify.clone()));
+            state
+                .waiters
+                .entry(handler.clone())
+                .or_default()
+                .push_back((waiter_id, notify.clone()));
             if let Some(&conn) = state.owners.get(handler) {
                 state.pump_conn(conn);
             }
         }
-        let guard = WaiterGuard { hub: self, handler, waiter_id };
+        let guard = WaiterGuard {
+            hub: self,
+            handler,
+            waiter_id,
+        };
         loop {
             notify.notified().await;
             if let Some(grant) = self.inner.state.lock().granted.remove(&waiter_id) {
@@ -464,34 +544,49 @@ impl State {
         if self.paused {
             return;
         }
-        let Some(c) = self.connections.get(&conn) else { return };
+        let Some(c) = self.connections.get(&conn) else {
+            return;
+        };
         if !c.open {
             return;
         }
         let handlers: Vec<HandlerId> = c.handlers.keys().cloned().collect();
         for handler in handlers {
             loop {
-                let Some(c) = self.connections.get_mut(&conn) else { return };
+                let Some(c) = self.connections.get_mut(&conn) else {
+                    return;
+                };
                 if c.in_flight >= c.max_in_flight {
                     return;
                 }
-                let Some(slot) = c.handlers.get_mut(&handler) else { break };
+                let Some(slot) = c.handlers.get_mut(&handler) else {
+                    break;
+                };
                 if slot.max_in_flight.is_some_and(|cap| slot.in_flight >= cap) {
                     break;
                 }
-                let Some((waiter_id, notify)) = self.waiters.get_mut(&handler).and_then(VecDeque::pop_front) else {
+                let Some((waiter_id, notify)) = self.waiters.get_mut(&handler).and_then(VecDeque::pop_front)
+                else {
                     break;
                 };
                 slot.in_flight += 1;
                 c.in_flight += 1;
-                self.granted.insert(waiter_id, Grant { conn, tx: c.tx.clone() });
+                self.granted.insert(
+                    waiter_id,
+                    Grant {
+                        conn,
+                        tx: c.tx.clone(),
+                    },
+                );
                 notify.notify_one();
             }
         }
     }
 
     fn release(&mut self, conn: ConnectionId, handler: &HandlerId) {
-        let Some(c) = self.connections.get_mut(&conn) else { return };
+        let Some(c) = self.connections.get_mut(&conn) else {
+            return;
+        };
         c.in_flight = c.in_flight.saturating_sub(1);
         if let Some(slot) = c.handlers.get_mut(handler) {
             slot.in_flight = slot.in_flight.saturating_sub(1);
@@ -535,11 +630,19 @@ impl AttemptGuard<'_> {
         self.armed = false;
         let mut state = self.hub.inner.state.lock();
         if let Some(f) = state.in_flight.remove(self.invocation_id) {
-            let tx = state.connections.get(&f.conn).filter(|_| !self.cancel_sent).map(|c| c.tx.clone());
+            let tx = state
+                .connections
+                .get(&f.conn)
+                .filter(|_| !self.cancel_sent)
+                .map(|c| c.tx.clone());
             state.release(f.conn, &f.handler);
             drop(state);
             if let Some(tx) = tx {
-                let _ = tx.try_send(cancel_message(self.invocation_id, CancelReason::Superseded, Duration::ZERO));
+                let _ = tx.try_send(cancel_message(
+                    self.invocation_id,
+                    CancelReason::Superseded,
+                    Duration::ZERO,
+                ));
             }
         }
     }
@@ -562,7 +665,11 @@ mod tests {
         r
     }
 
-    fn attach(hub: &Hub, regs: Vec<Registration>, cap: u32) -> (ConnectionId, mpsc::Receiver<pb::ConnectResponse>) {
+    fn attach(
+        hub: &Hub,
+        regs: Vec<Registration>,
+        cap: u32,
+    ) -> (ConnectionId, mpsc::Receiver<pb::ConnectResponse>) {
         let (tx, rx) = mpsc::channel(64);
         let (id, taken) = hub.attach(tx, cap, regs);
         assert!(taken.is_empty());
@@ -596,7 +703,11 @@ mod tests {
         let (conn, mut rx) = attach(&hub, vec![reg("p", None)], 8);
         let inv = invocation_of(rx.recv().await.unwrap());
         assert_eq!(inv.attempt, 1);
-        assert!(hub.complete(conn, &success(&inv.invocation_id)).unwrap().is_none());
+        assert!(
+            hub.complete(conn, &success(&inv.invocation_id))
+                .unwrap()
+                .is_none()
+        );
         assert_eq!(task.await.unwrap(), Outcome::success(None));
         assert_eq!(hub.in_flight(), 0);
     }
@@ -615,7 +726,10 @@ mod tests {
         });
         let first = invocation_of(rx.recv().await.unwrap());
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(rx.try_recv().is_err(), "second invocation dispatched despite the cap");
+        assert!(
+            rx.try_recv().is_err(),
+            "second invocation dispatched despite the cap"
+        );
         hub.complete(conn, &success(&first.invocation_id)).unwrap();
         let second = invocation_of(rx.recv().await.unwrap());
         hub.complete(conn, &success(&second.invocation_id)).unwrap();
@@ -638,14 +752,20 @@ mod tests {
         assert_eq!(second.attempt, 2);
         assert_ne!(second.invocation_id, first.invocation_id);
         assert_eq!(second.last_error.unwrap().reason, "HANDLER_PROCESS_LOST");
-        assert!(matches!(hub.complete(conn, &success(&first.invocation_id)), Err(Error::Stale(_))));
+        assert!(matches!(
+            hub.complete(conn, &success(&first.invocation_id)),
+            Err(Error::Stale(_))
+        ));
         hub.complete(conn2, &success(&second.invocation_id)).unwrap();
         assert_eq!(task.await.unwrap(), Outcome::success(None));
     }
 
     #[tokio::test]
     async fn repeated_losses_become_permanent() {
-        let hub = Hub::new(Settings { max_losses: 2, ..Settings::default() });
+        let hub = Hub::new(Settings {
+            max_losses: 2,
+            ..Settings::default()
+        });
         let task = tokio::spawn({
             let hub = hub.clone();
             async move { hub.invoke(Work::new("p", "k", Payload::Probe)).await }
@@ -655,13 +775,18 @@ mod tests {
             invocation_of(rx.recv().await.unwrap());
             hub.detach(conn);
         }
-        let Outcome::Permanent { diagnostics, .. } = task.await.unwrap() else { panic!("not permanent") };
+        let Outcome::Permanent { diagnostics, .. } = task.await.unwrap() else {
+            panic!("not permanent")
+        };
         assert_eq!(diagnostics[0].reason, "HANDLER_PROCESS_LOST");
     }
 
     #[tokio::test(start_paused = true)]
     async fn deadline_sends_cancel_then_times_out() {
-        let hub = Hub::new(Settings { cancel_grace: Duration::from_secs(1), ..Settings::default() });
+        let hub = Hub::new(Settings {
+            cancel_grace: Duration::from_secs(1),
+            ..Settings::default()
+        });
         let (_conn, mut rx) = attach(&hub, vec![reg("p", None)], 8);
         let mut work = Work::new("p", "k", Payload::Probe);
         work.attempt_timeout = Some(Duration::from_secs(2));
@@ -671,7 +796,9 @@ mod tests {
         });
         invocation_of(rx.recv().await.unwrap());
         let cancel = rx.recv().await.unwrap();
-        let Some(pb::connect_response::Message::Cancel(c)) = cancel.message else { panic!("no cancel") };
+        let Some(pb::connect_response::Message::Cancel(c)) = cancel.message else {
+            panic!("no cancel")
+        };
         assert_eq!(c.reason, pb::CancelReason::DeadlineExceeded as i32);
         assert_eq!(task.await.unwrap(), Outcome::TimedOut);
         assert_eq!(hub.in_flight(), 0);

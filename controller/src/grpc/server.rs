@@ -23,7 +23,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::info;
 
 use super::{
-    connection::{self, ResponseStream, Resolver},
+    connection::{self, Resolver, ResponseStream},
     hub::Hub,
 };
 
@@ -42,11 +42,16 @@ impl FromStr for Listen {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         if let Some(path) = s.strip_prefix("unix://").or_else(|| s.strip_prefix("unix:")) {
             if !path.starts_with('/') {
-                return Err(format!("{s:?}: the socket path must be absolute (unix:///path/to.sock)"));
+                return Err(format!(
+                    "{s:?}: the socket path must be absolute (unix:///path/to.sock)"
+                ));
             }
             return Ok(Self::Unix(PathBuf::from(path)));
         }
-        let addr = s.strip_prefix("tcp://").or_else(|| s.strip_prefix("http://")).unwrap_or(s);
+        let addr = s
+            .strip_prefix("tcp://")
+            .or_else(|| s.strip_prefix("http://"))
+            .unwrap_or(s);
         addr.parse::<SocketAddr>()
             .map(Self::Tcp)
             .map_err(|_| format!("{s:?} is neither unix:///path nor HOST:PORT"))
@@ -153,14 +158,27 @@ impl Server {
                 (Listen::Unix(path), Incoming::Unix(listener))
             }
             Listen::Tcp(addr) => {
-                let listener = TcpListener::bind(addr)
-                    .await
-                    .map_err(|source| Error::Bind { listen: addr.to_string(), source })?;
-                let local = listener.local_addr().map_err(|source| Error::Bind { listen: addr.to_string(), source })?;
+                let listener = TcpListener::bind(addr).await.map_err(|source| Error::Bind {
+                    listen: addr.to_string(),
+                    source,
+                })?;
+                let local = listener.local_addr().map_err(|source| Error::Bind {
+                    listen: addr.to_string(),
+                    source,
+                })?;
                 (Listen::Tcp(local), Incoming::Tcp(listener))
             }
         };
-        Ok(Self { listen, incoming, runtime: Runtime { hub, resolver, settings, shutdown } })
+        Ok(Self {
+            listen,
+            incoming,
+            runtime: Runtime {
+                hub,
+                resolver,
+                settings,
+                shutdown,
+            },
+        })
     }
 
     /// Where the server actually listens (with the real port for `:0`).
@@ -176,14 +194,17 @@ impl Server {
         let shutdown = self.runtime.shutdown.clone();
         let max = self.runtime.settings.max_message_bytes;
         let (health_reporter, health) = tonic_health::server::health_reporter();
-        health_reporter.set_serving::<RuntimeServiceServer<Runtime>>().await;
+        health_reporter
+            .set_serving::<RuntimeServiceServer<Runtime>>()
+            .await;
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .map_err(Error::Reflection)?;
-        let runtime =
-            RuntimeServiceServer::new(self.runtime).max_decoding_message_size(max).max_encoding_message_size(max);
+        let runtime = RuntimeServiceServer::new(self.runtime)
+            .max_decoding_message_size(max)
+            .max_encoding_message_size(max);
         let router = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
             .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
@@ -194,10 +215,14 @@ impl Server {
         let stopped = shutdown.clone();
         let result = match self.incoming {
             Incoming::Unix(l) => {
-                router.serve_with_incoming_shutdown(UnixListenerStream::new(l), stopped.cancelled_owned()).await
+                router
+                    .serve_with_incoming_shutdown(UnixListenerStream::new(l), stopped.cancelled_owned())
+                    .await
             }
             Incoming::Tcp(l) => {
-                router.serve_with_incoming_shutdown(TcpListenerStream::new(l), stopped.cancelled_owned()).await
+                router
+                    .serve_with_incoming_shutdown(TcpListenerStream::new(l), stopped.cancelled_owned())
+                    .await
             }
         };
         if let Listen::Unix(path) = &self.listen {
@@ -208,12 +233,15 @@ impl Server {
 }
 
 fn bind_unix(path: &Path) -> Result<UnixListener, Error> {
-    let io = |source| Error::SocketPath { path: path.to_owned(), source };
-    if let Some(dir) = path.parent() {
-        if !dir.exists() {
-            std::fs::create_dir_all(dir).map_err(io)?;
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
-        }
+    let io = |source| Error::SocketPath {
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(dir) = path.parent()
+        && !dir.exists()
+    {
+        std::fs::create_dir_all(dir).map_err(io)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
     }
     match std::fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path).map_err(io)?,
@@ -221,8 +249,10 @@ fn bind_unix(path: &Path) -> Result<UnixListener, Error> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(io(e)),
     }
-    let listener =
-        UnixListener::bind(path).map_err(|source| Error::Bind { listen: format!("unix://{}", path.display()), source })?;
+    let listener = UnixListener::bind(path).map_err(|source| Error::Bind {
+        listen: format!("unix://{}", path.display()),
+        source,
+    })?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
     Ok(listener)
 }
@@ -233,8 +263,14 @@ mod tests {
 
     #[test]
     fn parses_listen_addresses() {
-        assert_eq!("unix:///run/capstan/capstan.sock".parse(), Ok(Listen::Unix("/run/capstan/capstan.sock".into())));
-        assert_eq!("127.0.0.1:7000".parse(), Ok(Listen::Tcp("127.0.0.1:7000".parse().unwrap())));
+        assert_eq!(
+            "unix:///run/capstan/capstan.sock".parse(),
+            Ok(Listen::Unix("/run/capstan/capstan.sock".into()))
+        );
+        assert_eq!(
+            "127.0.0.1:7000".parse(),
+            Ok(Listen::Tcp("127.0.0.1:7000".parse().unwrap()))
+        );
         assert!("unix://relative.sock".parse::<Listen>().is_err());
         assert!("nonsense".parse::<Listen>().is_err());
     }
@@ -243,14 +279,21 @@ mod tests {
     fn stale_sockets_are_replaced_and_files_refused() {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("sub/c.sock");
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async {
             let first = bind_unix(&sock).unwrap();
             drop(first);
             let _second = bind_unix(&sock).unwrap();
             let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
             assert_eq!(mode, 0o600);
-            let dir_mode = std::fs::metadata(sock.parent().unwrap()).unwrap().permissions().mode() & 0o777;
+            let dir_mode = std::fs::metadata(sock.parent().unwrap())
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777;
             assert_eq!(dir_mode, 0o700);
         });
         let file = dir.path().join("file");

@@ -19,7 +19,12 @@ pub const USER_AGENT: &str = concat!("capstan/", env!("CARGO_PKG_VERSION"));
 /// # Errors
 /// [`Error::Config`] when neither a kubeconfig nor an in-cluster configuration works.
 pub async fn connect() -> Result<Client, Error> {
-    let mut config = kube::Config::infer().await.map_err(|e| Error::Config(kube::Error::InferConfig(e)))?;
-    config.headers.push((http::header::USER_AGENT, http::HeaderValue::from_static(USER_AGENT)));
+    let mut config = kube::Config::infer()
+        .await
+        .map_err(|e| Error::Config(kube::Error::InferConfig(e)))?;
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static(USER_AGENT),
+    ));
     Client::try_from(config).map_err(Error::Config)
 }

@@ -79,7 +79,11 @@ pub struct Discovery {
 impl Discovery {
     /// A resolver that re-reads discovery at most every `ttl`.
     pub fn new(client: Client, ttl: Duration) -> Self {
-        Self { client, ttl, cache: Mutex::new(None) }
+        Self {
+            client,
+            ttl,
+            cache: Mutex::new(None),
+        }
     }
 
     /// Resolves one selector.
@@ -100,12 +104,11 @@ impl Discovery {
     }
 
     async fn served(&self, refresh: bool) -> Result<std::sync::Arc<Vec<Served>>, Error> {
-        if !refresh {
-            if let Some((at, served)) = self.cache.lock().as_ref() {
-                if at.elapsed() < self.ttl {
-                    return Ok(served.clone());
-                }
-            }
+        if !refresh
+            && let Some((at, served)) = self.cache.lock().as_ref()
+            && at.elapsed() < self.ttl
+        {
+            return Ok(served.clone());
         }
         let served = std::sync::Arc::new(scan(&self.client).await?);
         *self.cache.lock() = Some((Instant::now(), served.clone()));
@@ -127,29 +130,37 @@ impl Wanted {
         let mut name = selector.name.clone();
         let mut group = (!selector.group.is_empty()).then(|| selector.group.clone());
         let mut version = (!selector.version.is_empty()).then(|| selector.version.clone());
-        if group.is_none() && version.is_none() {
-            if let Some((first, rest)) = selector.name.split_once('.') {
-                name = first.to_owned();
-                match rest.split_once('.') {
-                    Some((v, g)) if looks_like_version(v) => {
-                        version = Some(v.to_owned());
-                        group = Some(g.to_owned());
-                    }
-                    _ if looks_like_version(rest) => version = Some(rest.to_owned()),
-                    _ => group = Some(rest.to_owned()),
+        if group.is_none()
+            && version.is_none()
+            && let Some((first, rest)) = selector.name.split_once('.')
+        {
+            name = first.to_owned();
+            match rest.split_once('.') {
+                Some((v, g)) if looks_like_version(v) => {
+                    version = Some(v.to_owned());
+                    group = Some(g.to_owned());
                 }
+                _ if looks_like_version(rest) => version = Some(rest.to_owned()),
+                _ => group = Some(rest.to_owned()),
             }
         }
         if version.is_none() && group.as_deref().is_some_and(looks_like_version) {
             version = group.take();
             group = Some(String::new());
         }
-        Self { name, group, version, display: selector.to_string() }
+        Self {
+            name,
+            group,
+            version,
+            display: selector.to_string(),
+        }
     }
 }
 
 fn looks_like_version(s: &str) -> bool {
-    let Some(rest) = s.strip_prefix('v') else { return false };
+    let Some(rest) = s.strip_prefix('v') else {
+        return false;
+    };
     let digits = rest.chars().take_while(char::is_ascii_digit).count();
     if digits == 0 {
         return false;
@@ -157,7 +168,8 @@ fn looks_like_version(s: &str) -> bool {
     let tail = &rest[digits..];
     tail.is_empty()
         || ["alpha", "beta"].iter().any(|p| {
-            tail.strip_prefix(p).is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+            tail.strip_prefix(p)
+                .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
         })
 }
 
@@ -184,8 +196,10 @@ fn pick(wanted: &Wanted, served: &[Served]) -> Result<ResolvedResource, Error> {
     match found.as_slice() {
         [] => Err(Error::NotFound(wanted.display.clone())),
         [one] => {
-            let missing: Vec<&str> =
-                ["list", "watch", "patch"].into_iter().filter(|v| !one.verbs.iter().any(|x| x == v)).collect();
+            let missing: Vec<&str> = ["list", "watch", "patch"]
+                .into_iter()
+                .filter(|v| !one.verbs.iter().any(|x| x == v))
+                .collect();
             if missing.is_empty() {
                 Ok(one.resolved.clone())
             } else {
@@ -198,7 +212,11 @@ fn pick(wanted: &Wanted, served: &[Served]) -> Result<ResolvedResource, Error> {
         }
         many => Err(Error::Ambiguous {
             selector: wanted.display.clone(),
-            candidates: many.iter().map(|s| s.resolved.to_string()).collect::<Vec<_>>().join(", "),
+            candidates: many
+                .iter()
+                .map(|s| s.resolved.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
         }),
     }
 }
@@ -207,7 +225,10 @@ async fn scan(client: &Client) -> Result<Vec<Served>, Error> {
     let mut out = Vec::new();
     let core = client.list_core_api_versions().await.map_err(Error::Api)?;
     for (i, version) in core.versions.iter().enumerate() {
-        let list = client.list_core_api_resources(version).await.map_err(Error::Api)?;
+        let list = client
+            .list_core_api_resources(version)
+            .await
+            .map_err(Error::Api)?;
         collect(&mut out, "", version, i == 0, &list.resources);
     }
     let groups = client.list_api_groups().await.map_err(Error::Api)?;
@@ -242,7 +263,11 @@ fn collect(out: &mut Vec<Served>, group: &str, version: &str, preferred: bool, r
                 status_subresource,
             },
             preferred,
-            singular: if r.singular_name.is_empty() { r.kind.to_lowercase() } else { r.singular_name.clone() },
+            singular: if r.singular_name.is_empty() {
+                r.kind.to_lowercase()
+            } else {
+                r.singular_name.clone()
+            },
             short_names: r.short_names.clone().unwrap_or_default(),
             categories: r.categories.clone().unwrap_or_default(),
             verbs: r.verbs.clone(),
@@ -273,7 +298,10 @@ mod tests {
     }
 
     fn sel(name: &str) -> ResourceSelector {
-        ResourceSelector { name: name.into(), ..Default::default() }
+        ResourceSelector {
+            name: name.into(),
+            ..Default::default()
+        }
     }
 
     fn world() -> Vec<Served> {
@@ -289,13 +317,22 @@ mod tests {
     #[test]
     fn parses_qualified_names() {
         let w = Wanted::parse(&sel("examples.demo.capstan.dev"));
-        assert_eq!((w.name.as_str(), w.group.as_deref(), w.version), ("examples", Some("demo.capstan.dev"), None));
+        assert_eq!(
+            (w.name.as_str(), w.group.as_deref(), w.version),
+            ("examples", Some("demo.capstan.dev"), None)
+        );
         let w = Wanted::parse(&sel("ex.v1beta1.demo.capstan.dev"));
         assert_eq!(w.version.as_deref(), Some("v1beta1"));
         assert_eq!(w.group.as_deref(), Some("demo.capstan.dev"));
-        let w = Wanted::parse(&ResourceSelector { group: "v1".into(), name: "pods".into(), ..Default::default() });
+        let w = Wanted::parse(&ResourceSelector {
+            group: "v1".into(),
+            name: "pods".into(),
+            ..Default::default()
+        });
         assert_eq!((w.group.as_deref(), w.version.as_deref()), (Some(""), Some("v1")));
-        assert!(!looks_like_version("vx") && looks_like_version("v2alpha1") && !looks_like_version("v1alpha"));
+        assert!(
+            !looks_like_version("vx") && looks_like_version("v2alpha1") && !looks_like_version("v1alpha")
+        );
     }
 
     #[test]
@@ -306,9 +343,20 @@ mod tests {
         assert_eq!(err.reason(), "AMBIGUOUS_RESOURCE");
         assert!(err.to_string().contains("examples.v1.other.dev"), "{err}");
         let ok = pick(&Wanted::parse(&sel("Example.demo.capstan.dev")), &w).unwrap();
-        assert_eq!(ok.version, "v1", "versionless selectors take the preferred version");
-        assert_eq!(pick(&Wanted::parse(&sel("ex.demo.capstan.dev")), &w).unwrap().plural, "examples");
-        assert_eq!(pick(&Wanted::parse(&sel("nothing")), &w).unwrap_err().reason(), "UNKNOWN_RESOURCE");
+        assert_eq!(
+            ok.version, "v1",
+            "versionless selectors take the preferred version"
+        );
+        assert_eq!(
+            pick(&Wanted::parse(&sel("ex.demo.capstan.dev")), &w)
+                .unwrap()
+                .plural,
+            "examples"
+        );
+        assert_eq!(
+            pick(&Wanted::parse(&sel("nothing")), &w).unwrap_err().reason(),
+            "UNKNOWN_RESOURCE"
+        );
     }
 
     #[test]

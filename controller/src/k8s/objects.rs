@@ -76,7 +76,12 @@ impl Objects {
     ///
     /// # Errors
     /// See [`Error`].
-    pub async fn get(&self, resource: &ResolvedResource, namespace: &str, name: &str) -> Result<Value, Error> {
+    pub async fn get(
+        &self,
+        resource: &ResolvedResource,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Value, Error> {
         let obj = self.api(resource, Some(namespace)).get(name).await?;
         Ok(to_value(obj))
     }
@@ -95,7 +100,10 @@ impl Objects {
         status: bool,
     ) -> Result<Value, Error> {
         let api = self.api(resource, Some(namespace));
-        let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() };
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PatchParams::default()
+        };
         let obj = if status {
             api.patch_status(name, &params, &Patch::Merge(patch)).await?
         } else {
@@ -119,7 +127,11 @@ impl Objects {
         status: bool,
     ) -> Result<(), Error> {
         let api = self.api(resource, Some(namespace));
-        let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), dry_run: true, ..PatchParams::default() };
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            dry_run: true,
+            ..PatchParams::default()
+        };
         if status {
             api.patch_status(name, &params, &Patch::Merge(patch)).await?;
         } else {

@@ -36,7 +36,11 @@ pub struct Settings {
 
 impl Default for Settings {
     fn default() -> Self {
-        Self { inactivity_timeout: Duration::from_secs(300), page_size: 500, server_timeout: 290 }
+        Self {
+            inactivity_timeout: Duration::from_secs(300),
+            page_size: 500,
+            server_timeout: 290,
+        }
     }
 }
 
@@ -118,7 +122,14 @@ impl Watch {
         settings: Settings,
         status: Status,
     ) -> Self {
-        Self { api, label_selector, field_selector, settings, status, known: HashMap::new() }
+        Self {
+            api,
+            label_selector,
+            field_selector,
+            settings,
+            status,
+            known: HashMap::new(),
+        }
     }
 
     /// Runs until `cancel` fires or the receiver goes away.
@@ -166,13 +177,35 @@ impl Watch {
         let mut seen: HashMap<String, (String, String)> = HashMap::new();
         let mut rv = String::new();
         loop {
-            let page = self.api.list(&params).await?;
+            let page =
+                match tokio::time::timeout(self.settings.inactivity_timeout, self.api.list(&params)).await {
+                    Ok(page) => page?,
+                    Err(_) => {
+                        return Err(kube::Error::Service(Box::new(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("listing hung for {:?}", self.settings.inactivity_timeout),
+                        ))));
+                    }
+                };
             rv = page.metadata.resource_version.clone().unwrap_or(rv);
             for obj in page.items {
                 if let Some(uid) = obj.metadata.uid.clone() {
-                    seen.insert(uid, (obj.metadata.namespace.clone().unwrap_or_default(), obj.metadata.name.clone().unwrap_or_default()));
+                    seen.insert(
+                        uid,
+                        (
+                            obj.metadata.namespace.clone().unwrap_or_default(),
+                            obj.metadata.name.clone().unwrap_or_default(),
+                        ),
+                    );
                 }
-                if tx.send(Event { event_type: EventType::Listing, body: to_value(obj) }).await.is_err() {
+                if tx
+                    .send(Event {
+                        event_type: EventType::Listing,
+                        body: to_value(obj),
+                    })
+                    .await
+                    .is_err()
+                {
                     return Ok(None);
                 }
             }
@@ -181,12 +214,22 @@ impl Watch {
                 None => break,
             }
         }
-        let vanished: Vec<(String, (String, String))> =
-            self.known.drain().filter(|(uid, _)| !seen.contains_key(uid)).collect();
+        let vanished: Vec<(String, (String, String))> = self
+            .known
+            .drain()
+            .filter(|(uid, _)| !seen.contains_key(uid))
+            .collect();
         for (uid, (namespace, name)) in vanished {
             debug!(%uid, %name, "object vanished while the watch was down");
             let body = json!({"metadata": {"uid": uid, "name": name, "namespace": namespace}});
-            if tx.send(Event { event_type: EventType::Deleted, body }).await.is_err() {
+            if tx
+                .send(Event {
+                    event_type: EventType::Deleted,
+                    body,
+                })
+                .await
+                .is_err()
+            {
                 return Ok(None);
             }
         }
@@ -195,7 +238,12 @@ impl Watch {
         Ok(Some(rv))
     }
 
-    async fn watch(&mut self, tx: &mpsc::Sender<Event>, rv: &mut String, cancel: &CancellationToken) -> Option<Restart> {
+    async fn watch(
+        &mut self,
+        tx: &mpsc::Sender<Event>,
+        rv: &mut String,
+        cancel: &CancellationToken,
+    ) -> Option<Restart> {
         let mut params = WatchParams::default().timeout(self.settings.server_timeout);
         if let Some(l) = &self.label_selector {
             params = params.labels(l);
@@ -205,7 +253,12 @@ impl Watch {
         }
         let stream = tokio::select! {
             () = cancel.cancelled() => return None,
-            s = self.api.watch(&params, rv) => s,
+            s = tokio::time::timeout(self.settings.inactivity_timeout, self.api.watch(&params, rv)) => s,
+        };
+        let Ok(stream) = stream else {
+            warn!(timeout = ?self.settings.inactivity_timeout, "starting the watch hung; retrying");
+            self.status.set_down("starting the watch hung".into());
+            return Some(Restart::Rewatch);
         };
         let mut stream = match stream {
             Ok(s) => s.boxed(),
@@ -215,7 +268,11 @@ impl Watch {
                 if sleep_or_cancel(Duration::from_secs(1), cancel).await {
                     return None;
                 }
-                return Some(if is_gone(&e) { Restart::Relist } else { Restart::Rewatch });
+                return Some(if is_gone(&e) {
+                    Restart::Relist
+                } else {
+                    Restart::Rewatch
+                });
             }
         };
         self.status.set_up(false);
@@ -254,7 +311,8 @@ impl Watch {
                 }
                 WatchEvent::Error(e) => {
                     warn!(code = e.code, message = %e.message, "watch error; restarting it");
-                    self.status.set_down(format!("watch error {}: {}", e.code, e.message));
+                    self.status
+                        .set_down(format!("watch error {}: {}", e.code, e.message));
                     return Some(Restart::Rewatch);
                 }
             };
@@ -266,10 +324,23 @@ impl Watch {
                 if event_type == EventType::Deleted {
                     self.known.remove(&uid);
                 } else {
-                    self.known.insert(uid, (obj.metadata.namespace.clone().unwrap_or_default(), obj.metadata.name.clone().unwrap_or_default()));
+                    self.known.insert(
+                        uid,
+                        (
+                            obj.metadata.namespace.clone().unwrap_or_default(),
+                            obj.metadata.name.clone().unwrap_or_default(),
+                        ),
+                    );
                 }
             }
-            if tx.send(Event { event_type, body: to_value(obj) }).await.is_err() {
+            if tx
+                .send(Event {
+                    event_type,
+                    body: to_value(obj),
+                })
+                .await
+                .is_err()
+            {
                 return None;
             }
         }

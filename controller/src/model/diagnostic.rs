@@ -40,12 +40,22 @@ pub struct Diagnostic {
 impl Diagnostic {
     /// An error diagnostic with a machine reason and a summary.
     pub fn error(reason: &str, summary: impl Into<String>) -> Self {
-        Self { severity: Severity::Error, reason: reason.to_owned(), summary: summary.into(), ..Self::default() }
+        Self {
+            severity: Severity::Error,
+            reason: reason.to_owned(),
+            summary: summary.into(),
+            ..Self::default()
+        }
     }
 
     /// A warning diagnostic with a machine reason and a summary.
     pub fn warning(reason: &str, summary: impl Into<String>) -> Self {
-        Self { severity: Severity::Warning, reason: reason.to_owned(), summary: summary.into(), ..Self::default() }
+        Self {
+            severity: Severity::Warning,
+            reason: reason.to_owned(),
+            summary: summary.into(),
+            ..Self::default()
+        }
     }
 
     /// The same diagnostic, pointing at `field`.
@@ -57,7 +67,11 @@ impl Diagnostic {
 
     /// Joins the summaries of several diagnostics into one line.
     pub fn summarize(diagnostics: &[Diagnostic]) -> String {
-        let parts: Vec<&str> = diagnostics.iter().map(|d| d.summary.as_str()).filter(|s| !s.is_empty()).collect();
+        let parts: Vec<&str> = diagnostics
+            .iter()
+            .map(|d| d.summary.as_str())
+            .filter(|s| !s.is_empty())
+            .collect();
         parts.join("; ")
     }
 }
@@ -82,12 +96,19 @@ mod tests {
     #[test]
     fn displays_reason_summary_and_field() {
         let d = Diagnostic::error("BAD_FILTER", "value needs a field").at("handlers[0].filters");
-        assert_eq!(d.to_string(), "BAD_FILTER: value needs a field (at handlers[0].filters)");
+        assert_eq!(
+            d.to_string(),
+            "BAD_FILTER: value needs a field (at handlers[0].filters)"
+        );
     }
 
     #[test]
     fn summarizes_non_empty_summaries() {
-        let ds = [Diagnostic::error("A", "one"), Diagnostic::default(), Diagnostic::warning("B", "two")];
+        let ds = [
+            Diagnostic::error("A", "one"),
+            Diagnostic::default(),
+            Diagnostic::warning("B", "two"),
+        ];
         assert_eq!(Diagnostic::summarize(&ds), "one; two");
     }
 }

@@ -72,7 +72,10 @@ impl HandlerKind {
 
     /// Whether the kind reacts to changes of the essence (kopf's "changing" handlers).
     pub fn is_changing(self) -> bool {
-        matches!(self, Self::Create | Self::Update | Self::Delete | Self::Resume | Self::Field)
+        matches!(
+            self,
+            Self::Create | Self::Update | Self::Delete | Self::Resume | Self::Field
+        )
     }
 
     /// kopf's default errors mode for the kind.
@@ -316,8 +319,14 @@ mod tests {
 
     #[test]
     fn defaults_follow_kopf() {
-        assert_eq!(Registration::new("a", HandlerKind::Event, None).errors, ErrorsMode::Ignored);
-        assert_eq!(Registration::new("a", HandlerKind::Mutate, None).errors, ErrorsMode::Permanent);
+        assert_eq!(
+            Registration::new("a", HandlerKind::Event, None).errors,
+            ErrorsMode::Ignored
+        );
+        assert_eq!(
+            Registration::new("a", HandlerKind::Mutate, None).errors,
+            ErrorsMode::Permanent
+        );
         let create = Registration::new("a", HandlerKind::Create, None);
         assert_eq!(create.errors, ErrorsMode::Temporary);
         assert_eq!(create.backoff, DEFAULT_BACKOFF);

@@ -318,6 +318,7 @@ pub struct SubhandlerOutcome {
 
 /// What became of a piece of work. Exactly one per [`Work`].
 #[derive(Clone, Debug, PartialEq)]
+#[allow(clippy::large_enum_variant, reason = "one per invocation, moved once")]
 pub enum Outcome {
     /// The handler succeeded.
     Success {
@@ -381,6 +382,11 @@ impl Outcome {
 
     /// A success with a plain result and nothing else.
     pub fn success(result: Option<Value>) -> Self {
-        Self::Success { result, kind_result: None, patches: Vec::new(), subhandlers: Vec::new() }
+        Self::Success {
+            result,
+            kind_result: None,
+            patches: Vec::new(),
+            subhandlers: Vec::new(),
+        }
     }
 }

@@ -88,7 +88,11 @@ fn route<B>(health: &Health, req: &Request<B>) -> Response<Full<Bytes>> {
 }
 
 fn report(report: &Report) -> Response<Full<Bytes>> {
-    let status = if report.ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let status = if report.ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     let body = serde_json::to_vec_pretty(report).unwrap_or_default();
     Response::builder()
         .status(status)
@@ -114,7 +118,10 @@ mod tests {
         health.readiness("handlers", || Check::fail("none connected"));
         let get = |path: &str| Request::get(path).body(()).unwrap();
         assert_eq!(route(&health, &get("/healthz")).status(), StatusCode::OK);
-        assert_eq!(route(&health, &get("/readyz")).status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            route(&health, &get("/readyz")).status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
         assert_eq!(route(&health, &get("/nope")).status(), StatusCode::NOT_FOUND);
     }
 }

@@ -22,12 +22,18 @@ pub struct Check {
 impl Check {
     /// A passing check.
     pub fn pass(message: impl Into<String>) -> Self {
-        Self { ok: true, message: message.into() }
+        Self {
+            ok: true,
+            message: message.into(),
+        }
     }
 
     /// A failing check.
     pub fn fail(message: impl Into<String>) -> Self {
-        Self { ok: false, message: message.into() }
+        Self {
+            ok: false,
+            message: message.into(),
+        }
     }
 }
 
@@ -77,15 +83,23 @@ impl Health {
         let live = self.live();
         if !live.ok {
             report.ok = false;
-            report.checks.extend(live.checks.into_iter().filter(|(_, c)| !c.ok));
+            report
+                .checks
+                .extend(live.checks.into_iter().filter(|(_, c)| !c.ok));
         }
         report
     }
 }
 
 fn evaluate(probes: &BTreeMap<String, Probe>) -> Report {
-    let checks: BTreeMap<String, Check> = probes.iter().map(|(name, probe)| (name.clone(), probe())).collect();
-    Report { ok: checks.values().all(|c| c.ok), checks }
+    let checks: BTreeMap<String, Check> = probes
+        .iter()
+        .map(|(name, probe)| (name.clone(), probe()))
+        .collect();
+    Report {
+        ok: checks.values().all(|c| c.ok),
+        checks,
+    }
 }
 
 #[cfg(test)]

@@ -32,10 +32,17 @@ pub fn init(format: Format, filter: &str) -> Result<(), Error> {
     let filter = EnvFilter::try_new(filter).map_err(|e| Error::Filter(filter.to_owned(), e))?;
     let registry = tracing_subscriber::registry().with(filter);
     match format {
-        Format::Text => registry.with(fmt::layer().with_writer(std::io::stderr)).try_init(),
-        Format::Json => {
-            registry.with(fmt::layer().json().flatten_event(true).with_writer(std::io::stderr)).try_init()
-        }
+        Format::Text => registry
+            .with(fmt::layer().with_writer(std::io::stderr))
+            .try_init(),
+        Format::Json => registry
+            .with(
+                fmt::layer()
+                    .json()
+                    .flatten_event(true)
+                    .with_writer(std::io::stderr),
+            )
+            .try_init(),
     }
     .map_err(Error::AlreadySet)
 }

@@ -24,19 +24,29 @@ impl DiffBaseStorage {
     /// Reads the stored essence; `None` when there is none (or it does not parse).
     pub fn fetch(&self, body: &Value) -> Option<Value> {
         let text = match self {
-            Self::Annotations(keys) => body.pointer("/metadata/annotations")?.get(&keys.diffbase)?.as_str()?,
-            Self::Status { name } => body.get("status")?.get(name)?.get("last-handled-configuration")?.as_str()?,
+            Self::Annotations(keys) => body
+                .pointer("/metadata/annotations")?
+                .get(&keys.diffbase)?
+                .as_str()?,
+            Self::Status { name } => body
+                .get("status")?
+                .get(name)?
+                .get("last-handled-configuration")?
+                .as_str()?,
         };
         serde_json::from_str(text).ok()
     }
 
     /// Writes the essence into a local copy of the body.
     pub fn store(&self, essence: &Value, body: &mut Value) {
-        let Ok(mut text) = serde_json::to_string(essence) else { return };
+        let Ok(mut text) = serde_json::to_string(essence) else {
+            return;
+        };
         text.push('\n');
         match self {
             Self::Annotations(keys) => {
-                progress::object_at(body, &["metadata", "annotations"]).insert(keys.diffbase.clone(), Value::String(text));
+                progress::object_at(body, &["metadata", "annotations"])
+                    .insert(keys.diffbase.clone(), Value::String(text));
             }
             Self::Status { name } => {
                 progress::object_at(body, &["status", name])
@@ -65,9 +75,14 @@ mod tests {
         let storage = DiffBaseStorage::Annotations(Keys::kopf());
         let mut body = json!({});
         storage.store(&json!({"spec": {"a": 1}}), &mut body);
-        assert_eq!(body["metadata"]["annotations"]["kopf.zalando.org/last-handled-configuration"], json!("{\"spec\":{\"a\":1}}\n"));
+        assert_eq!(
+            body["metadata"]["annotations"]["kopf.zalando.org/last-handled-configuration"],
+            json!("{\"spec\":{\"a\":1}}\n")
+        );
         assert_eq!(storage.fetch(&body), Some(json!({"spec": {"a": 1}})));
-        let status = DiffBaseStorage::Status { name: "capstan".into() };
+        let status = DiffBaseStorage::Status {
+            name: "capstan".into(),
+        };
         status.store(&json!({"x": 1}), &mut body);
         assert_eq!(status.fetch(&body), Some(json!({"x": 1})));
     }

@@ -8,7 +8,10 @@
 //! characters; legacy V1 counted the prefix too. Both are read; both are written while
 //! `v1` is on (they coincide for short ids).
 
-use blake2::{Blake2bVar, digest::{Update, VariableOutput}};
+use blake2::{
+    Blake2bVar,
+    digest::{Update, VariableOutput},
+};
 
 /// The longest name part of an annotation key.
 pub const NAME_LIMIT: usize = 63;
@@ -52,7 +55,11 @@ impl Keys {
         let safe = safe(id);
         if id.len() > NAME_LIMIT {
             let suffix = suffix(id);
-            format!("{}/{}{suffix}", self.prefix, truncate(&safe, NAME_LIMIT.saturating_sub(suffix.len())))
+            format!(
+                "{}/{}{suffix}",
+                self.prefix,
+                truncate(&safe, NAME_LIMIT.saturating_sub(suffix.len()))
+            )
         } else {
             format!("{}/{safe}", self.prefix)
         }
@@ -66,7 +73,11 @@ impl Keys {
             format!("{}/{safe}", self.prefix)
         } else {
             let suffix = suffix(&safe);
-            format!("{}/{}{suffix}", self.prefix, truncate(&safe, room.saturating_sub(suffix.len())))
+            format!(
+                "{}/{}{suffix}",
+                self.prefix,
+                truncate(&safe, room.saturating_sub(suffix.len()))
+            )
         }
     }
 
@@ -81,7 +92,11 @@ impl Keys {
     pub fn write_keys(&self, id: &str) -> Vec<String> {
         let v2 = self.v2_key(id);
         let v1 = self.v1_key(id);
-        if self.v1 && v1 != v2 { vec![v2, v1] } else { vec![v2] }
+        if self.v1 && v1 != v2 {
+            vec![v2, v1]
+        } else {
+            vec![v2]
+        }
     }
 
     /// Whether an annotation key belongs to this controller's storage (progress, diff-base or
@@ -146,7 +161,10 @@ mod tests {
     fn short_ids_are_made_safe() {
         let k = Keys::kopf();
         assert_eq!(k.v2_key("create_fn"), "kopf.zalando.org/create_fn");
-        assert_eq!(k.v2_key("update_fn/spec.field"), "kopf.zalando.org/update_fn.spec.field");
+        assert_eq!(
+            k.v2_key("update_fn/spec.field"),
+            "kopf.zalando.org/update_fn.spec.field"
+        );
         assert_eq!(k.write_keys("create_fn").len(), 1);
     }
 
@@ -154,8 +172,14 @@ mod tests {
     fn long_ids_match_kopf() {
         let k = Keys::kopf();
         let id = "x".repeat(70);
-        assert_eq!(k.v1_key(&id), format!("kopf.zalando.org/{}-j8bZbQ", "x".repeat(39)));
-        assert_eq!(k.v2_key(&id), format!("kopf.zalando.org/{}-j8bZbQ", "x".repeat(56)));
+        assert_eq!(
+            k.v1_key(&id),
+            format!("kopf.zalando.org/{}-j8bZbQ", "x".repeat(39))
+        );
+        assert_eq!(
+            k.v2_key(&id),
+            format!("kopf.zalando.org/{}-j8bZbQ", "x".repeat(56))
+        );
         assert_eq!(k.write_keys(&id).len(), 2);
         assert_eq!(Keys::new("capstan.dev").write_keys(&id).len(), 1);
     }

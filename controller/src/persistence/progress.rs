@@ -50,7 +50,11 @@ pub struct ProgressRecord {
 impl ProgressRecord {
     /// A fresh record for a handler about to run for `purpose`.
     pub fn started(now: SystemTime, purpose: &str) -> Self {
-        Self { started: Some(time::format(now)), purpose: Some(purpose.to_owned()), ..Self::default() }
+        Self {
+            started: Some(time::format(now)),
+            purpose: Some(purpose.to_owned()),
+            ..Self::default()
+        }
     }
 
     /// Finished, one way or the other.
@@ -94,7 +98,9 @@ impl ProgressStorage {
         match self {
             Self::Annotations(keys) => fetch_annotation(keys, id, body),
             Self::Status { name } => fetch_status(name, id, body),
-            Self::Smart(keys, name) => fetch_annotation(keys, id, body).or_else(|| fetch_status(name, id, body)),
+            Self::Smart(keys, name) => {
+                fetch_annotation(keys, id, body).or_else(|| fetch_status(name, id, body))
+            }
         }
     }
 
@@ -125,13 +131,18 @@ impl ProgressStorage {
 
 fn fetch_annotation(keys: &Keys, id: &str, body: &Value) -> Option<ProgressRecord> {
     let annotations = body.pointer("/metadata/annotations")?.as_object()?;
-    keys.read_keys(id)
-        .iter()
-        .find_map(|k| annotations.get(k)?.as_str().and_then(|s| serde_json::from_str(s).ok()))
+    keys.read_keys(id).iter().find_map(|k| {
+        annotations
+            .get(k)?
+            .as_str()
+            .and_then(|s| serde_json::from_str(s).ok())
+    })
 }
 
 fn store_annotation(keys: &Keys, id: &str, record: &ProgressRecord, body: &mut Value) {
-    let Ok(text) = serde_json::to_string(record) else { return };
+    let Ok(text) = serde_json::to_string(record) else {
+        return;
+    };
     let annotations = object_at(body, &["metadata", "annotations"]);
     for key in keys.write_keys(id) {
         annotations.insert(key, Value::String(text.clone()));
@@ -139,7 +150,10 @@ fn store_annotation(keys: &Keys, id: &str, record: &ProgressRecord, body: &mut V
 }
 
 fn purge_annotation(keys: &Keys, id: &str, body: &mut Value) {
-    if let Some(annotations) = body.pointer_mut("/metadata/annotations").and_then(Value::as_object_mut) {
+    if let Some(annotations) = body
+        .pointer_mut("/metadata/annotations")
+        .and_then(Value::as_object_mut)
+    {
         for key in keys.read_keys(id) {
             annotations.remove(&key);
         }
@@ -152,18 +166,22 @@ fn fetch_status(name: &str, id: &str, body: &Value) -> Option<ProgressRecord> {
 }
 
 fn store_status(name: &str, id: &str, record: &ProgressRecord, body: &mut Value) {
-    let Ok(value) = serde_json::to_value(record) else { return };
+    let Ok(value) = serde_json::to_value(record) else {
+        return;
+    };
     object_at(body, &["status", name, "progress"]).insert(id.to_owned(), value);
 }
 
 fn purge_status(name: &str, id: &str, body: &mut Value) {
-    let Some(status) = body.get_mut("status").and_then(|s| s.get_mut(name)) else { return };
+    let Some(status) = body.get_mut("status").and_then(|s| s.get_mut(name)) else {
+        return;
+    };
     if let Some(progress) = status.get_mut("progress").and_then(Value::as_object_mut) {
         progress.remove(id);
-        if progress.is_empty() {
-            if let Some(s) = status.as_object_mut() {
-                s.remove("progress");
-            }
+        if progress.is_empty()
+            && let Some(s) = status.as_object_mut()
+        {
+            s.remove("progress");
         }
     }
     prune_empty(body, &["status", name]);
@@ -185,12 +203,16 @@ pub fn object_at<'a>(body: &'a mut Value, path: &[&str]) -> &'a mut Map<String, 
     if !current.is_object() {
         *current = Value::Object(Map::new());
     }
-    current.as_object_mut().expect("invariant: replaced by an object just above")
+    current
+        .as_object_mut()
+        .expect("invariant: replaced by an object just above")
 }
 
 /// Removes the object at `path` if it is empty.
 pub fn prune_empty(body: &mut Value, path: &[&str]) {
-    let Some((last, parents)) = path.split_last() else { return };
+    let Some((last, parents)) = path.split_last() else {
+        return;
+    };
     let mut current = &mut *body;
     for segment in parents {
         match current.get_mut(*segment) {
@@ -198,10 +220,13 @@ pub fn prune_empty(body: &mut Value, path: &[&str]) {
             None => return,
         }
     }
-    if let Some(map) = current.as_object_mut() {
-        if map.get(*last).and_then(Value::as_object).is_some_and(Map::is_empty) {
-            map.remove(*last);
-        }
+    if let Some(map) = current.as_object_mut()
+        && map
+            .get(*last)
+            .and_then(Value::as_object)
+            .is_some_and(Map::is_empty)
+    {
+        map.remove(*last);
     }
 }
 
@@ -228,7 +253,10 @@ mod tests {
     fn annotation_storage_round_trips_and_purges() {
         let storage = ProgressStorage::Annotations(Keys::new("capstan.dev"));
         let mut body = json!({"metadata": {"name": "x"}});
-        let record = ProgressRecord { retries: 2, ..ProgressRecord::default() };
+        let record = ProgressRecord {
+            retries: 2,
+            ..ProgressRecord::default()
+        };
         storage.store("create_fn", &record, &mut body);
         assert!(body["metadata"]["annotations"]["capstan.dev/create_fn"].is_string());
         assert_eq!(storage.fetch("create_fn", &body), Some(record));
@@ -245,7 +273,9 @@ mod tests {
         assert!(body["metadata"]["annotations"]["capstan.dev/a.b"].is_string());
         storage.purge("a/b", &mut body);
         assert_eq!(body["status"], json!({}));
-        let status_only = ProgressStorage::Status { name: "capstan".into() };
+        let status_only = ProgressStorage::Status {
+            name: "capstan".into(),
+        };
         status_only.store("x", &ProgressRecord::default(), &mut body);
         assert!(status_only.fetch("x", &body).is_some());
     }
@@ -253,9 +283,18 @@ mod tests {
     #[test]
     fn sleeping_and_finished() {
         let now = UNIX_EPOCH + Duration::from_secs(100);
-        let r = ProgressRecord { delayed: Some(time::format(now + Duration::from_secs(5))), ..Default::default() };
+        let r = ProgressRecord {
+            delayed: Some(time::format(now + Duration::from_secs(5))),
+            ..Default::default()
+        };
         assert!(r.sleeping(now));
         assert!(!r.sleeping(now + Duration::from_secs(6)));
-        assert!(ProgressRecord { failure: true, ..Default::default() }.finished());
+        assert!(
+            ProgressRecord {
+                failure: true,
+                ..Default::default()
+            }
+            .finished()
+        );
     }
 }

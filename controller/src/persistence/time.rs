@@ -28,7 +28,14 @@ pub fn parse(s: &str) -> Option<SystemTime> {
         return None;
     }
     let num = |range: std::ops::Range<usize>| s.get(range)?.parse::<i64>().ok();
-    let (y, mo, d, h, mi, se) = (num(0..4)?, num(5..7)?, num(8..10)?, num(11..13)?, num(14..16)?, num(17..19)?);
+    let (y, mo, d, h, mi, se) = (
+        num(0..4)?,
+        num(5..7)?,
+        num(8..10)?,
+        num(11..13)?,
+        num(14..16)?,
+        num(17..19)?,
+    );
     let mut rest = &s[19..];
     let mut nanos = 0u32;
     if let Some(frac) = rest.strip_prefix('.') {
@@ -91,7 +98,10 @@ mod tests {
     fn parses_other_forms() {
         assert_eq!(parse("1970-01-01T00:00:00Z"), Some(UNIX_EPOCH));
         assert_eq!(parse("1970-01-01T01:00:00+01:00"), Some(UNIX_EPOCH));
-        assert_eq!(parse("2000-02-29T12:00:00.5"), Some(UNIX_EPOCH + Duration::new(951_825_600, 500_000_000)));
+        assert_eq!(
+            parse("2000-02-29T12:00:00.5"),
+            Some(UNIX_EPOCH + Duration::new(951_825_600, 500_000_000))
+        );
         assert_eq!(parse("garbage"), None);
     }
 }

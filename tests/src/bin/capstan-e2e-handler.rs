@@ -19,7 +19,9 @@ use serde_json::{Value, json};
 const RESOURCE: &str = "examples.demo.capstan.dev";
 
 fn log_call(ctx: &Context) {
-    let Ok(path) = std::env::var("E2E_LOG") else { return };
+    let Ok(path) = std::env::var("E2E_LOG") else {
+        return;
+    };
     if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
         let _ = writeln!(f, "{} {} {}", ctx.handler_id(), ctx.name(), ctx.retry() + 1);
     }
@@ -37,16 +39,19 @@ async fn behave(ctx: &Context) -> Result<(), HandlerError> {
             () = ctx.cancelled() => return Err(HandlerError::retry("cancelled while sleeping")),
         }
     }
-    if let Some(n) = setting("temporary").and_then(|v| v.as_u64()) {
-        if u64::from(ctx.retry()) < n {
-            return Err(HandlerError::temporary(format!("temporary failure {} of {n}", ctx.retry() + 1), Duration::from_secs(1)));
-        }
+    if let Some(n) = setting("temporary").and_then(|v| v.as_u64())
+        && u64::from(ctx.retry()) < n
+    {
+        return Err(HandlerError::temporary(
+            format!("temporary failure {} of {n}", ctx.retry() + 1),
+            Duration::from_secs(1),
+        ));
     }
-    if let Some(n) = setting("unclassified").and_then(|v| v.as_u64()) {
-        if u64::from(ctx.retry()) < n {
-            let parsed: Result<u32, _> = "not a number".parse();
-            parsed.map_err(|e| HandlerError::from(anyhow::anyhow!("unclassified failure: {e}")))?;
-        }
+    if let Some(n) = setting("unclassified").and_then(|v| v.as_u64())
+        && u64::from(ctx.retry()) < n
+    {
+        let parsed: Result<u32, _> = "not a number".parse();
+        parsed.map_err(|e| HandlerError::from(anyhow::anyhow!("unclassified failure: {e}")))?;
     }
     if setting("permanent").and_then(|v| v.as_bool()) == Some(true) {
         return Err(HandlerError::permanent("permanent failure on purpose"));
@@ -65,7 +70,12 @@ async fn create_a(ctx: Context) -> HandlerResult {
 
 async fn create_b(ctx: Context) -> HandlerResult {
     behave(&ctx).await?;
-    let seen = ctx.labels().get("e2e/a").and_then(Value::as_str).unwrap_or("none").to_owned();
+    let seen = ctx
+        .labels()
+        .get("e2e/a")
+        .and_then(Value::as_str)
+        .unwrap_or("none")
+        .to_owned();
     ctx.patch().label("e2e/b", format!("saw-a-{seen}"));
     Ok(None)
 }
@@ -77,13 +87,21 @@ async fn plain(ctx: Context) -> HandlerResult {
 
 async fn with_result(ctx: Context) -> HandlerResult {
     behave(&ctx).await?;
-    Ok(Some(json!({"message": format!("hello {}", ctx.name()), "attempts": ctx.retry() + 1})))
+    Ok(Some(
+        json!({"message": format!("hello {}", ctx.name()), "attempts": ctx.retry() + 1}),
+    ))
 }
 
 async fn field_fn(ctx: Context) -> HandlerResult {
     behave(&ctx).await?;
-    let show = |v: Option<&Value>| v.map_or_else(|| "none".to_owned(), |v| v.as_str().map_or_else(|| v.to_string(), str::to_owned));
-    ctx.patch().annotation("e2e/field", format!("{}->{}", show(ctx.old()), show(ctx.new())));
+    let show = |v: Option<&Value>| {
+        v.map_or_else(
+            || "none".to_owned(),
+            |v| v.as_str().map_or_else(|| v.to_string(), str::to_owned),
+        )
+    };
+    ctx.patch()
+        .annotation("e2e/field", format!("{}->{}", show(ctx.old()), show(ctx.new())));
     Ok(None)
 }
 
@@ -101,7 +119,9 @@ async fn parent(ctx: Context) -> HandlerResult {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into())).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+        .init();
     let presets = std::env::var("E2E_HANDLERS").unwrap_or_else(|_| "create3".into());
     let mut registry = Registry::new();
     for preset in presets.split(',').map(str::trim) {
@@ -115,10 +135,15 @@ async fn main() -> anyhow::Result<()> {
                 registry.on_create(RESOURCE, "create_fn", plain);
             }
             "results" => {
-                registry.on_create(RESOURCE, "create_fn", with_result).backoff(Duration::from_secs(1));
+                registry
+                    .on_create(RESOURCE, "create_fn", with_result)
+                    .backoff(Duration::from_secs(1));
             }
             "retries" => {
-                registry.on_create(RESOURCE, "limited", plain).retries(3).backoff(Duration::from_secs(1));
+                registry
+                    .on_create(RESOURCE, "limited", plain)
+                    .retries(3)
+                    .backoff(Duration::from_secs(1));
             }
             "update" => {
                 registry.on_update(RESOURCE, "update_fn", with_result);
@@ -142,16 +167,18 @@ async fn main() -> anyhow::Result<()> {
                     .annotation("e2e/skip", Presence::Absent);
             }
             "subhandlers" => {
-                registry.on_create(RESOURCE, "parent", parent).backoff(Duration::from_secs(1));
+                registry
+                    .on_create(RESOURCE, "parent", parent)
+                    .backoff(Duration::from_secs(1));
             }
             "event" => {
                 registry.on_event(RESOURCE, "event_fn", |ctx: Context| async move {
                     log_call(&ctx);
                     let t = ctx.event_type().map_or("LISTING", |t| t.as_str_name());
-                    if let Ok(path) = std::env::var("E2E_LOG") {
-                        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
-                            let _ = writeln!(f, "event {} {t}", ctx.name());
-                        }
+                    if let Ok(path) = std::env::var("E2E_LOG")
+                        && let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path)
+                    {
+                        let _ = writeln!(f, "event {} {t}", ctx.name());
                     }
                     Ok::<_, HandlerError>(None)
                 });

@@ -1,10 +1,7 @@
 //! Processing cycles against a scripted invoker: causes, order and patch visibility, progress
 //! records, diff-base, finalizers, retries, sub-handlers and rejected patches.
 
-use std::{
-    collections::VecDeque,
-    time::Duration,
-};
+use std::{collections::VecDeque, time::Duration};
 
 use parking_lot::Mutex;
 use serde_json::{Value, json};
@@ -21,7 +18,10 @@ struct Script {
 
 impl Script {
     fn new(answers: Vec<Outcome>) -> Self {
-        Self { answers: Mutex::new(answers.into()), seen: Mutex::new(Vec::new()) }
+        Self {
+            answers: Mutex::new(answers.into()),
+            seen: Mutex::new(Vec::new()),
+        }
     }
 
     fn ids(&self) -> Vec<String> {
@@ -38,7 +38,14 @@ impl Invoker for Script {
 }
 
 fn resource() -> ResolvedResource {
-    ResolvedResource { group: "demo.capstan.dev".into(), version: "v1".into(), plural: "examples".into(), kind: "Example".into(), namespaced: true, status_subresource: true }
+    ResolvedResource {
+        group: "demo.capstan.dev".into(),
+        version: "v1".into(),
+        plural: "examples".into(),
+        kind: "Example".into(),
+        namespaced: true,
+        status_subresource: true,
+    }
 }
 
 fn reg(id: &str, kind: HandlerKind) -> Registration {
@@ -53,7 +60,13 @@ fn body() -> Value {
            "spec": {"size": 1}})
 }
 
-async fn run(body: &Value, event: EventType, handlers: &[Registration], memory: Memory, script: &Script) -> Plan {
+async fn run(
+    body: &Value,
+    event: EventType,
+    handlers: &[Registration],
+    memory: Memory,
+    script: &Script,
+) -> Plan {
     let storage = Storage::annotations("capstan.dev");
     let cancel = CancellationToken::new();
     cycle(
@@ -74,35 +87,64 @@ async fn run(body: &Value, event: EventType, handlers: &[Registration], memory: 
 }
 
 fn merge(p: Value) -> Patch {
-    Patch { patch_type: PatchType::Merge, target: PatchTarget::Object, body: p }
+    Patch {
+        patch_type: PatchType::Merge,
+        target: PatchTarget::Object,
+        body: p,
+    }
 }
 
 fn success(result: Option<Value>, patches: Vec<Patch>) -> Outcome {
-    Outcome::Success { result, kind_result: None, patches, subhandlers: vec![] }
+    Outcome::Success {
+        result,
+        kind_result: None,
+        patches,
+        subhandlers: vec![],
+    }
 }
 
 fn annotations(v: &Value) -> Vec<String> {
-    v.pointer("/metadata/annotations").and_then(Value::as_object).map(|m| m.keys().cloned().collect()).unwrap_or_default()
+    v.pointer("/metadata/annotations")
+        .and_then(Value::as_object)
+        .map(|m| m.keys().cloned().collect())
+        .unwrap_or_default()
 }
 
 #[tokio::test]
 async fn a_create_runs_every_handler_in_order_and_writes_once() {
-    let handlers = [reg("first", HandlerKind::Create), reg("second", HandlerKind::Create), reg("upd", HandlerKind::Update)];
+    let handlers = [
+        reg("first", HandlerKind::Create),
+        reg("second", HandlerKind::Create),
+        reg("upd", HandlerKind::Update),
+    ];
     let script = Script::new(vec![
-        success(Some(json!({"message": "hi"})), vec![merge(json!({"spec": {"size": 2}}))]),
-        success(None, vec![merge(json!({"metadata": {"labels": {"seen": "yes"}}}))]),
+        success(
+            Some(json!({"message": "hi"})),
+            vec![merge(json!({"spec": {"size": 2}}))],
+        ),
+        success(
+            None,
+            vec![merge(json!({"metadata": {"labels": {"seen": "yes"}}}))],
+        ),
     ]);
     let plan = run(&body(), EventType::Added, &handlers, Memory::default(), &script).await;
     assert_eq!(plan.cause, Cause::Create);
     assert_eq!(script.ids(), ["first", "second"]);
     let seen = script.seen.lock();
-    assert_eq!(seen[1].body.as_ref().unwrap()["spec"]["size"], 2, "the second handler sees the first one's patch");
+    assert_eq!(
+        seen[1].body.as_ref().unwrap()["spec"]["size"],
+        2,
+        "the second handler sees the first one's patch"
+    );
     let desired = plan.desired.expect("something to write");
     assert_eq!(desired["status"]["first"], json!({"message": "hi"}));
     assert_eq!(desired["metadata"]["labels"]["seen"], "yes");
     let keys = annotations(&desired);
     assert!(keys.contains(&"capstan.dev/last-handled-configuration".to_owned()));
-    assert!(!keys.iter().any(|k| k == "capstan.dev/first"), "records are purged when the cause is done: {keys:?}");
+    assert!(
+        !keys.iter().any(|k| k == "capstan.dev/first"),
+        "records are purged when the cause is done: {keys:?}"
+    );
     assert!(plan.done);
     assert_eq!(plan.finalizer, FinalizerChange::Keep);
 }
@@ -112,81 +154,169 @@ async fn a_temporary_error_is_recorded_and_scheduled() {
     let handlers = [reg("ok", HandlerKind::Create), reg("flaky", HandlerKind::Create)];
     let script = Script::new(vec![
         success(None, vec![]),
-        Outcome::Temporary { delay: Some(Duration::from_secs(7)), diagnostics: vec![Diagnostic::error("X", "not yet")], subhandlers: vec![] },
+        Outcome::Temporary {
+            delay: Some(Duration::from_secs(7)),
+            diagnostics: vec![Diagnostic::error("X", "not yet")],
+            subhandlers: vec![],
+        },
     ]);
     let plan = run(&body(), EventType::Added, &handlers, Memory::default(), &script).await;
     assert!(!plan.done);
     let desired = plan.desired.unwrap();
-    let record: ProgressRecord =
-        serde_json::from_str(desired["metadata"]["annotations"]["capstan.dev/flaky"].as_str().unwrap()).unwrap();
-    assert_eq!((record.retries, record.success, record.message.as_deref()), (1, false, Some("not yet")));
-    let ok: ProgressRecord =
-        serde_json::from_str(desired["metadata"]["annotations"]["capstan.dev/ok"].as_str().unwrap()).unwrap();
+    let record: ProgressRecord = serde_json::from_str(
+        desired["metadata"]["annotations"]["capstan.dev/flaky"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (record.retries, record.success, record.message.as_deref()),
+        (1, false, Some("not yet"))
+    );
+    let ok: ProgressRecord = serde_json::from_str(
+        desired["metadata"]["annotations"]["capstan.dev/ok"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
     assert!(ok.success);
-    assert!(desired["metadata"]["annotations"].get("capstan.dev/last-handled-configuration").is_none());
+    assert!(
+        desired["metadata"]["annotations"]
+            .get("capstan.dev/last-handled-configuration")
+            .is_none()
+    );
     let wake = plan.wake_at.expect("a wake-up");
     assert!(wake > SystemTime::now() + Duration::from_secs(5));
 
     // The next cycle: the finished handler is not called again, the sleeping one not yet.
     let script = Script::default();
-    let plan = run(&desired, EventType::Modified, &handlers, Memory::default(), &script).await;
+    let plan = run(
+        &desired,
+        EventType::Modified,
+        &handlers,
+        Memory::default(),
+        &script,
+    )
+    .await;
     assert!(script.ids().is_empty());
     assert!(plan.desired.is_none(), "nothing changed, nothing to write");
 }
 
 #[tokio::test]
 async fn the_finalizer_is_added_alone_then_removed_after_delete_handlers() {
-    let handlers = [reg("create", HandlerKind::Create), reg("delete", HandlerKind::Delete)];
+    let handlers = [
+        reg("create", HandlerKind::Create),
+        reg("delete", HandlerKind::Delete),
+    ];
     let script = Script::default();
     let plan = run(&body(), EventType::Added, &handlers, Memory::default(), &script).await;
     assert_eq!(plan.finalizer, FinalizerChange::Add);
-    assert!(script.ids().is_empty(), "no handler runs before the finalizer is there");
+    assert!(
+        script.ids().is_empty(),
+        "no handler runs before the finalizer is there"
+    );
 
     let mut deleting = body();
     deleting["metadata"]["finalizers"] = json!(["capstan.dev/finalizer", "other/keep"]);
     deleting["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
-    let plan = run(&deleting, EventType::Modified, &handlers, Memory::default(), &script).await;
+    let plan = run(
+        &deleting,
+        EventType::Modified,
+        &handlers,
+        Memory::default(),
+        &script,
+    )
+    .await;
     assert_eq!(plan.cause, Cause::Delete);
     assert_eq!(script.ids(), ["delete"]);
     assert_eq!(plan.finalizer, FinalizerChange::Remove);
 
     let mut optional = reg("delete", HandlerKind::Delete);
     optional.options = KindOptions::Delete { optional: true };
-    let plan = run(&body(), EventType::Added, &[optional], Memory::default(), &Script::default()).await;
-    assert_eq!(plan.finalizer, FinalizerChange::Keep, "optional delete handlers never block deletion");
+    let plan = run(
+        &body(),
+        EventType::Added,
+        &[optional],
+        Memory::default(),
+        &Script::default(),
+    )
+    .await;
+    assert_eq!(
+        plan.finalizer,
+        FinalizerChange::Keep,
+        "optional delete handlers never block deletion"
+    );
 }
 
 #[tokio::test]
 async fn a_finalizer_no_longer_needed_is_released() {
     let mut b = body();
     b["metadata"]["finalizers"] = json!(["capstan.dev/finalizer"]);
-    let plan = run(&b, EventType::Modified, &[reg("create", HandlerKind::Create)], Memory::default(), &Script::default()).await;
+    let plan = run(
+        &b,
+        EventType::Modified,
+        &[reg("create", HandlerKind::Create)],
+        Memory::default(),
+        &Script::default(),
+    )
+    .await;
     assert_eq!(plan.finalizer, FinalizerChange::Remove);
 }
 
 #[tokio::test]
 async fn resume_update_and_noop_follow_the_diff_base() {
-    let handlers = [reg("resume", HandlerKind::Resume), reg("update", HandlerKind::Update)];
+    let handlers = [
+        reg("resume", HandlerKind::Resume),
+        reg("update", HandlerKind::Update),
+    ];
     let script = Script::default();
-    let created = run(&body(), EventType::Added, &handlers, Memory::default(), &script).await.desired.unwrap();
-    assert!(script.ids().is_empty(), "no create handlers: the diff-base is stored anyway");
+    let created = run(&body(), EventType::Added, &handlers, Memory::default(), &script)
+        .await
+        .desired
+        .unwrap();
+    assert!(
+        script.ids().is_empty(),
+        "no create handlers: the diff-base is stored anyway"
+    );
 
-    let listing = Memory { noticed_by_listing: true, fully_handled_once: false };
+    let listing = Memory {
+        noticed_by_listing: true,
+        fully_handled_once: false,
+    };
     let plan = run(&created, EventType::Listing, &handlers, listing, &script).await;
     assert_eq!(plan.cause, Cause::Resume);
     assert_eq!(script.ids(), ["resume"]);
 
-    let plan = run(&created, EventType::Modified, &handlers, Memory { noticed_by_listing: true, fully_handled_once: true }, &script).await;
+    let plan = run(
+        &created,
+        EventType::Modified,
+        &handlers,
+        Memory {
+            noticed_by_listing: true,
+            fully_handled_once: true,
+        },
+        &script,
+    )
+    .await;
     assert_eq!(plan.cause, Cause::Noop);
     assert!(plan.desired.is_none());
 
     let mut changed = created.clone();
     changed["spec"]["size"] = json!(5);
     changed["metadata"]["annotations"]["capstan.dev/unrelated"] = json!("x");
-    let plan = run(&changed, EventType::Modified, &handlers, Memory::default(), &script).await;
+    let plan = run(
+        &changed,
+        EventType::Modified,
+        &handlers,
+        Memory::default(),
+        &script,
+    )
+    .await;
     assert_eq!(plan.cause, Cause::Update);
     assert_eq!(script.ids(), ["resume", "update"]);
-    let Payload::Change { diff, .. } = &script.seen.lock()[1].payload else { panic!("not a change") };
+    let Payload::Change { diff, .. } = &script.seen.lock()[1].payload else {
+        panic!("not a change")
+    };
     assert_eq!(diff.len(), 1);
     assert_eq!(diff[0].path, ["spec", "size"]);
 }
@@ -196,23 +326,57 @@ async fn field_handlers_get_the_field_only() {
     let mut field = reg("f/spec.size", HandlerKind::Field);
     field.filters.field = vec!["spec".into(), "size".into()];
     let script = Script::default();
-    let created = run(&body(), EventType::Added, std::slice::from_ref(&field), Memory::default(), &script).await.desired.unwrap();
-    assert_eq!(script.ids(), ["f/spec.size"], "field handlers fire on creation too");
+    let created = run(
+        &body(),
+        EventType::Added,
+        std::slice::from_ref(&field),
+        Memory::default(),
+        &script,
+    )
+    .await
+    .desired
+    .unwrap();
+    assert_eq!(
+        script.ids(),
+        ["f/spec.size"],
+        "field handlers fire on creation too"
+    );
     let mut changed = created.clone();
     changed["spec"]["size"] = json!(3);
-    run(&changed, EventType::Modified, std::slice::from_ref(&field), Memory::default(), &script).await;
-    let Payload::Change { old, new, field: f, .. } = &script.seen.lock()[1].payload else { panic!("not a change") };
-    assert_eq!((old.clone(), new.clone(), f.as_str()), (Some(json!(1)), Some(json!(3)), "spec.size"));
+    run(
+        &changed,
+        EventType::Modified,
+        std::slice::from_ref(&field),
+        Memory::default(),
+        &script,
+    )
+    .await;
+    let Payload::Change {
+        old, new, field: f, ..
+    } = &script.seen.lock()[1].payload
+    else {
+        panic!("not a change")
+    };
+    assert_eq!(
+        (old.clone(), new.clone(), f.as_str()),
+        (Some(json!(1)), Some(json!(3)), "spec.size")
+    );
 }
 
 #[tokio::test]
 async fn retries_run_out_into_a_permanent_failure_that_completes_the_cause() {
     let mut flaky = reg("flaky", HandlerKind::Create);
     flaky.retries = Some(1);
-    let script = Script::new(vec![Outcome::Unclassified { diagnostics: vec![Diagnostic::error("E", "boom")], subhandlers: vec![] }]);
+    let script = Script::new(vec![Outcome::Unclassified {
+        diagnostics: vec![Diagnostic::error("E", "boom")],
+        subhandlers: vec![],
+    }]);
     let plan = run(&body(), EventType::Added, &[flaky], Memory::default(), &script).await;
     assert!(plan.done, "a final failure completes the cause");
-    assert!(annotations(plan.desired.as_ref().unwrap()).contains(&"capstan.dev/last-handled-configuration".to_owned()));
+    assert!(
+        annotations(plan.desired.as_ref().unwrap())
+            .contains(&"capstan.dev/last-handled-configuration".to_owned())
+    );
 }
 
 #[tokio::test]
@@ -223,10 +387,17 @@ async fn sub_handlers_keep_the_parent_open_until_they_finish() {
         kind_result: None,
         patches: vec![],
         subhandlers: vec![
-            SubhandlerOutcome { id: "a".into(), outcome: Outcome::success(Some(json!(1))) },
+            SubhandlerOutcome {
+                id: "a".into(),
+                outcome: Outcome::success(Some(json!(1))),
+            },
             SubhandlerOutcome {
                 id: "b".into(),
-                outcome: Outcome::Temporary { delay: Some(Duration::from_secs(1)), diagnostics: vec![], subhandlers: vec![] },
+                outcome: Outcome::Temporary {
+                    delay: Some(Duration::from_secs(1)),
+                    diagnostics: vec![],
+                    subhandlers: vec![],
+                },
             },
         ],
     }]);
@@ -245,7 +416,8 @@ async fn sub_handlers_keep_the_parent_open_until_they_finish() {
     let mut later = desired.clone();
     let mut b_ready = b.clone();
     b_ready.delayed = None;
-    later["metadata"]["annotations"]["capstan.dev/parent.b"] = json!(serde_json::to_string(&b_ready).unwrap());
+    later["metadata"]["annotations"]["capstan.dev/parent.b"] =
+        json!(serde_json::to_string(&b_ready).unwrap());
     let mut p_ready = parent.clone();
     p_ready.delayed = None;
     later["metadata"]["annotations"]["capstan.dev/parent"] = json!(serde_json::to_string(&p_ready).unwrap());
@@ -253,25 +425,48 @@ async fn sub_handlers_keep_the_parent_open_until_they_finish() {
         result: None,
         kind_result: None,
         patches: vec![],
-        subhandlers: vec![SubhandlerOutcome { id: "b".into(), outcome: Outcome::success(None) }],
+        subhandlers: vec![SubhandlerOutcome {
+            id: "b".into(),
+            outcome: Outcome::success(None),
+        }],
     }]);
     let plan = run(&later, EventType::Modified, &handlers, Memory::default(), &script).await;
     let states = &script.seen.lock()[0].subhandlers;
-    assert_eq!(states.iter().map(|s| (s.id.as_str(), s.success)).collect::<Vec<_>>(), [("a", true), ("b", false)]);
+    assert_eq!(
+        states
+            .iter()
+            .map(|s| (s.id.as_str(), s.success))
+            .collect::<Vec<_>>(),
+        [("a", true), ("b", false)]
+    );
     assert!(plan.done);
     let keys = annotations(plan.desired.as_ref().unwrap());
-    assert!(!keys.iter().any(|k| k.starts_with("capstan.dev/parent")), "{keys:?}");
+    assert!(
+        !keys.iter().any(|k| k.starts_with("capstan.dev/parent")),
+        "{keys:?}"
+    );
 }
 
 #[tokio::test]
 async fn a_rejected_patch_becomes_a_failed_attempt_and_keeps_the_rest() {
-    let handlers = [reg("patcher", HandlerKind::Create), reg("quiet", HandlerKind::Create)];
-    let script = Script::new(vec![success(None, vec![merge(json!({"spec": {"size": "not a number"}}))]), success(None, vec![])]);
+    let handlers = [
+        reg("patcher", HandlerKind::Create),
+        reg("quiet", HandlerKind::Create),
+    ];
+    let script = Script::new(vec![
+        success(None, vec![merge(json!({"spec": {"size": "not a number"}}))]),
+        success(None, vec![]),
+    ]);
     let plan = run(&body(), EventType::Added, &handlers, Memory::default(), &script).await;
     assert_eq!(plan.patched.len(), 1);
     let storage = Storage::annotations("capstan.dev");
     let mut fallback = plan.fallback.clone().unwrap();
-    reject(&plan.patched[0], &storage, "spec.size: Invalid value", &mut fallback);
+    reject(
+        &plan.patched[0],
+        &storage,
+        "spec.size: Invalid value",
+        &mut fallback,
+    );
     assert_eq!(fallback["spec"]["size"], 1, "the handler's patch is dropped");
     let ann = &fallback["metadata"]["annotations"];
     let patcher: ProgressRecord = serde_json::from_str(ann["capstan.dev/patcher"].as_str().unwrap()).unwrap();
@@ -290,9 +485,23 @@ async fn objects_being_deleted_without_our_finalizer_are_free() {
     let mut b = body();
     b["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
     let script = Script::default();
-    let plan = run(&b, EventType::Modified, &[reg("d", HandlerKind::Delete)], Memory::default(), &script).await;
+    let plan = run(
+        &b,
+        EventType::Modified,
+        &[reg("d", HandlerKind::Delete)],
+        Memory::default(),
+        &script,
+    )
+    .await;
     assert_eq!(plan.cause, Cause::Free);
     assert!(script.ids().is_empty());
-    let plan = run(&b, EventType::Deleted, &[reg("d", HandlerKind::Delete)], Memory::default(), &script).await;
+    let plan = run(
+        &b,
+        EventType::Deleted,
+        &[reg("d", HandlerKind::Delete)],
+        Memory::default(),
+        &script,
+    )
+    .await;
     assert_eq!(plan.cause, Cause::Gone);
 }

@@ -1,0 +1,94 @@
+//! End to end: a watch whose connection hangs silently is noticed, reported by `/healthz`
+//! while it is down, restarted, and catches up with what happened meanwhile.
+
+use std::{net::SocketAddr, time::Duration};
+
+use capstan_tests::{
+    process::{Controller, start_handler},
+    proxy::Proxy,
+    scenario::annotation,
+    testenv::{TestEnv, examples},
+};
+use kube::api::PostParams;
+use serde_json::json;
+
+async fn wait_health(c: &Controller, want: u16, what: &str) -> anyhow::Result<String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
+    loop {
+        let (code, body) = c.admin_get("/healthz").await?;
+        if code == want {
+            return Ok(body);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: /healthz is {code}: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_silently_hung_watch_is_reported_restarted_and_catches_up() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let client = env.client().await?;
+    let kubeconfig = std::fs::read_to_string(&env.kubeconfig)?;
+    let server = kubeconfig
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("server: https://"))
+        .ok_or_else(|| anyhow::anyhow!("no server in the kubeconfig"))?
+        .to_owned();
+    let upstream: SocketAddr = server.parse()?;
+    let proxy = Proxy::start(upstream).await?;
+    let proxied = env.scratch().join("proxied.kubeconfig");
+    std::fs::write(&proxied, kubeconfig.replace(&server, &proxy.addr.to_string()))?;
+
+    let mut controller =
+        Controller::start_with(&env, &proxied, "capstan", &["--watch-inactivity-timeout", "3s"]).await?;
+    let calls = env.scratch().join("calls.log");
+    let _handler = start_handler(
+        &env,
+        "handler",
+        &controller.endpoint(),
+        &[("E2E_HANDLERS", "create"), ("E2E_LOG", &calls.to_string_lossy())],
+    )?;
+    controller
+        .process
+        .wait_for("handler process connected", Duration::from_secs(30))
+        .await?;
+    let api = examples(&client, "default");
+    let create = |name: &str| {
+        serde_json::from_value::<kube::api::DynamicObject>(json!({
+            "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+            "metadata": {"name": name, "namespace": "default"}, "spec": {}
+        }))
+    };
+    api.create(&PostParams::default(), &create("before")?).await?;
+    let handled = |name: &'static str| {
+        let api = api.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            loop {
+                let o = serde_json::to_value(api.get(name).await?)?;
+                if annotation(&o, "capstan.dev/last-handled-configuration").is_some() {
+                    return anyhow::Ok(());
+                }
+                anyhow::ensure!(tokio::time::Instant::now() < deadline, "{name} not handled");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    handled("before").await?;
+    wait_health(&controller, 200, "healthy at first").await?;
+
+    proxy.freeze();
+    let body = wait_health(&controller, 503, "reported while hung").await?;
+    assert!(body.contains("watch/examples.v1.demo.capstan.dev"), "{body}");
+    api.create(&PostParams::default(), &create("during")?).await?;
+
+    proxy.unfreeze();
+    handled("during").await?;
+    wait_health(&controller, 200, "healthy again").await?;
+    assert!(controller.process.output().contains("watch went silent"));
+    Ok(())
+}
