@@ -64,7 +64,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
             n => Check::pass(format!("{n} handler process(es) connected")),
         });
     }
-    let serving = shutdown.child_token();
+    let serving = CancellationToken::new();
     let server = grpc::Server::bind(
         settings.listen.clone(),
         hub.clone(),

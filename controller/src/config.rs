@@ -9,6 +9,7 @@ use std::{net::SocketAddr, time::Duration};
 use crate::{
     engine,
     grpc::{self, Listen},
+    peering,
 };
 
 /// Everything `capstan run` needs.
@@ -28,6 +29,10 @@ pub struct Settings {
     pub discovery_ttl: Duration,
     /// Watching, queueing, persistence.
     pub engine: engine::Settings,
+    /// Priority peering (freezing).
+    pub peering: peering::Settings,
+    /// Leader election among replicas.
+    pub election: peering::election::Settings,
 }
 
 impl Default for Settings {
@@ -40,6 +45,8 @@ impl Default for Settings {
             shutdown_grace: Duration::from_secs(20),
             discovery_ttl: Duration::from_secs(30),
             engine: engine::Settings::default(),
+            peering: peering::Settings::default(),
+            election: peering::election::Settings::default(),
         }
     }
 }

@@ -8,6 +8,7 @@
 //! into one write per handled change.
 
 pub mod causes;
+pub mod daemons;
 pub mod diff;
 pub mod essence;
 pub mod execution;
@@ -36,13 +37,15 @@ use queue::Queue;
 use registry::{Registry, ResourceKey};
 
 /// The handler kinds the engine runs.
-pub const SUPPORTED_KINDS: [HandlerKind; 6] = [
+pub const SUPPORTED_KINDS: [HandlerKind; 8] = [
     HandlerKind::Create,
     HandlerKind::Update,
     HandlerKind::Delete,
     HandlerKind::Resume,
     HandlerKind::Field,
     HandlerKind::Event,
+    HandlerKind::Daemon,
+    HandlerKind::Timer,
 ];
 
 /// How the engine works.
@@ -179,6 +182,16 @@ impl Engine {
     ) -> Watched {
         let cancel = cancel.child_token();
         let (handlers_tx, handlers_rx) = watch::channel(handlers.clone());
+        let (stopped_tx, mut stopped_rx) = mpsc::unbounded_channel();
+        let daemons = daemons::Daemons::new(daemons::Context {
+            resource: resource.clone(),
+            invoker: self.invoker.clone(),
+            objects: self.objects.clone(),
+            rules: processing::rules(&self.settings.storage, &handlers),
+            default_grace: self.hub.settings().cancel_grace,
+            stopped: stopped_tx,
+            cancel: cancel.clone(),
+        });
         let queue = Queue::new(queue::Context {
             resource: resource.clone(),
             handlers: handlers_rx,
@@ -187,8 +200,50 @@ impl Engine {
             objects: self.objects.clone(),
             limit: limit.clone(),
             checkpoint_after: self.settings.checkpoint_after,
+            daemons: daemons.clone(),
+            paused: self.hub.paused(),
             cancel: cancel.clone(),
         });
+        {
+            // Objects being deleted whose last daemon stopped: their finalizer can go now.
+            let q = queue.clone();
+            let stop = cancel.clone();
+            tasks.spawn(async move {
+                loop {
+                    tokio::select! {
+                        () = stop.cancelled() => break,
+                        uid = stopped_rx.recv() => match uid {
+                            Some(uid) => q.wake(&uid),
+                            None => break,
+                        },
+                    }
+                }
+            });
+        }
+        {
+            // Pausing stops daemons and timers; resuming starts them again.
+            let q = queue.clone();
+            let d = daemons;
+            let stop = cancel.clone();
+            let mut paused = self.hub.paused();
+            tasks.spawn(async move {
+                loop {
+                    tokio::select! {
+                        () = stop.cancelled() => break,
+                        changed = paused.changed() => {
+                            if changed.is_err() {
+                                break;
+                            }
+                            if *paused.borrow_and_update() {
+                                d.stop_all(crate::model::CancelReason::Paused);
+                            } else {
+                                q.resync();
+                            }
+                        }
+                    }
+                }
+            });
+        }
         let scopes: Vec<Option<String>> = if resource.namespaced && !self.settings.namespaces.is_empty() {
             self.settings.namespaces.iter().cloned().map(Some).collect()
         } else {

@@ -1,7 +1,7 @@
 //! The controller's top-level error: one variant per subsystem that can fail to start or
 //! fail while running, each wrapping that subsystem's own error.
 
-use crate::{grpc, k8s, observability};
+use crate::{grpc, k8s, observability, peering};
 
 /// Why the controller stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -18,6 +18,9 @@ pub enum Error {
     /// The admin endpoint failed.
     #[error("the admin endpoint failed")]
     Admin(#[from] observability::admin::Error),
+    /// Peering or leader election could not start.
+    #[error("cannot start peering")]
+    Peering(#[from] peering::Error),
     /// Signal handlers could not be installed.
     #[error("cannot install signal handlers")]
     Signal(#[source] std::io::Error),

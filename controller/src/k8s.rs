@@ -6,5 +6,7 @@
 
 pub mod client;
 pub mod discovery;
+pub mod lease;
 pub mod objects;
+pub mod peering;
 pub mod watch;

@@ -10,12 +10,18 @@
 //!
 //! ```text
 //! app ──► engine (registry, queue, processing, causes, matching, execution, essence, diff)
+//!  │      peering (gate, keepalive, freeze, election, commands)
 //!  │        │
 //!  │        ├──► grpc (server, connection, hub, convert)   ── the wire protocol, no Kubernetes
-//!  │        ├──► k8s  (client, discovery, objects, watch)  ── the only layer that calls the API
+//!  │        ├──► k8s  (client, discovery, objects, watch,  ── the only layer that calls the API
+//!  │        │          peering, lease)
 //!  │        └──► persistence (keys, progress, diffbase)    ── names and formats of stored state
 //!  └──────────► observability (logging, health, admin), config, error, model
 //! ```
+//!
+//! `engine` and `peering` are siblings: the peering gate pauses dispatch in the hub, and the
+//! engine (like daemons later) can follow the gate's `paused` receiver without importing the
+//! reasons behind it.
 //!
 //! `grpc` never imports `k8s`: resources are resolved through the [`grpc::Resolver`] that the
 //! app supplies, and work crosses as [`model::Work`] and [`model::Outcome`].
@@ -29,6 +35,7 @@ pub mod grpc;
 pub mod k8s;
 pub mod model;
 pub mod observability;
+pub mod peering;
 pub mod persistence;
 pub mod signal;
 

@@ -114,6 +114,9 @@ pub struct Input<'a> {
     /// A handler still running this long after an earlier handler of the same cycle finished
     /// triggers a checkpoint of the finished ones.
     pub checkpoint_after: Duration,
+    /// Daemons or timers of the object are still running: its finalizer must stay until they
+    /// have stopped.
+    pub daemons_alive: bool,
 }
 
 /// A change to our finalizer.
@@ -208,6 +211,16 @@ pub fn has_finalizer(body: &Value, finalizer: &str) -> bool {
 
 /// Runs one cycle.
 pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
+    let daemons_alive = input.daemons_alive;
+    let mut plan = cycle_inner(input, invoker).await;
+    if daemons_alive && plan.finalizer == FinalizerChange::Remove {
+        debug!("daemons are still stopping; the finalizer stays for now");
+        plan.finalizer = FinalizerChange::Keep;
+    }
+    plan
+}
+
+async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
     let now = SystemTime::now();
     let body = input.body;
     if input.event == EventType::Deleted {
@@ -716,7 +729,8 @@ fn reopen_for_children(record: &mut ProgressRecord, children: &[Child], now: Sys
     record.message = Some("sub-handlers are not finished yet".into());
 }
 
-fn store_result(body: &mut Value, id: &str, result: Value) {
+/// Stores a handler's result at `status.<id>` (an object result is merged into what is there).
+pub(crate) fn store_result(body: &mut Value, id: &str, result: Value) {
     let status = object_at(body, &["status"]);
     match (status.get_mut(id), result) {
         (Some(Value::Object(existing)), Value::Object(new)) => existing.extend(new),

@@ -47,6 +47,10 @@ pub struct Context {
     pub limit: Arc<Semaphore>,
     /// Checkpoint a cycle when a handler runs longer than this after others finished.
     pub checkpoint_after: Duration,
+    /// The resource's daemons and timers.
+    pub daemons: super::daemons::Daemons,
+    /// Whether dispatch is paused (daemons do not run then).
+    pub paused: watch::Receiver<bool>,
     /// Cancelled at shutdown (and while paused).
     pub cancel: CancellationToken,
 }
@@ -253,6 +257,7 @@ impl Queue {
 
     async fn process(&self, uid: &str, event_type: EventType, body: Value, memory: Memory) {
         if event_type == EventType::Deleted {
+            self.ctx.daemons.forget(uid);
             let mut slots = self.slots.lock();
             if let Some(slot) = slots.get_mut(uid) {
                 if let Some(t) = slot.timer.take() {
@@ -264,6 +269,8 @@ impl Queue {
             return;
         }
         let handlers = self.ctx.handlers.borrow().clone();
+        let paused = *self.ctx.paused.borrow();
+        let daemons_alive = self.ctx.daemons.sync(uid, &body, &handlers, paused);
         let plan = processing::cycle(
             Input {
                 body: &body,
@@ -275,6 +282,7 @@ impl Queue {
                 cancel: &self.ctx.cancel,
                 checkpoint: Some(self),
                 checkpoint_after: self.ctx.checkpoint_after,
+                daemons_alive,
             },
             self.ctx.invoker.as_ref(),
         )
@@ -318,8 +326,9 @@ impl Queue {
         }
     }
 
-    /// Re-runs a cycle for an object whose delay has passed, with its latest known body.
-    fn wake(&self, uid: &str) {
+    /// Re-runs a cycle for an object whose delay has passed (or whose daemons stopped), with
+    /// its latest known body.
+    pub fn wake(&self, uid: &str) {
         let body = {
             let mut slots = self.slots.lock();
             let Some(slot) = slots.get_mut(uid) else { return };
@@ -466,32 +475,7 @@ impl Queue {
                 meta.insert("resourceVersion".into(), rv.clone());
             }
         }
-        let status = if resource.status_subresource {
-            patch.as_object_mut().and_then(|p| p.remove("status"))
-        } else {
-            None
-        };
-        let mut stored = None;
-        if let Some(status) = status {
-            let status_patch = serde_json::json!({ "status": status });
-            stored = Some(
-                self.ctx
-                    .objects
-                    .merge_patch(resource, &ns, &name, &status_patch, true)
-                    .await?,
-            );
-        }
-        if patch.as_object().is_some_and(|p| !p.is_empty()) {
-            let result = self
-                .ctx
-                .objects
-                .merge_patch(resource, &ns, &name, &patch, false)
-                .await?;
-            if let Some(d) = desired {
-                report_dropped_fields(&patch, &result, d);
-            }
-            stored = Some(result);
-        }
+        let stored = write_patch(&self.ctx.objects, resource, &ns, &name, patch, desired).await?;
         if finalizer == FinalizerChange::Add {
             info!("finalizer added");
         } else if finalizer == FinalizerChange::Remove {
@@ -499,6 +483,56 @@ impl Queue {
         }
         Ok(stored.unwrap_or_else(|| base.clone()))
     }
+}
+
+/// Writes the changes from `base` to `desired` (no finalizer change): one `/status` PATCH
+/// where the resource has a status subresource and status changed, one PATCH for the rest.
+pub(crate) async fn patch_object(
+    objects: &Objects,
+    resource: &ResolvedResource,
+    base: &Value,
+    desired: &Value,
+) -> Result<Value, objects::Error> {
+    let (ns, name) = identity(base);
+    let Some(mut patch) = merge_diff(base, desired) else {
+        return Ok(base.clone());
+    };
+    strip_server_fields(&mut patch);
+    Ok(write_patch(objects, resource, &ns, &name, patch, Some(desired))
+        .await?
+        .unwrap_or_else(|| base.clone()))
+}
+
+async fn write_patch(
+    objects: &Objects,
+    resource: &ResolvedResource,
+    ns: &str,
+    name: &str,
+    mut patch: Value,
+    desired: Option<&Value>,
+) -> Result<Option<Value>, objects::Error> {
+    let status = if resource.status_subresource {
+        patch.as_object_mut().and_then(|p| p.remove("status"))
+    } else {
+        None
+    };
+    let mut stored = None;
+    if let Some(status) = status {
+        let status_patch = serde_json::json!({ "status": status });
+        stored = Some(
+            objects
+                .merge_patch(resource, ns, name, &status_patch, true)
+                .await?,
+        );
+    }
+    if patch.as_object().is_some_and(|p| !p.is_empty()) {
+        let result = objects.merge_patch(resource, ns, name, &patch, false).await?;
+        if let Some(d) = desired {
+            report_dropped_fields(&patch, &result, d);
+        }
+        stored = Some(result);
+    }
+    Ok(stored)
 }
 
 impl processing::Checkpoint for Queue {

@@ -72,11 +72,12 @@ impl Default for Settings {
 }
 
 /// The capabilities this controller supports.
-const SUPPORTED: [pb::Capability; 4] = [
+const SUPPORTED: [pb::Capability; 5] = [
     pb::Capability::ResultAck,
     pb::Capability::InvocationUpdates,
     pb::Capability::SdkFilters,
     pb::Capability::Subhandlers,
+    pb::Capability::ObjectUpdates,
 ];
 
 /// The response stream of one connection.
@@ -151,7 +152,8 @@ pub async fn accept(
         n => n.min(settings.max_in_flight),
     };
     let (out_tx, out_rx) = mpsc::channel(64);
-    let (conn, taken) = hub.attach(out_tx, max_in_flight, accepted);
+    let object_updates = capabilities.contains(&pb::Capability::ObjectUpdates);
+    let (conn, taken) = hub.attach(out_tx, max_in_flight, object_updates, accepted);
     for reg in &taken {
         reject_taken(&mut statuses, &reg.id);
     }

@@ -60,6 +60,7 @@ struct Inner {
     settings: Settings,
     ids: AtomicU64,
     registrations: watch::Sender<Arc<Vec<Registration>>>,
+    paused: watch::Sender<bool>,
 }
 
 #[derive(Default)]
@@ -75,6 +76,8 @@ struct State {
 struct Conn {
     tx: mpsc::Sender<pb::ConnectResponse>,
     open: bool,
+    /// The process accepts `ObjectUpdate` messages.
+    object_updates: bool,
     max_in_flight: u32,
     in_flight: u32,
     handlers: HashMap<HandlerId, HandlerSlot>,
@@ -86,12 +89,16 @@ struct HandlerSlot {
     registration: Registration,
     max_in_flight: Option<u32>,
     in_flight: u32,
+    /// Daemons run for an object's lifetime: they do not count against the process cap, so
+    /// they can never starve change handlers.
+    uncapped: bool,
 }
 
 #[derive(Clone)]
 struct Grant {
     conn: ConnectionId,
     tx: mpsc::Sender<pb::ConnectResponse>,
+    object_updates: bool,
 }
 
 struct InFlight {
@@ -130,6 +137,7 @@ impl Hub {
                 settings,
                 ids: AtomicU64::new(1),
                 registrations: watch::channel(Arc::new(Vec::new())).0,
+                paused: watch::channel(false).0,
             }),
         }
     }
@@ -176,6 +184,7 @@ impl Hub {
         &self,
         tx: mpsc::Sender<pb::ConnectResponse>,
         max_in_flight: u32,
+        object_updates: bool,
         registrations: Vec<Registration>,
     ) -> (ConnectionId, Vec<Registration>) {
         let id = self.next_id();
@@ -194,6 +203,7 @@ impl Hub {
                 reg.id.clone(),
                 HandlerSlot {
                     max_in_flight: reg.max_in_flight,
+                    uncapped: reg.kind == crate::model::HandlerKind::Daemon,
                     registration: reg,
                     in_flight: 0,
                 },
@@ -204,6 +214,7 @@ impl Hub {
             Conn {
                 tx,
                 open: false,
+                object_updates,
                 max_in_flight,
                 in_flight: 0,
                 handlers,
@@ -276,6 +287,9 @@ impl Hub {
 
     /// Pauses or resumes all dispatch (drain at shutdown, freezing, loss of leadership).
     pub fn set_paused(&self, paused: bool) {
+        self.inner
+            .paused
+            .send_if_modified(|p| std::mem::replace(p, paused) != paused);
         let mut state = self.inner.state.lock();
         state.paused = paused;
         if !paused {
@@ -284,6 +298,11 @@ impl Hub {
                 state.pump_conn(conn);
             }
         }
+    }
+
+    /// Whether dispatch is paused, updated on every change (daemons stop while paused).
+    pub fn paused(&self) -> watch::Receiver<bool> {
+        self.inner.paused.subscribe()
     }
 
     /// Sends a message to every open connection, best effort (`Drain`).
@@ -401,7 +420,8 @@ impl Hub {
             loop {
                 let grant = tokio::select! {
                     grant = self.acquire(&work.handler_id) => grant,
-                    () = work.cancel.cancelled() => return Outcome::Abandoned,
+                    // Withdrawn before it reached a handler: nothing to abandon.
+                    () = work.cancel.cancelled() => return Outcome::Cancelled,
                 };
                 match self.attempt(&work, grant).await {
                     Delivery::Result(outcome) => return outcome,
@@ -468,13 +488,30 @@ impl Hub {
             return Delivery::Lost;
         }
         let grace = work.cancel_grace.unwrap_or(self.inner.settings.cancel_grace);
-        let reason = tokio::select! {
-            delivery = &mut reply_rx => {
-                guard.armed = false;
-                return delivery.unwrap_or(Delivery::Lost);
+        let mut bodies = work.body_updates.clone().filter(|_| grant.object_updates);
+        if let Some(b) = bodies.as_mut() {
+            b.mark_unchanged();
+        }
+        let reason = loop {
+            tokio::select! {
+                delivery = &mut reply_rx => {
+                    guard.armed = false;
+                    return delivery.unwrap_or(Delivery::Lost);
+                }
+                () = sleep_until_opt(deadline) => break CancelReason::DeadlineExceeded,
+                () = work.cancel.cancelled() => break work.current_cancel_reason(),
+                changed = changed_opt(bodies.as_mut()) => {
+                    if !changed {
+                        bodies = None;
+                        continue;
+                    }
+                    let body = bodies.as_mut().map(|b| b.borrow_and_update().clone());
+                    if let Some(body) = body {
+                        let update = pb::ObjectUpdate { invocation_id: invocation_id.clone(), body: Some(convert::to_json(&body)) };
+                        let _ = grant.tx.send(pb::ConnectResponse { message: Some(pb::connect_response::Message::ObjectUpdate(update)) }).await;
+                    }
+                }
             }
-            () = sleep_until_opt(deadline) => CancelReason::DeadlineExceeded,
-            () = work.cancel.cancelled() => work.cancel_reason,
         };
         let _ = grant.tx.try_send(cancel_message(&invocation_id, reason, grace));
         guard.cancel_sent = true;
@@ -530,6 +567,14 @@ fn cancel_message(invocation_id: &str, reason: CancelReason, grace: Duration) ->
     }
 }
 
+/// Waits for the next change; `false` when the sender is gone; forever without a receiver.
+async fn changed_opt(rx: Option<&mut watch::Receiver<serde_json::Value>>) -> bool {
+    match rx {
+        Some(rx) => rx.changed().await.is_ok(),
+        None => std::future::pending().await,
+    }
+}
+
 /// Sleeps until `deadline`, or forever when there is none.
 pub(crate) async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
     match deadline {
@@ -556,12 +601,12 @@ impl State {
                 let Some(c) = self.connections.get_mut(&conn) else {
                     return;
                 };
-                if c.in_flight >= c.max_in_flight {
-                    return;
-                }
                 let Some(slot) = c.handlers.get_mut(&handler) else {
                     break;
                 };
+                if !slot.uncapped && c.in_flight >= c.max_in_flight {
+                    break;
+                }
                 if slot.max_in_flight.is_some_and(|cap| slot.in_flight >= cap) {
                     break;
                 }
@@ -570,12 +615,15 @@ impl State {
                     break;
                 };
                 slot.in_flight += 1;
-                c.in_flight += 1;
+                if !slot.uncapped {
+                    c.in_flight += 1;
+                }
                 self.granted.insert(
                     waiter_id,
                     Grant {
                         conn,
                         tx: c.tx.clone(),
+                        object_updates: c.object_updates,
                     },
                 );
                 notify.notify_one();
@@ -671,7 +719,7 @@ mod tests {
         cap: u32,
     ) -> (ConnectionId, mpsc::Receiver<pb::ConnectResponse>) {
         let (tx, rx) = mpsc::channel(64);
-        let (id, taken) = hub.attach(tx, cap, regs);
+        let (id, taken) = hub.attach(tx, cap, false, regs);
         assert!(taken.is_empty());
         hub.open(id);
         (id, rx)

@@ -8,8 +8,11 @@
 
 use std::time::{Duration, SystemTime};
 
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use serde_json::Value;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{diagnostic::Diagnostic, handler::HandlerId, resource::ResourceRef};
@@ -180,11 +183,17 @@ pub struct Work {
     pub cancel: CancellationToken,
     /// The reason sent with that `Cancel`.
     pub cancel_reason: CancelReason,
+    /// When set, the reason is read from here at the moment of cancellation (daemons are
+    /// stopped for reasons not known when they start).
+    pub cancel_reason_cell: Option<Arc<Mutex<CancelReason>>>,
     /// How long a cancelled invocation has to finish before it is abandoned.
     pub cancel_grace: Option<Duration>,
     /// Where patches sent by a running invocation (`InvocationUpdate`) go; `None` drops them
     /// with a notice to the handler process.
     pub updates: Option<mpsc::UnboundedSender<Vec<Patch>>>,
+    /// The object's latest bodies while the invocation runs (daemons); sent to handler
+    /// processes that support object updates.
+    pub body_updates: Option<watch::Receiver<Value>>,
 }
 
 impl Work {
@@ -206,7 +215,16 @@ impl Work {
             cancel_reason: CancelReason::RuntimeShutdown,
             cancel_grace: None,
             updates: None,
+            body_updates: None,
+            cancel_reason_cell: None,
         }
+    }
+
+    /// The reason to send with `Cancel` now.
+    pub fn current_cancel_reason(&self) -> CancelReason {
+        self.cancel_reason_cell
+            .as_ref()
+            .map_or(self.cancel_reason, |cell| *cell.lock())
     }
 }
 
@@ -354,14 +372,14 @@ pub enum Outcome {
         /// Sub-handler outcomes reported with it.
         subhandlers: Vec<SubhandlerOutcome>,
     },
-    /// The handler stopped after a `Cancel`.
+    /// The handler stopped after a `Cancel`, or the work was withdrawn before it was
+    /// dispatched.
     Cancelled,
     /// An SDK-side filter said no.
     Skipped,
     /// The attempt passed its deadline and did not answer within the cancel grace period.
     TimedOut,
-    /// The invocation was cancelled and did not answer within the grace period, or the work
-    /// was cancelled before it could be dispatched.
+    /// The invocation was cancelled and did not answer within the grace period.
     Abandoned,
 }
 

@@ -13,7 +13,7 @@
 
 use std::{io::Write, time::Duration};
 
-use capstan_sdk::{Context, HandlerError, HandlerResult, Operator, Presence, Registry};
+use capstan_sdk::{Context, HandlerError, HandlerResult, Operator, Patch, Presence, Registry};
 use serde_json::{Value, json};
 
 const RESOURCE: &str = "examples.demo.capstan.dev";
@@ -105,6 +105,45 @@ async fn field_fn(ctx: Context) -> HandlerResult {
     Ok(None)
 }
 
+fn note(line: &str) {
+    let Ok(path) = std::env::var("E2E_LOG") else {
+        return;
+    };
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+        let _ = writeln!(f, "{line}");
+    }
+}
+
+/// Reports progress with an interim patch, then runs until cancelled (or fails first when
+/// `spec.temporary.monitor` says so).
+async fn monitor(ctx: Context) -> HandlerResult {
+    behave(&ctx).await?;
+    let progress = Patch::new();
+    progress.annotation("e2e/daemon", "running");
+    ctx.send_patch(&progress)
+        .await
+        .map_err(|e| HandlerError::retry(e.to_string()))?;
+    ctx.cancelled().await;
+    let reason = ctx.cancel_reason().map_or("NONE", |r| r.as_str_name());
+    note(&format!("daemon-stopped {} {reason}", ctx.name()));
+    Ok(None)
+}
+
+/// A daemon that ignores its cancellation.
+async fn stubborn(ctx: Context) -> HandlerResult {
+    log_call(&ctx);
+    tokio::time::sleep(Duration::from_secs(3600)).await;
+    Ok(None)
+}
+
+/// Counts ticks in `status.ticks`, reading the latest body.
+async fn tick(ctx: Context) -> HandlerResult {
+    log_call(&ctx);
+    let ticks = ctx.status()["ticks"].as_u64().unwrap_or(0) + 1;
+    ctx.patch().status("ticks", ticks);
+    Ok(None)
+}
+
 async fn parent(ctx: Context) -> HandlerResult {
     behave(&ctx).await?;
     for child in ["one", "two"] {
@@ -182,6 +221,39 @@ async fn main() -> anyhow::Result<()> {
                     }
                     Ok::<_, HandlerError>(None)
                 });
+            }
+            "daemon" => {
+                registry
+                    .daemon(RESOURCE, "monitor", monitor)
+                    .restart_backoff(Duration::from_secs(1));
+            }
+            "stubborn-daemon" => {
+                registry
+                    .daemon(RESOURCE, "stubborn", stubborn)
+                    .cancellation_timeout(Duration::from_secs(2));
+            }
+            "timer" => {
+                registry
+                    .timer(RESOURCE, "tick", tick)
+                    .interval(Duration::from_secs(1));
+            }
+            "sharp-timer" => {
+                registry
+                    .timer(RESOURCE, "tick", tick)
+                    .interval(Duration::from_secs(1))
+                    .sharp(true);
+            }
+            "idle-timer" => {
+                registry
+                    .timer(RESOURCE, "tick", tick)
+                    .interval(Duration::from_millis(500))
+                    .idle(Duration::from_secs(2));
+            }
+            "delayed-timer" => {
+                registry
+                    .timer(RESOURCE, "tick", tick)
+                    .interval(Duration::from_secs(1))
+                    .initial_delay(Duration::from_secs(3));
             }
             "" => {}
             other => anyhow::bail!("unknown preset {other:?}"),

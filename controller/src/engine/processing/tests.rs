@@ -80,6 +80,7 @@ async fn run(
             cancel: &cancel,
             checkpoint: None,
             checkpoint_after: Duration::from_secs(1),
+            daemons_alive: false,
         },
         script,
     )

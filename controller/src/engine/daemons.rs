@@ -1,0 +1,464 @@
+//! Daemons and timers: per-object background work for as long as an object exists.
+//!
+//! The handler process runs the work; the controller owns the lifecycle. For every object and
+//! every daemon or timer handler that matches it, one task here keeps the work going: a daemon
+//! is one long invocation (restarted after its backoff when it exits or fails, unless it
+//! succeeded and asked not to be), a timer is one invocation per tick (never overlapping, on
+//! a fixed schedule when `sharp`, postponed while the object keeps changing when `idle`).
+//!
+//! They stop when the object is deleted, stops matching the filters, or the handler is
+//! unregistered, and while dispatch is paused (shutdown, freezing, loss of leadership): first
+//! a `Cancel` with a grace period, then the invocation is abandoned with a warning so that an
+//! object's deletion is never blocked forever. Daemons see the object's latest body
+//! (`ObjectUpdate`), timers get it on every tick, and both may patch their object.
+
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use parking_lot::Mutex;
+use serde_json::Value;
+use tokio::{
+    sync::{mpsc, watch},
+    task::JoinHandle,
+    time::Instant,
+};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use super::{
+    essence::Rules,
+    matching::{self, Subject},
+    processing::{self, Invoker},
+};
+use crate::{
+    k8s::objects::Objects,
+    model::{
+        CancelReason, DaemonOptions, HandlerId, HandlerKind, KindOptions, Outcome, Patch, Payload,
+        Registration, ResolvedResource, TimerOptions, Work,
+    },
+};
+
+/// What the daemons of one resource need.
+pub struct Context {
+    /// The resource.
+    pub resource: ResolvedResource,
+    /// Calls handlers.
+    pub invoker: Arc<dyn Invoker>,
+    /// Writes the daemons' and timers' patches and results.
+    pub objects: Objects,
+    /// Essence rules, to notice changes for `idle` timers.
+    pub rules: Rules,
+    /// The grace given to a cancelled daemon without a `cancellation_timeout`.
+    pub default_grace: Duration,
+    /// Told the uid of an object being deleted whose last daemon just stopped (so that its
+    /// finalizer can be released).
+    pub stopped: mpsc::UnboundedSender<String>,
+    /// Cancelled at shutdown.
+    pub cancel: CancellationToken,
+}
+
+/// The daemons and timers of one resource. Cheap to clone.
+#[derive(Clone)]
+pub struct Daemons {
+    ctx: Arc<Context>,
+    objects: Arc<Mutex<HashMap<String, Object>>>,
+}
+
+struct Object {
+    body: watch::Sender<Value>,
+    changed_at: watch::Sender<Instant>,
+    essence: Value,
+    deleting: bool,
+    running: HashMap<HandlerId, Running>,
+    /// Daemons that succeeded and asked not to be restarted.
+    finished: Vec<HandlerId>,
+}
+
+struct Running {
+    stop: CancellationToken,
+    reason: Arc<Mutex<CancelReason>>,
+    task: JoinHandle<()>,
+}
+
+impl Daemons {
+    /// No daemons yet.
+    pub fn new(ctx: Context) -> Self {
+        Self {
+            ctx: Arc::new(ctx),
+            objects: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// Starts, keeps or stops the daemons and timers of one object after an event; returns
+    /// whether any of its daemons or timers is still running (its finalizer must stay).
+    pub fn sync(&self, uid: &str, body: &Value, handlers: &[Registration], paused: bool) -> bool {
+        let deleting = body
+            .pointer("/metadata/deletionTimestamp")
+            .is_some_and(|v| !v.is_null());
+        let spawning: Vec<&Registration> = handlers
+            .iter()
+            .filter(|h| matches!(h.kind, HandlerKind::Daemon | HandlerKind::Timer))
+            .collect();
+        let mut objects = self.objects.lock();
+        if spawning.is_empty() && !objects.contains_key(uid) {
+            return false;
+        }
+        let essence = self.ctx.rules.essence(body);
+        let object = objects.entry(uid.to_owned()).or_insert_with(|| Object {
+            body: watch::channel(body.clone()).0,
+            changed_at: watch::channel(Instant::now()).0,
+            essence: essence.clone(),
+            deleting,
+            running: HashMap::new(),
+            finished: Vec::new(),
+        });
+        object.body.send_replace(body.clone());
+        if object.essence != essence {
+            object.essence = essence;
+            object.changed_at.send_replace(Instant::now());
+        }
+        object.deleting = deleting;
+        object.running.retain(|_, r| !r.task.is_finished());
+        let subject = Subject {
+            body,
+            old: None,
+            new: None,
+        };
+        for reg in &spawning {
+            let matches = matching::prematch(reg, subject);
+            let wanted = matches && !deleting && !paused && !object.finished.contains(&reg.id);
+            match (wanted, object.running.get(&reg.id)) {
+                (true, None) => {
+                    let running = self.spawn(uid, reg, object);
+                    object.running.insert(reg.id.clone(), running);
+                }
+                (false, Some(r)) if !r.stop.is_cancelled() => {
+                    let reason = if deleting {
+                        CancelReason::ResourceDeleted
+                    } else if paused {
+                        CancelReason::Paused
+                    } else {
+                        CancelReason::FilterMismatch
+                    };
+                    stop(r, reason);
+                }
+                _ => {}
+            }
+        }
+        for (id, r) in &object.running {
+            if !spawning.iter().any(|h| &h.id == id) && !r.stop.is_cancelled() {
+                stop(r, CancelReason::HandlerUnregistered);
+            }
+        }
+        !object.running.is_empty()
+    }
+
+    /// Stops everything of an object that is gone.
+    pub fn forget(&self, uid: &str) {
+        if let Some(object) = self.objects.lock().get_mut(uid) {
+            object.deleting = true;
+            for r in object.running.values() {
+                stop(r, CancelReason::ResourceDeleted);
+            }
+        }
+    }
+
+    /// Stops every daemon and timer (shutdown, pause) with `reason`.
+    pub fn stop_all(&self, reason: CancelReason) {
+        for object in self.objects.lock().values() {
+            for r in object.running.values() {
+                stop(r, reason);
+            }
+        }
+    }
+
+    /// How many daemons and timers are running.
+    pub fn running(&self) -> usize {
+        self.objects
+            .lock()
+            .values()
+            .map(|o| o.running.values().filter(|r| !r.task.is_finished()).count())
+            .sum()
+    }
+
+    fn spawn(&self, uid: &str, reg: &Registration, object: &Object) -> Running {
+        let stop = self.ctx.cancel.child_token();
+        let reason = Arc::new(Mutex::new(CancelReason::RuntimeShutdown));
+        let body = object.body.subscribe();
+        let changed_at = object.changed_at.subscribe();
+        let this = self.clone();
+        let reg = reg.clone();
+        let uid_owned = uid.to_owned();
+        let task_stop = stop.clone();
+        let task_reason = reason.clone();
+        let name = object
+            .body
+            .borrow()
+            .pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let span = info_span!("daemon", handler.id = %reg.id, kind = %reg.kind, object.name = %name, object.uid = %uid);
+        let task = tokio::spawn(
+            async move {
+                info!("started");
+                let lane = Lane {
+                    daemons: &this,
+                    uid: &uid_owned,
+                    reg: &reg,
+                    stop: &task_stop,
+                    reason: &task_reason,
+                    body,
+                };
+                match &reg.options {
+                    KindOptions::Timer(t) => lane.timer(t, changed_at).await,
+                    KindOptions::Daemon(d) => lane.daemon(d).await,
+                    _ => lane.daemon(&DaemonOptions::default()).await,
+                }
+                info!("stopped");
+                this.exited(&uid_owned, &reg.id);
+            }
+            .instrument(span),
+        );
+        Running { stop, reason, task }
+    }
+
+    /// Called by a task when it ends: tells the queue when an object being deleted has no
+    /// daemons left.
+    fn exited(&self, uid: &str, id: &HandlerId) {
+        let mut objects = self.objects.lock();
+        let Some(object) = objects.get_mut(uid) else {
+            return;
+        };
+        object.running.remove(id);
+        if object.running.is_empty() && object.deleting {
+            objects.remove(uid);
+            let _ = self.ctx.stopped.send(uid.to_owned());
+        }
+    }
+
+    fn finished_for_good(&self, uid: &str, id: &HandlerId) {
+        if let Some(object) = self.objects.lock().get_mut(uid) {
+            object.finished.push(id.clone());
+        }
+    }
+
+    /// Writes a daemon's or timer's result and patches over the object's latest body.
+    async fn write(&self, uid: &str, id: &HandlerId, result: Option<Value>, patches: &[Patch]) {
+        let base = {
+            let objects = self.objects.lock();
+            let Some(object) = objects.get(uid) else { return };
+            object.body.borrow().clone()
+        };
+        let mut desired = base.clone();
+        if let Err(d) = processing::apply_patches(&mut desired, patches) {
+            warn!(problem = %d, "a patch from the handler does not apply; dropped");
+            return;
+        }
+        if let Some(result) = result {
+            processing::store_result(&mut desired, &id.0, result);
+        }
+        if desired == base {
+            return;
+        }
+        match super::queue::patch_object(&self.ctx.objects, &self.ctx.resource, &base, &desired).await {
+            Ok(stored) => {
+                if let Some(object) = self.objects.lock().get(uid) {
+                    object.body.send_replace(stored);
+                }
+            }
+            Err(e) => warn!(error = %crate::error::chain(&e), "writing the handler's patch failed"),
+        }
+    }
+}
+
+fn stop(r: &Running, reason: CancelReason) {
+    *r.reason.lock() = reason;
+    r.stop.cancel();
+}
+
+/// One running daemon or timer.
+struct Lane<'a> {
+    daemons: &'a Daemons,
+    uid: &'a str,
+    reg: &'a Registration,
+    stop: &'a CancellationToken,
+    reason: &'a Arc<Mutex<CancelReason>>,
+    body: watch::Receiver<Value>,
+}
+
+impl Lane<'_> {
+    fn work(&self, payload: Payload, key: String) -> Work {
+        let body = self.body.borrow().clone();
+        let mut work = Work::new(self.reg.id.0.clone(), key, payload);
+        work.object = Some(processing::object_ref(&self.daemons.ctx.resource, &body));
+        work.body = Some(body);
+        work.param = self.reg.param.clone();
+        work.cancel = self.stop.clone();
+        work.cancel_reason_cell = Some(self.reason.clone());
+        work
+    }
+
+    /// Sleeps; true when stopped first.
+    async fn sleep(&self, d: Duration) -> bool {
+        tokio::select! {
+            () = self.stop.cancelled() => true,
+            () = tokio::time::sleep(d) => false,
+        }
+    }
+
+    async fn daemon(&self, opts: &DaemonOptions) {
+        if self.sleep(opts.initial_delay).await {
+            return;
+        }
+        let mut restarts = 0u32;
+        loop {
+            let (updates_tx, mut updates_rx) = mpsc::unbounded_channel::<Vec<Patch>>();
+            let mut work = self.work(
+                Payload::Daemon { restarts },
+                format!("{}/{}/daemon/{restarts}", self.uid, self.reg.id),
+            );
+            work.attempt = restarts + 1;
+            let grace = opts
+                .cancellation_timeout
+                .unwrap_or(self.daemons.ctx.default_grace);
+            work.cancel_grace = Some(opts.cancellation_backoff.unwrap_or_default() + grace);
+            work.updates = Some(updates_tx);
+            work.body_updates = Some(self.body.clone());
+            let invocation = self.daemons.ctx.invoker.invoke(work);
+            tokio::pin!(invocation);
+            let outcome = loop {
+                tokio::select! {
+                    outcome = &mut invocation => break outcome,
+                    Some(patches) = updates_rx.recv() => self.daemons.write(self.uid, &self.reg.id, None, &patches).await,
+                }
+            };
+            let mut delay = opts.restart_backoff.unwrap_or(self.reg.backoff);
+            match outcome {
+                Outcome::Success { result, patches, .. } => {
+                    self.daemons.write(self.uid, &self.reg.id, result, &patches).await;
+                    if self.stop.is_cancelled() {
+                        return;
+                    }
+                    if opts.no_restart_after_success {
+                        info!("the daemon finished and asked not to be restarted");
+                        self.daemons.finished_for_good(self.uid, &self.reg.id);
+                        return;
+                    }
+                    info!(restart_in = ?delay, "the daemon exited; it will be restarted");
+                }
+                Outcome::Abandoned | Outcome::TimedOut if self.stop.is_cancelled() => {
+                    warn!(grace = ?grace, "the daemon ignored its cancellation and was abandoned");
+                    return;
+                }
+                _ if self.stop.is_cancelled() => return,
+                Outcome::Temporary {
+                    delay: d,
+                    diagnostics,
+                    ..
+                } => {
+                    delay = d.unwrap_or(delay);
+                    warn!(message = %crate::model::Diagnostic::summarize(&diagnostics), restart_in = ?delay, "the daemon failed temporarily");
+                }
+                other => {
+                    warn!(outcome = other.as_str(), restart_in = ?delay, "the daemon failed; it will be restarted")
+                }
+            }
+            restarts += 1;
+            if self.sleep(delay).await {
+                return;
+            }
+        }
+    }
+
+    async fn timer(&self, opts: &TimerOptions, mut changed_at: watch::Receiver<Instant>) {
+        if self.sleep(opts.initial_delay).await {
+            return;
+        }
+        let interval = opts.interval.max(Duration::from_millis(10));
+        let start = Instant::now();
+        let mut tick = 0u64;
+        loop {
+            if let Some(idle) = opts.idle {
+                loop {
+                    let since = changed_at.borrow_and_update().elapsed();
+                    if since >= idle {
+                        break;
+                    }
+                    tokio::select! {
+                        () = self.stop.cancelled() => return,
+                        () = tokio::time::sleep(idle - since) => {}
+                        _ = changed_at.changed() => {}
+                    }
+                }
+            }
+            let began = Instant::now();
+            tick += 1;
+            self.tick(tick).await;
+            if self.stop.is_cancelled() {
+                return;
+            }
+            let took = began.elapsed();
+            if took > interval {
+                warn!(took = ?took, interval = ?interval, "the timer handler is slower than its interval; ticks do not overlap");
+            }
+            let next = if opts.sharp {
+                let periods = (start.elapsed().as_nanos() / interval.as_nanos()) as u32 + 1;
+                start + interval * periods
+            } else {
+                Instant::now() + interval
+            };
+            tokio::select! {
+                () = self.stop.cancelled() => return,
+                () = tokio::time::sleep_until(next) => {}
+            }
+        }
+    }
+
+    /// One tick: invoked, and retried on temporary errors within the handler's limits.
+    async fn tick(&self, tick: u64) {
+        let scheduled = SystemTime::now();
+        let mut attempt = 1u32;
+        loop {
+            let mut work = self.work(
+                Payload::Timer { scheduled },
+                format!("{}/{}/timer/{tick}", self.uid, self.reg.id),
+            );
+            work.attempt = attempt;
+            let outcome = self.daemons.ctx.invoker.invoke(work).await;
+            let retry_in = match outcome {
+                Outcome::Success { result, patches, .. } => {
+                    self.daemons.write(self.uid, &self.reg.id, result, &patches).await;
+                    return;
+                }
+                Outcome::Temporary { delay, .. } => delay.unwrap_or(self.reg.backoff),
+                Outcome::Unclassified { .. } if self.reg.errors == crate::model::ErrorsMode::Temporary => {
+                    self.reg.backoff
+                }
+                Outcome::Skipped | Outcome::Cancelled | Outcome::Abandoned => return,
+                other => {
+                    warn!(
+                        outcome = other.as_str(),
+                        "the timer handler failed; next tick as scheduled"
+                    );
+                    return;
+                }
+            };
+            if self.reg.retries.is_some_and(|r| attempt >= r) {
+                warn!(
+                    attempts = attempt,
+                    "the timer handler failed; no retries left for this tick"
+                );
+                return;
+            }
+            debug!(retry_in = ?retry_in, "the timer handler will be retried");
+            attempt += 1;
+            if self.sleep(retry_in).await {
+                return;
+            }
+        }
+    }
+}

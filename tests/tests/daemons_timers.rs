@@ -1,0 +1,190 @@
+//! End to end: daemons and timers live in the handler process while the controller owns their
+//! lifecycle — started with the object, stopped on deletion (then the finalizer goes),
+//! restarted after failures and reconnects, abandoned when they ignore cancellation, and
+//! stopped at shutdown; timers tick on interval, sharp, idle and initial-delay schedules.
+
+use std::time::Duration;
+
+use capstan_tests::scenario::{Scenario, annotation, has_finalizer};
+use serde_json::json;
+use tokio::time::Instant;
+
+const T: Duration = Duration::from_secs(30);
+
+fn log_lines(s: &Scenario) -> Vec<String> {
+    std::fs::read_to_string(&s.calls)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+async fn wait_log(s: &Scenario, needle: &str, timeout: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !log_lines(s).iter().any(|l| l.contains(needle)) {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "no {needle:?} in the handler log: {:?}",
+            log_lines(s)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_daemon_starts_with_its_object_and_stops_before_the_finalizer_goes() -> anyhow::Result<()> {
+    let s = Scenario::start("daemon", &[]).await?;
+    s.create("d1", json!({})).await?;
+    let o = s
+        .wait("d1", T, "daemon progress patch", |o| {
+            annotation(o, "e2e/daemon") == Some("running")
+        })
+        .await?;
+    assert!(has_finalizer(&o), "daemons keep the finalizer");
+    assert_eq!(s.count("monitor", "d1"), 1);
+    s.delete("d1").await?;
+    s.wait_gone("d1", T).await?;
+    assert!(
+        log_lines(&s)
+            .iter()
+            .any(|l| l == "daemon-stopped d1 CANCEL_REASON_RESOURCE_DELETED"),
+        "{:?}",
+        log_lines(&s)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_failed_daemon_is_restarted_after_its_backoff() -> anyhow::Result<()> {
+    let s = Scenario::start("daemon", &[]).await?;
+    s.create("d2", json!({"temporary": {"monitor": 1}})).await?;
+    s.wait("d2", T, "running after a restart", |o| {
+        annotation(o, "e2e/daemon") == Some("running")
+    })
+    .await?;
+    assert_eq!(s.count("monitor", "d2"), 2, "failed once, restarted once");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_daemon_ignoring_cancellation_is_abandoned_and_deletion_proceeds() -> anyhow::Result<()> {
+    let mut s = Scenario::start("stubborn-daemon", &[]).await?;
+    s.create("d3", json!({})).await?;
+    s.wait("d3", T, "finalizer", has_finalizer).await?;
+    wait_log(&s, "stubborn d3", T).await?;
+    let started = Instant::now();
+    s.delete("d3").await?;
+    s.wait_gone("d3", T).await?;
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "the cancellation timeout was waited for"
+    );
+    s.controller
+        .process
+        .wait_for("ignored its cancellation", Duration::from_secs(5))
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn daemons_restart_when_the_handler_process_reconnects() -> anyhow::Result<()> {
+    let mut s = Scenario::start("daemon", &[]).await?;
+    s.create("d4", json!({})).await?;
+    wait_log(&s, "monitor d4 1", T).await?;
+    s.handler.kill().await?;
+    s.restart_handler().await?;
+    wait_log(&s, "monitor d4 2", T).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn shutdown_stops_all_daemons_within_the_grace_period() -> anyhow::Result<()> {
+    let mut s = Scenario::start("daemon", &[]).await?;
+    for name in ["s1", "s2"] {
+        s.create(name, json!({})).await?;
+    }
+    for name in ["s1", "s2"] {
+        s.wait(name, T, "daemon running", |o| {
+            annotation(o, "e2e/daemon") == Some("running")
+        })
+        .await?;
+    }
+    let started = Instant::now();
+    let status = s.controller.process.terminate().await?;
+    assert!(status.success(), "{status}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "stopped in {:?}",
+        started.elapsed()
+    );
+    for name in ["s1", "s2"] {
+        if let Err(e) = wait_log(&s, &format!("daemon-stopped {name}"), Duration::from_secs(5)).await {
+            anyhow::bail!(
+                "{e}\ncontroller:\n{}",
+                capstan_tests::scenario::tail(&s.controller.process.output(), 60)
+            );
+        }
+    }
+    Ok(())
+}
+
+fn ticks(o: &serde_json::Value) -> u64 {
+    o.pointer("/status/ticks")
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn a_timer_ticks_on_its_interval_with_the_latest_body() -> anyhow::Result<()> {
+    let s = Scenario::start("timer", &[]).await?;
+    s.create("t1", json!({})).await?;
+    let started = Instant::now();
+    s.wait("t1", T, "three ticks", |o| ticks(o) >= 3).await?;
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(1800) && took < Duration::from_secs(10),
+        "three ticks took {took:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_sharp_timer_keeps_its_schedule() -> anyhow::Result<()> {
+    let s = Scenario::start("sharp-timer", &[]).await?;
+    s.create("t2", json!({})).await?;
+    s.wait("t2", T, "four ticks", |o| ticks(o) >= 4).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_idle_timer_waits_until_the_object_stops_changing() -> anyhow::Result<()> {
+    let s = Scenario::start("idle-timer", &[]).await?;
+    s.create("t3", json!({"size": 0})).await?;
+    // Keep changing the spec for 3 s: no tick.
+    for i in 1..=6 {
+        s.patch("t3", json!({"spec": {"size": i}})).await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(
+        s.count("tick", "t3"),
+        0,
+        "no tick while the object keeps changing"
+    );
+    s.wait("t3", T, "ticks once idle", |o| ticks(o) >= 2).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_timer_waits_for_its_initial_delay() -> anyhow::Result<()> {
+    let s = Scenario::start("delayed-timer", &[]).await?;
+    s.create("t4", json!({})).await?;
+    let started = Instant::now();
+    s.wait("t4", T, "first tick", |o| ticks(o) >= 1).await?;
+    assert!(
+        started.elapsed() >= Duration::from_millis(2500),
+        "ticked after {:?}",
+        started.elapsed()
+    );
+    Ok(())
+}
