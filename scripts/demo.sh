@@ -323,6 +323,8 @@ kubectl delete cex hello --wait=false | indent
 gone() { ! kubectl get cex hello >/dev/null 2>&1; }
 wait_until "the object is gone (delete_fn ran and the finalizer was removed)" gone
 wait_until "the demo operator logged delete_fn" log_has handler "deleting hello"
+deletes=$(log_count handler "deleting hello")
+[[ $deletes == 1 ]] || fail "delete_fn ran $deletes times; a succeeded handler must not run again"
 ok "delete_fn ran, capstan removed its finalizer, the object is gone"
 show_log "capstan" capstan "handler (succeeded|will be retried)|cause handled|finalizer"
 show_log "demo operator" handler "deleting hello"

@@ -20,6 +20,9 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "protobuf lint and breaking-change check"
 bash proto/lint.sh
 
+step "Go example SDK: vet, unit tests, generated code up to date"
+(cd sdk-go-example && go vet ./... && go test ./... && ./generate.sh --check)
+
 step "real API server (tests/testenv)"
 CAPSTAN_TESTENV_BIN=$(bash tests/testenv/build.sh | tail -n1)
 export CAPSTAN_TESTENV_BIN

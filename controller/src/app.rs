@@ -1,19 +1,21 @@
 //! Wires the controller together and owns its lifecycle: builds the API client and discovery,
-//! the hub, the engine, the gRPC server and the admin endpoint, runs them until the root token is
-//! cancelled, then drains: no new invocations, `Drain` to every handler process, in-flight work
-//! given the shutdown grace (and its outcomes written), then the engine and the servers stop.
+//! the hub, the peering gate (freezing, leader election), the engine, the gRPC server and the
+//! admin endpoint, runs them until the root token is cancelled, then drains: no new
+//! invocations, `Drain` to every handler process, in-flight work given the shutdown grace (and
+//! its outcomes written), then the lease is released (a standby takes over at once), the
+//! engine stops, the peering entry is removed and the servers stop.
 
 use std::{sync::Arc, time::Duration};
 
 use capstan_proto::pb;
 use futures::future::BoxFuture;
-use tokio::task::JoinSet;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{Instrument as _, debug, info, info_span, warn};
 
 use crate::{
     config::Settings,
-    engine::Engine,
+    engine::{self, Engine},
     error::Result,
     grpc::{self, Hub},
     k8s,
@@ -22,6 +24,7 @@ use crate::{
         admin::Admin,
         health::{Check, Health},
     },
+    peering::{self, Gate, Peering, election::Elector, gate::Hooks},
 };
 
 /// Resolves registration selectors through API discovery.
@@ -47,12 +50,13 @@ impl grpc::Resolver for DiscoveryResolver {
 /// Runs the controller until `shutdown` is cancelled, then shuts down gracefully.
 ///
 /// # Errors
-/// When a subsystem cannot start (no cluster configuration, address in use) or fails.
+/// When a subsystem cannot start (no cluster configuration, address in use, peering required
+/// but its CRDs missing) or fails.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> {
     let client = k8s::client::connect().await?;
     let objects = k8s::objects::Objects::new(client.clone());
     let resolver = Arc::new(DiscoveryResolver(k8s::discovery::Discovery::new(
-        client,
+        client.clone(),
         settings.discovery_ttl,
     )));
     let hub = Hub::new(settings.hub.clone());
@@ -64,6 +68,47 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
             n => Check::pass(format!("{n} handler process(es) connected")),
         });
     }
+
+    let gate = Gate::new();
+    let election = &settings.election;
+    let lease = election
+        .enabled
+        .then(|| format!("{}/{}", election.namespace(), election.lease_name));
+    if election.enabled {
+        election.validate().map_err(peering::Error::from)?;
+    }
+    let peering = Peering::start(
+        &settings.peering,
+        client.clone(),
+        &gate,
+        &settings.engine.namespaces,
+        lease.clone(),
+        PEERING_FIRST_DECISION,
+    )
+    .await?;
+    let election_stop = CancellationToken::new();
+    let elector = election.enabled.then(|| {
+        let namespace = election.namespace();
+        let store = Arc::new(k8s::lease::Leases::new(
+            client.clone(),
+            &namespace,
+            &election.lease_name,
+        ));
+        let identity = settings.peering.identity();
+        info!(lease = lease.as_deref().unwrap_or_default(), %identity, "leader election started");
+        let mut elector = Elector::new(election.clone(), identity, store, gate.clone());
+        let status = elector.status();
+        health.readiness("leadership", move || Check::pass(status.lock().describe()));
+        let stop = election_stop.clone();
+        tokio::spawn(
+            async move {
+                elector.run(stop).await;
+                elector
+            }
+            .instrument(info_span!("election")),
+        )
+    });
+
     let serving = CancellationToken::new();
     let server = grpc::Server::bind(
         settings.listen.clone(),
@@ -76,9 +121,21 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
     let admin = Admin::bind(settings.admin_listen, health.clone()).await?;
     info!(listen = %server.local(), admin = ?admin.local_addr(), version = env!("CARGO_PKG_VERSION"), "capstan started");
 
-    let engine_stop = CancellationToken::new();
-    let engine = Engine::new(hub.clone(), objects, settings.engine.clone(), health.clone());
-    let engine_task = tokio::spawn(engine.run(engine_stop.clone()));
+    let engines = Arc::new(Engines {
+        hub: hub.clone(),
+        objects,
+        settings: settings.engine.clone(),
+        health: health.clone(),
+        current: tokio::sync::Mutex::new(None),
+    });
+    let gate_stop = CancellationToken::new();
+    let gate_task = tokio::spawn(gate.clone().drive(
+        hub.clone(),
+        settings.shutdown_grace,
+        engines.clone(),
+        gate_stop.clone(),
+    ));
+    engines.start().await;
 
     let mut tasks = JoinSet::new();
     tasks.spawn(async move { server.serve().await.map_err(crate::error::Error::from) });
@@ -92,10 +149,23 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
         () = shutdown.cancelled() => None,
         Some(joined) = tasks.join_next() => Some(joined),
     };
+    gate_stop.cancel();
+    let _ = gate_task.await;
+    if failed.is_none() {
+        drain(&hub, settings.shutdown_grace).await;
+    }
+    election_stop.cancel();
+    if let Some(task) = elector
+        && let Ok(mut elector) = task.await
+    {
+        elector.release().await;
+    }
+    engines.stop().await;
+    if let Some(peering) = peering {
+        peering.stop().await;
+    }
+    serving.cancel();
     if let Some(joined) = failed {
-        engine_stop.cancel();
-        let _ = engine_task.await;
-        serving.cancel();
         while tasks.join_next().await.is_some() {}
         return match joined {
             Ok(result) => result,
@@ -105,10 +175,6 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
             }
         };
     }
-    drain(&hub, settings.shutdown_grace).await;
-    engine_stop.cancel();
-    let _ = engine_task.await;
-    serving.cancel();
     while let Some(joined) = tasks.join_next().await {
         if let Ok(Err(e)) = joined {
             warn!(error = %e, "a subsystem failed during shutdown");
@@ -116,6 +182,74 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
     }
     info!("capstan stopped");
     Ok(())
+}
+
+/// How long the start waits for the first peering decision before the engine starts.
+const PEERING_FIRST_DECISION: Duration = Duration::from_secs(10);
+
+/// How long cancelled work of a replaced engine gets to withdraw before dispatch resumes.
+const WITHDRAW_SETTLE: Duration = Duration::from_millis(200);
+
+/// The running engine, replaceable while the controller runs.
+///
+/// The engine keeps watching while the gate is paused, but its processing cycles that were
+/// waiting for dispatch hold the object as it was before the pause — possibly before another
+/// operator (the new leader's predecessor, a `--dev` operator) handled it. Resuming them would
+/// run handlers twice. So when the gate opens, the engine is replaced: the old one's waiting
+/// work is withdrawn without a handler call, and the new one starts from a fresh listing.
+/// The same replacement cancels in-flight work that outlives a pause's grace period.
+struct Engines {
+    hub: Hub,
+    objects: k8s::objects::Objects,
+    settings: engine::Settings,
+    health: Health,
+    current: tokio::sync::Mutex<Option<(CancellationToken, JoinHandle<()>)>>,
+}
+
+impl Engines {
+    async fn start(&self) {
+        let mut current = self.current.lock().await;
+        if current.is_none() {
+            let stop = CancellationToken::new();
+            let engine = Engine::new(
+                self.hub.clone(),
+                self.objects.clone(),
+                self.settings.clone(),
+                self.health.clone(),
+            );
+            *current = Some((stop.clone(), tokio::spawn(engine.run(stop))));
+        }
+    }
+
+    async fn stop(&self) {
+        let running = self.current.lock().await.take();
+        if let Some((stop, task)) = running {
+            stop.cancel();
+            let _ = task.await;
+        }
+    }
+
+    async fn restart(&self) {
+        self.stop().await;
+        tokio::time::sleep(WITHDRAW_SETTLE).await;
+        self.start().await;
+    }
+}
+
+impl Hooks for Engines {
+    fn resuming(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            debug!("replacing the engine: work that waited during the pause is re-evaluated");
+            self.restart().await;
+        })
+    }
+
+    fn overrun(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            debug!("replacing the engine: in-flight work is cancelled");
+            self.restart().await;
+        })
+    }
 }
 
 /// Stops dispatch, tells handler processes to drain, and waits for in-flight work.

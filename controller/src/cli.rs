@@ -1,4 +1,4 @@
-//! The command line: `capstan run | freeze | resume | version`.
+//! The command line: `capstan run | freeze | resume | crds | version`.
 //!
 //! Every flag can also be given as an environment variable (`CAPSTAN_…`), which is how the Helm
 //! chart configures the sidecar. The mapping onto [`Settings`] is mechanical and logic-free.
@@ -11,7 +11,9 @@ use crate::{
     config::{Settings, parse_duration},
     engine::processing::Storage,
     grpc::Listen,
+    k8s::peering::Target,
     observability::logging,
+    peering,
     persistence::{DiffBaseStorage, Keys, ProgressStorage},
 };
 
@@ -33,10 +35,16 @@ pub struct Cli {
 pub enum Command {
     /// Run the controller: serve handler processes and watch the cluster.
     Run(RunArgs),
-    /// Pause other operators of the same peering (priority freezing).
-    Freeze(PeeringArgs),
-    /// Resume operators paused by `capstan freeze`.
-    Resume(PeeringArgs),
+    /// Pause the operators of a peering from a terminal (priority freezing).
+    ///
+    /// Writes a peering entry with the given priority and lifetime; operators with a lower
+    /// priority pause (their watches stay warm) until `capstan resume` or until it expires.
+    /// Uses the kubeconfig (KUBECONFIG or ~/.kube/config).
+    Freeze(FreezeArgs),
+    /// Resume the operators paused by `capstan freeze` (removes its peering entry).
+    Resume(ResumeArgs),
+    /// Print the peering CRDs (`capstan crds | kubectl apply -f -`).
+    Crds,
     /// Print the version and the protocol version.
     Version,
 }
@@ -143,6 +151,66 @@ pub struct RunArgs {
     /// Restart a watch that delivers nothing, not even a bookmark, for this long.
     #[arg(long, env = "CAPSTAN_WATCH_INACTIVITY_TIMEOUT", value_parser = parse_duration, default_value = "5m")]
     pub watch_inactivity_timeout: Duration,
+
+    /// Run without peering: no peering entry, never paused by `--dev` operators or
+    /// `capstan freeze`.
+    #[arg(long, env = "CAPSTAN_STANDALONE", conflicts_with_all = ["peering", "priority", "dev"])]
+    pub standalone: bool,
+
+    /// The peering object's name [default: default]. Giving it makes peering required: the
+    /// controller refuses to start without the peering CRDs.
+    #[arg(long, env = "CAPSTAN_PEERING")]
+    pub peering: Option<String>,
+
+    /// This operator's priority: a live peer with a higher priority pauses it [default: 0].
+    /// Giving it makes peering required.
+    #[arg(
+        long,
+        env = "CAPSTAN_PRIORITY",
+        allow_negative_numbers = true,
+        conflicts_with = "dev"
+    )]
+    pub priority: Option<i64>,
+
+    /// Development mode: priority 666, which pauses every operator of a lower priority on the
+    /// same peering while this one runs.
+    #[arg(long, env = "CAPSTAN_DEV")]
+    pub dev: bool,
+
+    /// How long this operator's peering entry lives without a keep-alive (renewed every
+    /// half lifetime).
+    #[arg(long, env = "CAPSTAN_PEERING_LIFETIME", value_parser = parse_duration, default_value = "60s")]
+    pub peering_lifetime: Duration,
+
+    /// This operator's identity in peering and leader election [default: POD_NAME, else
+    /// <hostname>@<pid>].
+    #[arg(long, env = "CAPSTAN_PEER_ID")]
+    pub peer_id: Option<String>,
+
+    /// Elect a leader among replicas with a coordination.k8s.io/v1 Lease; standbys watch but
+    /// invoke no handlers until they lead.
+    #[arg(long, env = "CAPSTAN_LEADER_ELECTION")]
+    pub leader_election: bool,
+
+    /// The Lease's name.
+    #[arg(long, env = "CAPSTAN_LEASE_NAME", default_value = "capstan")]
+    pub lease_name: String,
+
+    /// The Lease's namespace [default: POD_NAMESPACE, else default].
+    #[arg(long, env = "CAPSTAN_LEASE_NAMESPACE")]
+    pub lease_namespace: Option<String>,
+
+    /// How long a leader's claim lasts without renewal; a standby takes over after it.
+    #[arg(long, env = "CAPSTAN_LEASE_DURATION", value_parser = parse_duration, default_value = "15s")]
+    pub lease_duration: Duration,
+
+    /// A leader that cannot renew for this long pauses and steps down.
+    #[arg(long, env = "CAPSTAN_RENEW_DEADLINE", value_parser = parse_duration, default_value = "10s")]
+    pub renew_deadline: Duration,
+
+    /// How often the Lease is acquired or renewed.
+    #[arg(long, env = "CAPSTAN_RETRY_PERIOD", value_parser = parse_duration, default_value = "2s")]
+    pub retry_period: Duration,
 }
 
 /// Where progress records are kept.
@@ -165,12 +233,79 @@ pub enum DiffBaseKind {
     Status,
 }
 
-/// Flags of `capstan freeze` and `capstan resume`.
+/// Which peering objects `capstan freeze` and `capstan resume` act on.
 #[derive(Debug, Args)]
-pub struct PeeringArgs {
+pub struct PeeringScope {
     /// The peering object's name.
     #[arg(long, env = "CAPSTAN_PEERING", default_value = "default")]
     pub peering: String,
+
+    /// Act on the namespaced peering in this namespace (repeatable), for operators that watch
+    /// namespaces.
+    #[arg(
+        long = "namespace",
+        short = 'n',
+        value_delimiter = ',',
+        conflicts_with = "all_namespaces"
+    )]
+    pub namespaces: Vec<String>,
+
+    /// Act on the cluster-wide peering, for operators that watch the whole cluster (the
+    /// default when no namespace is given).
+    #[arg(long, short = 'A')]
+    pub all_namespaces: bool,
+
+    /// The identity of the freeze entry [default: <user>@<host>].
+    #[arg(long)]
+    pub id: Option<String>,
+}
+
+impl PeeringScope {
+    /// The peering objects.
+    pub fn targets(&self) -> Vec<Target> {
+        let namespaces: Vec<String> = self
+            .namespaces
+            .iter()
+            .filter(|n| !n.is_empty())
+            .cloned()
+            .collect();
+        if namespaces.is_empty() || self.all_namespaces {
+            vec![Target::cluster(&self.peering)]
+        } else {
+            namespaces
+                .iter()
+                .map(|ns| Target::namespaced(ns, &self.peering))
+                .collect()
+        }
+    }
+}
+
+/// Flags of `capstan freeze`.
+#[derive(Debug, Args)]
+pub struct FreezeArgs {
+    /// Where.
+    #[command(flatten)]
+    pub scope: PeeringScope,
+
+    /// How long the freeze lasts unless resumed earlier.
+    #[arg(long, value_parser = parse_duration, default_value = "1h")]
+    pub lifetime: Duration,
+
+    /// Operators with a lower priority pause.
+    #[arg(long, allow_negative_numbers = true, default_value_t = peering::FREEZE_PRIORITY)]
+    pub priority: i64,
+
+    /// Why, recorded in the entry for whoever looks at the peering object.
+    #[arg(long)]
+    pub message: Option<String>,
+}
+
+/// Flags of `capstan resume`.
+#[derive(Debug, Args)]
+pub struct ResumeArgs {
+    /// Where.
+    #[command(flatten)]
+    pub scope: PeeringScope,
 }
 
 impl RunArgs {
@@ -201,6 +336,26 @@ impl RunArgs {
         settings.engine.worker_limit = self.worker_limit.max(1);
         settings.engine.watch.inactivity_timeout = self.watch_inactivity_timeout;
         settings.engine.checkpoint_after = self.checkpoint_after;
+        settings.peering = peering::Settings {
+            standalone: self.standalone,
+            required: self.peering.is_some() || self.priority.is_some() || self.dev,
+            name: self.peering.clone().unwrap_or_else(|| "default".into()),
+            priority: if self.dev {
+                peering::DEV_PRIORITY
+            } else {
+                self.priority.unwrap_or(0)
+            },
+            lifetime: self.peering_lifetime,
+            identity: self.peer_id.clone(),
+        };
+        settings.election = peering::election::Settings {
+            enabled: self.leader_election,
+            lease_name: self.lease_name.clone(),
+            lease_namespace: self.lease_namespace.clone(),
+            lease_duration: self.lease_duration,
+            renew_deadline: self.renew_deadline,
+            retry_period: self.retry_period,
+        };
         settings
     }
 
@@ -260,5 +415,65 @@ mod tests {
         let s = args.settings();
         assert_eq!(s.connection.ping_timeout, Duration::from_secs(2));
         assert!(matches!(s.listen, Listen::Tcp(_)));
+        assert!(!s.peering.required);
+        assert_eq!(s.peering.priority, 0);
+        assert!(!s.election.enabled);
+    }
+
+    fn run(args: &[&str]) -> Settings {
+        let cli = Cli::parse_from(["capstan", "run"].iter().chain(args));
+        let Command::Run(args) = cli.command else {
+            panic!("not run")
+        };
+        args.settings()
+    }
+
+    #[test]
+    fn peering_flags_map_onto_settings() {
+        let dev = run(&["--dev"]);
+        assert_eq!(dev.peering.priority, 666);
+        assert!(dev.peering.required);
+        let named = run(&["--peering", "team", "--priority", "-5"]);
+        assert_eq!(named.peering.name, "team");
+        assert_eq!(named.peering.priority, -5);
+        assert!(run(&["--standalone"]).peering.standalone);
+        assert!(Cli::try_parse_from(["capstan", "run", "--standalone", "--dev"]).is_err());
+        let elected = run(&[
+            "--leader-election",
+            "--lease-duration",
+            "4s",
+            "--renew-deadline",
+            "3s",
+            "--retry-period",
+            "1s",
+        ]);
+        assert!(elected.election.enabled);
+        assert_eq!(elected.election.lease_duration, Duration::from_secs(4));
+        assert!(elected.election.validate().is_ok());
+    }
+
+    #[test]
+    fn freeze_targets_follow_the_scope() {
+        let cli = Cli::parse_from([
+            "capstan",
+            "freeze",
+            "--lifetime",
+            "30",
+            "-n",
+            "a,b",
+            "--message",
+            "x",
+        ]);
+        let Command::Freeze(args) = cli.command else {
+            panic!("not freeze")
+        };
+        assert_eq!(args.priority, 100);
+        assert_eq!(args.lifetime, Duration::from_secs(30));
+        assert_eq!(args.scope.targets().len(), 2);
+        let cli = Cli::parse_from(["capstan", "resume"]);
+        let Command::Resume(args) = cli.command else {
+            panic!("not resume")
+        };
+        assert_eq!(args.scope.targets(), vec![Target::cluster("default")]);
     }
 }

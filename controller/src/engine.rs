@@ -13,6 +13,7 @@ pub mod diff;
 pub mod essence;
 pub mod execution;
 pub mod matching;
+pub mod posting;
 pub mod processing;
 pub mod queue;
 pub mod registry;
@@ -62,6 +63,8 @@ pub struct Settings {
     /// A handler still running this long after others of its cycle finished makes the engine
     /// write their progress first. Default 1 s.
     pub checkpoint_after: std::time::Duration,
+    /// Kubernetes Events about handler outcomes and handler log records.
+    pub events: posting::Settings,
 }
 
 impl Default for Settings {
@@ -72,6 +75,7 @@ impl Default for Settings {
             worker_limit: 128,
             watch: k8s_watch::Settings::default(),
             checkpoint_after: std::time::Duration::from_secs(1),
+            events: posting::Settings::default(),
         }
     }
 }
@@ -111,6 +115,15 @@ impl Engine {
         let mut registrations = self.hub.registrations();
         let mut registry = Registry::default();
         let limit = Arc::new(Semaphore::new(self.settings.worker_limit.max(1)));
+        let instance = std::env::var("POD_NAME")
+            .or_else(|_| std::env::var("HOSTNAME"))
+            .unwrap_or_else(|_| format!("capstan-{}", std::process::id()));
+        let poster = posting::Poster::spawn(
+            crate::k8s::events::Events::new(self.objects.client().clone(), instance),
+            self.settings.events.clone(),
+            self.hub.postings(),
+            cancel.clone(),
+        );
         let mut watched: BTreeMap<ResourceKey, Watched> = BTreeMap::new();
         let mut tasks = JoinSet::new();
         loop {
@@ -148,7 +161,7 @@ impl Engine {
                         let Some(resource) = handlers.first().and_then(|h| h.resource.clone()) else {
                             continue;
                         };
-                        let w = self.start(&resource, handlers, &limit, &cancel, &mut tasks);
+                        let w = self.start(&resource, handlers, &limit, &poster, &cancel, &mut tasks);
                         watched.insert(key, w);
                     }
                 }
@@ -177,6 +190,7 @@ impl Engine {
         resource: &ResolvedResource,
         handlers: Arc<Vec<Registration>>,
         limit: &Arc<Semaphore>,
+        poster: &posting::Poster,
         cancel: &CancellationToken,
         tasks: &mut JoinSet<()>,
     ) -> Watched {
@@ -202,6 +216,7 @@ impl Engine {
             checkpoint_after: self.settings.checkpoint_after,
             daemons: daemons.clone(),
             paused: self.hub.paused(),
+            poster: poster.clone(),
             cancel: cancel.clone(),
         });
         {

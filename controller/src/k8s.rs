@@ -6,6 +6,7 @@
 
 pub mod client;
 pub mod discovery;
+pub mod events;
 pub mod lease;
 pub mod objects;
 pub mod peering;

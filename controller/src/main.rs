@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use capstan::{
     cli::{Cli, Command},
     observability::logging,
+    peering::commands,
 };
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
@@ -20,10 +21,28 @@ fn main() -> ExitCode {
             );
             ExitCode::SUCCESS
         }
-        Command::Freeze(_) | Command::Resume(_) => {
-            eprintln!("capstan: freeze and resume are not yet implemented in this version");
-            ExitCode::from(2)
+        Command::Crds => {
+            print!("{}", capstan::peering::commands::CRDS);
+            ExitCode::SUCCESS
         }
+        Command::Freeze(args) => terminal(async move {
+            let freeze = commands::Freeze {
+                targets: args.scope.targets(),
+                id: args.scope.id.clone().unwrap_or_else(commands::user_identity),
+                priority: args.priority,
+                lifetime: args.lifetime,
+                message: args.message.clone(),
+            };
+            commands::freeze(client().await?, &freeze)
+                .await
+                .map_err(Into::into)
+        }),
+        Command::Resume(args) => terminal(async move {
+            let id = args.scope.id.clone().unwrap_or_else(commands::user_identity);
+            commands::resume(client().await?, &args.scope.targets(), &id)
+                .await
+                .map_err(Into::into)
+        }),
         Command::Run(args) => {
             if let Err(e) = logging::init(args.log_format, &args.log) {
                 eprintln!("capstan: {}", capstan::error::chain(&e));
@@ -49,6 +68,36 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+/// The API client of a terminal command (kubeconfig first).
+async fn client() -> Result<kube::Client, Box<dyn std::error::Error + Send + Sync>> {
+    Ok(capstan::k8s::client::connect().await?)
+}
+
+/// Runs a terminal command (`freeze`, `resume`): prints its report, or the error chain.
+fn terminal(
+    command: impl Future<Output = Result<Vec<String>, Box<dyn std::error::Error + Send + Sync>>>,
+) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("capstan: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(command) {
+        Ok(lines) => {
+            for line in lines {
+                println!("{line}");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("capstan: {}", capstan::error::chain(e.as_ref()));
+            ExitCode::FAILURE
         }
     }
 }

@@ -8,6 +8,7 @@
 pub mod diagnostic;
 pub mod handler;
 pub mod invocation;
+pub mod posting;
 pub mod resource;
 
 pub use diagnostic::{Diagnostic, Severity};
@@ -19,4 +20,5 @@ pub use invocation::{
     Activity, AdmissionVerdict, CancelReason, ChangeReason, Credentials, DiffItem, DiffOperation, EventType,
     KindResult, Outcome, Patch, PatchTarget, PatchType, Payload, SubhandlerOutcome, SubhandlerState, Work,
 };
+pub use posting::{Level, Policy, Posting};
 pub use resource::{ResolvedResource, ResourceRef, ResourceSelector};

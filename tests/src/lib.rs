@@ -6,6 +6,7 @@
 //! anything (including what a well-behaved SDK never would).
 
 pub mod grpc;
+pub mod helm;
 pub mod process;
 pub mod proxy;
 pub mod scenario;

@@ -23,6 +23,8 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::model::Level;
+
 use super::{
     causes::{self, Cause, Facts},
     diff,
@@ -169,6 +171,8 @@ pub struct Plan {
     /// The cycle was interrupted (shutdown or pause) before every ready handler ran; what
     /// finished before is still in `desired`.
     pub interrupted: bool,
+    /// What to report as Kubernetes Events: handler outcomes and the cause's completion.
+    pub notes: Vec<(Level, String)>,
 }
 
 impl Plan {
@@ -183,6 +187,7 @@ impl Plan {
             wake_at: None,
             done: false,
             interrupted: false,
+            notes: Vec::new(),
         }
     }
 }
@@ -277,6 +282,7 @@ async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
     let mut base = body.clone();
     let mut steps: Vec<Step> = Vec::with_capacity(selected.len());
     let mut interrupted = false;
+    let mut notes: Vec<(Level, String)> = Vec::new();
     for reg in selected {
         let fetched = storage
             .progress
@@ -372,6 +378,7 @@ async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
                             reopen_for_children(&mut record, &step.children, now);
                         } else {
                             info!(handler.id = %reg.id, "handler succeeded");
+                            notes.push((Level::Info, format!("Handler '{}' succeeded.", reg.id)));
                         }
                     }
                     Err(d) => {
@@ -383,10 +390,21 @@ async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
                 }
             }
             Verdict::Retry => {
-                info!(handler.id = %reg.id, delayed = ?record.delayed, message = ?record.message, "handler will be retried")
+                let error = record.message.as_deref().unwrap_or_default();
+                let delayed = record.delayed.as_deref().unwrap_or_default();
+                info!(handler.id = %reg.id, error, delayed, "handler will be retried");
+                notes.push((
+                    Level::Error,
+                    format!("Handler '{}' failed temporarily: {error}", reg.id),
+                ));
             }
             Verdict::Failure => {
-                warn!(handler.id = %reg.id, message = ?record.message, "handler failed permanently")
+                let error = record.message.as_deref().unwrap_or_default();
+                warn!(handler.id = %reg.id, error, "handler failed permanently");
+                notes.push((
+                    Level::Error,
+                    format!("Handler '{}' failed permanently: {error}", reg.id),
+                ));
             }
             Verdict::Unrecorded => {}
         }
@@ -404,6 +422,21 @@ async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
         finalizer,
         true,
     );
+    if plan.done && !steps.is_empty() {
+        let failed = steps.iter().filter(|s| s.record.failure).count();
+        let succeeded = steps.iter().filter(|s| s.record.success).count();
+        let what = match cause {
+            Cause::Create => "Creation",
+            Cause::Update => "Updating",
+            Cause::Delete => "Deletion",
+            _ => "Resuming",
+        };
+        notes.push((
+            Level::Info,
+            format!("{what} is processed: {succeeded} succeeded; {failed} failed."),
+        ));
+    }
+    plan.notes = notes;
     plan.interrupted = interrupted;
     if interrupted {
         plan.done = false;
@@ -459,7 +492,10 @@ fn compose(
     complete: bool,
 ) -> Plan {
     let storage = input.storage;
-    let done = complete && steps.iter().all(|s| s.record.finished() || s.skipped);
+    let finished = complete && steps.iter().all(|s| s.record.finished() || s.skipped);
+    // A deletion whose handlers finished while daemons are still stopping keeps its records
+    // (and the finalizer) until they have stopped, so the handlers do not run again.
+    let done = finished && !(cause == Cause::Delete && input.daemons_alive);
     let mut desired = running;
     let mut fallback = body.clone();
     let mut patched = Vec::new();
@@ -548,6 +584,7 @@ fn compose(
         wake_at,
         done,
         interrupted: false,
+        notes: Vec::new(),
     }
 }
 

@@ -51,6 +51,8 @@ pub struct Context {
     pub daemons: super::daemons::Daemons,
     /// Whether dispatch is paused (daemons do not run then).
     pub paused: watch::Receiver<bool>,
+    /// Posts Kubernetes Events.
+    pub poster: super::posting::Poster,
     /// Cancelled at shutdown (and while paused).
     pub cancel: CancellationToken,
 }
@@ -71,6 +73,8 @@ struct Slot {
     written_rv: Option<u64>,
     timer: Option<JoinHandle<()>>,
     gone: bool,
+    /// Run another cycle with the latest body once the current one ends.
+    rerun: bool,
 }
 
 fn uid_of(body: &Value) -> Option<String> {
@@ -219,6 +223,12 @@ impl Queue {
                         continue;
                     }
                     Some(next) => Some((next, slot.memory)),
+                    None if slot.rerun && !slot.gone && slot.last_body.is_some() => {
+                        slot.rerun = false;
+                        slot.last_body
+                            .clone()
+                            .map(|b| ((EventType::Modified, b), slot.memory))
+                    }
                     None => {
                         slot.running = false;
                         if slot.gone {
@@ -288,6 +298,18 @@ impl Queue {
         )
         .await;
         let written = self.write(&body, &plan).await;
+        if !plan.notes.is_empty() {
+            let object = processing::object_ref(&self.ctx.resource, &body);
+            for (level, message) in &plan.notes {
+                self.ctx.poster.post(crate::model::Posting {
+                    object: object.clone(),
+                    level: *level,
+                    reason: "Logging".into(),
+                    message: message.clone(),
+                    policy: crate::model::Policy::ByLevel,
+                });
+            }
+        }
         let mut slots = self.slots.lock();
         let Some(slot) = slots.get_mut(uid) else { return };
         if plan.done {
@@ -334,6 +356,12 @@ impl Queue {
             let Some(slot) = slots.get_mut(uid) else { return };
             slot.timer = None;
             if slot.pending.is_some() || slot.gone {
+                return;
+            }
+            if slot.running {
+                // The running cycle may have started before what woke us; run once more after
+                // it with the body it leaves behind.
+                slot.rerun = true;
                 return;
             }
             slot.last_body.clone()

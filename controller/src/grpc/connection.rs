@@ -436,7 +436,7 @@ impl Connection {
     }
 
     async fn on_result(&self, result: &pb::InvocationResult) {
-        let handler = self.hub.handler_of(&result.invocation_id);
+        let handler = self.hub.handler_of(&result.invocation_id).map(|(h, _)| h);
         match self.hub.complete(self.conn, result) {
             Ok(problem) => {
                 debug!(invocation.id = %result.invocation_id, handler.id = ?handler, "result received");
@@ -514,11 +514,11 @@ impl Connection {
     }
 
     fn on_log(&self, record: &pb::LogRecord) {
-        let handler = self
+        let (handler, object) = self
             .hub
             .handler_of(&record.invocation_id)
-            .map(|h| h.0)
-            .unwrap_or_default();
+            .unwrap_or((HandlerId(String::new()), None));
+        let handler = handler.0;
         let level = match pb::LogLevel::try_from(record.level) {
             Ok(pb::LogLevel::Debug) => Level::DEBUG,
             Ok(pb::LogLevel::Warning) => Level::WARN,
@@ -538,6 +538,15 @@ impl Connection {
                 tracing::error!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}")
             }
             _ => info!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}"),
+        }
+        let target = record
+            .object
+            .as_ref()
+            .filter(|o| !o.name.is_empty())
+            .map(convert::resource_ref)
+            .or(object);
+        if let Some(object) = target {
+            self.hub.post(convert::posting(record, object));
         }
     }
 

@@ -13,9 +13,9 @@ use serde_json::Value;
 
 use crate::model::{
     self, Activity, AdmissionOptions, CancelReason, ChangeReason, DaemonOptions, Diagnostic, DiffOperation,
-    ErrorsMode, EventType, HandlerKind, KindOptions, KindResult, MetaMatch, Outcome, Patch, PatchTarget,
-    PatchType, Payload, Registration, ResolvedResource, ResourceSelector, Severity, SubhandlerOutcome,
-    TimerOptions, ValueMatch, Work,
+    ErrorsMode, EventType, HandlerKind, KindOptions, KindResult, Level, MetaMatch, Outcome, Patch,
+    PatchTarget, PatchType, Payload, Policy, Posting, Registration, ResolvedResource, ResourceRef,
+    ResourceSelector, Severity, SubhandlerOutcome, TimerOptions, ValueMatch, Work,
 };
 
 /// Converts and validates one registration. `index` is its position in `Hello.handlers`, used
@@ -440,6 +440,49 @@ pub fn resolved_to_pb(r: &ResolvedResource) -> pb::ResolvedResource {
         plural: r.plural.clone(),
         kind: r.kind.clone(),
         namespaced: r.namespaced,
+    }
+}
+
+/// The model form of a wire object reference (the fields a log record's target carries).
+pub fn resource_ref(r: &pb::ResourceRef) -> ResourceRef {
+    ResourceRef {
+        resource: ResolvedResource {
+            group: r.group.clone(),
+            version: r.version.clone(),
+            plural: r.plural.clone(),
+            kind: r.kind.clone(),
+            namespaced: !r.namespace.is_empty(),
+            status_subresource: false,
+        },
+        namespace: r.namespace.clone(),
+        name: r.name.clone(),
+        uid: r.uid.clone(),
+        resource_version: r.resource_version.clone(),
+        generation: r.generation,
+    }
+}
+
+/// A log record as a posting about `object`.
+pub fn posting(record: &pb::LogRecord, object: ResourceRef) -> Posting {
+    Posting {
+        object,
+        level: match pb::LogLevel::try_from(record.level) {
+            Ok(pb::LogLevel::Debug) => Level::Debug,
+            Ok(pb::LogLevel::Warning) => Level::Warning,
+            Ok(pb::LogLevel::Error) => Level::Error,
+            _ => Level::Info,
+        },
+        reason: if record.reason.is_empty() {
+            "Logging".to_owned()
+        } else {
+            record.reason.clone()
+        },
+        message: record.message.clone(),
+        policy: match pb::EventPosting::try_from(record.posting) {
+            Ok(pb::EventPosting::Always) => Policy::Always,
+            Ok(pb::EventPosting::Never) => Policy::Never,
+            _ => Policy::ByLevel,
+        },
     }
 }
 

@@ -25,7 +25,9 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tracing::{Instrument, debug, info_span, warn};
 
 use super::convert;
-use crate::model::{CancelReason, Diagnostic, HandlerId, Outcome, Patch, Registration, Work};
+use crate::model::{
+    CancelReason, Diagnostic, HandlerId, Outcome, Patch, Posting, Registration, ResourceRef, Work,
+};
 
 /// Identifies one connection (one `Connect` stream) for the controller's lifetime.
 pub type ConnectionId = u64;
@@ -61,6 +63,7 @@ struct Inner {
     ids: AtomicU64,
     registrations: watch::Sender<Arc<Vec<Registration>>>,
     paused: watch::Sender<bool>,
+    postings: tokio::sync::broadcast::Sender<Posting>,
 }
 
 #[derive(Default)]
@@ -104,6 +107,7 @@ struct Grant {
 struct InFlight {
     conn: ConnectionId,
     handler: HandlerId,
+    object: Option<ResourceRef>,
     reply: oneshot::Sender<Delivery>,
     updates: Option<mpsc::UnboundedSender<Vec<Patch>>>,
 }
@@ -138,6 +142,7 @@ impl Hub {
                 ids: AtomicU64::new(1),
                 registrations: watch::channel(Arc::new(Vec::new())).0,
                 paused: watch::channel(false).0,
+                postings: tokio::sync::broadcast::channel(1024).0,
             }),
         }
     }
@@ -372,14 +377,25 @@ impl Hub {
         }
     }
 
-    /// The registration of `handler` on connection `conn`, for logs.
-    pub(crate) fn handler_of(&self, invocation_id: &str) -> Option<HandlerId> {
+    /// The handler and object of an invocation in flight, for logs.
+    pub(crate) fn handler_of(&self, invocation_id: &str) -> Option<(HandlerId, Option<ResourceRef>)> {
         self.inner
             .state
             .lock()
             .in_flight
             .get(invocation_id)
-            .map(|f| f.handler.clone())
+            .map(|f| (f.handler.clone(), f.object.clone()))
+    }
+
+    /// Publishes a record that may become a Kubernetes Event (best effort: a lagging
+    /// subscriber loses the oldest records).
+    pub(crate) fn post(&self, posting: Posting) {
+        let _ = self.inner.postings.send(posting);
+    }
+
+    /// Records from handler processes that may become Kubernetes Events.
+    pub fn postings(&self) -> tokio::sync::broadcast::Receiver<Posting> {
+        self.inner.postings.subscribe()
     }
 
     fn publish(&self, state: &State) {
@@ -468,6 +484,7 @@ impl Hub {
                 InFlight {
                     conn: grant.conn,
                     handler: work.handler_id.clone(),
+                    object: work.object.clone(),
                     reply: reply_tx,
                     updates: work.updates.clone(),
                 },

@@ -15,6 +15,9 @@ use crate::{
     persistence::time,
 };
 
+/// The peering CRDs, as printed by `capstan crds`.
+pub const CRDS: &str = include_str!("../../crds/peering.yaml");
+
 /// The identity of a person at a terminal: `<user>@<host>`.
 pub fn user_identity() -> String {
     let user = std::env::var("USER")
@@ -93,17 +96,22 @@ pub async fn resume(client: Client, targets: &[Target], id: &str) -> Result<Vec<
     let mut report = Vec::new();
     for target in targets {
         api.check_installed(target).await?;
-        let present = match api.status(target).await {
-            Ok(status) => status.contains_key(id),
-            Err(Error::NotFound(_)) => false,
+        let entry = match api.status(target).await {
+            Ok(status) => status.get(id).cloned(),
+            Err(Error::NotFound(_)) => None,
             Err(e) => return Err(e),
         };
-        if !present {
+        let Some(entry) = entry else {
             report.push(format!("{target}: no freeze by {id:?}; nothing to resume"));
             continue;
-        }
+        };
         api.patch(target, removal(id)).await?;
-        report.push(format!("resumed {target}: removed the freeze by {id:?}"));
+        let expired = Peer::parse(id, &entry).is_none_or(|p| p.is_dead(SystemTime::now()));
+        report.push(if expired {
+            format!("{target}: the freeze by {id:?} had expired already; removed its entry")
+        } else {
+            format!("resumed {target}: removed the freeze by {id:?}")
+        });
     }
     Ok(report)
 }

@@ -168,7 +168,11 @@ async fn main() -> anyhow::Result<()> {
             "create3" => {
                 registry.on_create(RESOURCE, "create_a", create_a);
                 registry.on_create(RESOURCE, "create_b", create_b);
-                registry.on_create(RESOURCE, "create_c", plain);
+                registry.on_create(RESOURCE, "create_c", |ctx: Context| async move {
+                    behave(&ctx).await?;
+                    ctx.info(format!("create_c says hello to {}", ctx.name()));
+                    Ok::<_, HandlerError>(None)
+                });
             }
             "create" => {
                 registry.on_create(RESOURCE, "create_fn", plain);

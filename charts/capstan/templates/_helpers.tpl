@@ -1,0 +1,402 @@
+{{/*
+The chart's name, or nameOverride.
+*/}}
+{{- define "capstan.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+The full name of the release's resources, truncated to 63 characters because some Kubernetes
+name fields are limited to this (by the DNS naming spec). The release name alone when it
+already contains the chart's name.
+*/}}
+{{- define "capstan.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The chart's name and version, for the helm.sh/chart label.
+*/}}
+{{- define "capstan.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+The labels of every resource.
+*/}}
+{{- define "capstan.labels" -}}
+helm.sh/chart: {{ include "capstan.chart" . }}
+{{ include "capstan.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{/*
+The selector labels (immutable in a Deployment or DaemonSet: never the chart's version).
+*/}}
+{{- define "capstan.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "capstan.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/*
+The name of the ServiceAccount.
+*/}}
+{{- define "capstan.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "capstan.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create=false: name an existing ServiceAccount" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+An image reference from an image value (repository, tag, digest) and the root context:
+`repository@digest`, or `repository:tag` with the chart's appVersion as the default tag.
+*/}}
+{{- define "capstan.image" -}}
+{{- $image := index . 0 -}}
+{{- $root := index . 1 -}}
+{{- if $image.digest -}}
+{{- printf "%s@%s" $image.repository $image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $image.repository (default $root.Chart.AppVersion $image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The namespaces the operator watches, comma-separated; empty for the whole cluster.
+`watchNamespaces`, or the release namespace with namespaced RBAC.
+*/}}
+{{- define "capstan.watchNamespaces" -}}
+{{- if .Values.watchNamespaces -}}
+{{- join "," .Values.watchNamespaces -}}
+{{- else if eq .Values.rbac.scope "namespaced" -}}
+{{- .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+"true" when the operator adds finalizers (`finalizers`, with `auto` resolved by the mode).
+*/}}
+{{- define "capstan.finalizers" -}}
+{{- if eq .Values.finalizers "enabled" -}}
+true
+{{- else if eq .Values.finalizers "disabled" -}}
+false
+{{- else -}}
+{{- eq .Values.mode "deployment" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The Lease of leader election.
+*/}}
+{{- define "capstan.leaseName" -}}
+{{- default (include "capstan.fullname" .) .Values.leaderElection.leaseName -}}
+{{- end -}}
+
+{{/*
+The peering object's name.
+*/}}
+{{- define "capstan.peeringName" -}}
+{{- default (include "capstan.fullname" .) .Values.peering.name -}}
+{{- end -}}
+
+{{/*
+Refuses combinations of values that would deploy an unsafe or broken operator; each message
+says what to change. Rendered by templates/validate.yaml.
+*/}}
+{{- define "capstan.validate" -}}
+{{- if and (eq .Values.mode "deployment") (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) -}}
+{{- fail (printf "\n\nreplicas=%d needs leaderElection.enabled=true: without leader election every replica would handle every object at the same time. Set leaderElection.enabled=true, or replicas=1." (int .Values.replicas)) -}}
+{{- end -}}
+{{- if and (eq .Values.mode "daemonset") (eq .Values.finalizers "enabled") (not .Values.daemonset.nodeCleanup) -}}
+{{- fail "\n\nmode=daemonset with finalizers=enabled needs daemonset.nodeCleanup=true: a finalizer added by a node's operator would block the deletion of its objects forever once that node is gone. Set daemonset.nodeCleanup=true, or finalizers=auto (no finalizers in daemonset mode)." -}}
+{{- end -}}
+{{- $type := (.Values.updateStrategy | default dict).type | default "" -}}
+{{- if and (eq .Values.mode "deployment") (eq $type "OnDelete") -}}
+{{- fail "\n\nupdateStrategy.type=OnDelete is a DaemonSet strategy; a Deployment takes Recreate or RollingUpdate." -}}
+{{- end -}}
+{{- if and (eq .Values.mode "daemonset") (eq $type "Recreate") -}}
+{{- fail "\n\nupdateStrategy.type=Recreate is a Deployment strategy; a DaemonSet takes RollingUpdate or OnDelete." -}}
+{{- end -}}
+{{- if and (eq .Values.mode "deployment") (eq $type "RollingUpdate") (not .Values.leaderElection.enabled) -}}
+{{- fail "\n\nupdateStrategy.type=RollingUpdate without leader election runs the old and the new operator at the same time during an update, and both would handle the same objects. Set leaderElection.enabled=true, or leave updateStrategy empty (Recreate)." -}}
+{{- end -}}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) -}}
+{{- fail "\n\nmetrics.serviceMonitor.enabled=true needs metrics.enabled=true (the ServiceMonitor scrapes the metrics Service)." -}}
+{{- end -}}
+{{- range .Values.rbac.resources -}}
+{{- range .resources -}}
+{{- if contains "*" . -}}
+{{- fail "\n\nrbac.resources must name resources; wildcards are not allowed (use rbac.extraRules if you really mean it)." -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The environment of the capstan container: how the chart configures `capstan run`.
+*/}}
+{{- define "capstan.env" -}}
+- name: CAPSTAN_LISTEN
+  value: unix:///run/capstan/capstan.sock
+- name: CAPSTAN_ADMIN_LISTEN
+  value: {{ printf "0.0.0.0:%d" (int .Values.capstan.adminPort) | quote }}
+- name: CAPSTAN_LOG
+  value: {{ .Values.capstan.logLevel | quote }}
+- name: CAPSTAN_LOG_FORMAT
+  value: {{ .Values.capstan.logFormat | quote }}
+- name: CAPSTAN_PERSISTENCE_PREFIX
+  value: {{ .Values.capstan.persistencePrefix | quote }}
+{{- with include "capstan.watchNamespaces" . }}
+- name: CAPSTAN_NAMESPACES
+  value: {{ . | quote }}
+{{- end }}
+- name: CAPSTAN_FINALIZERS
+  value: {{ include "capstan.finalizers" . | quote }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: CAPSTAN_LEADER_ELECTION
+  value: {{ .Values.leaderElection.enabled | quote }}
+{{- if .Values.leaderElection.enabled }}
+- name: CAPSTAN_LEASE_NAME
+  value: {{ include "capstan.leaseName" . | quote }}
+- name: CAPSTAN_LEASE_NAMESPACE
+  value: {{ .Release.Namespace | quote }}
+{{- end }}
+{{- if .Values.peering.enabled }}
+- name: CAPSTAN_PEERING
+  value: {{ include "capstan.peeringName" . | quote }}
+- name: CAPSTAN_PRIORITY
+  value: {{ .Values.peering.priority | int | quote }}
+{{- else }}
+- name: CAPSTAN_STANDALONE
+  value: "true"
+{{- end }}
+{{- if eq .Values.mode "daemonset" }}
+- name: CAPSTAN_NODE_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+- name: CAPSTAN_NODE_CLEANUP
+  value: {{ .Values.daemonset.nodeCleanup | quote }}
+{{- end }}
+{{- with .Values.capstan.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+A probe on the admin port: (list probe-values path root).
+*/}}
+{{- define "capstan.probe" -}}
+{{- $probe := index . 0 -}}
+{{- $path := index . 1 -}}
+httpGet:
+  path: {{ $path }}
+  port: admin
+{{- with $probe.initialDelaySeconds }}
+initialDelaySeconds: {{ . }}
+{{- end }}
+periodSeconds: {{ $probe.periodSeconds }}
+timeoutSeconds: {{ $probe.timeoutSeconds }}
+failureThreshold: {{ $probe.failureThreshold }}
+{{- end -}}
+
+{{/*
+The capstan container. As a native sidecar (an initContainer) it carries
+`restartPolicy: Always`.
+*/}}
+{{- define "capstan.capstanContainer" -}}
+- name: capstan
+  image: {{ include "capstan.image" (list .Values.capstan.image .) | quote }}
+  imagePullPolicy: {{ .Values.capstan.image.pullPolicy }}
+  {{- if .Values.nativeSidecar }}
+  restartPolicy: Always
+  {{- end }}
+  args:
+    - run
+    {{- with .Values.capstan.extraArgs }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  env:
+    {{- include "capstan.env" . | nindent 4 }}
+  ports:
+    - name: admin
+      containerPort: {{ .Values.capstan.adminPort }}
+      protocol: TCP
+  {{- if .Values.capstan.startupProbe.enabled }}
+  startupProbe:
+    {{- include "capstan.probe" (list .Values.capstan.startupProbe "/healthz") | nindent 4 }}
+  {{- end }}
+  {{- if .Values.capstan.livenessProbe.enabled }}
+  livenessProbe:
+    {{- include "capstan.probe" (list .Values.capstan.livenessProbe "/healthz") | nindent 4 }}
+  {{- end }}
+  {{- if .Values.capstan.readinessProbe.enabled }}
+  readinessProbe:
+    {{- include "capstan.probe" (list .Values.capstan.readinessProbe "/readyz") | nindent 4 }}
+  {{- end }}
+  {{- with .Values.capstan.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.capstan.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: capstan-socket
+      mountPath: /run/capstan
+{{- end -}}
+
+{{/*
+The handler container: the user's operator, dialing the capstan socket.
+*/}}
+{{- define "capstan.handlerContainer" -}}
+- name: handler
+  image: {{ include "capstan.image" (list .Values.handler.image .) | quote }}
+  imagePullPolicy: {{ .Values.handler.image.pullPolicy }}
+  {{- with .Values.handler.command }}
+  command:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.handler.args }}
+  args:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  env:
+    - name: CAPSTAN_ENDPOINT
+      value: unix:///run/capstan/capstan.sock
+    {{- with .Values.handler.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with .Values.handler.envFrom }}
+  envFrom:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.handler.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.handler.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: capstan-socket
+      mountPath: /run/capstan
+    {{- with .Values.handler.volumeMounts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end -}}
+
+{{/*
+The pod template of the Deployment or DaemonSet.
+*/}}
+{{- define "capstan.podTemplate" -}}
+metadata:
+  labels:
+    {{- include "capstan.selectorLabels" . | nindent 4 }}
+    app.kubernetes.io/component: operator
+    {{- with .Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with .Values.podAnnotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  serviceAccountName: {{ include "capstan.serviceAccountName" . }}
+  automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountToken }}
+  terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+  {{- with .Values.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.podSecurityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if .Values.nativeSidecar }}
+  initContainers:
+    {{- include "capstan.capstanContainer" . | nindent 4 }}
+  containers:
+    {{- include "capstan.handlerContainer" . | nindent 4 }}
+  {{- else }}
+  containers:
+    {{- include "capstan.capstanContainer" . | nindent 4 }}
+    {{- include "capstan.handlerContainer" . | nindent 4 }}
+  {{- end }}
+  volumes:
+    - name: capstan-socket
+      emptyDir:
+        medium: Memory
+        sizeLimit: 1Mi
+    {{- with .Values.volumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with .Values.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end -}}
+
+{{/*
+The rules of the operator's ClusterRole or Role: (list root peering-resource).
+*/}}
+{{- define "capstan.rules" -}}
+{{- $root := index . 0 -}}
+{{- $peering := index . 1 -}}
+{{- range $root.Values.rbac.resources }}
+- apiGroups: [{{ .apiGroup | quote }}]
+  resources: {{ toJson .resources }}
+  verbs: [get, list, watch, patch]
+- apiGroups: [{{ .apiGroup | quote }}]
+  resources:
+    {{- range .resources }}
+    - {{ printf "%s/status" . }}
+    {{- end }}
+  verbs: [get, patch]
+{{- end }}
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- if $root.Values.peering.enabled }}
+- apiGroups: [capstan.dev]
+  resources: [{{ $peering }}]
+  verbs: [get, list, watch, patch, create]
+{{- end }}
+{{- with $root.Values.rbac.extraRules }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Capstan's benchmarks side by side with a null controller and kopf (tests/bench/README.md).
+#
+#   bash scripts/bench.sh            full run: N = 100, 1,000, 10,000 (tens of minutes on 2 cores)
+#   bash scripts/bench.sh --smoke    small N, short settles (a few minutes); for CI: exits
+#                                    non-zero when any workload fails to complete
+#
+# Builds what it needs: the API server (tests/testenv), `capstan` and the Rust SDK handler
+# (cargo, release), the Go SDK handler and the benchmark driver (Go, GOTOOLCHAIN=local), and a
+# Python venv with the pinned kopf (tests/bench/requirements.txt). Writes
+# tests/bench/results/latest.md and latest.json (--smoke: tests/bench/results/smoke/, not
+# committed; override either with BENCH_OUT=DIR). Every process it
+# starts is stopped on exit.
+#
+# Environment: CARGO_TARGET_DIR (default ~/.cache/capstan/target), BENCH_VENV (default
+# ~/.cache/capstan/bench-venv), BENCH_OUT, BENCH_ARGS (extra flags for the driver, e.g.
+# "--sizes 100,1000 --kopf-max 1000").
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/capstan/target}
+export GOTOOLCHAIN=local
+venv=${BENCH_VENV:-$HOME/.cache/capstan/bench-venv}
+out=${BENCH_OUT:-$root/tests/bench/results}
+bin=$HOME/.cache/capstan/bench-bin
+
+smoke=false
+case "${1:-}" in
+"") ;;
+--smoke) smoke=true ;;
+*)
+	echo "usage: $0 [--smoke]" >&2
+	exit 2
+	;;
+esac
+
+step() { printf '\n==> %s\n' "$*" >&2; }
+started=$SECONDS
+
+driver_pid=''
+cleanup() {
+	local status=$?
+	if [[ -n $driver_pid ]] && kill -0 "$driver_pid" 2>/dev/null; then
+		kill -TERM "$driver_pid" 2>/dev/null || true
+		for ((i = 0; i < 600; i++)); do
+			kill -0 "$driver_pid" 2>/dev/null || break
+			sleep 0.1
+		done
+		kill -KILL "$driver_pid" 2>/dev/null || true
+	fi
+	exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+step "real API server (tests/testenv)"
+testenv=$(bash tests/testenv/build.sh | tail -n1)
+
+step "capstan and the Rust SDK handler (cargo build --release)"
+cargo build --release --locked -p capstan -p capstan-tests --bin capstan --bin capstan-e2e-handler
+
+step "benchmark driver and Go SDK handler (go build)"
+mkdir -p "$bin"
+(cd tests/bench && go build -trimpath -o "$bin/bench" ./cmd/bench)
+go_handler=''
+if (cd tests/bench/gohandler && go build -trimpath -o "$bin/bench-go-handler" . && go build -trimpath -o "$bin/bench-hop" ./hop); then
+	go_handler="$bin/bench-go-handler"
+else
+	echo "bench: the Go SDK handler does not build; running without it" >&2
+fi
+
+step "kopf (Python venv)"
+python=${BENCH_PYTHON:-$(command -v python3.11 || command -v python3)}
+if [[ ! -x $venv/bin/python ]]; then
+	"$python" -m venv "$venv"
+fi
+"$venv/bin/pip" install --quiet --disable-pip-version-check -r tests/bench/requirements.txt
+
+step "benchmark"
+args=(
+	--out "$out"
+	--testenv "$testenv"
+	--capstan "$CARGO_TARGET_DIR/release/capstan"
+	--rust-handler "$CARGO_TARGET_DIR/release/capstan-e2e-handler"
+	--kopf "$venv/bin/kopf"
+	--kopf-operator "$root/tests/bench/kopf/operator.py"
+	--crd "$root/examples/crd.yaml"
+)
+if [[ -n $go_handler ]]; then
+	args+=(--go-handler "$go_handler" --hop "$bin/bench-hop")
+fi
+if $smoke; then
+	out=${BENCH_OUT:-$root/tests/bench/results/smoke}
+	args[1]=$out
+	args+=(--smoke --sizes 20 --b5-objects 20 --settle 1500ms --steady 1s)
+fi
+# shellcheck disable=SC2206 # BENCH_ARGS is split on purpose
+args+=(${BENCH_ARGS:-})
+"$bin/bench" run "${args[@]}" &
+driver_pid=$!
+status=0
+wait "$driver_pid" || status=$?
+driver_pid=''
+echo "bench: finished in $((SECONDS - started)) s (exit $status); results in $out/latest.md" >&2
+exit "$status"

@@ -1,0 +1,282 @@
+package capstan
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+
+	pb "capstan.dev/sdk-go-example/gen/capstan/v1"
+)
+
+// errStreamLost is the context cause of invocations whose stream ended.
+var errStreamLost = errors.New("capstan: the stream to the controller was lost")
+
+// errStopping is the context cause of invocations still running when the shutdown grace
+// period ran out.
+var errStopping = errors.New("capstan: the handler process is stopping")
+
+// stream is the client side of Connect.
+type stream = grpc.BidiStreamingClient[pb.ConnectRequest, pb.ConnectResponse]
+
+// session is one Connect stream after the handshake: the reader loop, the invocations
+// running on it, and the shutdown. Every connection gets a new session, so results of
+// invocations from a lost stream can never reach the next one.
+type session struct {
+	reg    *Registry
+	log    *slog.Logger
+	stream stream
+	// ctx is the parent of every invocation's context; cancel ends them all.
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+
+	sendMu sync.Mutex
+	closed bool // no more sends: the stream ended or our side was closed
+
+	mu      sync.Mutex
+	running map[string]context.CancelCauseFunc
+	idle    chan struct{} // closed when running becomes empty; see waitIdle
+}
+
+// newSession wraps a stream whose handshake is done.
+func newSession(reg *Registry, s stream) *session {
+	ctx, cancel := context.WithCancelCause(context.Background())
+	return &session{
+		reg:     reg,
+		log:     reg.logger(),
+		stream:  s,
+		ctx:     ctx,
+		cancel:  cancel,
+		running: map[string]context.CancelCauseFunc{},
+	}
+}
+
+// send sends one message. Sends are serialised (gRPC streams allow one sender at a time);
+// once the stream has ended they are dropped: the controller redelivers lost work itself.
+func (s *session) send(m *pb.ConnectRequest) {
+	s.sendMu.Lock()
+	defer s.sendMu.Unlock()
+	if s.closed {
+		return
+	}
+	if err := s.stream.Send(m); err != nil {
+		s.closed = true
+		s.log.Debug("capstan: send failed; the stream has ended", "error", err)
+	}
+}
+
+// serve reads the stream until it ends (returning why) or ctx is cancelled (returning nil
+// after a graceful shutdown).
+func (s *session) serve(ctx context.Context) error {
+	lost := make(chan error, 1)
+	go func() { lost <- s.read() }()
+	select {
+	case err := <-lost:
+		s.abandon()
+		return err
+	case <-ctx.Done():
+		s.shutdown(lost)
+		return nil
+	}
+}
+
+// read is the stream reader. It never waits for user code: invocations run in their own
+// goroutines, and pings are answered from here.
+func (s *session) read() error {
+	for {
+		m, err := s.stream.Recv()
+		if err != nil {
+			return err
+		}
+		switch msg := m.GetMessage().(type) {
+		case *pb.ConnectResponse_Invocation:
+			s.start(msg.Invocation)
+		case *pb.ConnectResponse_Cancel:
+			s.cancelOne(msg.Cancel)
+		case *pb.ConnectResponse_Ping:
+			s.send(&pb.ConnectRequest{Message: &pb.ConnectRequest_Pong{Pong: &pb.Pong{
+				Nonce:    msg.Ping.GetNonce(),
+				InFlight: uint32(s.inFlight()),
+			}}})
+		case *pb.ConnectResponse_Drain:
+			s.log.Info("capstan: the controller is draining; no new invocations will come",
+				"reason", msg.Drain.GetReason(), "grace", msg.Drain.GetGracePeriod().AsDuration())
+		case *pb.ConnectResponse_ResultAck:
+			if !msg.ResultAck.GetAccepted() {
+				s.logDiagnostics("capstan: result not accepted", msg.ResultAck.GetInvocationId(),
+					msg.ResultAck.GetDiagnostics())
+			}
+		case *pb.ConnectResponse_Notice:
+			s.logDiagnostics("capstan: notice from the controller", msg.Notice.GetInvocationId(),
+				msg.Notice.GetDiagnostics())
+		default:
+			// A second welcome, an object update (a capability this layer does not ask for) or
+			// a message of a newer protocol revision: ignored.
+			s.log.Debug("capstan: ignoring a message", "type", fmt.Sprintf("%T", msg))
+		}
+	}
+}
+
+// start runs one invocation in its own goroutine and sends its result.
+func (s *session) start(m *pb.Invocation) {
+	id := m.GetInvocationId()
+	h := s.reg.byID[m.GetHandlerId()]
+	if h == nil {
+		s.reject(id, "UNKNOWN_HANDLER", fmt.Sprintf("no handler %q in this process", m.GetHandlerId()))
+		return
+	}
+	inv, err := newInvocation(m)
+	if err != nil {
+		s.reject(id, "MALFORMED_JSON", fmt.Sprintf("invocation %s: %v", id, err))
+		return
+	}
+	inv.logger, inv.send = s.log, s.send
+
+	ctx, cancel := context.WithCancelCause(s.ctx)
+	stopDeadline := context.CancelFunc(func() {})
+	if deadline := m.GetDeadline(); deadline != nil {
+		ctx, stopDeadline = context.WithDeadline(ctx, deadline.AsTime())
+	}
+	s.mu.Lock()
+	s.running[id] = cancel
+	s.mu.Unlock()
+
+	go func() {
+		defer stopDeadline()
+		begin := time.Now()
+		value, err := call(ctx, h.fn, inv)
+		var p *panicError
+		if errors.As(err, &p) {
+			s.log.Error("capstan: handler panicked", "handler", inv.HandlerID, "invocation", id,
+				"panic", p.value, "stack", string(p.stack))
+		}
+		s.send(&pb.ConnectRequest{Message: &pb.ConnectRequest_Result{
+			Result: result(id, value, err, inv.Patch(), ctx.Err() != nil, time.Since(begin)),
+		}})
+		cancel(nil)
+		s.finish(id)
+	}()
+}
+
+// call calls a handler and turns a panic into an error.
+func call(ctx context.Context, fn HandlerFunc, inv *Invocation) (value any, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			value, err = nil, &panicError{value: r, stack: debug.Stack()}
+		}
+	}()
+	return fn(ctx, inv)
+}
+
+// reject answers an invocation that cannot run with a permanent error.
+func (s *session) reject(id, reason, summary string) {
+	s.log.Warn("capstan: rejecting an invocation", "invocation", id, "reason", reason, "summary", summary)
+	s.send(&pb.ConnectRequest{Message: &pb.ConnectRequest_Result{Result: &pb.InvocationResult{
+		InvocationId: id,
+		Outcome: &pb.InvocationResult_PermanentError{PermanentError: &pb.PermanentError{
+			Diagnostics: []*pb.Diagnostic{{Severity: pb.Severity_SEVERITY_ERROR, Summary: summary, Reason: reason}},
+		}},
+	}}})
+}
+
+// cancelOne cancels the context of a running invocation; its handler then answers.
+func (s *session) cancelOne(c *pb.Cancel) {
+	s.mu.Lock()
+	cancel := s.running[c.GetInvocationId()]
+	s.mu.Unlock()
+	if cancel == nil {
+		return // already finished: its result is on the way
+	}
+	cancel(&CancelledError{Reason: strings.TrimPrefix(c.GetReason().String(), "CANCEL_REASON_")})
+}
+
+// finish forgets a finished invocation.
+func (s *session) finish(id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.running, id)
+	if len(s.running) == 0 && s.idle != nil {
+		close(s.idle)
+		s.idle = nil
+	}
+}
+
+// inFlight returns the number of running invocations.
+func (s *session) inFlight() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.running)
+}
+
+// waitIdle returns a channel that is closed once no invocation runs.
+func (s *session) waitIdle() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.running) == 0 {
+		done := make(chan struct{})
+		close(done)
+		return done
+	}
+	if s.idle == nil {
+		s.idle = make(chan struct{})
+	}
+	return s.idle
+}
+
+// abandon ends the session after the stream was lost: no more sends, and every running
+// invocation is cancelled (its result is dropped; the controller redelivers the work).
+func (s *session) abandon() {
+	s.sendMu.Lock()
+	s.closed = true
+	s.sendMu.Unlock()
+	s.cancel(errStreamLost)
+}
+
+// shutdown says goodbye, lets the running invocations finish within the grace period, cancels
+// the rest, sends their results, and closes our side of the stream.
+func (s *session) shutdown(lost <-chan error) {
+	grace := s.reg.ShutdownGrace
+	if grace <= 0 {
+		grace = 10 * time.Second
+	}
+	s.log.Info("capstan: stopping; saying goodbye", "running", s.inFlight())
+	s.send(&pb.ConnectRequest{Message: &pb.ConnectRequest_Goodbye{
+		Goodbye: &pb.Goodbye{Reason: "the handler process is stopping"},
+	}})
+	select {
+	case <-s.waitIdle():
+	case <-lost:
+		s.abandon()
+		return
+	case <-time.After(grace):
+		s.cancel(errStopping)
+		select {
+		case <-s.waitIdle():
+		case <-time.After(grace):
+			s.log.Warn("capstan: handlers ignored their cancellation", "running", s.inFlight())
+		}
+	}
+	s.sendMu.Lock()
+	s.closed = true
+	_ = s.stream.CloseSend()
+	s.sendMu.Unlock()
+	select {
+	case <-lost:
+	case <-time.After(grace):
+	}
+	s.cancel(errStopping)
+}
+
+// logDiagnostics logs what the controller reported about something this process sent.
+func (s *session) logDiagnostics(msg, invocation string, diags []*pb.Diagnostic) {
+	for _, d := range diags {
+		s.log.Warn(msg, "invocation", invocation, "reason", d.GetReason(), "summary", d.GetSummary(),
+			"field", d.GetField(), "detail", d.GetDetail())
+	}
+}

@@ -1,0 +1,91 @@
+//! End to end: handler outcomes and handler log records become Kubernetes Events on the
+//! object, rate-limited so that a failing handler cannot flood the API.
+
+use std::time::Duration;
+
+use capstan_tests::scenario::{Scenario, annotation};
+use k8s_openapi::api::core::v1::Event;
+use kube::{Api, api::ListParams};
+use serde_json::json;
+
+const T: Duration = Duration::from_secs(30);
+
+async fn events_of(s: &Scenario, name: &str) -> anyhow::Result<Vec<Event>> {
+    let api: Api<Event> = Api::namespaced(s.client.clone(), &s.namespace);
+    let list = api
+        .list(&ListParams::default().fields(&format!("involvedObject.name={name}")))
+        .await?;
+    Ok(list.items)
+}
+
+#[tokio::test]
+async fn outcomes_and_log_records_are_posted_as_events() -> anyhow::Result<()> {
+    let s = Scenario::start("create3", &[]).await?;
+    s.create("ev", json!({})).await?;
+    s.wait("ev", T, "handled", |o| {
+        annotation(o, "capstan.dev/last-handled-configuration").is_some()
+    })
+    .await?;
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        let events = events_of(&s, "ev").await?;
+        let messages: Vec<String> = events.iter().filter_map(|e| e.message.clone()).collect();
+        let wanted = [
+            "Handler 'create_a' succeeded.",
+            "create_c says hello to ev",
+            "Creation is processed: 3 succeeded; 0 failed.",
+        ];
+        if wanted.iter().all(|w| messages.iter().any(|m| m == w)) {
+            let e = events
+                .iter()
+                .find(|e| e.message.as_deref() == Some(wanted[1]))
+                .expect("found above");
+            assert_eq!(e.type_.as_deref(), Some("Normal"));
+            assert_eq!(e.reason.as_deref(), Some("Logging"));
+            assert_eq!(e.involved_object.kind.as_deref(), Some("Example"));
+            assert_eq!(
+                e.source.as_ref().and_then(|s| s.component.as_deref()),
+                Some("capstan")
+            );
+            break;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "events so far: {messages:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_failing_handler_cannot_flood_the_api_with_events() -> anyhow::Result<()> {
+    let s = Scenario::start("results", &[]).await?;
+    s.create("noisy", json!({"temporary": {"create_fn": 40}})).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while s.count("create_fn", "noisy") < 16 {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "too few attempts: {}",
+            s.count("create_fn", "noisy")
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let warnings = events_of(&s, "noisy")
+        .await?
+        .into_iter()
+        .filter(|e| e.type_.as_deref() == Some("Warning"))
+        .count();
+    let attempts = s.count("create_fn", "noisy");
+    assert!(
+        warnings >= 5,
+        "failures are reported: {warnings}\n{}",
+        capstan_tests::scenario::tail(&s.controller.process.output(), 30)
+    );
+    assert!(
+        warnings <= 13 && warnings < attempts,
+        "{warnings} warning events for {attempts} failed attempts"
+    );
+    Ok(())
+}

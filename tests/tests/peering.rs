@@ -1,0 +1,456 @@
+//! End to end: priority freezing (`--dev`, `capstan freeze` / `capstan resume`, expiry, the
+//! same-priority warning) and leader election among replicas (one invokes handlers; after a
+//! SIGKILL the standby takes over within the lease duration and completes what was pending,
+//! and no completed change is handled twice).
+
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Result, bail, ensure};
+use capstan_tests::{
+    process::{Controller, Process, capstan_binary, start_handler},
+    scenario::tail,
+    testenv::{TestEnv, examples, repo_root},
+};
+use kube::api::{DynamicObject, PostParams};
+use serde_json::{Value, json};
+
+const PAUSED: &str = "pausing: no new handler invocations";
+const RESUMED: &str = "resumed: handler invocations continue";
+
+async fn env_with_crds(peering: bool) -> Result<TestEnv> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    if peering {
+        let yaml = std::fs::read_to_string(repo_root().join("controller/crds/peering.yaml"))?;
+        env.apply(&yaml).await?;
+        env.kubectl_ok(&[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/capstanpeerings.capstan.dev",
+            "crd/clustercapstanpeerings.capstan.dev",
+        ])
+        .await?;
+    }
+    Ok(env)
+}
+
+/// A controller with its own handler process and call log.
+struct Operator {
+    controller: Controller,
+    handler: Process,
+    calls: PathBuf,
+}
+
+impl Operator {
+    async fn start(env: &TestEnv, name: &str, args: &[&str]) -> Result<Self> {
+        let mut controller = Controller::start(env, name, args).await?;
+        let calls = env.scratch().join(format!("{name}-calls.log"));
+        let handler = start_handler(
+            env,
+            &format!("{name}-handler"),
+            &controller.endpoint(),
+            &[("E2E_HANDLERS", "create"), ("E2E_LOG", &calls.to_string_lossy())],
+        )?;
+        controller
+            .process
+            .wait_for("handler process connected", Duration::from_secs(30))
+            .await?;
+        Ok(Self {
+            controller,
+            handler,
+            calls,
+        })
+    }
+
+    /// How many times its handler was called for `object`.
+    fn count(&self, object: &str) -> usize {
+        count_calls(&self.calls, object)
+    }
+
+    fn log(&self) -> String {
+        self.controller.process.output()
+    }
+
+    /// Waits until the controller's log contains `needle` at least `n` times.
+    async fn wait_log(&self, needle: &str, n: usize, timeout: Duration) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.log().matches(needle).count() < n {
+            if tokio::time::Instant::now() > deadline {
+                bail!(
+                    "{needle:?} did not appear {n} time(s) within {timeout:?}:\n{}",
+                    tail(&self.log(), 30)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    }
+
+    /// Waits until its handler was called for `object`.
+    async fn wait_call(&self, object: &str, timeout: Duration) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.count(object) == 0 {
+            if tokio::time::Instant::now() > deadline {
+                bail!(
+                    "no handler call for {object} within {timeout:?}\ncontroller:\n{}\nhandler:\n{}",
+                    tail(&self.log(), 30),
+                    tail(&self.handler.output(), 10)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    }
+
+    async fn stop(mut self) -> Result<()> {
+        self.handler.terminate().await?;
+        self.controller.process.terminate().await?;
+        Ok(())
+    }
+}
+
+fn count_calls(path: &Path, object: &str) -> usize {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| {
+            let mut parts = l.split_whitespace();
+            parts.next() == Some("create_fn") && parts.next() == Some(object)
+        })
+        .count()
+}
+
+async fn create(env: &TestEnv, name: &str, spec: Value) -> Result<()> {
+    let client = env.client().await?;
+    let obj: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+        "metadata": {"name": name, "namespace": "default"}, "spec": spec
+    }))?;
+    examples(&client, "default")
+        .create(&PostParams::default(), &obj)
+        .await?;
+    Ok(())
+}
+
+/// Whether the object's change was recorded as handled (diff-base written).
+async fn handled(env: &TestEnv, name: &str) -> Result<bool> {
+    let client = env.client().await?;
+    let obj = examples(&client, "default").get(name).await?;
+    Ok(obj
+        .metadata
+        .annotations
+        .is_some_and(|a| a.contains_key("capstan.dev/last-handled-configuration")))
+}
+
+/// Runs `capstan <args>` as a user at a terminal would, with the testenv's kubeconfig.
+async fn capstan(env: &TestEnv, args: &[&str]) -> Result<String> {
+    let out = tokio::process::Command::new(capstan_binary().await?)
+        .args(args)
+        .env("KUBECONFIG", &env.kubeconfig)
+        .env("USER", "dev")
+        .output()
+        .await?;
+    ensure!(
+        out.status.success(),
+        "capstan {} failed: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[tokio::test]
+async fn a_dev_operator_freezes_a_normal_one_until_it_exits() -> Result<()> {
+    let env = env_with_crds(true).await?;
+    let normal = Operator::start(&env, "normal", &[]).await?;
+    create(&env, "before", json!({})).await?;
+    normal.wait_call("before", Duration::from_secs(30)).await?;
+
+    let dev = Operator::start(&env, "dev", &["--dev"]).await?;
+    normal.wait_log(PAUSED, 1, Duration::from_secs(20)).await?;
+    ensure!(
+        normal
+            .log()
+            .contains("pausing operations in favour of higher-priority peers"),
+        "the normal operator does not say in whose favour it pauses"
+    );
+
+    create(&env, "during", json!({})).await?;
+    dev.wait_call("during", Duration::from_secs(30)).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    ensure!(normal.count("during") == 0, "a frozen operator invoked a handler");
+    ensure!(
+        dev.count("before") == 0,
+        "the dev operator handled a handled object again"
+    );
+
+    let status = env
+        .kubectl_ok(&[
+            "get",
+            "clustercapstanpeering",
+            "default",
+            "-o",
+            "jsonpath={.status}",
+        ])
+        .await?;
+    let peers: Value = serde_json::from_str(&status)?;
+    ensure!(
+        peers.as_object().is_some_and(|p| p.len() == 2
+            && p.values().any(|e| e["priority"] == 666)
+            && p.values().any(|e| e["priority"] == 0)),
+        "unexpected peering status {status}"
+    );
+
+    dev.stop().await?;
+    normal.wait_log(RESUMED, 1, Duration::from_secs(20)).await?;
+    create(&env, "after", json!({})).await?;
+    normal.wait_call("after", Duration::from_secs(30)).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    ensure!(
+        normal.count("during") == 0 && normal.count("before") == 1,
+        "after resuming, the normal operator handled a change again"
+    );
+    let status = env
+        .kubectl_ok(&[
+            "get",
+            "clustercapstanpeering",
+            "default",
+            "-o",
+            "jsonpath={.status}",
+        ])
+        .await?;
+    ensure!(
+        serde_json::from_str::<Value>(&status)?
+            .as_object()
+            .is_some_and(|p| p.len() == 1),
+        "the dev operator did not leave the peering: {status}"
+    );
+    normal.stop().await?;
+    env.stop().await
+}
+
+#[tokio::test]
+async fn capstan_freeze_pauses_and_capstan_resume_resumes() -> Result<()> {
+    let env = env_with_crds(true).await?;
+    let op = Operator::start(&env, "op", &[]).await?;
+
+    let out = capstan(
+        &env,
+        &[
+            "freeze",
+            "--lifetime",
+            "30",
+            "--priority",
+            "100",
+            "--message",
+            "maintenance",
+        ],
+    )
+    .await?;
+    ensure!(
+        out.contains("froze clustercapstanpeering/default"),
+        "freeze said: {out}"
+    );
+    ensure!(
+        out.contains("pausing: "),
+        "freeze did not name the paused operator: {out}"
+    );
+    op.wait_log(PAUSED, 1, Duration::from_secs(20)).await?;
+    ensure!(
+        op.log().contains("maintenance"),
+        "the pause does not carry the freeze's message"
+    );
+    create(&env, "frozen", json!({})).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(op.count("frozen") == 0, "a frozen operator invoked a handler");
+
+    let out = capstan(&env, &["resume"]).await?;
+    ensure!(
+        out.contains("resumed clustercapstanpeering/default"),
+        "resume said: {out}"
+    );
+    op.wait_log(RESUMED, 1, Duration::from_secs(20)).await?;
+    op.wait_call("frozen", Duration::from_secs(30)).await?;
+
+    // A freeze also ends by itself when its lifetime expires.
+    capstan(&env, &["freeze", "--lifetime", "3"]).await?;
+    op.wait_log(PAUSED, 2, Duration::from_secs(20)).await?;
+    op.wait_log(RESUMED, 2, Duration::from_secs(20)).await?;
+
+    let out = capstan(&env, &["resume"]).await?;
+    ensure!(
+        out.contains("had expired already"),
+        "resume of an expired freeze said: {out}"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    ensure!(
+        op.count("frozen") == 1,
+        "the object frozen earlier was handled twice"
+    );
+    op.stop().await?;
+    env.stop().await
+}
+
+#[tokio::test]
+async fn operators_with_the_same_priority_are_warned_about() -> Result<()> {
+    let env = env_with_crds(true).await?;
+    let mut one = Controller::start(&env, "one", &[]).await?;
+    let mut two = Controller::start(&env, "two", &[]).await?;
+    let warning = "possibly conflicting operators with the same priority";
+    two.process.wait_for(warning, Duration::from_secs(20)).await?;
+    one.process.wait_for(warning, Duration::from_secs(20)).await?;
+    one.process.terminate().await?;
+    two.process.terminate().await?;
+    env.stop().await
+}
+
+#[tokio::test]
+async fn capstan_refuses_to_start_dev_mode_without_the_peering_crds() -> Result<()> {
+    let env = env_with_crds(false).await?;
+    let err = match Controller::start(&env, "dev", &["--dev"]).await {
+        Ok(_) => bail!("a --dev controller started without the peering CRDs"),
+        Err(e) => e.to_string(),
+    };
+    ensure!(
+        err.contains("capstan crds | kubectl apply -f -") && err.contains("--standalone"),
+        "unclear error: {err}"
+    );
+    env.stop().await
+}
+
+async fn leadership(c: &Controller) -> Result<String> {
+    let (_, body) = c.admin_get("/readyz").await?;
+    let report: Value = serde_json::from_str(&body)?;
+    Ok(report["checks"]["leadership"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+#[tokio::test]
+async fn replicas_elect_one_leader_and_a_standby_takes_over_after_a_crash() -> Result<()> {
+    let env = env_with_crds(true).await?;
+    let election = [
+        "--leader-election",
+        "--lease-duration",
+        "4s",
+        "--renew-deadline",
+        "3s",
+        "--retry-period",
+        "1s",
+        "--shutdown-grace",
+        "2s",
+    ];
+    let mut a = Operator::start(&env, "a", &election).await?;
+    a.wait_log("became the leader", 1, Duration::from_secs(20))
+        .await?;
+    let b = Operator::start(&env, "b", &election).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (la, lb) = (leadership(&a.controller).await?, leadership(&b.controller).await?);
+        if la == "leader" && lb.starts_with("standby (leader: ") {
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "readiness does not show the leader: a={la:?} b={lb:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    create(&env, "one", json!({})).await?;
+    a.wait_call("one", Duration::from_secs(30)).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !handled(&env, "one").await? {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "one was not recorded as handled"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A change in progress when the leader dies: the standby must complete it.
+    create(&env, "slow", json!({"sleep": {"create_fn": 5}})).await?;
+    a.wait_call("slow", Duration::from_secs(30)).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    ensure!(
+        b.count("one") == 0 && b.count("slow") == 0,
+        "the standby invoked handlers"
+    );
+
+    a.controller.process.kill().await?;
+    let killed = tokio::time::Instant::now();
+    a.handler.kill().await?;
+    create(&env, "leaderless", json!({})).await?;
+
+    b.wait_log("became the leader", 1, Duration::from_secs(15))
+        .await?;
+    let took = killed.elapsed();
+    // One lease duration as observed by the standby, plus one retry period and some slack.
+    ensure!(
+        took < Duration::from_secs(7),
+        "the standby took over after {took:?}"
+    );
+    b.wait_call("leaderless", Duration::from_secs(30)).await?;
+    b.wait_call("slow", Duration::from_secs(30)).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !(handled(&env, "slow").await? && handled(&env, "leaderless").await?) {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the new leader did not complete the pending changes:\n{}",
+            tail(&b.log(), 30)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    ensure!(
+        a.count("one") + b.count("one") == 1,
+        "a completed change was handled again"
+    );
+    ensure!(
+        b.count("slow") == 1 && b.count("leaderless") == 1,
+        "the new leader ran a handler twice"
+    );
+    ensure!(
+        !b.log().contains("possibly conflicting operators"),
+        "replicas sharing a lease were reported as conflicting"
+    );
+    ensure!(leadership(&b.controller).await? == "leader");
+    b.stop().await?;
+    env.stop().await
+}
+
+#[tokio::test]
+async fn a_leader_that_exits_cleanly_hands_over_at_once() -> Result<()> {
+    let env = env_with_crds(false).await?;
+    let election = [
+        "--leader-election",
+        "--lease-duration",
+        "15s",
+        "--renew-deadline",
+        "10s",
+        "--retry-period",
+        "1s",
+    ];
+    let a = Operator::start(&env, "a", &election).await?;
+    a.wait_log("became the leader", 1, Duration::from_secs(20))
+        .await?;
+    let b = Operator::start(&env, "b", &election).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let stopped = tokio::time::Instant::now();
+    a.stop().await?;
+    b.wait_log("became the leader", 1, Duration::from_secs(10))
+        .await?;
+    let took = stopped.elapsed();
+    ensure!(
+        took < Duration::from_secs(8),
+        "handover after a clean exit took {took:?}"
+    );
+    create(&env, "handover", json!({})).await?;
+    b.wait_call("handover", Duration::from_secs(30)).await?;
+    b.stop().await?;
+    env.stop().await
+}
