@@ -81,7 +81,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
         &settings.peering,
         client.clone(),
         &gate,
-        &settings.engine.namespaces,
+        &settings.engine.namespaces.exact().unwrap_or_default(),
         lease.clone(),
         PEERING_FIRST_DECISION,
     )

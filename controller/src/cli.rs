@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::{
     config::{Settings, parse_duration},
+    engine::namespaces::Namespaces,
     engine::processing::Storage,
     grpc::Listen,
     k8s::peering::Target,
@@ -106,14 +107,23 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_DISCOVERY_TTL", value_parser = parse_duration, default_value = "30s")]
     pub discovery_ttl: Duration,
 
-    /// Watch only this namespace (repeatable); without it, the whole cluster is watched.
+    /// Serve only namespaces matching this pattern (repeatable, comma-separated): exact names,
+    /// globs with `*` and `?`, and `!` to exclude (e.g. `-n 'team-*' -n '!team-x'`). Without
+    /// it (or with --all-namespaces), the whole cluster is served. Globs and negations watch
+    /// cluster-wide and pick up namespaces created later.
     #[arg(
         long = "namespace",
         short = 'n',
         env = "CAPSTAN_NAMESPACES",
-        value_delimiter = ','
+        value_delimiter = ',',
+        value_parser = parse_namespace_pattern,
+        conflicts_with = "all_namespaces"
     )]
     pub namespaces: Vec<String>,
+
+    /// Serve every namespace (the default when no --namespace is given).
+    #[arg(long, short = 'A', env = "CAPSTAN_ALL_NAMESPACES")]
+    pub all_namespaces: bool,
 
     /// The prefix of every annotation Capstan stores on objects (progress, diff-base).
     #[arg(long, env = "CAPSTAN_PERSISTENCE_PREFIX", default_value = "capstan.dev")]
@@ -211,6 +221,13 @@ pub struct RunArgs {
     /// How often the Lease is acquired or renewed.
     #[arg(long, env = "CAPSTAN_RETRY_PERIOD", value_parser = parse_duration, default_value = "2s")]
     pub retry_period: Duration,
+}
+
+/// Validates one `--namespace` pattern at parse time.
+fn parse_namespace_pattern(s: &str) -> Result<String, String> {
+    Namespaces::parse(&[s.to_owned()])
+        .map(|_| s.to_owned())
+        .map_err(|e| e.to_string())
 }
 
 /// Where progress records are kept.
@@ -327,12 +344,11 @@ impl RunArgs {
         settings.hub.max_losses = self.max_losses.max(1);
         settings.connection.supported_kinds = Some(crate::engine::SUPPORTED_KINDS.to_vec());
         settings.engine.storage = self.storage();
-        settings.engine.namespaces = self
-            .namespaces
-            .iter()
-            .filter(|n| !n.is_empty())
-            .cloned()
-            .collect();
+        settings.engine.namespaces = if self.all_namespaces {
+            Namespaces::default()
+        } else {
+            Namespaces::parse(&self.namespaces).unwrap_or_default()
+        };
         settings.engine.worker_limit = self.worker_limit.max(1);
         settings.engine.watch.inactivity_timeout = self.watch_inactivity_timeout;
         settings.engine.checkpoint_after = self.checkpoint_after;

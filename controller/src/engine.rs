@@ -13,6 +13,7 @@ pub mod diff;
 pub mod essence;
 pub mod execution;
 pub mod matching;
+pub mod namespaces;
 pub mod posting;
 pub mod processing;
 pub mod queue;
@@ -54,8 +55,8 @@ pub const SUPPORTED_KINDS: [HandlerKind; 8] = [
 pub struct Settings {
     /// Where and under which names state is stored.
     pub storage: Storage,
-    /// Namespaces to watch; empty means cluster-wide.
-    pub namespaces: Vec<String>,
+    /// Namespaces to serve (kopf's patterns); empty means cluster-wide.
+    pub namespaces: namespaces::Namespaces,
     /// At most this many objects processed at once. Default 128.
     pub worker_limit: usize,
     /// Watch tunables.
@@ -71,7 +72,7 @@ impl Default for Settings {
     fn default() -> Self {
         Self {
             storage: Storage::annotations("capstan.dev"),
-            namespaces: Vec::new(),
+            namespaces: namespaces::Namespaces::default(),
             worker_limit: 128,
             watch: k8s_watch::Settings::default(),
             checkpoint_after: std::time::Duration::from_secs(1),
@@ -259,11 +260,11 @@ impl Engine {
                 }
             });
         }
-        let scopes: Vec<Option<String>> = if resource.namespaced && !self.settings.namespaces.is_empty() {
-            self.settings.namespaces.iter().cloned().map(Some).collect()
-        } else {
-            vec![None]
+        let scopes: Vec<Option<String>> = match self.settings.namespaces.exact() {
+            Some(names) if resource.namespaced => names.into_iter().map(Some).collect(),
+            _ => vec![None],
         };
+        let served = self.settings.namespaces.clone();
         let (label_selector, field_selector) = common_selectors(&handlers);
         let mut checks = Vec::new();
         for scope in scopes {
@@ -304,13 +305,19 @@ impl Engine {
             tasks.spawn(w.run(tx, cancel.clone()).instrument(span.clone()));
             let q = queue.clone();
             let stop = cancel.clone();
+            let served = served.clone();
             tasks.spawn(
                 async move {
                     loop {
                         tokio::select! {
                             () = stop.cancelled() => break,
                             event = rx.recv() => match event {
-                                Some(e) => q.observe(e.event_type, e.body),
+                                Some(e) => {
+                                    let ns = e.body.pointer("/metadata/namespace").and_then(serde_json::Value::as_str).unwrap_or_default();
+                                    if served.serves(ns) {
+                                        q.observe(e.event_type, e.body);
+                                    }
+                                }
                                 None => break,
                             },
                         }

@@ -201,3 +201,45 @@ async fn health_and_readiness_reflect_handlers_and_watches() -> anyhow::Result<(
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn namespace_globs_serve_matching_namespaces_including_new_ones() -> anyhow::Result<()> {
+    let mut s = Scenario::start("create", &["--namespace", "team-*", "--namespace", "!team-x"]).await?;
+    s.env.kubectl_ok(&["create", "namespace", "team-a"]).await?;
+    s.env.kubectl_ok(&["create", "namespace", "team-x"]).await?;
+    s.env.kubectl_ok(&["create", "namespace", "other"]).await?;
+    for ns in ["team-a", "team-x", "other"] {
+        s.namespace = ns.into();
+        s.create(&format!("in-{ns}"), json!({})).await?;
+    }
+    s.namespace = "team-a".into();
+    s.wait("in-team-a", T, "handled", |o| {
+        annotation(o, "capstan.dev/last-handled-configuration").is_some()
+    })
+    .await?;
+    // A namespace created after the start is served without a restart.
+    s.env.kubectl_ok(&["create", "namespace", "team-late"]).await?;
+    s.namespace = "team-late".into();
+    s.create("in-team-late", json!({})).await?;
+    s.wait("in-team-late", T, "handled", |o| {
+        annotation(o, "capstan.dev/last-handled-configuration").is_some()
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(s.count("create_fn", "in-team-x"), 0, "excluded by the negation");
+    assert_eq!(s.count("create_fn", "in-other"), 0, "not matched by the glob");
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_invalid_namespace_pattern_is_refused_at_start() -> anyhow::Result<()> {
+    let bin = capstan_tests::process::capstan_binary().await?;
+    let out = tokio::process::Command::new(bin)
+        .args(["run", "--namespace", "Bad_Name"])
+        .output()
+        .await?;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is not a namespace name or glob"), "{err}");
+    Ok(())
+}

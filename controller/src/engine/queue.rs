@@ -241,6 +241,20 @@ impl Queue {
             let Some(((event_type, body), memory)) = next else {
                 return;
             };
+            if *self.ctx.paused.borrow() && event_type != EventType::Deleted {
+                // Paused (frozen, standby, draining): nothing is processed or written; the
+                // newest body is kept for when dispatch resumes.
+                let mut slots = self.slots.lock();
+                if let Some(slot) = slots.get_mut(&uid) {
+                    slot.last_body = Some(body);
+                    slot.running = false;
+                    if slot.pending.is_none() {
+                        return;
+                    }
+                    slot.running = true;
+                }
+                continue;
+            }
             if self.ctx.cancel.is_cancelled() {
                 self.slots.lock().remove(&uid);
                 return;

@@ -72,6 +72,11 @@ func countWrites(path string, scenarios []*b4Result) error {
 				}
 				s.Writes[key]++
 				s.Total++
+				if ev.ObjectRef.Resource == "events" {
+					s.Events++
+				} else {
+					s.ObjectWrites++
+				}
 			case "get", "list":
 				s.Reads++
 			}
