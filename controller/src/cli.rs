@@ -107,6 +107,17 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_DISCOVERY_TTL", value_parser = parse_duration, default_value = "30s")]
     pub discovery_ttl: Duration,
 
+    /// How long one probe handler may take before `/healthz` reports it failing. Probe
+    /// results are cached for 10 s, as in kopf.
+    #[arg(long, env = "CAPSTAN_PROBE_TIMEOUT", value_parser = parse_duration, default_value = "5s")]
+    pub probe_timeout: Duration,
+
+    /// Do not watch CustomResourceDefinitions: registrations for resources that are not
+    /// served at handshake time then wait until the next handshake, and deleted CRDs are not
+    /// noticed (for operators without RBAC to list/watch CRDs).
+    #[arg(long, env = "CAPSTAN_NO_CRD_WATCH")]
+    pub no_crd_watch: bool,
+
     /// Serve only namespaces matching this pattern (repeatable, comma-separated): exact names,
     /// globs with `*` and `?`, and `!` to exclude (e.g. `-n 'team-*' -n '!team-x'`). Without
     /// it (or with --all-namespaces), the whole cluster is served. Globs and negations watch
@@ -121,15 +132,49 @@ pub struct RunArgs {
     )]
     pub namespaces: Vec<String>,
 
+    /// Run as one node's operator (DaemonSet mode): progress, diff-base and finalizer are kept
+    /// under a per-node prefix `<node>.<persistence-prefix>`, so every node handles every
+    /// object on its own. Falls back to the `NODE_NAME` environment variable.
+    #[arg(long, env = "CAPSTAN_NODE_NAME")]
+    pub node_name: Option<String>,
+
+    /// Put a finalizer on objects whose delete handlers, daemons or timers need one: `auto`
+    /// means yes, except in per-node mode (a node that disappears would leave its finalizers
+    /// behind).
+    #[arg(long, env = "CAPSTAN_FINALIZERS", value_enum, default_value_t = Finalizers::Auto)]
+    pub finalizers: Finalizers,
+
+    /// In per-node mode, remove a deleted Node's annotations (and finalizers) from all watched
+    /// objects; one live operator (the one on the lowest node name) does it.
+    #[arg(long, env = "CAPSTAN_NODE_CLEANUP", default_value_t = true, action = clap::ArgAction::Set)]
+    pub node_cleanup: bool,
+
     /// Serve every namespace (the default when no --namespace is given).
     #[arg(long, short = 'A', env = "CAPSTAN_ALL_NAMESPACES")]
     pub all_namespaces: bool,
 
-    /// The prefix of every annotation Capstan stores on objects (progress, diff-base).
-    #[arg(long, env = "CAPSTAN_PERSISTENCE_PREFIX", default_value = "capstan.dev")]
+    /// Whose conventions the stored state follows. `kopf` reads and writes what a kopf
+    /// operator stores (prefix kopf.zalando.org, V2 and V1 progress keys, kopf's diff-base key
+    /// and finalizer, no kopf-managed marker, legacy status.kopf.progress records read but not
+    /// written), so that objects a kopf operator handled are not handled again, and the other
+    /// way round. --persistence-prefix, --diffbase-key, --finalizer and --status-field still
+    /// override its names.
+    #[arg(long, env = "CAPSTAN_PERSISTENCE", value_enum, default_value_t = Persistence::Capstan)]
+    pub persistence: Persistence,
+
+    /// The prefix of every annotation Capstan stores on objects (progress, diff-base)
+    /// [default: capstan.dev; kopf.zalando.org with --persistence kopf].
+    #[arg(
+        long,
+        env = "CAPSTAN_PERSISTENCE_PREFIX",
+        default_value = "capstan.dev",
+        default_value_if("persistence", "kopf", crate::persistence::keys::KOPF_PREFIX),
+        hide_default_value = true
+    )]
     pub persistence_prefix: String,
 
-    /// Where handler progress records are kept.
+    /// Where handler progress records are kept. With --persistence kopf, `annotations` also
+    /// reads (never writes) records in status.<status-field>.progress, as kopf does.
     #[arg(long, env = "CAPSTAN_PROGRESS_STORAGE", value_enum, default_value_t = ProgressKind::Annotations)]
     pub progress_storage: ProgressKind,
 
@@ -141,12 +186,20 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_DIFFBASE_KEY")]
     pub diffbase_key: Option<String>,
 
-    /// The finalizer name [default: <prefix>/finalizer].
+    /// The finalizer name [default: <prefix>/finalizer; kopf.zalando.org/KopfFinalizerMarker
+    /// with --persistence kopf].
     #[arg(long, env = "CAPSTAN_FINALIZER")]
     pub finalizer: Option<String>,
 
-    /// The name of the stanza under `status` used by the status storages.
-    #[arg(long, env = "CAPSTAN_STATUS_FIELD", default_value = "capstan")]
+    /// The name of the stanza under `status` used by the status storages [default: capstan;
+    /// kopf with --persistence kopf].
+    #[arg(
+        long,
+        env = "CAPSTAN_STATUS_FIELD",
+        default_value = "capstan",
+        default_value_if("persistence", "kopf", "kopf"),
+        hide_default_value = true
+    )]
     pub status_field: String,
 
     /// At most this many objects are processed at the same time.
@@ -228,6 +281,26 @@ fn parse_namespace_pattern(s: &str) -> Result<String, String> {
     Namespaces::parse(&[s.to_owned()])
         .map(|_| s.to_owned())
         .map_err(|e| e.to_string())
+}
+
+/// Whether finalizers are used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Finalizers {
+    /// Yes, except in per-node mode.
+    Auto,
+    /// Yes.
+    True,
+    /// No: delete handlers run only if something else holds the object.
+    False,
+}
+
+/// Whose persistence conventions are followed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Persistence {
+    /// Capstan's: prefix capstan.dev, finalizer capstan.dev/finalizer, V2 keys only.
+    Capstan,
+    /// kopf's, to take over from a kopf operator (or hand objects back to one).
+    Kopf,
 }
 
 /// Where progress records are kept.
@@ -344,6 +417,12 @@ impl RunArgs {
         settings.hub.max_losses = self.max_losses.max(1);
         settings.connection.supported_kinds = Some(crate::engine::SUPPORTED_KINDS.to_vec());
         settings.engine.storage = self.storage();
+        settings.engine.node = self.node().map(|name| crate::engine::nodes::Settings {
+            name,
+            base_prefix: self.persistence_prefix.clone(),
+            cleanup: self.node_cleanup,
+            status_field: self.status_field.clone(),
+        });
         settings.engine.namespaces = if self.all_namespaces {
             Namespaces::default()
         } else {
@@ -352,6 +431,8 @@ impl RunArgs {
         settings.engine.worker_limit = self.worker_limit.max(1);
         settings.engine.watch.inactivity_timeout = self.watch_inactivity_timeout;
         settings.engine.checkpoint_after = self.checkpoint_after;
+        settings.engine.activities.probe_timeout = self.probe_timeout;
+        settings.engine.watch_crds = !self.no_crd_watch;
         settings.peering = peering::Settings {
             standalone: self.standalone,
             required: self.peering.is_some() || self.priority.is_some() || self.dev,
@@ -375,8 +456,29 @@ impl RunArgs {
         settings
     }
 
+    /// The node's name in per-node mode.
+    pub fn node(&self) -> Option<String> {
+        self.node_name
+            .clone()
+            .or_else(|| std::env::var("NODE_NAME").ok())
+            .map(|n| n.trim().to_owned())
+            .filter(|n| !n.is_empty())
+    }
+
     fn storage(&self) -> Storage {
-        let mut keys = Keys::new(&self.persistence_prefix);
+        let node = self.node();
+        let prefix = match &node {
+            Some(node) => crate::persistence::node::prefix(node, &self.persistence_prefix),
+            None => self.persistence_prefix.clone(),
+        };
+        let status_field = match &node {
+            Some(node) => format!("{}-{}", self.status_field, crate::persistence::node::label(node)),
+            None => self.status_field.clone(),
+        };
+        let mut keys = match self.persistence {
+            Persistence::Capstan => Keys::new(&prefix),
+            Persistence::Kopf => Keys::kopf_under(&prefix),
+        };
         if let Some(k) = &self.diffbase_key {
             keys.diffbase.clone_from(k);
         }
@@ -384,23 +486,31 @@ impl RunArgs {
             keys.finalizer.clone_from(f);
         }
         let progress = match self.progress_storage {
-            ProgressKind::Annotations => ProgressStorage::Annotations(keys.clone()),
-            ProgressKind::Status => ProgressStorage::Status {
-                name: self.status_field.clone(),
+            ProgressKind::Annotations => match self.persistence {
+                Persistence::Capstan => ProgressStorage::Annotations(keys.clone()),
+                Persistence::Kopf => {
+                    ProgressStorage::AnnotationsReadingStatus(keys.clone(), status_field.clone())
+                }
             },
-            ProgressKind::Smart => ProgressStorage::Smart(keys.clone(), self.status_field.clone()),
+            ProgressKind::Status => ProgressStorage::Status {
+                name: status_field.clone(),
+            },
+            ProgressKind::Smart => ProgressStorage::Smart(keys.clone(), status_field.clone()),
         };
         let diffbase = match self.diffbase_storage {
             DiffBaseKind::Annotations => DiffBaseStorage::Annotations(keys.clone()),
-            DiffBaseKind::Status => DiffBaseStorage::Status {
-                name: self.status_field.clone(),
-            },
+            DiffBaseKind::Status => DiffBaseStorage::Status { name: status_field },
+        };
+        let finalizers = match self.finalizers {
+            Finalizers::Auto => node.is_none(),
+            Finalizers::True => true,
+            Finalizers::False => false,
         };
         Storage {
             keys,
             progress,
             diffbase,
-            finalizers: true,
+            finalizers,
         }
     }
 }
@@ -466,6 +576,46 @@ mod tests {
         assert!(elected.election.enabled);
         assert_eq!(elected.election.lease_duration, Duration::from_secs(4));
         assert!(elected.election.validate().is_ok());
+    }
+
+    #[test]
+    fn kopf_persistence_uses_kopf_names_unless_overridden() {
+        let capstan = run(&[]).engine.storage;
+        assert_eq!(capstan.keys, Keys::new("capstan.dev"));
+        assert_eq!(
+            capstan.progress,
+            ProgressStorage::Annotations(Keys::new("capstan.dev"))
+        );
+
+        let kopf = run(&["--persistence", "kopf"]).engine.storage;
+        assert_eq!(kopf.keys, Keys::kopf());
+        assert_eq!(
+            kopf.progress,
+            ProgressStorage::AnnotationsReadingStatus(Keys::kopf(), "kopf".into())
+        );
+        assert_eq!(kopf.diffbase, DiffBaseStorage::Annotations(Keys::kopf()));
+
+        let custom = run(&[
+            "--persistence",
+            "kopf",
+            "--persistence-prefix",
+            "my-op.example.com",
+            "--finalizer",
+            "example.com/fin",
+            "--progress-storage",
+            "smart",
+        ])
+        .engine
+        .storage;
+        assert_eq!(custom.keys.prefix, "my-op.example.com");
+        assert_eq!(
+            custom.keys.diffbase,
+            "my-op.example.com/last-handled-configuration"
+        );
+        assert_eq!(custom.keys.finalizer, "example.com/fin");
+        assert!(custom.keys.v1);
+        assert!(matches!(custom.progress, ProgressStorage::Smart(_, ref name) if name == "kopf"));
+        assert!(Cli::try_parse_from(["capstan", "run", "--persistence", "zalando"]).is_err());
     }
 
     #[test]

@@ -84,9 +84,12 @@ pub fn free_port() -> Result<u16> {
 /// A child process with its output in a log file.
 pub struct Process {
     child: Child,
-    /// Its combined stdout and stderr.
+    /// Its combined stdout and stderr (appended to when a process is restarted under the
+    /// same name).
     pub log: PathBuf,
     name: String,
+    /// Where this process's own output starts in the log.
+    offset: u64,
 }
 
 impl Process {
@@ -100,6 +103,7 @@ impl Process {
     ) -> Result<Self> {
         let log = dir.join(format!("{name}.log"));
         let file = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
+        let offset = file.metadata()?.len();
         let child = Command::new(program)
             .args(args)
             .envs(env)
@@ -113,12 +117,15 @@ impl Process {
             child,
             log,
             name: name.to_owned(),
+            offset,
         })
     }
 
-    /// The output so far.
+    /// This process's output so far.
     pub fn output(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        let all = std::fs::read(&self.log).unwrap_or_default();
+        let start = usize::try_from(self.offset).unwrap_or(0).min(all.len());
+        String::from_utf8_lossy(&all[start..]).into_owned()
     }
 
     /// Waits until the output contains `needle`.

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::{
+    execution,
     matching::{self, Subject},
     processing::{self, FinalizerChange, Input, Invoker, Memory, Plan, Storage, merge_diff},
 };
@@ -30,6 +31,7 @@ use crate::{
     k8s::objects::{self, Objects},
     model::{EventType, HandlerKind, Outcome, Payload, Registration, ResolvedResource, Work},
 };
+use crate::{model::ErrorsMode, persistence::ProgressRecord};
 
 /// Shared by all objects of one resource.
 pub struct Context {
@@ -122,9 +124,13 @@ impl Queue {
             old: None,
             new: None,
         };
+        // Event handlers that opted into retries run in the object's worker instead.
+        let fire_and_forget =
+            |h: &&Registration| h.kind == HandlerKind::Event && h.errors != ErrorsMode::Temporary;
         for reg in handlers
             .iter()
-            .filter(|h| h.kind == HandlerKind::Event && matching::prematch(h, subject))
+            .filter(fire_and_forget)
+            .filter(|h| matching::prematch(h, subject))
         {
             let object = processing::object_ref(&self.ctx.resource, body);
             let key = format!("{}/{}/{}", object.uid, reg.id, object.resource_version);
@@ -197,6 +203,21 @@ impl Queue {
         for body in bodies {
             self.push(EventType::Modified, body);
         }
+    }
+
+    /// Whether both handles are the same queue.
+    pub fn same(&self, other: &Queue) -> bool {
+        Arc::ptr_eq(&self.slots, &other.slots)
+    }
+
+    /// The latest known bodies of all objects (for cleanups across objects).
+    pub fn bodies(&self) -> Vec<Value> {
+        self.slots
+            .lock()
+            .values()
+            .filter(|s| !s.gone)
+            .filter_map(|s| s.last_body.clone())
+            .collect()
     }
 
     /// Stops every timer (at shutdown).
@@ -294,6 +315,9 @@ impl Queue {
         }
         let handlers = self.ctx.handlers.borrow().clone();
         let paused = *self.ctx.paused.borrow();
+        let written_rv = self.slots.lock().get(uid).and_then(|s| s.written_rv);
+        let echo = written_rv.is_some() && rv_of(&body) == written_rv;
+        let (body, event_wake) = self.retry_event_handlers(event_type, body, &handlers, echo).await;
         let daemons_alive = self.ctx.daemons.sync(uid, &body, &handlers, paused);
         let plan = processing::cycle(
             Input {
@@ -348,7 +372,11 @@ impl Queue {
         if let Some(t) = slot.timer.take() {
             t.abort();
         }
-        if let Some(at) = plan.wake_at {
+        let wake_at = match (plan.wake_at, event_wake) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        if let Some(at) = wake_at {
             let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
             let queue = self.clone();
             let uid = uid.to_owned();
@@ -359,6 +387,119 @@ impl Queue {
                     () = tokio::time::sleep(delay) => queue.wake(&uid),
                 }
             }));
+        }
+    }
+
+    /// Runs the event handlers that opted into retries (errors mode TEMPORARY): unlike
+    /// fire-and-forget event handlers, their failures are persisted as progress records (per
+    /// node in per-node mode) and retried with the latest body after the delay. Returns the
+    /// body as stored and when to retry next.
+    async fn retry_event_handlers(
+        &self,
+        event_type: EventType,
+        body: Value,
+        handlers: &[Registration],
+        echo: bool,
+    ) -> (Value, Option<SystemTime>) {
+        let subject = Subject {
+            body: &body,
+            old: None,
+            new: None,
+        };
+        let retried: Vec<&Registration> = handlers
+            .iter()
+            .filter(|h| h.kind == HandlerKind::Event && h.errors == ErrorsMode::Temporary)
+            .filter(|h| matching::prematch(h, subject))
+            .collect();
+        if retried.is_empty() {
+            return (body, None);
+        }
+        let storage = &self.ctx.storage;
+        let now = SystemTime::now();
+        let mut desired = body.clone();
+        let mut wake: Option<SystemTime> = None;
+        for reg in retried {
+            let fetched = storage
+                .progress
+                .fetch(&reg.id.0, &body)
+                .filter(|r| r.purpose.as_deref() == Some("event"));
+            let due = match &fetched {
+                None => !echo,
+                Some(r) => !r.finished() && !r.sleeping(now),
+            };
+            if !due {
+                if let Some(t) = fetched
+                    .as_ref()
+                    .filter(|r| !r.finished())
+                    .and_then(|r| r.delayed_until())
+                {
+                    wake = Some(wake.map_or(t, |w| w.min(t)));
+                }
+                continue;
+            }
+            let mut record = fetched
+                .clone()
+                .unwrap_or_else(|| ProgressRecord::started(now, "event"));
+            if let Some(message) = execution::exhausted(reg, &record, now) {
+                warn!(handler.id = %reg.id, %message, "event handler gives up");
+                storage.progress.purge(&reg.id.0, &mut desired);
+                continue;
+            }
+            let object = processing::object_ref(&self.ctx.resource, &body);
+            let mut work = Work::new(
+                reg.id.0.clone(),
+                format!(
+                    "{}/{}/event/{}",
+                    object.uid,
+                    reg.id,
+                    record.started.as_deref().unwrap_or_default()
+                ),
+                Payload::Event { event_type },
+            );
+            work.attempt = record.retries + 1;
+            work.started = record.started_at().unwrap_or(now);
+            work.object = Some(object);
+            work.body = Some(body.clone());
+            work.param = reg.param.clone();
+            work.last_error = record
+                .message
+                .clone()
+                .map(|m| crate::model::Diagnostic::error("PREVIOUS_ATTEMPT_FAILED", m));
+            work.cancel = self.ctx.cancel.child_token();
+            let outcome = self.ctx.invoker.invoke(work).await;
+            match execution::judge(reg, &mut record, outcome, now) {
+                execution::Verdict::Retry => {
+                    info!(handler.id = %reg.id, error = record.message.as_deref().unwrap_or_default(), "event handler will be retried");
+                    if let Some(t) = record.delayed_until() {
+                        wake = Some(wake.map_or(t, |w| w.min(t)));
+                    }
+                    storage.progress.store(&reg.id.0, &record, &mut desired);
+                }
+                execution::Verdict::Unrecorded => {}
+                verdict => {
+                    if matches!(verdict, execution::Verdict::Failure) {
+                        warn!(handler.id = %reg.id, error = record.message.as_deref().unwrap_or_default(), "event handler failed permanently");
+                    }
+                    storage.progress.purge(&reg.id.0, &mut desired);
+                }
+            }
+        }
+        if desired == body {
+            return (body, wake);
+        }
+        match patch_object(&self.ctx.objects, &self.ctx.resource, &body, &desired).await {
+            Ok(stored) => {
+                if let Some(uid) = uid_of(&stored)
+                    && let Some(slot) = self.slots.lock().get_mut(&uid)
+                {
+                    slot.written_rv = rv_of(&stored).max(slot.written_rv);
+                }
+                (stored, wake)
+            }
+            Err(e) => {
+                warn!(error = %crate::error::chain(&e), "recording event handler progress failed");
+                (body, wake)
+            }
         }
     }
 

@@ -16,6 +16,12 @@ use blake2::{
 /// The longest name part of an annotation key.
 pub const NAME_LIMIT: usize = 63;
 
+/// kopf's annotation prefix.
+pub const KOPF_PREFIX: &str = "kopf.zalando.org";
+
+/// kopf's finalizer (`settings.persistence.finalizer`), whatever the storages' prefix.
+pub const KOPF_FINALIZER: &str = "kopf.zalando.org/KopfFinalizerMarker";
+
 /// The naming scheme of one controller's stored state.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Keys {
@@ -42,11 +48,18 @@ impl Keys {
 
     /// kopf's names: prefix `kopf.zalando.org`, V1 keys written, kopf's finalizer.
     pub fn kopf() -> Self {
+        Self::kopf_under(KOPF_PREFIX)
+    }
+
+    /// kopf's names under another prefix, as a kopf operator configured with
+    /// `AnnotationsProgressStorage(prefix=…)` and `AnnotationsDiffBaseStorage(prefix=…)` uses
+    /// them: V1 keys written, `<prefix>/last-handled-configuration`, and kopf's finalizer
+    /// (which kopf configures apart from the storages).
+    pub fn kopf_under(prefix: &str) -> Self {
         Self {
-            prefix: "kopf.zalando.org".to_owned(),
             v1: true,
-            diffbase: "kopf.zalando.org/last-handled-configuration".to_owned(),
-            finalizer: "kopf.zalando.org/KopfFinalizerMarker".to_owned(),
+            finalizer: KOPF_FINALIZER.to_owned(),
+            ..Self::new(prefix)
         }
     }
 
@@ -182,6 +195,18 @@ mod tests {
         );
         assert_eq!(k.write_keys(&id).len(), 2);
         assert_eq!(Keys::new("capstan.dev").write_keys(&id).len(), 1);
+    }
+
+    #[test]
+    fn kopf_names_keep_the_finalizer_under_any_prefix() {
+        let k = Keys::kopf();
+        assert_eq!(k.diffbase, "kopf.zalando.org/last-handled-configuration");
+        assert_eq!(k.finalizer, "kopf.zalando.org/KopfFinalizerMarker");
+        assert!(k.v1);
+        let custom = Keys::kopf_under("my-op.example.com");
+        assert_eq!(custom.diffbase, "my-op.example.com/last-handled-configuration");
+        assert_eq!(custom.finalizer, KOPF_FINALIZER);
+        assert!(custom.v1);
     }
 
     #[test]

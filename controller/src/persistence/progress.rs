@@ -6,7 +6,9 @@
 //! JSON shape is kopf's, so kopf-compatible mode reads and writes kopf's records as they are.
 //!
 //! Storages: annotations (the default, one compact JSON annotation per handler), status
-//! (`status.<name>.progress.<id>`), or smart (write both, read annotations first).
+//! (`status.<name>.progress.<id>`), smart (write both, read annotations first), or annotations
+//! that also read — never write — records left in `status.<name>.progress` (kopf ≥ 1.44's
+//! default, which reads what kopf ≤ 1.43 wrote to the status).
 
 use std::time::SystemTime;
 
@@ -90,6 +92,9 @@ pub enum ProgressStorage {
     },
     /// Both; reads annotations first.
     Smart(Keys, String),
+    /// Annotations; records in `status.<name>.progress` are read when no annotation has one,
+    /// and purged, but never written (kopf ≥ 1.44's smart storage).
+    AnnotationsReadingStatus(Keys, String),
 }
 
 impl ProgressStorage {
@@ -98,7 +103,7 @@ impl ProgressStorage {
         match self {
             Self::Annotations(keys) => fetch_annotation(keys, id, body),
             Self::Status { name } => fetch_status(name, id, body),
-            Self::Smart(keys, name) => {
+            Self::Smart(keys, name) | Self::AnnotationsReadingStatus(keys, name) => {
                 fetch_annotation(keys, id, body).or_else(|| fetch_status(name, id, body))
             }
         }
@@ -107,7 +112,9 @@ impl ProgressStorage {
     /// Writes a handler's record into a local copy of the body.
     pub fn store(&self, id: &str, record: &ProgressRecord, body: &mut Value) {
         match self {
-            Self::Annotations(keys) => store_annotation(keys, id, record, body),
+            Self::Annotations(keys) | Self::AnnotationsReadingStatus(keys, _) => {
+                store_annotation(keys, id, record, body);
+            }
             Self::Status { name } => store_status(name, id, record, body),
             Self::Smart(keys, name) => {
                 store_annotation(keys, id, record, body);
@@ -121,7 +128,7 @@ impl ProgressStorage {
         match self {
             Self::Annotations(keys) => purge_annotation(keys, id, body),
             Self::Status { name } => purge_status(name, id, body),
-            Self::Smart(keys, name) => {
+            Self::Smart(keys, name) | Self::AnnotationsReadingStatus(keys, name) => {
                 purge_annotation(keys, id, body);
                 purge_status(name, id, body);
             }
@@ -278,6 +285,56 @@ mod tests {
         };
         status_only.store("x", &ProgressRecord::default(), &mut body);
         assert!(status_only.fetch("x", &body).is_some());
+    }
+
+    #[test]
+    fn records_read_like_kopf_writes_them() {
+        // As written by kopf 1.45 while a handler waits for its retry.
+        let text = r#"{"started":"2026-11-29T08:30:50.995280+00:00","delayed":"2026-11-29T08:30:51.996350+00:00","purpose":"create","retries":1,"success":false,"failure":false,"message":"temporary failure 1 of 1"}"#;
+        let record: ProgressRecord = serde_json::from_str(text).unwrap();
+        assert_eq!(record.retries, 1);
+        assert_eq!(record.message.as_deref(), Some("temporary failure 1 of 1"));
+        assert!(record.delayed_until().is_some() && !record.finished());
+        assert_eq!(serde_json::to_string(&record).unwrap(), text);
+    }
+
+    #[test]
+    fn legacy_status_records_are_read_and_purged_but_never_written() {
+        let storage = ProgressStorage::AnnotationsReadingStatus(Keys::kopf(), "kopf".into());
+        let legacy = json!({"started": "2026-11-29T08:30:50.995280+00:00", "purpose": "create",
+                            "retries": 1, "success": true, "failure": false});
+        let mut body = json!({"status": {"kopf": {"progress": {"create_fn": legacy}}}});
+        let fetched = storage.fetch("create_fn", &body).unwrap();
+        assert!(fetched.success);
+
+        let newer = ProgressRecord {
+            retries: 2,
+            ..fetched
+        };
+        storage.store("create_fn", &newer, &mut body);
+        assert_eq!(
+            body["status"]["kopf"]["progress"]["create_fn"]["retries"], 1,
+            "the status is not written"
+        );
+        assert!(body["metadata"]["annotations"]["kopf.zalando.org/create_fn"].is_string());
+        assert_eq!(
+            storage.fetch("create_fn", &body),
+            Some(newer),
+            "annotations first"
+        );
+
+        let long = "x".repeat(70);
+        storage.store(&long, &ProgressRecord::default(), &mut body);
+        assert_eq!(
+            body["metadata"]["annotations"].as_object().unwrap().len(),
+            3,
+            "V2 and V1 keys for a long id"
+        );
+        storage.purge(&long, &mut body);
+        storage.purge("create_fn", &mut body);
+        assert_eq!(storage.fetch("create_fn", &body), None);
+        assert_eq!(body["status"], json!({}));
+        assert_eq!(body["metadata"]["annotations"], json!({}));
     }
 
     #[test]

@@ -9,7 +9,9 @@
 //! - `spec.unclassified.<id>: N` fails with an unclassified error on the first N attempts;
 //! - `spec.permanent.<id>: true` fails permanently;
 //! - `spec.sleep.<id>: S` sleeps S seconds before answering (for crash tests);
-//! - `spec.badPatch.<id>: true` patches `spec.size` with a string, which the schema rejects.
+//! - `spec.badPatch.<id>: true` patches `spec.size` with a string, which the schema rejects;
+//!
+//! and `E2E_FAIL_FIRST=N` makes every handler of this process fail its first N attempts.
 
 use std::{io::Write, time::Duration};
 
@@ -38,6 +40,16 @@ async fn behave(ctx: &Context) -> Result<(), HandlerError> {
             () = tokio::time::sleep(Duration::from_secs_f64(secs)) => {}
             () = ctx.cancelled() => return Err(HandlerError::retry("cancelled while sleeping")),
         }
+    }
+    if let Some(n) = std::env::var("E2E_FAIL_FIRST")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        && ctx.retry() < n
+    {
+        return Err(HandlerError::temporary(
+            format!("this process fails its first {n} attempts"),
+            Duration::from_secs(1),
+        ));
     }
     if let Some(n) = setting("temporary").and_then(|v| v.as_u64())
         && u64::from(ctx.retry()) < n
@@ -258,6 +270,86 @@ async fn main() -> anyhow::Result<()> {
                     .timer(RESOURCE, "tick", tick)
                     .interval(Duration::from_secs(1))
                     .initial_delay(Duration::from_secs(3));
+            }
+            "event-retry" => {
+                registry
+                    .on_event(RESOURCE, "event_retry", plain)
+                    .errors(capstan_sdk::ErrorsMode::Temporary)
+                    .retries(5)
+                    .backoff(Duration::from_secs(1));
+            }
+            // Operator activities. Startup: fails with a temporary error (1 s) on the first
+            // `E2E_STARTUP_FAILS` attempts (default 2), noting each attempt in `E2E_LOG`.
+            "startup" => {
+                registry.on_startup("startup_fn", |ctx: Context| async move {
+                    let fails: u32 = std::env::var("E2E_STARTUP_FAILS")
+                        .ok()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(2);
+                    note(&format!("startup attempt {}", ctx.retry() + 1));
+                    if ctx.retry() < fails {
+                        return Err(HandlerError::temporary(
+                            "the database is not up yet",
+                            Duration::from_secs(1),
+                        ));
+                    }
+                    note("startup done");
+                    Ok::<_, HandlerError>(None)
+                });
+            }
+            "startup-permanent" => {
+                registry.on_startup("startup_fn", |_ctx: Context| async move {
+                    note("startup attempt");
+                    Err::<Option<Value>, _>(HandlerError::permanent("the license key is invalid"))
+                });
+            }
+            "cleanup" => {
+                registry.on_cleanup("cleanup_fn", |_ctx: Context| async move {
+                    note("cleanup ran");
+                    Ok::<_, HandlerError>(None)
+                });
+            }
+            "probe" => {
+                registry.on_probe("probe_fn", |_ctx: Context| async move {
+                    Ok::<_, HandlerError>(Some(json!({"answer": 42})))
+                });
+            }
+            "probe-hang" => {
+                registry.on_probe("hanging_probe", |ctx: Context| async move {
+                    ctx.cancelled().await;
+                    Ok::<_, HandlerError>(None)
+                });
+            }
+            // Login: returns `E2E_LOGIN_SERVER`, `E2E_LOGIN_CA` (base64 PEM) and
+            // `E2E_LOGIN_TOKEN`; with `E2E_LOGIN_BAD_FIRST=1` the first call returns a token the
+            // API server rejects.
+            "login" => {
+                registry
+                    .on_login("login_fn", |_ctx: Context| async move {
+                        static CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        let var = |k: &str| std::env::var(k).unwrap_or_default();
+                        let ca: k8s_openapi::ByteString =
+                            serde_json::from_value(Value::String(var("E2E_LOGIN_CA")))
+                                .map_err(|e| HandlerError::permanent(format!("E2E_LOGIN_CA: {e}")))?;
+                        let bad = call == 0 && var("E2E_LOGIN_BAD_FIRST") == "1";
+                        note(&format!("login call {} bad={bad}", call + 1));
+                        Ok::<_, HandlerError>(capstan_sdk::pb::Credentials {
+                            server: var("E2E_LOGIN_SERVER"),
+                            certificate_authority: ca.0,
+                            token: if bad {
+                                "not-a-valid-token".into()
+                            } else {
+                                var("E2E_LOGIN_TOKEN")
+                            },
+                            ..Default::default()
+                        })
+                    })
+                    .backoff(Duration::from_secs(1));
+            }
+            // A resource that does not exist when the handler process connects.
+            "late" => {
+                registry.on_create("widgets.late.capstan.dev", "late_create", plain);
             }
             "" => {}
             other => anyhow::bail!("unknown preset {other:?}"),

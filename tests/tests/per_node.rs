@@ -1,0 +1,218 @@
+//! End to end: per-node operators (DaemonSet mode). Three controllers with different node
+//! names, each with its own handler process, against one API server: every node handles every
+//! object on its own, with its own progress and diff-base, failures of one node are retried
+//! without touching the others, event handlers that opted in are retried, long and odd node
+//! names give valid keys, a restarted node does not re-run what it completed, and a deleted
+//! Node's state is removed from the objects.
+
+use std::{path::PathBuf, time::Duration};
+
+use capstan_tests::{
+    process::{Controller, Process, start_handler},
+    scenario::tail,
+    testenv::{TestEnv, examples},
+};
+use kube::api::PostParams;
+use serde_json::{Value, json};
+
+const LONG: &str = "ip-10-0-0-1.eu-west-1.compute.internal.a-very-long-node-name-that-goes-on-and-on-beyond-sixty-three-characters";
+
+struct Node {
+    name: String,
+    controller: Controller,
+    _handler: Process,
+    calls: PathBuf,
+}
+
+impl Node {
+    fn count(&self, handler: &str, object: &str) -> usize {
+        std::fs::read_to_string(&self.calls)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.split_whitespace().take(2).eq([handler, object]))
+            .count()
+    }
+}
+
+async fn node(env: &TestEnv, name: &str, presets: &str, extra_env: &[(&str, &str)]) -> anyhow::Result<Node> {
+    let tag = name
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .take(12)
+        .collect::<String>();
+    let mut controller = Controller::start(env, &format!("capstan-{tag}"), &["--node-name", name]).await?;
+    let calls = env.scratch().join(format!("calls-{tag}.log"));
+    let calls_str = calls.to_string_lossy().into_owned();
+    let mut vars = vec![("E2E_HANDLERS", presets), ("E2E_LOG", calls_str.as_str())];
+    vars.extend_from_slice(extra_env);
+    let handler = start_handler(env, &format!("handler-{tag}"), &controller.endpoint(), &vars)?;
+    controller
+        .process
+        .wait_for("handler process connected", Duration::from_secs(60))
+        .await?;
+    Ok(Node {
+        name: name.to_owned(),
+        controller,
+        _handler: handler,
+        calls,
+    })
+}
+
+async fn create_nodes(env: &TestEnv, names: &[&str]) -> anyhow::Result<()> {
+    for n in names {
+        env.apply(&format!("apiVersion: v1\nkind: Node\nmetadata:\n  name: {n}\n"))
+            .await?;
+    }
+    Ok(())
+}
+
+fn diffbases(o: &Value) -> Vec<String> {
+    o.pointer("/metadata/annotations")
+        .and_then(Value::as_object)
+        .map(|a| {
+            a.keys()
+                .filter(|k| k.ends_with("/last-handled-configuration"))
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+async fn wait(
+    env: &TestEnv,
+    name: &str,
+    what: &str,
+    nodes: &[&Node],
+    check: impl Fn(&Value) -> bool,
+) -> anyhow::Result<Value> {
+    let api = examples(&env.client().await?, "default");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(45);
+    loop {
+        let o = serde_json::to_value(api.get(name).await?)?;
+        if check(&o) {
+            return Ok(o);
+        }
+        if tokio::time::Instant::now() > deadline {
+            let logs: Vec<String> = nodes
+                .iter()
+                .map(|n| format!("--- {}\n{}", n.name, tail(&n.controller.process.output(), 15)))
+                .collect();
+            anyhow::bail!(
+                "timed out waiting for {name}: {what}\n{}\n{}",
+                serde_json::to_string_pretty(&o)?,
+                logs.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test]
+async fn every_node_handles_every_object_independently() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    create_nodes(&env, &["node-a", "node-b", LONG]).await?;
+    let a = node(&env, "node-a", "create", &[]).await?;
+    let b = node(&env, "node-b", "create", &[("E2E_FAIL_FIRST", "2")]).await?;
+    let c = node(&env, LONG, "create", &[]).await?;
+    let api = examples(&env.client().await?, "default");
+    let obj = serde_json::from_value(json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+        "metadata": {"name": "shared", "namespace": "default"}, "spec": {}}))?;
+    api.create(&PostParams::default(), &obj).await?;
+    let o = wait(&env, "shared", "three diff-bases", &[&a, &b, &c], |o| {
+        diffbases(o).len() == 3
+    })
+    .await?;
+    let keys = diffbases(&o);
+    assert!(
+        keys.contains(&"node-a.capstan.dev/last-handled-configuration".to_owned()),
+        "{keys:?}"
+    );
+    assert!(
+        keys.contains(&"node-b.capstan.dev/last-handled-configuration".to_owned()),
+        "{keys:?}"
+    );
+    for key in &keys {
+        let (prefix, name) = key.split_once('/').expect("a prefixed key");
+        assert!(prefix.len() <= 253 && name.len() <= 63, "{key}");
+        assert!(prefix.split('.').all(|l| !l.is_empty() && l.len() <= 63), "{key}");
+    }
+    assert!(
+        o.pointer("/metadata/finalizers").is_none(),
+        "no finalizers in per-node mode by default"
+    );
+    assert_eq!(a.count("create_fn", "shared"), 1);
+    assert_eq!(c.count("create_fn", "shared"), 1);
+    assert_eq!(
+        b.count("create_fn", "shared"),
+        3,
+        "node-b failed twice and was retried on its own"
+    );
+
+    // A restarted node does not re-run what it completed.
+    let mut a = a;
+    a.controller.process.terminate().await?;
+    a.controller = Controller::start(&env, "capstan-nodea", &["--node-name", "node-a"]).await?;
+    a.controller
+        .process
+        .wait_for("handler process connected", Duration::from_secs(60))
+        .await?;
+    a.controller
+        .process
+        .wait_for("listed", Duration::from_secs(30))
+        .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(a.count("create_fn", "shared"), 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn event_handlers_are_retried_and_departed_nodes_are_cleaned_up() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    create_nodes(&env, &["node-a", "node-b"]).await?;
+    let a = node(&env, "node-a", "create,event-retry", &[]).await?;
+    let b = node(&env, "node-b", "create,event-retry", &[("E2E_FAIL_FIRST", "2")]).await?;
+    let api = examples(&env.client().await?, "default");
+    let obj = serde_json::from_value(json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+        "metadata": {"name": "ev", "namespace": "default"}, "spec": {}}))?;
+    api.create(&PostParams::default(), &obj).await?;
+    wait(&env, "ev", "both nodes handled it", &[&a, &b], |o| {
+        diffbases(o).len() == 2
+    })
+    .await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while b.count("event_retry", "ev") < 3 {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "event handler on node-b not retried: {}",
+            b.count("event_retry", "ev")
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let o = wait(&env, "ev", "event retry record purged", &[&a, &b], |o| {
+        o.pointer("/metadata/annotations")
+            .and_then(|a| a.get("node-b.capstan.dev/event_retry"))
+            .is_none()
+    })
+    .await?;
+    assert!(diffbases(&o).len() == 2);
+
+    // node-b's Node is deleted: node-a (the lowest live name) removes node-b's state.
+    env.kubectl_ok(&["delete", "node", "node-b", "--wait=false"])
+        .await?;
+    let o = wait(&env, "ev", "node-b's annotations removed", &[&a, &b], |o| {
+        o.pointer("/metadata/annotations")
+            .and_then(Value::as_object)
+            .is_some_and(|m| !m.keys().any(|k| k.starts_with("node-b.capstan.dev/")))
+    })
+    .await?;
+    assert!(diffbases(&o).contains(&"node-a.capstan.dev/last-handled-configuration".to_owned()));
+    assert!(
+        a.controller
+            .process
+            .output()
+            .contains("cleaned up after the deleted node")
+    );
+    Ok(())
+}
