@@ -12,7 +12,10 @@
 # committed; override either with BENCH_OUT=DIR). Every process it
 # starts is stopped on exit.
 #
-# Environment: CARGO_TARGET_DIR (default ~/.cache/capstan/target), BENCH_VENV (default
+# Environment: CARGO_TARGET_DIR (default ~/.cache/capstan/target), BENCH_PROFILE (cargo profile of
+# capstan and the Rust handler; default release, dev with --smoke), BENCH_CAPSTAN_DIR (use the
+# `capstan` and `capstan-e2e-handler` binaries in this directory instead of building them; set
+# BENCH_PROFILE to the profile they were built with), BENCH_VENV (default
 # ~/.cache/capstan/bench-venv), BENCH_OUT, BENCH_ARGS (extra flags for the driver, e.g.
 # "--sizes 100,1000 --kopf-max 1000").
 set -euo pipefail
@@ -58,8 +61,17 @@ trap 'exit 143' TERM
 step "real API server (tests/testenv)"
 testenv=$(bash tests/testenv/build.sh | tail -n1)
 
-step "capstan and the Rust SDK handler (cargo build --release)"
-cargo build --release --locked -p capstan -p capstan-tests --bin capstan --bin capstan-e2e-handler
+# The full run measures release builds. The smoke run only proves that every workload completes,
+# so it uses the dev profile by default: CI has built that already for the tests.
+profile=${BENCH_PROFILE:-$($smoke && echo dev || echo release)}
+profile_dir=$([[ $profile == dev ]] && echo debug || echo "$profile")
+if [[ -n ${BENCH_CAPSTAN_DIR:-} ]]; then
+	rust_bin=$BENCH_CAPSTAN_DIR
+else
+	step "capstan and the Rust SDK handler (cargo build --profile $profile)"
+	cargo build --profile "$profile" --locked -p capstan -p capstan-tests --bin capstan --bin capstan-e2e-handler
+	rust_bin=$CARGO_TARGET_DIR/$profile_dir
+fi
 
 step "benchmark driver and Go SDK handler (go build)"
 mkdir -p "$bin"
@@ -82,8 +94,9 @@ step "benchmark"
 args=(
 	--out "$out"
 	--testenv "$testenv"
-	--capstan "$CARGO_TARGET_DIR/release/capstan"
-	--rust-handler "$CARGO_TARGET_DIR/release/capstan-e2e-handler"
+	--capstan "$rust_bin/capstan"
+	--rust-handler "$rust_bin/capstan-e2e-handler"
+	--profile "$profile"
 	--kopf "$venv/bin/kopf"
 	--kopf-operator "$root/tests/bench/kopf/operator.py"
 	--crd "$root/examples/crd.yaml"

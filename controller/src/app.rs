@@ -3,7 +3,13 @@
 //! admin endpoint, runs them until the root token is cancelled, then drains: no new
 //! invocations, `Drain` to every handler process, in-flight work given the shutdown grace (and
 //! its outcomes written), then the lease is released (a standby takes over at once), the
-//! engine stops, the peering entry is removed and the servers stop.
+//! engine stops, cleanup handlers run (bounded by the shutdown grace), the peering entry is
+//! removed and the servers stop.
+//!
+//! All components share one API client whose credentials login handlers may replace
+//! (`k8s::switch`); discovery and the CRD watch use the kubeconfig / in-cluster client, which
+//! must exist before any handler process could log in. A startup handler that fails for good
+//! stops the controller with an error (non-zero exit).
 
 use std::{sync::Arc, time::Duration};
 
@@ -15,7 +21,7 @@ use tracing::{Instrument as _, debug, info, info_span, warn};
 
 use crate::{
     config::Settings,
-    engine::{self, Engine},
+    engine::{self, Engine, activities::Activities},
     error::Result,
     grpc::{self, Hub},
     k8s,
@@ -27,8 +33,12 @@ use crate::{
     peering::{self, Gate, Peering, election::Elector, gate::Hooks},
 };
 
-/// Resolves registration selectors through API discovery.
-struct DiscoveryResolver(k8s::discovery::Discovery);
+/// Resolves registration selectors through API discovery. With `pending` (CRDs are watched),
+/// a resource that is not served yet is a warning: the registration waits for it.
+struct DiscoveryResolver {
+    discovery: Arc<k8s::discovery::Discovery>,
+    pending: bool,
+}
 
 impl grpc::Resolver for DiscoveryResolver {
     fn resolve<'a>(
@@ -36,7 +46,13 @@ impl grpc::Resolver for DiscoveryResolver {
         selector: &'a ResourceSelector,
     ) -> BoxFuture<'a, Result<ResolvedResource, Diagnostic>> {
         Box::pin(async move {
-            self.0.resolve(selector).await.map_err(|e| {
+            self.discovery.resolve(selector).await.map_err(|e| {
+                if self.pending && matches!(e, k8s::discovery::Error::NotFound(_)) {
+                    return Diagnostic::warning(
+                        "RESOURCE_NOT_FOUND_YET",
+                        format!("{e} yet; it is watched as soon as it is served (its CRD is established)"),
+                    );
+                }
                 let mut d = Diagnostic::error(e.reason(), e.to_string());
                 if let k8s::discovery::Error::Api(source) = &e {
                     d.detail = source.to_string();
@@ -53,14 +69,37 @@ impl grpc::Resolver for DiscoveryResolver {
 /// When a subsystem cannot start (no cluster configuration, address in use, peering required
 /// but its CRDs missing) or fails.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> {
-    let client = k8s::client::connect().await?;
+    let switch = k8s::switch::Switchable::connect().await?;
+    let client = switch.client();
     let objects = k8s::objects::Objects::new(client.clone());
-    let resolver = Arc::new(DiscoveryResolver(k8s::discovery::Discovery::new(
-        client.clone(),
+    let discovery = Arc::new(k8s::discovery::Discovery::new(
+        switch.base(),
         settings.discovery_ttl,
-    )));
+    ));
+    let watch_crds = settings.engine.watch_crds;
+    let resolver = Arc::new(DiscoveryResolver {
+        discovery: discovery.clone(),
+        pending: watch_crds,
+    });
     let hub = Hub::new(settings.hub.clone());
     let health = Health::default();
+    let activities_stop = CancellationToken::new();
+    let activities = Activities::new(
+        hub.clone(),
+        health.clone(),
+        Some(switch.clone()),
+        settings.engine.activities.clone(),
+    );
+    let activities_task = tokio::spawn(activities.clone().run(activities_stop.clone()));
+    let crds = watch_crds.then(|| {
+        let (tx, rx) = tokio::sync::watch::channel(k8s::crds::Snapshot::default());
+        let task = tokio::spawn(
+            k8s::crds::Crds::new(switch.base())
+                .run(tx, activities_stop.clone())
+                .instrument(info_span!("crds")),
+        );
+        (rx, task)
+    });
     {
         let hub = hub.clone();
         health.readiness("handler-processes", move || match hub.connections() {
@@ -126,6 +165,8 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
         objects,
         settings: settings.engine.clone(),
         health: health.clone(),
+        activities: activities.clone(),
+        discovery: crds.as_ref().map(|(rx, _)| (discovery.clone(), rx.clone())),
         current: tokio::sync::Mutex::new(None),
     });
     let gate_stop = CancellationToken::new();
@@ -144,6 +185,16 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
         admin.serve(admin_stop).await;
         Ok(())
     });
+    {
+        let activities = activities.clone();
+        let stop = serving.clone();
+        tasks.spawn(async move {
+            tokio::select! {
+                e = activities.failed() => Err(e.into()),
+                () = stop.cancelled() => Ok(()),
+            }
+        });
+    }
 
     let failed = tokio::select! {
         () = shutdown.cancelled() => None,
@@ -161,6 +212,17 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
         elector.release().await;
     }
     engines.stop().await;
+    if failed.is_none() {
+        // Resource work is drained and the engine stopped: only cleanup handlers dispatch now.
+        hub.set_paused(false);
+        activities.cleanup(settings.shutdown_grace).await;
+        hub.set_paused(true);
+    }
+    activities_stop.cancel();
+    let _ = activities_task.await;
+    if let Some((_, task)) = crds {
+        let _ = task.await;
+    }
     if let Some(peering) = peering {
         peering.stop().await;
     }
@@ -203,6 +265,11 @@ struct Engines {
     objects: k8s::objects::Objects,
     settings: engine::Settings,
     health: Health,
+    activities: Activities,
+    discovery: Option<(
+        Arc<k8s::discovery::Discovery>,
+        tokio::sync::watch::Receiver<k8s::crds::Snapshot>,
+    )>,
     current: tokio::sync::Mutex<Option<(CancellationToken, JoinHandle<()>)>>,
 }
 
@@ -211,12 +278,16 @@ impl Engines {
         let mut current = self.current.lock().await;
         if current.is_none() {
             let stop = CancellationToken::new();
-            let engine = Engine::new(
+            let mut engine = Engine::new(
                 self.hub.clone(),
                 self.objects.clone(),
                 self.settings.clone(),
                 self.health.clone(),
-            );
+            )
+            .with_activities(self.activities.clone());
+            if let Some((discovery, crds)) = &self.discovery {
+                engine = engine.with_discovery(discovery.clone(), crds.clone());
+            }
             *current = Some((stop.clone(), tokio::spawn(engine.run(stop))));
         }
     }

@@ -6,7 +6,14 @@
 //! serial queue (`queue`), and runs processing cycles (`processing`) that decide the cause
 //! (`causes`), pick handlers (`matching`), judge outcomes (`execution`) and fold everything
 //! into one write per handled change.
+//!
+//! Operator activities gate it (`activities`): no resource watch starts while a registered
+//! login or startup handler has not succeeded. Resources may appear and disappear while it
+//! runs: a registration whose resource is not served yet is pending, and every change of the
+//! cluster's CRDs re-runs discovery (debounced, with two follow-ups because discovery lags
+//! behind a CRD's `Established` condition), starting and stopping watches accordingly.
 
+pub mod activities;
 pub mod causes;
 pub mod daemons;
 pub mod diff;
@@ -14,6 +21,7 @@ pub mod essence;
 pub mod execution;
 pub mod matching;
 pub mod namespaces;
+pub mod nodes;
 pub mod posting;
 pub mod processing;
 pub mod queue;
@@ -26,11 +34,11 @@ use tokio::{
     task::JoinSet,
 };
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info, info_span};
+use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::{
-    grpc::Hub,
-    k8s::{objects::Objects, watch as k8s_watch},
+    grpc::{Hub, hub::sleep_until_opt},
+    k8s::{crds, discovery::Discovery, objects::Objects, watch as k8s_watch},
     model::{HandlerKind, Registration, ResolvedResource},
     observability::health::{Check, Health},
 };
@@ -39,7 +47,7 @@ use queue::Queue;
 use registry::{Registry, ResourceKey};
 
 /// The handler kinds the engine runs.
-pub const SUPPORTED_KINDS: [HandlerKind; 8] = [
+pub const SUPPORTED_KINDS: [HandlerKind; 12] = [
     HandlerKind::Create,
     HandlerKind::Update,
     HandlerKind::Delete,
@@ -48,7 +56,16 @@ pub const SUPPORTED_KINDS: [HandlerKind; 8] = [
     HandlerKind::Event,
     HandlerKind::Daemon,
     HandlerKind::Timer,
+    HandlerKind::Startup,
+    HandlerKind::Cleanup,
+    HandlerKind::Probe,
+    HandlerKind::Login,
 ];
+
+/// How long CRD changes are collected before discovery runs again.
+const RESCAN_DEBOUNCE: std::time::Duration = std::time::Duration::from_millis(300);
+/// Discovery lags behind CRD conditions: rescans are repeated this long after a change.
+const RESCAN_FOLLOW_UP: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// How the engine works.
 #[derive(Clone, Debug)]
@@ -66,6 +83,12 @@ pub struct Settings {
     pub checkpoint_after: std::time::Duration,
     /// Kubernetes Events about handler outcomes and handler log records.
     pub events: posting::Settings,
+    /// Per-node mode (DaemonSet), when set.
+    pub node: Option<nodes::Settings>,
+    /// Operator activities (probe timeout and cache).
+    pub activities: activities::Settings,
+    /// Watch CRDs so that resources appearing or disappearing at run time are picked up.
+    pub watch_crds: bool,
 }
 
 impl Default for Settings {
@@ -77,6 +100,9 @@ impl Default for Settings {
             watch: k8s_watch::Settings::default(),
             checkpoint_after: std::time::Duration::from_secs(1),
             events: posting::Settings::default(),
+            node: None,
+            activities: activities::Settings::default(),
+            watch_crds: true,
         }
     }
 }
@@ -88,6 +114,10 @@ pub struct Engine {
     objects: Objects,
     settings: Settings,
     health: Health,
+    activities: Option<activities::Activities>,
+    discovery: Option<(Arc<Discovery>, watch::Receiver<crds::Snapshot>)>,
+    /// Every watched resource's queue, for cleanups across objects (departed nodes).
+    queues: nodes::Queues,
 }
 
 /// One watched resource.
@@ -106,8 +136,60 @@ impl Engine {
             hub,
             invoker,
             objects,
+            queues: nodes::Queues::default(),
             settings,
             health,
+            activities: None,
+            discovery: None,
+        }
+    }
+
+    /// Gates watching on the operator's login and startup handlers.
+    #[must_use]
+    pub fn with_activities(mut self, activities: activities::Activities) -> Self {
+        self.activities = Some(activities);
+        self
+    }
+
+    /// Resolves pending registrations, and re-resolves all, whenever CRDs change.
+    #[must_use]
+    pub fn with_discovery(
+        mut self,
+        discovery: Arc<Discovery>,
+        crds: watch::Receiver<crds::Snapshot>,
+    ) -> Self {
+        self.discovery = Some((discovery, crds));
+        self
+    }
+
+    /// Re-runs discovery for every known selector.
+    async fn rescan(&self, registry: &mut Registry) {
+        let Some((discovery, _)) = &self.discovery else {
+            return;
+        };
+        let scan = match discovery.rescan().await {
+            Ok(scan) => scan,
+            Err(e) => {
+                warn!(error = %crate::error::chain(&e), "discovery failed; resources stay as they were");
+                return;
+            }
+        };
+        for selector in registry.selectors() {
+            let found = match scan.resolve(&selector) {
+                Ok(resource) => Some(resource),
+                Err(crate::k8s::discovery::Error::NotFound(_)) => None,
+                Err(e) => {
+                    debug!(%selector, error = %e, "selector still does not resolve cleanly");
+                    continue;
+                }
+            };
+            let what = found.as_ref().map(ToString::to_string);
+            if registry.set_resolved(&selector, found) {
+                match what {
+                    Some(resource) => info!(%selector, %resource, "resource is served now"),
+                    None => info!(%selector, "resource is not served any more; waiting for it to appear"),
+                }
+            }
         }
     }
 
@@ -127,9 +209,46 @@ impl Engine {
         );
         let mut watched: BTreeMap<ResourceKey, Watched> = BTreeMap::new();
         let mut tasks = JoinSet::new();
+        if let Some(node) = self.settings.node.clone().filter(|n| n.cleanup) {
+            tasks.spawn(nodes::run(
+                node,
+                self.objects.clone(),
+                self.queues.clone(),
+                cancel.clone(),
+            ));
+        }
+        let (_never_tx, never) = watch::channel(0u64);
+        let mut activity_changes = self
+            .activities
+            .as_ref()
+            .map_or_else(|| never.clone(), activities::Activities::changes);
+        let (_no_crds_tx, no_crds) = watch::channel(crds::Snapshot::default());
+        let mut crd_changes = self.discovery.as_ref().map_or(no_crds, |(_, rx)| rx.clone());
+        let mut rescan_at: Option<tokio::time::Instant> = None;
+        let mut follow_ups = 0u32;
+        let mut last_pending = Vec::new();
+        let mut last_gate: Option<String> = None;
         loop {
             let connected = registrations.borrow_and_update().clone();
             registry.update(&connected);
+            let pending = registry.pending();
+            if self.discovery.is_some() && !pending.is_empty() && pending != last_pending {
+                // New registrations whose resource is not served yet: it may be by now.
+                rescan_at.get_or_insert_with(tokio::time::Instant::now);
+            }
+            last_pending = pending;
+            let gate = self
+                .activities
+                .as_ref()
+                .map_or(Ok(()), |a| a.ready(registry.all()));
+            match (&gate, &last_gate) {
+                (Err(why), last) if last.as_deref() != Some(why.as_str()) => {
+                    info!(%why, "resource watching waits")
+                }
+                (Ok(()), Some(_)) => info!("operator activities done; watching resources"),
+                _ => {}
+            }
+            last_gate = gate.as_ref().err().cloned();
             let groups = registry.by_resource();
             let stale: Vec<ResourceKey> = watched
                 .keys()
@@ -159,6 +278,9 @@ impl Engine {
                         }
                     }
                     None => {
+                        if gate.is_err() {
+                            continue;
+                        }
                         let Some(resource) = handlers.first().and_then(|h| h.resource.clone()) else {
                             continue;
                         };
@@ -169,6 +291,21 @@ impl Engine {
             }
             tokio::select! {
                 changed = registrations.changed() => if changed.is_err() { break },
+                changed = activity_changes.changed() => if changed.is_err() { activity_changes = never.clone() },
+                changed = crd_changes.changed(), if self.discovery.is_some() => {
+                    if changed.is_ok() {
+                        crd_changes.borrow_and_update();
+                        rescan_at = Some(tokio::time::Instant::now() + RESCAN_DEBOUNCE);
+                        follow_ups = 2;
+                    }
+                }
+                () = sleep_until_opt(rescan_at) => {
+                    self.rescan(&mut registry).await;
+                    rescan_at = (follow_ups > 0).then(|| {
+                        follow_ups -= 1;
+                        tokio::time::Instant::now() + RESCAN_FOLLOW_UP
+                    });
+                }
                 () = cancel.cancelled() => break,
             }
         }
@@ -180,6 +317,7 @@ impl Engine {
 
     fn stop(&self, w: Watched) {
         w.cancel.cancel();
+        self.queues.lock().retain(|(_, q)| !q.same(&w.queue));
         w.queue.stop_timers();
         for check in &w.checks {
             self.health.remove(check);
@@ -327,6 +465,7 @@ impl Engine {
             );
         }
         info!(%resource, handlers = handlers.len(), "watching");
+        self.queues.lock().push((resource.clone(), queue.clone()));
         Watched {
             handlers: handlers_tx,
             cancel,

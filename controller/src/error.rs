@@ -21,6 +21,9 @@ pub enum Error {
     /// Peering or leader election could not start.
     #[error("cannot start peering")]
     Peering(#[from] peering::Error),
+    /// An operator activity stopped the controller (a startup handler failed for good).
+    #[error("an operator activity failed")]
+    Activity(#[from] crate::engine::activities::Error),
     /// Signal handlers could not be installed.
     #[error("cannot install signal handlers")]
     Signal(#[source] std::io::Error),

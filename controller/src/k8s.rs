@@ -5,9 +5,11 @@
 //! that into API calls with kube-rs.
 
 pub mod client;
+pub mod crds;
 pub mod discovery;
 pub mod events;
 pub mod lease;
 pub mod objects;
 pub mod peering;
+pub mod switch;
 pub mod watch;

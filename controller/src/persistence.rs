@@ -8,6 +8,7 @@
 
 pub mod diffbase;
 pub mod keys;
+pub mod node;
 pub mod progress;
 pub mod time;
 

@@ -203,6 +203,7 @@ pub fn rules(storage: &Storage, handlers: &[Registration]) -> Rules {
     extra.dedup();
     Rules {
         prefix: storage.keys.prefix.clone(),
+        diffbase_key: storage.diffbase.annotation_key().map(str::to_owned),
         extra_fields: extra,
     }
 }

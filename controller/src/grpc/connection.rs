@@ -21,7 +21,9 @@ use super::{
     convert,
     hub::{ConnectionId, Hub, sleep_until_opt},
 };
-use crate::model::{Diagnostic, HandlerId, HandlerKind, Registration, ResolvedResource, ResourceSelector};
+use crate::model::{
+    Diagnostic, HandlerId, HandlerKind, Registration, ResolvedResource, ResourceSelector, Severity,
+};
 
 /// Resolves resource selectors during the handshake (through discovery, in the real
 /// controller). Lives outside `grpc` so that this layer never talks to the API server.
@@ -29,7 +31,9 @@ pub trait Resolver: Send + Sync + 'static {
     /// Resolves one selector.
     ///
     /// # Errors
-    /// A diagnostic saying why the selector matches no resource (or several).
+    /// A diagnostic saying why the selector matches no resource (or several). An error
+    /// rejects the registration; a *warning* (`RESOURCE_NOT_FOUND_YET`) accepts it unresolved,
+    /// to be watched when the resource appears.
     fn resolve<'a>(
         &'a self,
         selector: &'a ResourceSelector,
@@ -268,6 +272,14 @@ async fn validate(
                     Ok(resource) => {
                         status.resource = Some(convert::resolved_to_pb(&resource));
                         reg.resource = Some(resource);
+                        Ok(reg)
+                    }
+                    // A warning means "not served yet" (kopf §7.7): accepted, watched once the
+                    // resource appears.
+                    Err(d) if d.severity == Severity::Warning => {
+                        let d = d.at(format!("handlers[{index}].resource"));
+                        info!(handler.id = %raw.handler_id, "{}", d.summary);
+                        status.diagnostics.push(convert::diagnostic_to_pb(&d));
                         Ok(reg)
                     }
                     Err(d) => Err(vec![d.at(format!("handlers[{index}].resource"))]),

@@ -103,6 +103,15 @@ impl Discovery {
         }
     }
 
+    /// Re-reads discovery now (a CRD appeared or went away) and returns the fresh view, in
+    /// which selectors resolve without further API calls.
+    ///
+    /// # Errors
+    /// [`Error::Api`] when discovery fails.
+    pub async fn rescan(&self) -> Result<Scan, Error> {
+        Ok(Scan(self.served(true).await?))
+    }
+
     async fn served(&self, refresh: bool) -> Result<std::sync::Arc<Vec<Served>>, Error> {
         if !refresh
             && let Some((at, served)) = self.cache.lock().as_ref()
@@ -113,6 +122,19 @@ impl Discovery {
         let served = std::sync::Arc::new(scan(&self.client).await?);
         *self.cache.lock() = Some((Instant::now(), served.clone()));
         Ok(served)
+    }
+}
+
+/// One discovery result, for resolving many selectors against the same view.
+pub struct Scan(std::sync::Arc<Vec<Served>>);
+
+impl Scan {
+    /// Resolves one selector against this view.
+    ///
+    /// # Errors
+    /// As [`Discovery::resolve`], never [`Error::Api`].
+    pub fn resolve(&self, selector: &ResourceSelector) -> Result<ResolvedResource, Error> {
+        pick(&Wanted::parse(selector), &self.0)
     }
 }
 

@@ -4,6 +4,10 @@
 //! anywhere: the gRPC hub answers "is a handler process connected", watchers (later) answer
 //! "is my watch alive". The controller is live when every liveness check passes and ready when
 //! every readiness check passes.
+//!
+//! Probe handlers (kopf `on.probe`) add values rather than checks: `/healthz` shows each
+//! probe id with its last result, as kopf's liveness endpoint does. The provider of those
+//! values must answer from a cache — an HTTP probe never waits for a handler.
 
 use std::{collections::BTreeMap, sync::Arc};
 
@@ -38,12 +42,14 @@ impl Check {
 }
 
 type Probe = Arc<dyn Fn() -> Check + Send + Sync>;
+type Values = Arc<dyn Fn() -> BTreeMap<String, serde_json::Value> + Send + Sync>;
 
 /// The registry of checks. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct Health {
     liveness: Arc<RwLock<BTreeMap<String, Probe>>>,
     readiness: Arc<RwLock<BTreeMap<String, Probe>>>,
+    probes: Arc<RwLock<Option<Values>>>,
 }
 
 /// A probe's answer: overall status and each check.
@@ -53,6 +59,9 @@ pub struct Report {
     pub ok: bool,
     /// Each check by name.
     pub checks: BTreeMap<String, Check>,
+    /// The results of probe handlers by handler id (liveness only).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub probes: BTreeMap<String, serde_json::Value>,
 }
 
 impl Health {
@@ -72,9 +81,22 @@ impl Health {
         self.readiness.write().remove(name);
     }
 
+    /// Sets the provider of probe handler results shown with liveness; it must not block.
+    pub fn probe_values(
+        &self,
+        values: impl Fn() -> BTreeMap<String, serde_json::Value> + Send + Sync + 'static,
+    ) {
+        *self.probes.write() = Some(Arc::new(values));
+    }
+
     /// Evaluates the liveness checks.
     pub fn live(&self) -> Report {
-        evaluate(&self.liveness.read())
+        let mut report = evaluate(&self.liveness.read());
+        let values = self.probes.read().clone();
+        if let Some(values) = values {
+            report.probes = values();
+        }
+        report
     }
 
     /// Evaluates the readiness checks (liveness failures make it not ready too).
@@ -99,6 +121,7 @@ fn evaluate(probes: &BTreeMap<String, Probe>) -> Report {
     Report {
         ok: checks.values().all(|c| c.ok),
         checks,
+        probes: BTreeMap::new(),
     }
 }
 
@@ -117,5 +140,15 @@ mod tests {
         let ready = health.ready();
         assert!(!ready.ok);
         assert!(ready.checks.contains_key("watch"));
+    }
+
+    #[test]
+    fn liveness_shows_probe_values() {
+        let health = Health::default();
+        assert!(health.live().probes.is_empty());
+        health.probe_values(|| BTreeMap::from([("probe_fn".to_owned(), serde_json::json!({"x": 1}))]));
+        let live = health.live();
+        assert_eq!(live.probes["probe_fn"]["x"], 1);
+        assert!(!health.ready().probes.contains_key("probe_fn"));
     }
 }

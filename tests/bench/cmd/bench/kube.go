@@ -22,8 +22,9 @@ import (
 var exampleGVR = schema.GroupVersionResource{Group: "demo.capstan.dev", Version: "v1", Resource: "examples"}
 
 var (
-	nsGVR  = schema.GroupVersionResource{Version: "v1", Resource: "namespaces"}
-	crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
+	nsGVR    = schema.GroupVersionResource{Version: "v1", Resource: "namespaces"}
+	eventGVR = schema.GroupVersionResource{Version: "v1", Resource: "events"}
+	crdGVR   = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
 )
 
 // restConfig loads a kubeconfig without any client-side rate limit.

@@ -67,6 +67,7 @@ type options struct {
 	steady      time.Duration
 	only        string
 	keep        bool
+	profile     string
 }
 
 func say(format string, args ...any) {
@@ -105,6 +106,7 @@ func runBench(args []string) error {
 	fs.DurationVar(&o.settle, "settle", 3*time.Second, "quiet time after a B4 scenario")
 	fs.DurationVar(&o.steady, "steady", 10*time.Second, "wait before B2's steady-state sample")
 	fs.StringVar(&o.only, "only", "", "comma-separated controller names to run (default all)")
+	fs.StringVar(&o.profile, "profile", "release", "the cargo profile capstan was built with (reported)")
 	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (logs, audit log)")
 	_ = fs.Parse(args)
 	var err error
@@ -186,7 +188,7 @@ func runBench(args []string) error {
 		ctrls = sel
 	}
 
-	b := &bencher{o: o, ctx: ctx, dyn: dyn, obs: obs, work: work, res: res}
+	b := &bencher{o: o, ctx: ctx, dyn: dyn, obs: obs, work: work, res: res, api: env}
 	for _, c := range ctrls {
 		if ctx.Err() != nil {
 			break
@@ -268,6 +270,7 @@ type bencher struct {
 	work string
 	res  *results
 	nss  []string // namespaces holding objects of the current controller
+	api  *proc    // the API server
 }
 
 func (b *bencher) fail(format string, args ...any) {
@@ -350,7 +353,11 @@ func (b *bencher) runB1B2(c controller, short string, cr *controllerResult) {
 		}
 		ns := b.namespace(fmt.Sprintf("bench-%s-n%d", short, n))
 		say("%s: B1 N=%d", c.Name, n)
-		cpu0 := cpuSeconds(r.main.pid())
+		cpu0, api0, self0 := cpuSeconds(r.main.pid()), cpuSeconds(b.api.pid()), cpuSeconds(os.Getpid())
+		handler0 := 0.0
+		if r.handler != nil {
+			handler0 = cpuSeconds(r.handler.pid())
+		}
 		t0 := time.Now()
 		acks, tCreate, err := createMany(b.ctx, b.dyn, ns, "obj", n, 64, func(int) map[string]any { return spec1KiB() })
 		if err != nil {
@@ -362,7 +369,11 @@ func (b *bencher) runB1B2(c controller, short string, cr *controllerResult) {
 			return
 		}
 		_, last := b.obs.firstAndLast(c.Marker, ns)
-		cpu1 := cpuSeconds(r.main.pid())
+		cpu1, api1, self1 := cpuSeconds(r.main.pid()), cpuSeconds(b.api.pid()), cpuSeconds(os.Getpid())
+		handler1 := 0.0
+		if r.handler != nil {
+			handler1 = cpuSeconds(r.handler.pid())
+		}
 		lat := make([]float64, 0, n)
 		for name, ack := range acks {
 			if t, ok := b.obs.seenAt(c.Marker, ns, name); ok {
@@ -375,10 +386,12 @@ func (b *bencher) runB1B2(c controller, short string, cr *controllerResult) {
 		run := b1Result{
 			N: n, TotalS: last.Sub(t0).Seconds(), CreateS: tCreate.Seconds(),
 			P50Ms: pct(lat, 0.50), P99Ms: pct(lat, 0.99), CPUS: cpu1 - cpu0,
+			HandlerCPUS: handler1 - handler0, APIServerCPUS: api1 - api0, DriverCPUS: self1 - self0,
 		}
 		run.PerS = float64(n) / run.TotalS
 		cr.B1 = append(cr.B1, run)
-		say("%s: B1 N=%d: %.2fs (%.0f/s), p50 %.1fms p99 %.1fms, cpu %.2fs", c.Name, n, run.TotalS, run.PerS, run.P50Ms, run.P99Ms, run.CPUS)
+		say("%s: B1 N=%d: %.2fs (%.0f/s), p50 %.1fms p99 %.1fms, cpu: controller %.2fs handler %.2fs apiserver %.2fs driver %.2fs",
+			c.Name, n, run.TotalS, run.PerS, run.P50Ms, run.P99Ms, run.CPUS, run.HandlerCPUS, run.APIServerCPUS, run.DriverCPUS)
 		time.Sleep(b.o.steady)
 		if m, err := readMemory(r.main.pid()); err == nil {
 			cr.B2.Steady = append(cr.B2.Steady, memAt{Objects: total, Memory: m})
@@ -551,6 +564,28 @@ func (b *bencher) runB4(c controller, short string) {
 			b.fail("%s: B4 %s: %v", c.Name, cfg.presets, err)
 		}
 		r.stop()
+		b.recordEvents(ns)
+	}
+}
+
+// recordEvents keeps the Events posted in a B4 namespace (reason and message) for the report.
+func (b *bencher) recordEvents(ns string) {
+	list, err := b.dyn.Resource(eventGVR).Namespace(ns).List(b.ctx, metav1.ListOptions{})
+	if err != nil {
+		return
+	}
+	for _, s := range b.res.B4 {
+		base, _, _ := strings.Cut(s.Namespace, "#")
+		if base != ns {
+			continue
+		}
+		for _, ev := range list.Items {
+			name, _, _ := unstructured.NestedString(ev.Object, "involvedObject", "name")
+			reason, _, _ := unstructured.NestedString(ev.Object, "reason")
+			msg, _, _ := unstructured.NestedString(ev.Object, "message")
+			count, _, _ := unstructured.NestedInt64(ev.Object, "count")
+			s.EventMessages = append(s.EventMessages, fmt.Sprintf("%s: %s: %s (count %d)", name, reason, msg, count))
+		}
 	}
 }
 
@@ -629,7 +664,7 @@ func versions(o options) map[string]string {
 		return strings.TrimSpace(strings.SplitN(string(out), "\n", 2)[0])
 	}
 	v["testenv"] = run(o.testenv, "version")
-	v["capstan"] = run(o.capstan, "version")
+	v["capstan"] = run(o.capstan, "version") + " (" + o.profile + " build)"
 	if o.kopf != "" {
 		v["kopf"] = run(o.kopf, "--version")
 	}

@@ -1,0 +1,645 @@
+//! Operator activities (kopf `on.startup`, `on.cleanup`, `on.login`, `on.probe`): handlers
+//! that belong to the operator, not to an object.
+//!
+//! - **login** handlers run first, before any resource is watched; the credentials they return
+//!   (the highest priority first) are checked against the API server and swapped into the
+//!   shared API client ([`crate::k8s::switch`]). Rejected or unusable credentials are logged
+//!   and retried after the handler's backoff while everything else keeps serving. A
+//!   `401 Unauthorized` from the API later calls them again (kopf's re-login).
+//! - **startup** handlers run next, each until it succeeds, with kopf's error rules
+//!   (temporary and unclassified errors retried after their delay/backoff; permanent errors,
+//!   exhausted retries or timeout end the controller with [`Error::StartupFailed`]). The
+//!   engine starts no resource watch while a registered startup (or login) handler has not
+//!   succeeded ([`Activities::ready`]). Startup runs once per controller lifetime: the ids
+//!   that succeeded are remembered, so a reconnecting handler process does not re-run them,
+//!   and the state lives here, outside the engine, which is replaced on every resume.
+//! - **probe** handlers feed `/healthz`: each id's last result is shown as kopf's liveness
+//!   endpoint shows it, plus a `probe/<id>` liveness check. The HTTP endpoint answers from a
+//!   cache; a request that finds the cache older than 10 s wakes the prober, which re-runs
+//!   the probes with a bounded timeout (a hanging probe becomes a failing check, never a hung
+//!   endpoint).
+//! - **cleanup** handlers run at shutdown, after resource work drained and before the gRPC
+//!   server stops, bounded by the shutdown grace; their outcomes are logged.
+
+use std::{
+    collections::{BTreeMap, HashSet},
+    sync::{Arc, Weak},
+    time::{Duration, SystemTime},
+};
+
+use futures::future::join_all;
+use parking_lot::Mutex;
+use serde_json::Value;
+use tokio::{sync::Notify, sync::watch, task::JoinSet, time::Instant};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument as _, error, info, info_span, warn};
+
+use super::execution::{self, Verdict};
+use crate::{
+    grpc::Hub,
+    k8s::switch::Switchable,
+    model::{Activity, Diagnostic, HandlerId, HandlerKind, KindResult, Outcome, Payload, Registration, Work},
+    observability::health::{Check, Health},
+    persistence::ProgressRecord,
+};
+
+/// Why the activities stopped the controller.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A startup handler failed for good.
+    #[error("startup handler {handler} failed: {message}")]
+    StartupFailed {
+        /// The handler.
+        handler: String,
+        /// Why.
+        message: String,
+    },
+}
+
+/// Tunables of activities.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// How long one probe handler may take. Default 5 s.
+    pub probe_timeout: Duration,
+    /// Probe results are reused this long (kopf: 10 s).
+    pub probe_cache: Duration,
+    /// How long one login attempt may take. Default 30 s.
+    pub login_timeout: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            probe_timeout: Duration::from_secs(5),
+            probe_cache: Duration::from_secs(10),
+            login_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The activities of one controller. Cheap to clone.
+#[derive(Clone)]
+pub struct Activities {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    hub: Hub,
+    switch: Option<Switchable>,
+    health: Health,
+    settings: Settings,
+    state: Mutex<State>,
+    changed: watch::Sender<u64>,
+    failed: watch::Sender<Option<String>>,
+    probe_wanted: Notify,
+    login_lock: tokio::sync::Mutex<()>,
+}
+
+#[derive(Default)]
+struct State {
+    started: HashSet<HandlerId>,
+    logged_in: bool,
+    probes: BTreeMap<String, (Check, Option<Value>)>,
+    probes_run_at: Option<Instant>,
+}
+
+impl Activities {
+    /// Activities dispatched through `hub`; login credentials go into `switch`.
+    pub fn new(hub: Hub, health: Health, switch: Option<Switchable>, settings: Settings) -> Self {
+        let (changed, _) = watch::channel(0);
+        let (failed, _) = watch::channel(None);
+        let inner = Arc::new(Inner {
+            hub,
+            switch,
+            health: health.clone(),
+            settings,
+            state: Mutex::new(State::default()),
+            changed,
+            failed,
+            probe_wanted: Notify::new(),
+            login_lock: tokio::sync::Mutex::new(()),
+        });
+        let weak = Arc::downgrade(&inner);
+        health.probe_values(move || {
+            let Some(inner) = weak.upgrade() else {
+                return BTreeMap::new();
+            };
+            let state = inner.state.lock();
+            if !state.probes.is_empty()
+                && state
+                    .probes_run_at
+                    .is_none_or(|t| t.elapsed() >= inner.settings.probe_cache)
+            {
+                inner.probe_wanted.notify_one();
+            }
+            state
+                .probes
+                .iter()
+                .filter_map(|(id, (_, v))| v.clone().map(|v| (id.clone(), v)))
+                .collect()
+        });
+        Self { inner }
+    }
+
+    /// Moves whenever [`Activities::ready`] may have changed.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.inner.changed.subscribe()
+    }
+
+    /// Whether resources may be watched for these registrations: every startup handler
+    /// succeeded, and login credentials are in use when login handlers exist. `Err` says
+    /// what is still awaited.
+    ///
+    /// # Errors
+    /// What is still awaited, for logs.
+    pub fn ready(&self, registrations: &[Registration]) -> Result<(), String> {
+        let state = self.inner.state.lock();
+        let login = registrations.iter().any(|r| r.kind == HandlerKind::Login);
+        if login && !state.logged_in && self.inner.switch.is_some() {
+            return Err("waiting for a login handler's credentials".into());
+        }
+        let waiting: Vec<&str> = registrations
+            .iter()
+            .filter(|r| r.kind == HandlerKind::Startup && !state.started.contains(&r.id))
+            .map(|r| r.id.0.as_str())
+            .collect();
+        if waiting.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("waiting for startup handlers: {}", waiting.join(", ")))
+        }
+    }
+
+    /// Resolves when a startup handler failed for good.
+    pub async fn failed(&self) -> Error {
+        let mut rx = self.inner.failed.subscribe();
+        loop {
+            if let Some((handler, message)) = rx.borrow_and_update().as_ref().and_then(|m| m.split_once('\0'))
+            {
+                return Error::StartupFailed {
+                    handler: handler.to_owned(),
+                    message: message.to_owned(),
+                };
+            }
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// Runs login, startup and probes until `cancel` fires.
+    pub async fn run(self, cancel: CancellationToken) {
+        let mut tasks = JoinSet::new();
+        tasks.spawn(
+            self.clone()
+                .preflight(cancel.clone())
+                .instrument(info_span!("activities", activity = "startup")),
+        );
+        tasks.spawn(
+            self.clone()
+                .relogin(cancel.clone())
+                .instrument(info_span!("activities", activity = "login")),
+        );
+        tasks.spawn(
+            self.clone()
+                .probes(cancel.clone())
+                .instrument(info_span!("activities", activity = "probe")),
+        );
+        cancel.cancelled().await;
+        while tasks.join_next().await.is_some() {}
+    }
+
+    fn of_kind(&self, kind: HandlerKind) -> Vec<Registration> {
+        self.inner
+            .hub
+            .registrations()
+            .borrow()
+            .iter()
+            .filter(|r| r.kind == kind)
+            .cloned()
+            .collect()
+    }
+
+    fn bump(&self) {
+        self.inner.changed.send_modify(|n| *n += 1);
+    }
+
+    /// Login first, then every startup handler not run yet; again whenever registrations
+    /// change.
+    async fn preflight(self, cancel: CancellationToken) {
+        let mut registrations = self.inner.hub.registrations();
+        loop {
+            registrations.borrow_and_update();
+            let logins = self.of_kind(HandlerKind::Login);
+            if !logins.is_empty() && !self.inner.state.lock().logged_in {
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    () = self.login(&logins) => {}
+                }
+            }
+            let pending: Vec<Registration> = {
+                let state = self.inner.state.lock();
+                self.of_kind(HandlerKind::Startup)
+                    .into_iter()
+                    .filter(|r| !state.started.contains(&r.id))
+                    .collect()
+            };
+            for reg in pending {
+                let result = tokio::select! {
+                    () = cancel.cancelled() => return,
+                    result = self.startup(&reg) => result,
+                };
+                match result {
+                    Ok(()) => {
+                        self.inner.state.lock().started.insert(reg.id.clone());
+                        self.bump();
+                    }
+                    Err(message) => {
+                        error!(handler.id = %reg.id, %message, "startup handler failed for good; the controller stops");
+                        self.inner
+                            .failed
+                            .send_replace(Some(format!("{}\0{message}", reg.id)));
+                        return;
+                    }
+                }
+            }
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                changed = registrations.changed() => if changed.is_err() { return },
+            }
+        }
+    }
+
+    /// Runs one startup handler until it succeeds or fails for good.
+    async fn startup(&self, reg: &Registration) -> Result<(), String> {
+        let started = SystemTime::now();
+        let mut record = ProgressRecord::started(started, "startup");
+        let mut last_error: Option<Diagnostic> = None;
+        loop {
+            if let Some(message) = execution::exhausted(reg, &record, SystemTime::now()) {
+                return Err(message);
+            }
+            let mut work = Work::new(
+                reg.id.0.clone(),
+                format!("startup/{}", reg.id),
+                Payload::Activity(Activity::Startup),
+            );
+            work.attempt = record.retries + 1;
+            work.started = started;
+            work.param.clone_from(&reg.param);
+            work.last_error = last_error.clone();
+            info!(handler.id = %reg.id, attempt = work.attempt, "running startup handler");
+            let outcome = self.inner.hub.invoke(work).await;
+            if matches!(outcome, Outcome::Skipped) {
+                return Ok(());
+            }
+            last_error = diagnostics_of(&outcome);
+            let abandoned = matches!(outcome, Outcome::Cancelled | Outcome::Abandoned);
+            match execution::judge(reg, &mut record, outcome, SystemTime::now()) {
+                Verdict::Success { .. } => {
+                    info!(handler.id = %reg.id, "startup handler succeeded");
+                    return Ok(());
+                }
+                Verdict::Failure => return Err(record.message.clone().unwrap_or_else(|| "failed".into())),
+                Verdict::Retry | Verdict::Unrecorded => {
+                    let delay = if abandoned {
+                        reg.backoff
+                    } else {
+                        record
+                            .delayed_until()
+                            .and_then(|t| t.duration_since(SystemTime::now()).ok())
+                            .unwrap_or_default()
+                    };
+                    warn!(handler.id = %reg.id, message = record.message.as_deref().unwrap_or("abandoned"), retry_in = ?delay, "startup handler failed; retrying");
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        }
+    }
+
+    /// Calls the login handlers until credentials from one of them work.
+    async fn login(&self, logins: &[Registration]) {
+        let Some(switch) = &self.inner.switch else {
+            return;
+        };
+        let _serial = self.inner.login_lock.lock().await;
+        loop {
+            let mut candidates = Vec::new();
+            let mut problems = Vec::new();
+            for reg in logins {
+                let mut work = Work::new(
+                    reg.id.0.clone(),
+                    format!("login/{}", reg.id),
+                    Payload::Activity(Activity::Login),
+                );
+                work.attempt_timeout = Some(self.inner.settings.login_timeout);
+                work.param.clone_from(&reg.param);
+                match self.inner.hub.invoke(work).await {
+                    Outcome::Success {
+                        kind_result: Some(KindResult::Credentials(c)),
+                        ..
+                    } => candidates.push((reg.id.clone(), c)),
+                    Outcome::Success { .. } => problems.push(format!("{}: returned no credentials", reg.id)),
+                    other => problems.push(format!(
+                        "{}: {}",
+                        reg.id,
+                        diagnostics_of(&other).map_or_else(|| other.as_str().to_owned(), |d| d.summary)
+                    )),
+                }
+            }
+            candidates.sort_by_key(|(_, c)| std::cmp::Reverse(c.priority));
+            for (id, credentials) in &candidates {
+                match switch.install(&id.0, credentials).await {
+                    Ok(()) => {
+                        info!(handler.id = %id, server = %credentials.server, "logged in: the API client now uses the login handler's credentials");
+                        self.inner.state.lock().logged_in = true;
+                        self.bump();
+                        return;
+                    }
+                    Err(e) => problems.push(format!("{id}: {}", crate::error::chain(&e))),
+                }
+            }
+            let backoff = logins
+                .iter()
+                .map(|r| r.backoff)
+                .min()
+                .unwrap_or(Duration::from_secs(60));
+            error!(problems = %problems.join("; "), retry_in = ?backoff, "login failed; the previous credentials stay in use");
+            tokio::time::sleep(backoff).await;
+        }
+    }
+
+    /// Calls the login handlers again after the API answered 401.
+    async fn relogin(self, cancel: CancellationToken) {
+        let Some(switch) = self.inner.switch.clone() else {
+            return;
+        };
+        let mut unauthorized = switch.unauthorized();
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                changed = unauthorized.changed() => if changed.is_err() { return },
+            }
+            let logins = self.of_kind(HandlerKind::Login);
+            if logins.is_empty() || !self.inner.state.lock().logged_in {
+                continue;
+            }
+            warn!(identity = %switch.identity(), "the API server answered 401 Unauthorized; calling the login handlers again");
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = self.login(&logins) => {}
+            }
+            // Requests that failed with the old credentials meanwhile need no second login.
+            unauthorized.borrow_and_update();
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+            unauthorized.borrow_and_update();
+        }
+    }
+
+    /// Keeps the probe results fresh enough for `/healthz`.
+    async fn probes(self, cancel: CancellationToken) {
+        let mut registrations = self.inner.hub.registrations();
+        let mut known: Vec<String> = Vec::new();
+        loop {
+            registrations.borrow_and_update();
+            let probes = self.of_kind(HandlerKind::Probe);
+            let ids: Vec<String> = probes.iter().map(|r| r.id.0.clone()).collect();
+            let added = ids.iter().any(|id| !known.contains(id));
+            for gone in known.iter().filter(|id| !ids.contains(id)) {
+                self.inner.health.remove(&format!("probe/{gone}"));
+                self.inner.state.lock().probes.remove(gone);
+            }
+            for id in ids.iter().filter(|id| !known.contains(id)) {
+                self.register_check(id);
+            }
+            known = ids;
+            let stale = self
+                .inner
+                .state
+                .lock()
+                .probes_run_at
+                .is_none_or(|t| t.elapsed() >= self.inner.settings.probe_cache);
+            if !probes.is_empty() && (added || stale) {
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    () = self.run_probes(&probes) => {}
+                }
+            }
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = self.inner.probe_wanted.notified() => {}
+                changed = registrations.changed() => if changed.is_err() { return },
+            }
+        }
+    }
+
+    fn register_check(&self, id: &str) {
+        let weak: Weak<Inner> = Arc::downgrade(&self.inner);
+        let key = id.to_owned();
+        self.inner.health.liveness(&format!("probe/{id}"), move || {
+            weak.upgrade()
+                .and_then(|inner| inner.state.lock().probes.get(&key).map(|(c, _)| c.clone()))
+                .unwrap_or_else(|| Check::pass("not run yet"))
+        });
+    }
+
+    async fn run_probes(&self, probes: &[Registration]) {
+        let timeout = self.inner.settings.probe_timeout;
+        let results = join_all(probes.iter().map(|reg| async move {
+            let mut work = Work::new(reg.id.0.clone(), format!("probe/{}", reg.id), Payload::Probe);
+            work.attempt_timeout = Some(timeout);
+            work.param.clone_from(&reg.param);
+            // Dropping the invocation withdraws it (the handler gets a Cancel).
+            let result = match tokio::time::timeout(timeout, self.inner.hub.invoke(work)).await {
+                Err(_) => (
+                    Check::fail(format!("the probe handler did not answer within {timeout:?}")),
+                    None,
+                ),
+                Ok(outcome) => probe_result(outcome, timeout),
+            };
+            (reg.id.0.clone(), result)
+        }))
+        .await;
+        let mut state = self.inner.state.lock();
+        for (id, (check, value)) in results {
+            if !check.ok {
+                warn!(handler.id = %id, problem = %check.message, "probe failed");
+            }
+            state.probes.insert(id, (check, value));
+        }
+        state.probes_run_at = Some(Instant::now());
+    }
+
+    /// Runs the cleanup handlers of the connected handler processes, within `within`.
+    pub async fn cleanup(&self, within: Duration) {
+        let cleanups = self.of_kind(HandlerKind::Cleanup);
+        if cleanups.is_empty() {
+            return;
+        }
+        let deadline = Instant::now() + within;
+        let runs = cleanups.iter().map(|reg| async move {
+            let started = SystemTime::now();
+            let mut record = ProgressRecord::started(started, "cleanup");
+            loop {
+                let mut work = Work::new(reg.id.0.clone(), format!("cleanup/{}", reg.id), Payload::Activity(Activity::Cleanup));
+                work.attempt = record.retries + 1;
+                work.started = started;
+                work.param.clone_from(&reg.param);
+                let outcome = match tokio::time::timeout_at(deadline, self.inner.hub.invoke(work)).await {
+                    Ok(o) => o,
+                    Err(_) => {
+                        warn!(handler.id = %reg.id, "cleanup handler did not finish within the shutdown grace");
+                        return;
+                    }
+                };
+                match execution::judge(reg, &mut record, outcome, SystemTime::now()) {
+                    Verdict::Success { .. } | Verdict::Unrecorded => {
+                        info!(handler.id = %reg.id, "cleanup handler succeeded");
+                        return;
+                    }
+                    Verdict::Failure => {
+                        warn!(handler.id = %reg.id, message = record.message.as_deref().unwrap_or_default(), "cleanup handler failed");
+                        return;
+                    }
+                    Verdict::Retry => {
+                        let at = record.delayed_until().unwrap_or(started);
+                        let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
+                        if Instant::now() + delay >= deadline {
+                            warn!(handler.id = %reg.id, message = record.message.as_deref().unwrap_or_default(), "cleanup handler failed; no time left to retry");
+                            return;
+                        }
+                        tokio::time::sleep(delay).await;
+                    }
+                }
+            }
+        });
+        join_all(runs)
+            .instrument(info_span!("activities", activity = "cleanup"))
+            .await;
+    }
+}
+
+fn diagnostics_of(outcome: &Outcome) -> Option<Diagnostic> {
+    match outcome {
+        Outcome::Temporary { diagnostics, .. }
+        | Outcome::Permanent { diagnostics, .. }
+        | Outcome::Unclassified { diagnostics, .. } => {
+            let mut d = diagnostics.first().cloned().unwrap_or_default();
+            d.summary = Diagnostic::summarize(diagnostics);
+            Some(d)
+        }
+        Outcome::TimedOut => Some(Diagnostic::error(
+            "TIMED_OUT",
+            "the attempt exceeded its deadline",
+        )),
+        _ => None,
+    }
+}
+
+/// What one probe outcome shows in `/healthz`.
+fn probe_result(outcome: Outcome, timeout: Duration) -> (Check, Option<Value>) {
+    match outcome {
+        Outcome::Success { result, .. } => (Check::pass("ok"), Some(result.unwrap_or(Value::Null))),
+        Outcome::TimedOut | Outcome::Abandoned => (
+            Check::fail(format!("the probe handler did not answer within {timeout:?}")),
+            None,
+        ),
+        Outcome::Skipped => (Check::pass("skipped"), None),
+        Outcome::Cancelled => (Check::fail("the probe was cancelled"), None),
+        other => {
+            let why = diagnostics_of(&other).map_or_else(|| other.as_str().to_owned(), |d| d.summary);
+            (Check::fail(format!("the probe handler failed: {why}")), None)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::grpc::hub;
+
+    fn reg(id: &str, kind: HandlerKind) -> Registration {
+        Registration::new(id, kind, None)
+    }
+
+    #[test]
+    fn ready_waits_for_startup_handlers_and_login() {
+        let activities = Activities::new(
+            Hub::new(hub::Settings::default()),
+            Health::default(),
+            None,
+            Settings::default(),
+        );
+        let regs = [reg("s", HandlerKind::Startup), reg("c", HandlerKind::Create)];
+        assert!(activities.ready(&regs).unwrap_err().contains('s'));
+        activities
+            .inner
+            .state
+            .lock()
+            .started
+            .insert(HandlerId("s".into()));
+        assert!(activities.ready(&regs).is_ok());
+        assert!(
+            activities.ready(&[reg("l", HandlerKind::Login)]).is_ok(),
+            "without a swappable client login handlers cannot gate"
+        );
+    }
+
+    #[test]
+    fn probe_outcomes_become_checks_and_values() {
+        let t = Duration::from_secs(5);
+        let (check, value) = probe_result(Outcome::success(Some(serde_json::json!({"ok": 1}))), t);
+        assert!(check.ok && value.unwrap()["ok"] == 1);
+        let (check, value) = probe_result(Outcome::TimedOut, t);
+        assert!(!check.ok && value.is_none() && check.message.contains("5s"));
+        let (check, _) = probe_result(
+            Outcome::Permanent {
+                diagnostics: vec![Diagnostic::error("X", "boom")],
+                subhandlers: vec![],
+            },
+            t,
+        );
+        assert!(!check.ok && check.message.contains("boom"));
+    }
+
+    #[tokio::test]
+    async fn the_cache_shows_values_and_asks_for_a_refresh_when_stale() {
+        let health = Health::default();
+        let activities = Activities::new(
+            Hub::new(hub::Settings::default()),
+            health.clone(),
+            None,
+            Settings::default(),
+        );
+        activities
+            .inner
+            .state
+            .lock()
+            .probes
+            .insert("p".into(), (Check::pass("ok"), Some(serde_json::json!(42))));
+        activities.register_check("p");
+        let live = health.live();
+        assert_eq!(live.probes["p"], 42);
+        assert!(live.checks["probe/p"].ok);
+        // Never run: the provider asked the prober to run.
+        tokio::time::timeout(Duration::from_secs(1), activities.inner.probe_wanted.notified())
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_failed_startup_is_reported() {
+        let activities = Activities::new(
+            Hub::new(hub::Settings::default()),
+            Health::default(),
+            None,
+            Settings::default(),
+        );
+        activities.inner.failed.send_replace(Some("s\0boom".into()));
+        let err = activities.failed().await;
+        assert_eq!(err.to_string(), "startup handler s failed: boom");
+    }
+}

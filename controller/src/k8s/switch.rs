@@ -1,0 +1,301 @@
+//! A swappable API client: the credentials behind every API call can change while the
+//! controller runs (kopf's `on.login` handlers), without any user of the client noticing.
+//!
+//! Every component (objects, watches, Events, peering, leases) holds the same
+//! [`kube::Client`] built on a routing service that forwards each request to the *current*
+//! inner client. [`Switchable::install`] builds a client from login credentials, checks that
+//! the API server accepts them, and swaps it in; requests already running (open watch
+//! streams) finish on the old connection and the next request uses the new credentials. A
+//! `401 Unauthorized` from the API is reported through [`Switchable::unauthorized`], so the
+//! login handlers can be called again (kopf invalidates the credentials and re-logs in).
+//!
+//! Chicken and egg: resolving selectors at handshake time needs a client before any login
+//! handler could have run, so discovery always uses the *base* client — the kubeconfig or
+//! in-cluster service account that kube-rs finds ([`Switchable::base`]); that identity needs
+//! only the discovery permission every authenticated user has. Without any kubeconfig or
+//! in-cluster configuration the controller does not start, even when a login handler would
+//! provide credentials later: a limitation, documented rather than worked around.
+
+use std::{
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use futures::future::BoxFuture;
+use http::{Request, Response, StatusCode};
+use kube::{
+    Client, Config,
+    client::Body,
+    config::{KubeConfigOptions, Kubeconfig},
+};
+use parking_lot::RwLock;
+use serde_json::{Value, json};
+use tokio::sync::watch;
+
+use super::client::{self, USER_AGENT};
+use crate::model::Credentials;
+
+/// Why credentials could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The credentials do not make a client (bad PEM, bad URL, nothing to authenticate with).
+    #[error("the login credentials are unusable: {0}")]
+    Unusable(String),
+    /// The API server rejected the credentials.
+    #[error("the API server rejected the login credentials ({0})")]
+    Rejected(String),
+    /// The API server could not be reached with them.
+    #[error("the API server is unreachable with the login credentials")]
+    Unreachable(#[source] kube::Error),
+}
+
+/// How long checking new credentials may take.
+const VERIFY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The API client whose credentials can be replaced. Cheap to clone.
+#[derive(Clone)]
+pub struct Switchable {
+    inner: Arc<Inner>,
+    routed: Client,
+}
+
+struct Inner {
+    base_config: Config,
+    base: Client,
+    current: RwLock<Client>,
+    identity: RwLock<String>,
+    unauthorized: watch::Sender<u64>,
+}
+
+impl Switchable {
+    /// Builds the base client from the kubeconfig or the in-cluster configuration.
+    ///
+    /// # Errors
+    /// [`client::Error::Config`] when neither works.
+    pub async fn connect() -> Result<Self, client::Error> {
+        let mut config = Config::infer()
+            .await
+            .map_err(|e| client::Error::Config(kube::Error::InferConfig(e)))?;
+        with_user_agent(&mut config);
+        let base = Client::try_from(config.clone()).map_err(client::Error::Config)?;
+        Ok(Self::new(config, base))
+    }
+
+    /// Wraps an existing base client (tests).
+    pub fn new(base_config: Config, base: Client) -> Self {
+        let namespace = base.default_namespace().to_owned();
+        let (unauthorized, _) = watch::channel(0);
+        let inner = Arc::new(Inner {
+            base_config,
+            current: RwLock::new(base.clone()),
+            base,
+            identity: RwLock::new("kubeconfig".to_owned()),
+            unauthorized,
+        });
+        let routed = Client::new(Route { inner: inner.clone() }, namespace);
+        Self { inner, routed }
+    }
+
+    /// The client every component uses: requests go to the current credentials.
+    pub fn client(&self) -> Client {
+        self.routed.clone()
+    }
+
+    /// The kubeconfig / in-cluster client, for discovery (see the module docs).
+    pub fn base(&self) -> Client {
+        self.inner.base.clone()
+    }
+
+    /// Which credentials are in use: `kubeconfig` or the login handler's id.
+    pub fn identity(&self) -> String {
+        self.inner.identity.read().clone()
+    }
+
+    /// Bumped on every `401 Unauthorized` answer.
+    pub fn unauthorized(&self) -> watch::Receiver<u64> {
+        self.inner.unauthorized.subscribe()
+    }
+
+    /// Builds a client from `credentials`, checks that the API server accepts them, and
+    /// makes it the current one. `source` names them in logs (the login handler's id).
+    ///
+    /// # Errors
+    /// See [`Error`]; the previous credentials stay in use.
+    pub async fn install(&self, source: &str, credentials: &Credentials) -> Result<(), Error> {
+        let config = self.config_for(credentials).await?;
+        let client = Client::try_from(config).map_err(|e| Error::Unusable(e.to_string()))?;
+        match tokio::time::timeout(VERIFY_TIMEOUT, client.list_core_api_versions()).await {
+            Err(_) => {
+                return Err(Error::Unreachable(kube::Error::Service(
+                    "no answer within 10 s".into(),
+                )));
+            }
+            Ok(Err(kube::Error::Api(status))) if status.code == 401 || status.code == 403 => {
+                return Err(Error::Rejected(format!("{} {}", status.code, status.message)));
+            }
+            Ok(Err(e)) => return Err(Error::Unreachable(e)),
+            Ok(Ok(_)) => {}
+        }
+        *self.inner.current.write() = client;
+        *self.inner.identity.write() = source.to_owned();
+        Ok(())
+    }
+
+    async fn config_for(&self, c: &Credentials) -> Result<Config, Error> {
+        let base = &self.inner.base_config;
+        let server = if c.server.is_empty() {
+            base.cluster_url.to_string()
+        } else {
+            c.server.clone()
+        };
+        let mut cluster = json!({ "server": server });
+        if c.insecure {
+            cluster["insecure-skip-tls-verify"] = json!(true);
+        }
+        if !c.certificate_authority.is_empty() {
+            cluster["certificate-authority-data"] = b64(&c.certificate_authority)?;
+        }
+        let mut user = json!({});
+        if !c.token.is_empty() {
+            user["token"] = json!(c.token);
+        }
+        if !c.username.is_empty() {
+            user["username"] = json!(c.username);
+            user["password"] = json!(c.password);
+        }
+        if !c.client_certificate.is_empty() {
+            user["client-certificate-data"] = b64(&c.client_certificate)?;
+            user["client-key-data"] = b64(&c.client_key)?;
+        }
+        if user.as_object().is_some_and(serde_json::Map::is_empty) {
+            return Err(Error::Unusable(
+                "no token, basic auth or client certificate was returned".into(),
+            ));
+        }
+        let mut context = json!({ "cluster": "login", "user": "login" });
+        if !c.default_namespace.is_empty() {
+            context["namespace"] = json!(c.default_namespace);
+        }
+        let kubeconfig: Kubeconfig = serde_json::from_value(json!({
+            "clusters": [{ "name": "login", "cluster": cluster }],
+            "users": [{ "name": "login", "user": user }],
+            "contexts": [{ "name": "login", "context": context }],
+            "current-context": "login",
+        }))
+        .map_err(|e| Error::Unusable(e.to_string()))?;
+        let mut config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| Error::Unusable(e.to_string()))?;
+        if c.server.is_empty() && c.certificate_authority.is_empty() {
+            // The same API server as the kubeconfig's: trust what it trusts.
+            config.root_cert.clone_from(&base.root_cert);
+            config.root_cert_file.clone_from(&base.root_cert_file);
+            config.tls_server_name.clone_from(&base.tls_server_name);
+        }
+        with_user_agent(&mut config);
+        Ok(config)
+    }
+}
+
+fn with_user_agent(config: &mut Config) {
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static(USER_AGENT),
+    ));
+}
+
+/// Base64 of bytes, as kubeconfig `*-data` fields want it (through k8s-openapi's encoding).
+fn b64(bytes: &[u8]) -> Result<Value, Error> {
+    serde_json::to_value(k8s_openapi::ByteString(bytes.to_vec())).map_err(|e| Error::Unusable(e.to_string()))
+}
+
+/// Forwards each request to the current inner client and reports 401s.
+struct Route {
+    inner: Arc<Inner>,
+}
+
+impl tower::Service<Request<Body>> for Route {
+    type Response = Response<Body>;
+    type Error = kube::Error;
+    type Future = BoxFuture<'static, Result<Response<Body>, kube::Error>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        let client = self.inner.current.read().clone();
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let response = client.send(request).await?;
+            if response.status() == StatusCode::UNAUTHORIZED {
+                inner.unauthorized.send_modify(|n| *n += 1);
+            }
+            Ok(response)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fake(status: StatusCode) -> Client {
+        let service = tower::service_fn(move |_req: Request<Body>| async move {
+            let body = if status == StatusCode::OK {
+                r#"{"kind":"APIVersions","versions":["v1"],"serverAddressByClientCIDRs":[]}"#
+            } else {
+                r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"Unauthorized","reason":"Unauthorized","code":401}"#
+            };
+            let mut response = Response::new(Body::from(body.as_bytes().to_vec()));
+            *response.status_mut() = status;
+            Ok::<_, std::convert::Infallible>(response)
+        });
+        Client::new(service, "default")
+    }
+
+    fn config() -> Config {
+        Config::new("https://127.0.0.1:6443".parse().unwrap())
+    }
+
+    #[tokio::test]
+    async fn reports_unauthorized_answers() {
+        let switch = Switchable::new(config(), fake(StatusCode::UNAUTHORIZED));
+        let mut rx = switch.unauthorized();
+        let err = switch.client().list_core_api_versions().await.unwrap_err();
+        assert!(matches!(err, kube::Error::Api(s) if s.code == 401));
+        assert!(rx.has_changed().unwrap());
+        assert_eq!(*rx.borrow_and_update(), 1);
+    }
+
+    #[tokio::test]
+    async fn routes_through_the_current_client() {
+        let switch = Switchable::new(config(), fake(StatusCode::UNAUTHORIZED));
+        *switch.inner.current.write() = fake(StatusCode::OK);
+        assert!(switch.client().list_core_api_versions().await.is_ok());
+        assert!(!switch.unauthorized().has_changed().unwrap());
+    }
+
+    #[tokio::test]
+    async fn credentials_without_identity_are_unusable() {
+        let switch = Switchable::new(config(), fake(StatusCode::OK));
+        let err = switch
+            .install("login_fn", &Credentials::default())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Unusable(_)), "{err}");
+        let err = switch
+            .install(
+                "login_fn",
+                &Credentials {
+                    token: "t".into(),
+                    certificate_authority: b"not a pem".to_vec(),
+                    ..Credentials::default()
+                },
+            )
+            .await;
+        assert!(err.is_err(), "a CA that is no PEM must not be installed");
+        assert_eq!(switch.identity(), "kubeconfig");
+    }
+}
