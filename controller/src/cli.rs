@@ -444,6 +444,7 @@ impl RunArgs {
             },
             lifetime: self.peering_lifetime,
             identity: self.peer_id.clone(),
+            node: self.node(),
         };
         settings.election = peering::election::Settings {
             enabled: self.leader_election,

@@ -69,6 +69,9 @@ pub struct Settings {
     pub lifetime: Duration,
     /// This operator's identity; default `POD_NAME`, else `<hostname>@<pid>`.
     pub identity: Option<String>,
+    /// The node of a per-node operator: peers on other nodes are not conflicts, another
+    /// operator with the same node name is.
+    pub node: Option<String>,
 }
 
 impl Default for Settings {
@@ -80,6 +83,7 @@ impl Default for Settings {
             priority: 0,
             lifetime: Duration::from_secs(60),
             identity: None,
+            node: None,
         }
     }
 }
@@ -169,6 +173,7 @@ impl Peering {
                     lastseen: std::time::SystemTime::now(),
                     message: None,
                     lease: lease.clone(),
+                    node: settings.node.clone(),
                 },
                 gate: gate.clone(),
                 target: target.clone(),

@@ -34,7 +34,12 @@ fn lines(path: &std::path::Path) -> Vec<String> {
         .collect()
 }
 
-async fn wait_line(path: &std::path::Path, line: &str, controller: &Controller, handler: &Process) -> Result<()> {
+async fn wait_line(
+    path: &std::path::Path,
+    line: &str,
+    controller: &Controller,
+    handler: &Process,
+) -> Result<()> {
     let deadline = Instant::now() + T;
     while !lines(path).iter().any(|l| l == line) {
         if Instant::now() > deadline {
@@ -62,28 +67,54 @@ async fn a_startup_handler_failing_then_succeeding_gates_all_processing_and_runs
     let mut controller = Controller::start(&env, "capstan", &[]).await?;
     let calls = env.scratch().join("calls.log");
     let log = calls.to_string_lossy().into_owned();
-    let vars = [("E2E_HANDLERS", "startup,create"), ("E2E_LOG", log.as_str()), ("E2E_STARTUP_FAILS", "2")];
+    let vars = [
+        ("E2E_HANDLERS", "startup,create"),
+        ("E2E_LOG", log.as_str()),
+        ("E2E_STARTUP_FAILS", "2"),
+    ];
     let mut handler = start_handler(&env, "handler", &controller.endpoint(), &vars)?;
     wait_line(&calls, "create_fn early 1", &controller, &handler).await?;
     let all = lines(&calls);
     let done = position(&all, "startup done").context("startup never finished")?;
     let handled = position(&all, "create_fn early 1").context("early not handled")?;
     ensure!(
-        all[..done].iter().filter(|l| l.starts_with("startup attempt")).count() == 3,
+        all[..done]
+            .iter()
+            .filter(|l| l.starts_with("startup attempt"))
+            .count()
+            == 3,
         "two temporary failures, then success: {all:?}"
     );
-    ensure!(done < handled, "the object was handled before startup succeeded: {all:?}");
+    ensure!(
+        done < handled,
+        "the object was handled before startup succeeded: {all:?}"
+    );
     let out = controller.process.output();
-    ensure!(out.contains("startup handler failed; retrying"), "{}", tail(&out, 30));
-    ensure!(out.contains("waiting for startup handlers: startup_fn"), "{}", tail(&out, 30));
+    ensure!(
+        out.contains("startup handler failed; retrying"),
+        "{}",
+        tail(&out, 30)
+    );
+    ensure!(
+        out.contains("waiting for startup handlers: startup_fn"),
+        "{}",
+        tail(&out, 30)
+    );
 
     // A reconnecting handler process does not run startup again.
     handler.kill().await?;
     handler = start_handler(&env, "handler", &controller.endpoint(), &vars)?;
     create(&env, "later").await?;
     wait_line(&calls, "create_fn later 1", &controller, &handler).await?;
-    let attempts = lines(&calls).iter().filter(|l| l.starts_with("startup attempt")).count();
-    ensure!(attempts == 3, "startup ran again after a reconnect: {:?}", lines(&calls));
+    let attempts = lines(&calls)
+        .iter()
+        .filter(|l| l.starts_with("startup attempt"))
+        .count();
+    ensure!(
+        attempts == 3,
+        "startup ran again after a reconnect: {:?}",
+        lines(&calls)
+    );
 
     let status = controller.process.terminate().await?;
     ensure!(status.success(), "controller exited with {status}");
@@ -103,7 +134,10 @@ async fn a_permanently_failing_startup_handler_stops_the_controller_with_an_erro
         &env,
         "handler",
         &controller.endpoint(),
-        &[("E2E_HANDLERS", "startup-permanent,create"), ("E2E_LOG", log.as_str())],
+        &[
+            ("E2E_HANDLERS", "startup-permanent,create"),
+            ("E2E_LOG", log.as_str()),
+        ],
     )?;
     controller
         .process
@@ -115,7 +149,10 @@ async fn a_permanently_failing_startup_handler_stops_the_controller_with_an_erro
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let status = controller.process.terminate().await?;
-    ensure!(!status.success(), "a failed startup must exit non-zero, got {status}");
+    ensure!(
+        !status.success(),
+        "a failed startup must exit non-zero, got {status}"
+    );
     ensure!(
         !lines(&calls).iter().any(|l| l.starts_with("create_fn")),
         "nothing may be processed: {:?}",
@@ -138,13 +175,20 @@ async fn cleanup_handlers_run_on_sigterm_and_the_controller_exits_0() -> Result<
         &controller.endpoint(),
         &[("E2E_HANDLERS", "cleanup,create"), ("E2E_LOG", log.as_str())],
     )?;
-    controller.process.wait_for("handler process connected", T).await?;
+    controller
+        .process
+        .wait_for("handler process connected", T)
+        .await?;
     create(&env, "one").await?;
     wait_line(&calls, "create_fn one 1", &controller, &handler).await?;
     ensure!(!lines(&calls).iter().any(|l| l == "cleanup ran"));
     let status = controller.process.terminate().await?;
     ensure!(status.success(), "exit status {status}");
-    ensure!(lines(&calls).iter().any(|l| l == "cleanup ran"), "{:?}", lines(&calls));
+    ensure!(
+        lines(&calls).iter().any(|l| l == "cleanup ran"),
+        "{:?}",
+        lines(&calls)
+    );
     let out = controller.process.output();
     ensure!(out.contains("cleanup handler succeeded"), "{}", tail(&out, 30));
     let stopped = out.find("capstan stopped").context("no clean stop")?;
@@ -164,24 +208,41 @@ async fn probe_results_appear_in_healthz_and_a_hanging_probe_fails_within_its_ti
         &[("E2E_HANDLERS", "probe,probe-hang")],
     )?;
     let mut controller = controller;
-    controller.process.wait_for("handler process connected", T).await?;
+    controller
+        .process
+        .wait_for("handler process connected", T)
+        .await?;
     let connected = Instant::now();
     let (code, body) = loop {
         let asked = Instant::now();
         let (code, body) = controller.admin_get("/healthz").await?;
-        ensure!(asked.elapsed() < Duration::from_secs(1), "/healthz must answer from the cache");
+        ensure!(
+            asked.elapsed() < Duration::from_secs(1),
+            "/healthz must answer from the cache"
+        );
         let report: Value = serde_json::from_str(&body).unwrap_or_default();
-        if report["probes"]["probe_fn"]["answer"] == 42 && report["checks"]["probe/hanging_probe"]["ok"] == false {
+        if report["probes"]["probe_fn"]["answer"] == 42
+            && report["checks"]["probe/hanging_probe"]["ok"] == false
+        {
             break (code, report);
         }
-        ensure!(connected.elapsed() < Duration::from_secs(15), "no probe results in time: {body}");
+        ensure!(
+            connected.elapsed() < Duration::from_secs(15),
+            "no probe results in time: {body}"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     ensure!(code == 503, "a failing probe fails liveness, got {code}");
-    let message = body["checks"]["probe/hanging_probe"]["message"].as_str().unwrap_or_default();
+    let message = body["checks"]["probe/hanging_probe"]["message"]
+        .as_str()
+        .unwrap_or_default();
     ensure!(message.contains("did not answer within 2s"), "{body}");
     ensure!(body["checks"]["probe/probe_fn"]["ok"] == true, "{body}");
-    ensure!(connected.elapsed() < Duration::from_secs(10), "took {:?}", connected.elapsed());
+    ensure!(
+        connected.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        connected.elapsed()
+    );
     let status = controller.process.terminate().await?;
     ensure!(status.success(), "exit status {status}");
     handler.kill().await?;
@@ -192,7 +253,8 @@ async fn probe_results_appear_in_healthz_and_a_hanging_probe_fails_within_its_ti
 async fn login_credentials_are_used_for_the_api_and_bad_ones_are_retried() -> Result<()> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
-    env.kubectl_ok(&["create", "serviceaccount", "capstan-login", "-n", "default"]).await?;
+    env.kubectl_ok(&["create", "serviceaccount", "capstan-login", "-n", "default"])
+        .await?;
     env.kubectl_ok(&[
         "create",
         "clusterrolebinding",
@@ -202,7 +264,14 @@ async fn login_credentials_are_used_for_the_api_and_bad_ones_are_retried() -> Re
     ])
     .await?;
     let token = env
-        .kubectl_ok(&["create", "token", "capstan-login", "-n", "default", "--duration=1h"])
+        .kubectl_ok(&[
+            "create",
+            "token",
+            "capstan-login",
+            "-n",
+            "default",
+            "--duration=1h",
+        ])
         .await?;
     let kubeconfig = kube::config::Kubeconfig::read_from(&env.kubeconfig)?;
     let cluster = kubeconfig.clusters[0].cluster.clone().context("no cluster")?;
@@ -233,8 +302,16 @@ async fn login_credentials_are_used_for_the_api_and_bad_ones_are_retried() -> Re
         "{all:?}"
     );
     let out = controller.process.output();
-    ensure!(out.contains("login failed"), "the rejected token must be logged: {}", tail(&out, 30));
-    ensure!(out.contains("rejected the login credentials"), "{}", tail(&out, 30));
+    ensure!(
+        out.contains("login failed"),
+        "the rejected token must be logged: {}",
+        tail(&out, 30)
+    );
+    ensure!(
+        out.contains("rejected the login credentials"),
+        "{}",
+        tail(&out, 30)
+    );
     ensure!(out.contains("logged in"), "{}", tail(&out, 30));
 
     // The controller's writes to the object were made as the login handler's identity.
@@ -244,7 +321,11 @@ async fn login_credentials_are_used_for_the_api_and_bad_ones_are_retried() -> Re
             .audit_events()?
             .into_iter()
             .filter(|e| e["stage"] == "ResponseComplete")
-            .filter(|e| e["userAgent"].as_str().is_some_and(|ua| ua.starts_with("capstan/")))
+            .filter(|e| {
+                e["userAgent"]
+                    .as_str()
+                    .is_some_and(|ua| ua.starts_with("capstan/"))
+            })
             .filter(|e| e["objectRef"]["resource"] == "examples" && e["objectRef"]["name"] == "who")
             .filter(|e| e["verb"] == "patch")
             .map(|e| e["user"]["username"].as_str().unwrap_or_default().to_owned())
@@ -256,7 +337,9 @@ async fn login_credentials_are_used_for_the_api_and_bad_ones_are_retried() -> Re
     };
     ensure!(!users.is_empty(), "no patch of the object by capstan");
     ensure!(
-        users.iter().all(|u| u == "system:serviceaccount:default:capstan-login"),
+        users
+            .iter()
+            .all(|u| u == "system:serviceaccount:default:capstan-login"),
         "writes by {users:?}"
     );
     let status = controller.process.terminate().await?;

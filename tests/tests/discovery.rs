@@ -34,10 +34,17 @@ spec:
 ";
 
 fn widget(name: &str) -> String {
-    format!("apiVersion: late.capstan.dev/v1\nkind: Widget\nmetadata: {{name: {name}, namespace: default}}\nspec: {{size: 1}}\n")
+    format!(
+        "apiVersion: late.capstan.dev/v1\nkind: Widget\nmetadata: {{name: {name}, namespace: default}}\nspec: {{size: 1}}\n"
+    )
 }
 
-async fn wait_call(calls: &std::path::Path, line: &str, controller: &Controller, handler: &Process) -> Result<()> {
+async fn wait_call(
+    calls: &std::path::Path,
+    line: &str,
+    controller: &Controller,
+    handler: &Process,
+) -> Result<()> {
     let deadline = Instant::now() + T;
     loop {
         let text = std::fs::read_to_string(calls).unwrap_or_default();
@@ -56,7 +63,8 @@ async fn wait_call(calls: &std::path::Path, line: &str, controller: &Controller,
 }
 
 #[tokio::test]
-async fn a_crd_created_after_start_is_watched_dropped_when_deleted_and_resumed_when_recreated() -> Result<()> {
+async fn a_crd_created_after_start_is_watched_dropped_when_deleted_and_resumed_when_recreated() -> Result<()>
+{
     let env = TestEnv::start().await?;
     let mut controller = Controller::start(&env, "capstan", &[]).await?;
     let calls = env.scratch().join("calls.log");
@@ -67,9 +75,15 @@ async fn a_crd_created_after_start_is_watched_dropped_when_deleted_and_resumed_w
         &controller.endpoint(),
         &[("E2E_HANDLERS", "late"), ("E2E_LOG", log.as_str())],
     )?;
-    controller.process.wait_for("handler process connected", T).await?;
+    controller
+        .process
+        .wait_for("handler process connected", T)
+        .await?;
     ensure!(
-        controller.process.output().contains("is watched as soon as it is served"),
+        controller
+            .process
+            .output()
+            .contains("is watched as soon as it is served"),
         "the registration must be accepted with a warning: {}",
         tail(&controller.process.output(), 20)
     );
@@ -78,7 +92,8 @@ async fn a_crd_created_after_start_is_watched_dropped_when_deleted_and_resumed_w
     env.apply(&widget("w1")).await?;
     wait_call(&calls, "late_create w1 1", &controller, &handler).await?;
 
-    env.kubectl_ok(&["delete", "crd", "widgets.late.capstan.dev", "--wait=true"]).await?;
+    env.kubectl_ok(&["delete", "crd", "widgets.late.capstan.dev", "--wait=true"])
+        .await?;
     controller
         .process
         .wait_for("resource is not served any more; waiting for it to appear", T)
@@ -86,7 +101,10 @@ async fn a_crd_created_after_start_is_watched_dropped_when_deleted_and_resumed_w
     let deleted_at = controller.process.output().len();
     tokio::time::sleep(Duration::from_secs(5)).await;
     let after = controller.process.output()[deleted_at..].to_owned();
-    let warnings = after.lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).count();
+    let warnings = after
+        .lines()
+        .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+        .count();
     ensure!(warnings <= 3, "errors flood after the CRD was deleted:\n{after}");
     ensure!(controller.process.running());
 

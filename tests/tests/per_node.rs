@@ -216,3 +216,25 @@ async fn event_handlers_are_retried_and_departed_nodes_are_cleaned_up() -> anyho
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn two_operators_with_the_same_node_name_are_warned_about() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let crds = tokio::process::Command::new(capstan_tests::process::capstan_binary().await?)
+        .arg("crds")
+        .output()
+        .await?;
+    env.apply(&String::from_utf8_lossy(&crds.stdout)).await?;
+    let mut first = Controller::start(&env, "capstan-twin1", &["--node-name", "twin"]).await?;
+    let mut second = Controller::start(&env, "capstan-twin2", &["--node-name", "twin"]).await?;
+    let _other = Controller::start(&env, "capstan-other", &["--node-name", "other"]).await?;
+    let warning = "another operator runs with the same node name";
+    first.process.wait_for(warning, Duration::from_secs(30)).await?;
+    second.process.wait_for(warning, Duration::from_secs(30)).await?;
+    assert!(
+        !_other.process.output().contains(warning),
+        "operators on other nodes are not conflicts"
+    );
+    Ok(())
+}

@@ -182,7 +182,7 @@ mod tests {
         let mut registry = Registry::default();
         registry.update(&[pending]);
         assert!(registry.by_resource().is_empty());
-        assert_eq!(registry.pending(), [selector.clone()]);
+        assert_eq!(registry.pending(), std::slice::from_ref(&selector));
         let served = ResolvedResource {
             plural: "examples".into(),
             ..Default::default()

@@ -535,7 +535,14 @@ impl Hub {
         tokio::select! {
             delivery = &mut reply_rx => {
                 guard.armed = false;
-                delivery.unwrap_or(Delivery::Lost)
+                match delivery {
+                    // A handler that stopped because its deadline passed timed out.
+                    Ok(Delivery::Result(Outcome::Cancelled)) if reason == CancelReason::DeadlineExceeded => {
+                        Delivery::Result(Outcome::TimedOut)
+                    }
+                    Ok(delivery) => delivery,
+                    Err(_) => Delivery::Lost,
+                }
             }
             () = tokio::time::sleep(grace) => {
                 guard.withdraw();

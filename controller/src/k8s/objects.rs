@@ -27,6 +27,9 @@ pub enum Error {
     /// The API server refused the content (422, e.g. schema validation).
     #[error("the API server rejected the patch: {0}")]
     Invalid(String),
+    /// The controller's identity lacks a permission (403): fix the RBAC; retried meanwhile.
+    #[error("not permitted (check the operator's RBAC): {0}")]
+    Forbidden(String),
     /// Anything else: retry later.
     #[error("the API server is unavailable or failed")]
     Unavailable(#[source] kube::Error),
@@ -39,6 +42,7 @@ impl From<kube::Error> for Error {
                 404 => Self::NotFound,
                 409 => Self::Conflict(status.message.clone()),
                 422 | 400 => Self::Invalid(status.message.clone()),
+                403 => Self::Forbidden(status.message.clone()),
                 _ => Self::Unavailable(e),
             },
             _ => Self::Unavailable(e),

@@ -57,6 +57,7 @@ pub async fn freeze(client: Client, freeze: &Freeze) -> Result<Vec<String>, Erro
         lastseen: now,
         message: freeze.message.clone().filter(|m| !m.is_empty()),
         lease: None,
+        node: None,
     };
     let until = now + freeze.lifetime;
     let mut report = Vec::new();

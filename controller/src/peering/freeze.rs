@@ -56,7 +56,11 @@ pub fn decide(me: &Peer, peers: &[Peer], now: SystemTime) -> Decision {
     for peer in live {
         if peer.priority > me.priority {
             blockers.push(peer.clone());
-        } else if peer.priority == me.priority && !(me.lease.is_some() && peer.lease == me.lease) {
+        } else if peer.priority == me.priority
+            && !(me.lease.is_some() && peer.lease == me.lease)
+            // Per-node operators share a priority by design; only the same node conflicts.
+            && (me.node.is_none() || peer.node == me.node)
+        {
             conflicts.push(peer.clone());
         }
     }
@@ -80,6 +84,27 @@ mod tests {
 
     use super::*;
 
+    #[test]
+    fn per_node_operators_conflict_only_on_the_same_node() {
+        let now = SystemTime::now();
+        let node = |id: &str, n: &str| Peer {
+            id: id.into(),
+            priority: 0,
+            lifetime: Duration::from_secs(60),
+            lastseen: now,
+            message: None,
+            lease: None,
+            node: Some(n.into()),
+        };
+        let me = node("me", "node-a");
+        let d = decide(&me, &[node("other", "node-b"), node("twin", "node-a")], now);
+        assert_eq!(
+            d.conflicts.iter().map(|p| p.id.as_str()).collect::<Vec<_>>(),
+            ["twin"]
+        );
+        assert!(!d.pause());
+    }
+
     fn peer(id: &str, priority: i64, seen_ago: u64, lifetime: u64, now: SystemTime) -> Peer {
         Peer {
             id: id.into(),
@@ -88,6 +113,7 @@ mod tests {
             lastseen: now - Duration::from_secs(seen_ago),
             message: None,
             lease: None,
+            node: None,
         }
     }
 

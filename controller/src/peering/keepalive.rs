@@ -45,6 +45,8 @@ pub struct Peer {
     pub message: Option<String>,
     /// The Lease its replicas elect a leader on (`namespace/name`), if any.
     pub lease: Option<String>,
+    /// The node of a per-node operator, if it is one.
+    pub node: Option<String>,
 }
 
 impl Peer {
@@ -72,6 +74,9 @@ impl Peer {
             if let Some(l) = &self.lease {
                 map.insert("lease".into(), Value::String(l.clone()));
             }
+            if let Some(n) = &self.node {
+                map.insert("node".into(), Value::String(n.clone()));
+            }
         }
         entry
     }
@@ -95,6 +100,7 @@ impl Peer {
             lastseen,
             message: text("message"),
             lease: text("lease"),
+            node: text("node"),
         })
     }
 }
@@ -263,7 +269,14 @@ impl Keepalive {
             }
             self.gate.release(&self.gate_key());
         }
-        if !conflicts.is_empty() && conflicts != seen.conflicts {
+        if !conflicts.is_empty() && conflicts != seen.conflicts && self.me.node.is_some() {
+            warn!(
+                peering = %self.target,
+                node = self.me.node.as_deref().unwrap_or_default(),
+                peers = ?conflicts,
+                "another operator runs with the same node name: both write the same per-node annotations; give each its own --node-name"
+            );
+        } else if !conflicts.is_empty() && conflicts != seen.conflicts {
             warn!(
                 peering = %self.target,
                 priority = self.me.priority,
@@ -290,6 +303,7 @@ mod tests {
             lastseen: now,
             message: None,
             lease: None,
+            node: None,
         }
     }
 
