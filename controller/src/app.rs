@@ -107,6 +107,13 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
             n => Check::pass(format!("{n} handler process(es) connected")),
         });
     }
+    {
+        let metrics = crate::observability::metrics::global();
+        let h = hub.clone();
+        metrics.gauge_fn("capstan_handler_processes", move || h.connections() as f64);
+        let paused = hub.paused();
+        metrics.gauge_fn("capstan_paused", move || if *paused.borrow() { 1.0 } else { 0.0 });
+    }
 
     let gate = Gate::new();
     let election = &settings.election;

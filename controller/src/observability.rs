@@ -6,3 +6,4 @@
 pub mod admin;
 pub mod health;
 pub mod logging;
+pub mod metrics;

@@ -2,7 +2,9 @@
 //! stops the controller), cleanup handlers run on SIGTERM, probe results appear in `/healthz`,
 //! and login credentials are used for the API.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use anyhow::{Context as _, Result, bail, ensure};
 use capstan_tests::{

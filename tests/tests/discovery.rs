@@ -2,7 +2,9 @@
 //! exist yet is accepted with a warning, its objects are handled once the CRD is created,
 //! the watch stops quietly when the CRD is deleted, and recreating the CRD resumes it.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use anyhow::{Result, bail, ensure};
 use capstan_tests::{

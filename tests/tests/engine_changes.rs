@@ -180,6 +180,17 @@ async fn health_and_readiness_reflect_handlers_and_watches() -> anyhow::Result<(
     assert!(body.contains("watch/examples.v1.demo.capstan.dev"), "{body}");
     let (code, _) = s.controller.admin_get("/healthz").await?;
     assert_eq!(code, 200);
+    let (code, metrics) = s.controller.admin_get("/metrics").await?;
+    assert_eq!(code, 200);
+    assert!(
+        metrics.contains(r#"capstan_handler_invocations_total{handler="create_fn",outcome="success"} 1"#),
+        "{metrics}"
+    );
+    assert!(metrics.contains("capstan_handler_processes 1"), "{metrics}");
+    assert!(
+        metrics.contains(r#"capstan_api_writes_total{resource="examples"}"#),
+        "{metrics}"
+    );
     s.handler.terminate().await?;
     let deadline = tokio::time::Instant::now() + T;
     loop {

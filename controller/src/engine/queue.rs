@@ -177,6 +177,13 @@ impl Queue {
             debug!(%uid, rv, written, "stale event older than our own write dropped");
             return;
         }
+        if slot.pending.is_none() {
+            crate::observability::metrics::global().add(
+                "capstan_objects_pending",
+                &[("resource", &self.ctx.resource.plural)],
+                1.0,
+            );
+        }
         slot.pending = Some((event_type, body));
         if !slot.running {
             slot.running = true;
@@ -234,7 +241,15 @@ impl Queue {
             let next = {
                 let mut slots = self.slots.lock();
                 let Some(slot) = slots.get_mut(&uid) else { return };
-                match slot.pending.take() {
+                let taken = slot.pending.take();
+                if taken.is_some() {
+                    crate::observability::metrics::global().add(
+                        "capstan_objects_pending",
+                        &[("resource", &self.ctx.resource.plural)],
+                        -1.0,
+                    );
+                }
+                match taken {
                     // Events that arrived while our own write was in flight may predate it.
                     Some((t, body))
                         if t != EventType::Deleted
@@ -700,8 +715,10 @@ async fn write_patch(
         None
     };
     let mut stored = None;
+    let metrics = crate::observability::metrics::global();
     if let Some(status) = status {
         let status_patch = serde_json::json!({ "status": status });
+        metrics.inc("capstan_api_writes_total", &[("resource", &resource.plural)]);
         stored = Some(
             objects
                 .merge_patch(resource, ns, name, &status_patch, true)
@@ -709,6 +726,7 @@ async fn write_patch(
         );
     }
     if patch.as_object().is_some_and(|p| !p.is_empty()) {
+        metrics.inc("capstan_api_writes_total", &[("resource", &resource.plural)]);
         let result = objects.merge_patch(resource, ns, name, &patch, false).await?;
         if let Some(d) = desired {
             report_dropped_fields(&patch, &result, d);

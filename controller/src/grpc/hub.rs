@@ -439,8 +439,22 @@ impl Hub {
                     // Withdrawn before it reached a handler: nothing to abandon.
                     () = work.cancel.cancelled() => return Outcome::Cancelled,
                 };
+                let started = tokio::time::Instant::now();
                 match self.attempt(&work, grant).await {
-                    Delivery::Result(outcome) => return outcome,
+                    Delivery::Result(outcome) => {
+                        let metrics = crate::observability::metrics::global();
+                        let handler = work.handler_id.0.as_str();
+                        metrics.observe(
+                            "capstan_handler_duration_seconds",
+                            &[("handler", handler)],
+                            started.elapsed(),
+                        );
+                        metrics.inc(
+                            "capstan_handler_invocations_total",
+                            &[("handler", handler), ("outcome", outcome.as_str())],
+                        );
+                        return outcome;
+                    }
                     Delivery::Lost => {
                         losses += 1;
                         if losses >= self.inner.settings.max_losses {

@@ -81,8 +81,19 @@ fn route<B>(health: &Health, req: &Request<B>) -> Response<Full<Bytes>> {
     }
     match req.uri().path() {
         "/healthz" | "/livez" => report(&health.live()),
+        "/metrics" => {
+            let mut response = Response::new(Full::new(Bytes::from(super::metrics::global().render())));
+            response.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            response
+        }
         "/readyz" => report(&health.ready()),
-        "/" => text(StatusCode::OK, "capstan admin endpoint: /healthz /readyz\n"),
+        "/" => text(
+            StatusCode::OK,
+            "capstan admin endpoint: /healthz /readyz /metrics\n",
+        ),
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }
 }
