@@ -107,7 +107,7 @@ fi
 if $smoke; then
 	out=${BENCH_OUT:-$root/tests/bench/results/smoke}
 	args[1]=$out
-	args+=(--smoke --sizes 20 --b5-objects 20 --settle 1500ms --steady 1s)
+	args+=(--smoke --sizes 20 --b5-objects 20 --serial 5 --settle 1500ms --steady 1s)
 fi
 # shellcheck disable=SC2206 # BENCH_ARGS is split on purpose
 args+=(${BENCH_ARGS:-})

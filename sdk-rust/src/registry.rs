@@ -36,6 +36,8 @@ pub enum ErrorsMode {
 /// One registered handler.
 pub(crate) struct Entry {
     pub(crate) registration: pb::HandlerRegistration,
+    /// More resources the same handler is registered for (`also_for`).
+    pub(crate) also: Vec<pb::ResourceSelector>,
     pub(crate) handler: Arc<dyn Handler>,
     pub(crate) when: Option<WhenFn>,
     problems: Vec<String>,
@@ -195,6 +197,7 @@ impl Registry {
         };
         self.entries.push(Entry {
             registration,
+            also: Vec::new(),
             handler,
             when: None,
             problems: Vec::new(),
@@ -250,7 +253,17 @@ impl Registry {
                 return Err(fail("a timer needs an interval"));
             }
         }
-        Ok(self.entries.iter().map(|e| e.registration.clone()).collect())
+        Ok(self
+            .entries
+            .iter()
+            .flat_map(|e| {
+                std::iter::once(e.registration.clone()).chain(e.also.iter().map(|selector| {
+                    let mut r = e.registration.clone();
+                    r.resource = Some(selector.clone());
+                    r
+                }))
+            })
+            .collect())
     }
 
     /// Validates the registry and turns it into the dispatch table.
@@ -305,6 +318,15 @@ impl std::fmt::Debug for HandlerOptions<'_> {
 }
 
 impl HandlerOptions<'_> {
+    /// Registers the same handler for another resource selector too. Where several selectors
+    /// name the same resource, the controller calls the handler once per event of an object,
+    /// as kopf does for one function under several decorators.
+    pub fn also_for(self, selector: impl Into<Selector>) -> Self {
+        let selector: Selector = selector.into();
+        self.entry.also.push(selector.to_pb());
+        self
+    }
+
     fn filters(&mut self) -> &mut pb::Filters {
         self.entry
             .registration

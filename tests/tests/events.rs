@@ -31,15 +31,18 @@ async fn outcomes_and_log_records_are_posted_as_events() -> anyhow::Result<()> {
         let events = events_of(&s, "ev").await?;
         let messages: Vec<String> = events.iter().filter_map(|e| e.message.clone()).collect();
         let wanted = [
-            "Handler 'create_a' succeeded.",
             "create_c says hello to ev",
             "Creation is processed: 3 succeeded; 0 failed.",
         ];
         if wanted.iter().all(|w| messages.iter().any(|m| m == w)) {
             let e = events
                 .iter()
-                .find(|e| e.message.as_deref() == Some(wanted[1]))
+                .find(|e| e.message.as_deref() == Some(wanted[0]))
                 .expect("found above");
+            assert!(
+                !messages.iter().any(|m| m.ends_with("succeeded.")),
+                "one Event per handled change, not one per handler: {messages:?}"
+            );
             assert_eq!(e.type_.as_deref(), Some("Normal"));
             assert_eq!(e.reason.as_deref(), Some("Logging"));
             assert_eq!(e.involved_object.kind.as_deref(), Some("Example"));
@@ -87,5 +90,62 @@ async fn a_failing_handler_cannot_flood_the_api_with_events() -> anyhow::Result<
         warnings <= 13 && warnings < attempts,
         "{warnings} warning events for {attempts} failed attempts"
     );
+    Ok(())
+}
+
+#[tokio::test]
+async fn event_handlers_see_every_event_type_once_even_with_overlapping_selectors() -> anyhow::Result<()> {
+    let mut s = Scenario::start("event-overlap", &[]).await?;
+    let lines = |s: &Scenario| -> Vec<String> {
+        std::fs::read_to_string(&s.calls)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with("event "))
+            .map(str::to_owned)
+            .collect()
+    };
+    s.create("watched", json!({"size": 1})).await?;
+    let wait_for = |s: &Scenario, line: &str| {
+        let line = line.to_owned();
+        let calls = s.calls.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + T;
+            while !std::fs::read_to_string(&calls)
+                .unwrap_or_default()
+                .lines()
+                .any(|l| l == line)
+            {
+                anyhow::ensure!(tokio::time::Instant::now() < deadline, "no {line:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            anyhow::Ok(())
+        }
+    };
+    wait_for(&s, "event watched EVENT_TYPE_ADDED").await?;
+    s.patch("watched", json!({"spec": {"size": 2}})).await?;
+    wait_for(&s, "event watched EVENT_TYPE_MODIFIED").await?;
+    // A restarted controller sees the object in its initial listing.
+    s.controller.process.terminate().await?;
+    s.controller = capstan_tests::process::Controller::start(&s.env, "capstan", &[]).await?;
+    wait_for(&s, "event watched LISTING").await?;
+    s.delete("watched").await?;
+    wait_for(&s, "event watched EVENT_TYPE_DELETED").await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let seen = lines(&s);
+    for t in [
+        "EVENT_TYPE_ADDED",
+        "EVENT_TYPE_MODIFIED",
+        "LISTING",
+        "EVENT_TYPE_DELETED",
+    ] {
+        let n = seen
+            .iter()
+            .filter(|l| **l == format!("event watched {t}"))
+            .count();
+        assert_eq!(
+            n, 1,
+            "{t} seen {n} times although three selectors name the resource: {seen:?}"
+        );
+    }
     Ok(())
 }

@@ -257,6 +257,13 @@ async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
     if !deleting && !must_block && present {
         finalizer = FinalizerChange::Remove;
     }
+    // As in kopf: an object that no change handler could ever match is invisible to the
+    // change machinery — no diff-base, no records, no writes (event-only operators, daemons).
+    let changing = input.handlers.iter().any(|h| h.kind.is_changing() && matching::prematch(h, body_only));
+    if !changing {
+        let finalizer = if deleting && present { FinalizerChange::Remove } else { finalizer };
+        return Plan::idle(Cause::Noop, body, finalizer);
+    }
     let changed = old.as_ref() != Some(&new);
     let initial = input.memory.noticed_by_listing && !input.memory.fully_handled_once;
     let cause = causes::detect(Facts {
@@ -379,7 +386,8 @@ async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
                             reopen_for_children(&mut record, &step.children, now);
                         } else {
                             info!(handler.id = %reg.id, "handler succeeded");
-                            notes.push((Level::Info, format!("Handler '{}' succeeded.", reg.id)));
+                            // Debug: logged, not posted — one Event per handled change is the summary below.
+                            notes.push((Level::Debug, format!("Handler '{}' succeeded.", reg.id)));
                         }
                     }
                     Err(d) => {

@@ -31,10 +31,16 @@ impl Registry {
     /// Folds in the registrations of the currently connected processes.
     pub fn update(&mut self, connected: &[Registration]) {
         if !connected.is_empty() {
-            self.known.retain(|k| connected.iter().any(|c| c.id == k.id));
+            // A handler may come with several selectors: keep exactly the connected ones.
+            self.known
+                .retain(|k| connected.iter().any(|c| c.id == k.id && c.selector == k.selector));
         }
         for reg in connected {
-            match self.known.iter_mut().find(|k| k.id == reg.id) {
+            match self
+                .known
+                .iter_mut()
+                .find(|k| k.id == reg.id && k.selector == reg.selector)
+            {
                 Some(k) => *k = reg.clone(),
                 None => self.known.push(reg.clone()),
             }
@@ -106,7 +112,11 @@ impl Registry {
                 let mut reg = reg.clone();
                 let key = ResourceKey::of(&resource);
                 reg.resource = Some(resource);
-                groups.entry(key).or_default().push(reg);
+                let group = groups.entry(key).or_default();
+                // Overlapping selectors of one handler: called once per event (kopf).
+                if !group.iter().any(|r| r.id == reg.id) {
+                    group.push(reg);
+                }
             }
         }
         groups.into_iter().map(|(k, v)| (k, Arc::new(v))).collect()

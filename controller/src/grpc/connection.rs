@@ -7,7 +7,7 @@
 //! owns dispatch; this module only moves messages and watches liveness (application pings).
 //! A protocol violation ends this stream and no other.
 
-use std::{collections::HashSet, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use capstan_proto::pb::{self, connect_request::Message as In, connect_response::Message as Out};
 use futures::future::BoxFuture;
@@ -232,7 +232,10 @@ async fn validate(
 ) -> (Vec<pb::RegistrationStatus>, Vec<Registration>) {
     let mut statuses = Vec::with_capacity(hello.handlers.len());
     let mut accepted = Vec::new();
-    let mut seen = HashSet::new();
+    // The same handler may be registered for several selectors (same id and kind, another
+    // resource): kopf's one function under several decorators.
+    let mut seen: std::collections::HashMap<String, (i32, Vec<Option<pb::ResourceSelector>>)> =
+        std::collections::HashMap::new();
     let ids: Vec<HandlerId> = hello
         .handlers
         .iter()
@@ -246,7 +249,7 @@ async fn validate(
         };
         let result = match convert::registration(index, raw) {
             Err(diags) => Err(diags),
-            Ok(_) if !seen.insert(raw.handler_id.clone()) => Err(vec![
+            Ok(_) if !first_or_another_selector(&mut seen, raw) => Err(vec![
                 Diagnostic::error(
                     "DUPLICATE_HANDLER_ID",
                     format!("handler id {:?} is registered more than once", raw.handler_id),
@@ -300,6 +303,27 @@ async fn validate(
         statuses.push(status);
     }
     (statuses, accepted)
+}
+
+/// Records a registration; false when its id is already taken by another kind, or by the same
+/// kind with the same selector.
+fn first_or_another_selector(
+    seen: &mut std::collections::HashMap<String, (i32, Vec<Option<pb::ResourceSelector>>)>,
+    raw: &pb::HandlerRegistration,
+) -> bool {
+    match seen.get_mut(&raw.handler_id) {
+        None => {
+            seen.insert(raw.handler_id.clone(), (raw.kind, vec![raw.resource.clone()]));
+            true
+        }
+        Some((kind, selectors))
+            if *kind == raw.kind && raw.resource.is_some() && !selectors.contains(&raw.resource) =>
+        {
+            selectors.push(raw.resource.clone());
+            true
+        }
+        Some(_) => false,
+    }
 }
 
 fn message_name(m: &In) -> &'static str {

@@ -95,6 +95,8 @@ struct HandlerSlot {
     /// Daemons run for an object's lifetime: they do not count against the process cap, so
     /// they can never starve change handlers.
     uncapped: bool,
+    /// The same handler registered for more resources (same id and kind).
+    also: Vec<Registration>,
 }
 
 #[derive(Clone)]
@@ -198,6 +200,12 @@ impl Hub {
         let mut order = Vec::new();
         let mut taken = Vec::new();
         for reg in registrations {
+            if let Some(slot) = handlers.get_mut(&reg.id) {
+                // Another selector of a handler of this same connection.
+                let slot: &mut HandlerSlot = slot;
+                slot.also.push(reg);
+                continue;
+            }
             if state.owners.contains_key(&reg.id) {
                 taken.push(reg);
                 continue;
@@ -211,6 +219,7 @@ impl Hub {
                     uncapped: reg.kind == crate::model::HandlerKind::Daemon,
                     registration: reg,
                     in_flight: 0,
+                    also: Vec::new(),
                 },
             );
         }
@@ -408,7 +417,7 @@ impl Hub {
                 c.order
                     .iter()
                     .filter_map(|id| c.handlers.get(id))
-                    .map(|s| s.registration.clone())
+                    .flat_map(|s| std::iter::once(s.registration.clone()).chain(s.also.iter().cloned()))
             })
             .collect();
         self.inner.registrations.send_if_modified(|current| {

@@ -103,21 +103,10 @@ impl Objects {
         patch: &Value,
         status: bool,
     ) -> Result<Value, Error> {
-        let api = self.api(resource, Some(namespace));
-        let params = PatchParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..PatchParams::default()
-        };
-        let obj = if status {
-            api.patch_status(name, &params, &Patch::Merge(patch)).await?
-        } else {
-            api.patch(name, &params, &Patch::Merge(patch)).await?
-        };
-        Ok(to_value(obj))
+        self.send_merge_patch(resource, namespace, name, patch, status, false)
+            .await
     }
-}
 
-impl Objects {
     /// Validates a merge patch with a server-side dry run (nothing is stored).
     ///
     /// # Errors
@@ -130,18 +119,32 @@ impl Objects {
         patch: &Value,
         status: bool,
     ) -> Result<(), Error> {
+        self.send_merge_patch(resource, namespace, name, patch, status, true)
+            .await
+            .map(|_| ())
+    }
+
+    async fn send_merge_patch(
+        &self,
+        resource: &ResolvedResource,
+        namespace: &str,
+        name: &str,
+        patch: &Value,
+        status: bool,
+        dry_run: bool,
+    ) -> Result<Value, Error> {
         let api = self.api(resource, Some(namespace));
         let params = PatchParams {
             field_manager: Some(FIELD_MANAGER.into()),
-            dry_run: true,
+            dry_run,
             ..PatchParams::default()
         };
-        if status {
-            api.patch_status(name, &params, &Patch::Merge(patch)).await?;
+        let obj = if status {
+            api.patch_status(name, &params, &Patch::Merge(patch)).await?
         } else {
-            api.patch(name, &params, &Patch::Merge(patch)).await?;
-        }
-        Ok(())
+            api.patch(name, &params, &Patch::Merge(patch)).await?
+        };
+        Ok(to_value(obj))
     }
 }
 

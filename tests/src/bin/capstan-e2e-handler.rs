@@ -226,6 +226,19 @@ async fn main() -> anyhow::Result<()> {
                     .on_create(RESOURCE, "parent", parent)
                     .backoff(Duration::from_secs(1));
             }
+            "event-overlap" => {
+                registry
+                    .on_event(RESOURCE, "event_fn", |ctx: Context| async move {
+                        let t = match ctx.event_type() {
+                            None | Some(capstan_sdk::EventType::Unspecified) => "LISTING",
+                            Some(t) => t.as_str_name(),
+                        };
+                        note(&format!("event {} {t}", ctx.name()));
+                        Ok::<_, HandlerError>(None)
+                    })
+                    .also_for("cex")
+                    .also_for("Example");
+            }
             "event" => {
                 registry.on_event(RESOURCE, "event_fn", |ctx: Context| async move {
                     log_call(&ctx);

@@ -28,15 +28,27 @@ type auditEvent struct {
 // the controller (anything but the benchmark driver and the API server itself) in the
 // scenario's namespace and time window. A namespace "ns#name" counts only requests on that
 // object and on Events.
-func countWrites(path string, scenarios []*b4Result) error {
+func countWrites(paths []string, scenarios []*b4Result) error {
+	for _, s := range scenarios {
+		s.Writes = map[string]int{}
+	}
+	if len(paths) == 0 {
+		return os.ErrNotExist
+	}
+	for _, path := range paths {
+		if err := countFile(path, scenarios); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func countFile(path string, scenarios []*b4Result) error {
 	f, err := os.Open(path)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
-	for _, s := range scenarios {
-		s.Writes = map[string]int{}
-	}
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 1<<20), 16<<20)
 	for sc.Scan() {
