@@ -259,9 +259,16 @@ async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
     }
     // As in kopf: an object that no change handler could ever match is invisible to the
     // change machinery — no diff-base, no records, no writes (event-only operators, daemons).
-    let changing = input.handlers.iter().any(|h| h.kind.is_changing() && matching::prematch(h, body_only));
+    let changing = input
+        .handlers
+        .iter()
+        .any(|h| h.kind.is_changing() && matching::prematch(h, body_only));
     if !changing {
-        let finalizer = if deleting && present { FinalizerChange::Remove } else { finalizer };
+        let finalizer = if deleting && present {
+            FinalizerChange::Remove
+        } else {
+            finalizer
+        };
         return Plan::idle(Cause::Noop, body, finalizer);
     }
     let changed = old.as_ref() != Some(&new);
