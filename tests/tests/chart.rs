@@ -395,7 +395,27 @@ fn check_ci_objects(stem: &str, ns: &str, objs: &[Value]) -> Result<()> {
     ensure!(lookup(&henv, "CAPSTAN_ENDPOINT") == Some("unix:///run/capstan/capstan.sock"));
     ensure!(lookup(&cenv, "CAPSTAN_LISTEN") == Some("unix:///run/capstan/capstan.sock"));
 
-    let cluster_roles = find(objs, "ClusterRole");
+    let all_cluster_roles = find(objs, "ClusterRole");
+    let crd_watch = all_cluster_roles
+        .iter()
+        .filter(|r| {
+            r["metadata"]["name"]
+                .as_str()
+                .is_some_and(|n| n.ends_with("-crds"))
+        })
+        .count();
+    ensure!(
+        crd_watch == 1,
+        "{stem}: a ClusterRole to watch CRDs (rbac.watchCrds)"
+    );
+    let cluster_roles: Vec<_> = all_cluster_roles
+        .into_iter()
+        .filter(|r| {
+            !r["metadata"]["name"]
+                .as_str()
+                .is_some_and(|n| n.ends_with("-crds"))
+        })
+        .collect();
     let roles = find(objs, "Role");
     let all_rules: Vec<&Value> = cluster_roles
         .iter()

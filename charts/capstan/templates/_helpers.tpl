@@ -199,6 +199,10 @@ The environment of the capstan container: how the chart configures `capstan run`
 - name: CAPSTAN_NODE_CLEANUP
   value: {{ .Values.daemonset.nodeCleanup | quote }}
 {{- end }}
+{{- if not .Values.rbac.watchCrds }}
+- name: CAPSTAN_NO_CRD_WATCH
+  value: "true"
+{{- end }}
 {{- with .Values.capstan.extraEnv }}
 {{ toYaml . }}
 {{- end }}

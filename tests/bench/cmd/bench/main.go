@@ -215,13 +215,13 @@ func runBench(args []string) error {
 	res.Machine.LoadAfter = loadAverage()
 	stopObserver()
 	env.stop(30 * time.Second)
+	if ctx.Err() != nil {
+		return fmt.Errorf("interrupted; no report written (logs in %s)", work)
+	}
 	if err := writeReport(o.out, res); err != nil {
 		return err
 	}
 	say("wrote %s", filepath.Join(o.out, "latest.md"))
-	if ctx.Err() != nil {
-		return ctx.Err()
-	}
 	if len(res.Failures) > 0 {
 		for _, f := range res.Failures {
 			fmt.Fprintln(os.Stderr, "FAILED:", f)
@@ -318,10 +318,17 @@ func (b *bencher) runController(c controller) {
 	if c.B4 {
 		b.runB4(c, short)
 	}
-	b.runB1B2(c, short, cr)
-	b.cleanup(c)
-	b.runB5(c, short, cr)
-	b.cleanup(c)
+	for _, phase := range []func(){
+		func() { b.runB1B2(c, short, cr) },
+		func() { b.cleanup(c) },
+		func() { b.runB5(c, short, cr) },
+		func() { b.cleanup(c) },
+	} {
+		if b.ctx.Err() != nil {
+			return
+		}
+		phase()
+	}
 }
 
 // probe creates one object in a fresh namespace and waits for its marker: the controller is up.
@@ -351,7 +358,7 @@ func (b *bencher) runB1B2(c controller, short string, cr *controllerResult) {
 	// One object at a time: the unloaded per-object latency.
 	serialNS := b.namespace("bench-" + short + "-serial")
 	var serial []float64
-	for i := 0; i < b.o.serial; i++ {
+	for i := 0; i < b.o.serial && b.ctx.Err() == nil; i++ {
 		name := fmt.Sprintf("one-%03d", i)
 		if _, err := b.dyn.Resource(exampleGVR).Namespace(serialNS).Create(b.ctx, newExample(serialNS, name, spec1KiB()), metav1.CreateOptions{}); err != nil {
 			b.fail("%s: serial create: %v", c.Name, err)
@@ -374,6 +381,9 @@ func (b *bencher) runB1B2(c controller, short string, cr *controllerResult) {
 	}
 	total := 1 + len(serial)
 	for _, n := range b.o.sizes {
+		if b.ctx.Err() != nil {
+			return
+		}
 		if c.Name == "kopf" && n > b.o.kopfMax {
 			cr.Notes = append(cr.Notes, fmt.Sprintf("N=%d skipped for kopf (capped at %d)", n, b.o.kopfMax))
 			continue
@@ -446,6 +456,9 @@ func (b *bencher) runB1B2(c controller, short string, cr *controllerResult) {
 func (b *bencher) runB5(c controller, short string, cr *controllerResult) {
 	sizes := []int{1, b.o.b5Large}
 	for _, m := range sizes {
+		if b.ctx.Err() != nil {
+			return
+		}
 		if c.Name == "kopf" && m > b.o.kopfMax {
 			m = b.o.kopfMax
 		}
@@ -462,7 +475,7 @@ func (b *bencher) runB5(c controller, short string, cr *controllerResult) {
 			b.fail("%s: B5 M=%d: starting: %v", c.Name, m, err)
 			return
 		}
-		first, err := waitFileNonEmpty(callLog, b.waitTimeout(m), r.alive)
+		first, err := waitFileNonEmpty(callLog, b.waitTimeout(m), func() bool { return r.alive() && b.ctx.Err() == nil })
 		if err != nil {
 			b.fail("%s: B5 M=%d: no handler call: %v\n%s", c.Name, m, err, r.tails())
 			r.stop()
@@ -579,6 +592,9 @@ func (b *bencher) runB4(c controller, short string) {
 		}},
 	}
 	for _, cfg := range configs {
+		if b.ctx.Err() != nil {
+			return
+		}
 		ns := b.namespace(fmt.Sprintf("b4-%s-%s", short, cfg.ns))
 		callLog := b.callLog(c, "b4-"+cfg.ns)
 		say("%s: B4 %s", c.Name, cfg.presets)
