@@ -159,8 +159,31 @@ pub(crate) async fn run(
     }
 }
 
+/// Whether every rejected registration of a `NO_HANDLERS_ACCEPTED` status was rejected only
+/// because another connection holds its id (`[HANDLER_ID_TAKEN]` in the message).
+fn only_taken(message: &str) -> bool {
+    let Some(list) = message
+        .split_once('(')
+        .map(|(_, rest)| rest.trim_end_matches(')'))
+    else {
+        return false;
+    };
+    let reasons: Vec<&str> = list
+        .split("; ")
+        .filter_map(|item| item.split_once('['))
+        .filter_map(|(_, r)| r.split_once(']'))
+        .map(|(r, _)| r)
+        .collect();
+    !reasons.is_empty()
+        && reasons
+            .iter()
+            .all(|r| r.split(',').all(|x| x == "HANDLER_ID_TAKEN"))
+}
+
 fn lost_or_rejected(status: tonic::Status, welcomed: bool) -> Result<Ended> {
-    if status.code() == Code::FailedPrecondition {
+    // Handler ids still held by a previous connection of a process that just died are taken
+    // only until the controller notices it is gone: retry those; anything else is final.
+    if status.code() == Code::FailedPrecondition && !only_taken(status.message()) {
         return Err(Error::Rejected { status });
     }
     Ok(Ended::Lost {
@@ -438,5 +461,19 @@ mod tests {
         ));
         assert!(Dialer::parse("unix://relative").is_err());
         assert!(Dialer::parse("127.0.0.1:7070").is_err());
+    }
+}
+
+#[cfg(test)]
+mod taken_tests {
+    use super::only_taken;
+
+    #[test]
+    fn retries_only_when_every_id_is_merely_taken() {
+        let taken = "NO_HANDLERS_ACCEPTED: no handler registration was accepted (a: [HANDLER_ID_TAKEN] held; b: [HANDLER_ID_TAKEN] held)";
+        assert!(only_taken(taken));
+        let bad = "NO_HANDLERS_ACCEPTED: no handler registration was accepted (a: [HANDLER_ID_TAKEN] held; b: [BAD_FILTER] x)";
+        assert!(!only_taken(bad));
+        assert!(!only_taken("NO_HANDLERS_ACCEPTED: something else"));
     }
 }

@@ -68,10 +68,10 @@ pub struct Queue {
 
 #[derive(Default)]
 struct Slot {
-    pending: Option<(EventType, Value)>,
+    pending: Option<(EventType, Stored)>,
     running: bool,
     memory: Memory,
-    last_body: Option<Value>,
+    last_body: Option<Stored>,
     written_rv: Option<u64>,
     timer: Option<JoinHandle<()>>,
     gone: bool,
@@ -184,7 +184,7 @@ impl Queue {
                 1.0,
             );
         }
-        slot.pending = Some((event_type, body));
+        slot.pending = Some((event_type, Stored::new(&body)));
         if !slot.running {
             slot.running = true;
             let queue = self.clone();
@@ -200,7 +200,7 @@ impl Queue {
             slots
                 .values()
                 .filter(|s| !s.gone && s.pending.is_none())
-                .filter_map(|s| s.last_body.clone())
+                .filter_map(|s| s.last_body.as_ref().map(Stored::value))
                 .collect()
         };
         debug!(
@@ -223,7 +223,7 @@ impl Queue {
             .lock()
             .values()
             .filter(|s| !s.gone)
-            .filter_map(|s| s.last_body.clone())
+            .filter_map(|s| s.last_body.as_ref().map(Stored::value))
             .collect()
     }
 
@@ -253,7 +253,7 @@ impl Queue {
                     // Events that arrived while our own write was in flight may predate it.
                     Some((t, body))
                         if t != EventType::Deleted
-                            && matches!((slot.written_rv, rv_of(&body)), (Some(w), Some(rv)) if rv < w) =>
+                            && matches!((slot.written_rv, body.rv), (Some(w), Some(rv)) if rv < w) =>
                     {
                         debug!(%uid, "stale event older than our own write dropped");
                         continue;
@@ -274,15 +274,16 @@ impl Queue {
                     }
                 }
             };
-            let Some(((event_type, body), memory)) = next else {
+            let Some(((event_type, stored), memory)) = next else {
                 return;
             };
+            let body = stored.value();
             if *self.ctx.paused.borrow() && event_type != EventType::Deleted {
                 // Paused (frozen, standby, draining): nothing is processed or written; the
                 // newest body is kept for when dispatch resumes.
                 let mut slots = self.slots.lock();
                 if let Some(slot) = slots.get_mut(&uid) {
-                    slot.last_body = Some(body);
+                    slot.last_body = Some(stored);
                     slot.running = false;
                     if slot.pending.is_none() {
                         return;
@@ -371,11 +372,11 @@ impl Queue {
         match written {
             Written::Stored(stored) => {
                 slot.written_rv = rv_of(&stored).or(slot.written_rv);
-                slot.last_body = Some(stored);
+                slot.last_body = Some(Stored::new(&stored));
             }
             Written::Nothing => {
                 slot.written_rv = rv_of(&plan.base).max(slot.written_rv);
-                slot.last_body = Some(plan.base.clone());
+                slot.last_body = Some(Stored::new(&plan.base));
             }
             Written::Gone => {
                 slot.gone = true;
@@ -534,7 +535,7 @@ impl Queue {
                 slot.rerun = true;
                 return;
             }
-            slot.last_body.clone()
+            slot.last_body.as_ref().map(Stored::value)
         };
         if let Some(body) = body {
             self.push(EventType::Modified, body);
@@ -777,6 +778,27 @@ fn strip_server_fields(patch: &mut Value) {
         {
             p.remove("metadata");
         }
+    }
+}
+
+/// An object body kept between cycles, as compact JSON text: a parsed `Value` of a typical
+/// object takes several times the size of its text, and thousands of them are kept.
+#[derive(Clone)]
+struct Stored {
+    rv: Option<u64>,
+    json: Box<[u8]>,
+}
+
+impl Stored {
+    fn new(body: &Value) -> Self {
+        Self {
+            rv: rv_of(body),
+            json: serde_json::to_vec(body).unwrap_or_default().into_boxed_slice(),
+        }
+    }
+
+    fn value(&self) -> Value {
+        serde_json::from_slice(&self.json).unwrap_or(Value::Null)
     }
 }
 

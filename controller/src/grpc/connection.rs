@@ -139,7 +139,15 @@ pub async fn accept(
     if accepted.is_empty() {
         let why: Vec<String> = statuses
             .iter()
-            .map(|s| format!("{}: {}", s.handler_id, convert_summary(&s.diagnostics)))
+            .map(|s| {
+                let reasons: Vec<&str> = s.diagnostics.iter().map(|d| d.reason.as_str()).collect();
+                format!(
+                    "{}: [{}] {}",
+                    s.handler_id,
+                    reasons.join(","),
+                    convert_summary(&s.diagnostics)
+                )
+            })
             .collect();
         warn!(sdk = %sdk.name, rejected = %why.join("; "), "no handler registration accepted");
         return Err(Status::failed_precondition(format!(
