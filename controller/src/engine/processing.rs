@@ -554,7 +554,6 @@ fn compose(
         let handled = rules.essence(&desired);
         if cause != Cause::Delete && old != Some(&handled) {
             storage.diffbase.store(&handled, &mut desired);
-            mark_managed(storage, &mut desired);
         }
         if cause == Cause::Delete {
             finalizer = FinalizerChange::Remove;
@@ -587,6 +586,8 @@ fn compose(
             );
         }
     }
+    mark_managed(storage, &mut desired);
+    mark_managed(storage, &mut fallback);
     let desired = (desired != *body).then_some(desired);
     let fallback = (!patched.is_empty()).then_some(fallback);
     if finalizer == FinalizerChange::Remove && !has_finalizer(body, &storage.keys.finalizer) {
@@ -606,12 +607,21 @@ fn compose(
     }
 }
 
-fn mark_managed(storage: &Storage, body: &mut Value) {
-    if !storage.keys.prefix.starts_with("kopf.") && storage.diffbase.annotation_key().is_some() {
-        object_at(body, &["metadata", "annotations"]).insert(
-            format!("{}/{}", storage.keys.prefix, essence::MANAGED_MARKER),
-            Value::String("yes".into()),
-        );
+/// Marks our annotation prefix as an operator's (`<prefix>/kopf-managed`) whenever the body
+/// carries any annotation under it, so that other operators — other nodes in per-node mode,
+/// kopf — leave them out of their essences from the very first write (a progress record
+/// written before the diff-base would otherwise look like a change to them).
+pub(crate) fn mark_managed(storage: &Storage, body: &mut Value) {
+    if storage.keys.prefix.starts_with("kopf.") {
+        return;
+    }
+    let marker = format!("{}/{}", storage.keys.prefix, essence::MANAGED_MARKER);
+    let ours = body
+        .pointer("/metadata/annotations")
+        .and_then(Value::as_object)
+        .is_some_and(|a| a.keys().any(|k| k != &marker && storage.keys.owns(k)));
+    if ours {
+        object_at(body, &["metadata", "annotations"]).insert(marker, Value::String("yes".into()));
     }
 }
 
@@ -640,6 +650,7 @@ pub fn reject(patched: &Patched, storage: &Storage, message: &str, body: &mut Va
         &text,
     );
     storage.progress.store(&patched.registration.id.0, &record, body);
+    mark_managed(storage, body);
 }
 
 /// Adds an accepted handler's changes and records to `body`.
@@ -653,6 +664,7 @@ pub fn accept(patched: &Patched, storage: &Storage, body: &mut Value) {
     for (id, record) in &patched.children {
         storage.progress.store(id, record, body);
     }
+    mark_managed(storage, body);
 }
 
 /// The RFC 7386 merge patch that turns `from` into `to`; `None` when they are equal.

@@ -500,6 +500,7 @@ impl Queue {
                 }
             }
         }
+        processing::mark_managed(storage, &mut desired);
         if desired == body {
             return (body, wake);
         }
