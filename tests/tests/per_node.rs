@@ -198,7 +198,10 @@ async fn event_handlers_are_retried_and_departed_nodes_are_cleaned_up() -> anyho
     .await?;
     assert!(diffbases(&o).len() == 2);
 
-    // node-b's Node is deleted: node-a (the lowest live name) removes node-b's state.
+    // node-b goes away with its operator, and its Node is deleted: node-a (the lowest live
+    // name) removes node-b's state.
+    let mut b = b;
+    b.controller.process.kill().await?;
     env.kubectl_ok(&["delete", "node", "node-b", "--wait=false"])
         .await?;
     let o = wait(&env, "ev", "node-b's annotations removed", &[&a, &b], |o| {
