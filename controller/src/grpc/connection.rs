@@ -169,6 +169,7 @@ pub async fn accept(
     for reg in &taken {
         reject_taken(&mut statuses, &reg.id);
     }
+    let accepted_count = statuses.iter().filter(|s| s.accepted).count();
     let welcome = pb::Welcome {
         connection_id: conn.to_string(),
         capabilities: capabilities.iter().map(|c| *c as i32).collect(),
@@ -196,7 +197,7 @@ pub async fn accept(
     let span = info_span!("connection", connection.id = conn, sdk = %sdk.name, sdk.version = %sdk.version, peer.instance = %hello.instance_id);
     span.in_scope(|| {
         info!(
-            handlers = hub_handler_count(&hub, conn),
+            handlers = accepted_count,
             max_in_flight, "handler process connected"
         )
     });
@@ -210,10 +211,6 @@ pub async fn accept(
     };
     tokio::spawn(task.run(inbound, out_rx).instrument(span));
     Ok(ReceiverStream::new(resp_rx))
-}
-
-fn hub_handler_count(hub: &Hub, _conn: ConnectionId) -> usize {
-    hub.registrations().borrow().len()
 }
 
 fn convert_summary(diagnostics: &[pb::Diagnostic]) -> String {
