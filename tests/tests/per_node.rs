@@ -171,7 +171,7 @@ async fn event_handlers_are_retried_and_departed_nodes_are_cleaned_up() -> anyho
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
     create_nodes(&env, &["node-a", "node-b"]).await?;
-    let a = node(&env, "node-a", "create,event-retry", &[]).await?;
+    let mut a = node(&env, "node-a", "create,event-retry", &[]).await?;
     let b = node(&env, "node-b", "create,event-retry", &[("E2E_FAIL_FIRST", "2")]).await?;
     let api = examples(&env.client().await?, "default");
     let obj = serde_json::from_value(json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
@@ -211,12 +211,11 @@ async fn event_handlers_are_retried_and_departed_nodes_are_cleaned_up() -> anyho
     })
     .await?;
     assert!(diffbases(&o).contains(&"node-a.capstan.dev/last-handled-configuration".to_owned()));
-    assert!(
-        a.controller
-            .process
-            .output()
-            .contains("cleaned up after the deleted node")
-    );
+    // The object's last patch lands before the cleaner logs its summary.
+    a.controller
+        .process
+        .wait_for("cleaned up after the deleted node", Duration::from_secs(10))
+        .await?;
     Ok(())
 }
 

@@ -21,12 +21,12 @@ use serde_json::{Value, json};
 const RESOURCE: &str = "examples.demo.capstan.dev";
 
 fn log_call(ctx: &Context) {
-    let Ok(path) = std::env::var("E2E_LOG") else {
-        return;
-    };
-    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
-        let _ = writeln!(f, "{} {} {}", ctx.handler_id(), ctx.name(), ctx.retry() + 1);
-    }
+    note(&format!(
+        "{} {} {}",
+        ctx.handler_id(),
+        ctx.name(),
+        ctx.retry() + 1
+    ));
 }
 
 /// The behaviour every handler shares: log the call, then fail, sleep or patch as the spec says.
@@ -117,12 +117,14 @@ async fn field_fn(ctx: Context) -> HandlerResult {
     Ok(None)
 }
 
+/// Appends one line to `E2E_LOG` with a single `write`: concurrent invocations append whole
+/// lines (`O_APPEND`), where `writeln!` on a `File` would write piece by piece and interleave.
 fn note(line: &str) {
     let Ok(path) = std::env::var("E2E_LOG") else {
         return;
     };
     if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
-        let _ = writeln!(f, "{line}");
+        let _ = f.write_all(format!("{line}\n").as_bytes());
     }
 }
 
@@ -243,11 +245,7 @@ async fn main() -> anyhow::Result<()> {
                 registry.on_event(RESOURCE, "event_fn", |ctx: Context| async move {
                     log_call(&ctx);
                     let t = ctx.event_type().map_or("LISTING", |t| t.as_str_name());
-                    if let Ok(path) = std::env::var("E2E_LOG")
-                        && let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path)
-                    {
-                        let _ = writeln!(f, "event {} {t}", ctx.name());
-                    }
+                    note(&format!("event {} {t}", ctx.name()));
                     Ok::<_, HandlerError>(None)
                 });
             }
