@@ -144,6 +144,10 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
         info!(lease = lease.as_deref().unwrap_or_default(), %identity, "leader election started");
         let mut elector = Elector::new(election.clone(), identity, store, gate.clone());
         let status = elector.status();
+        let leading = status.clone();
+        crate::observability::metrics::global().gauge_fn("capstan_leader", move || {
+            if leading.lock().leading { 1.0 } else { 0.0 }
+        });
         health.readiness("leadership", move || Check::pass(status.lock().describe()));
         let stop = election_stop.clone();
         tokio::spawn(

@@ -13,6 +13,7 @@ use crate::{
     engine::processing::Storage,
     grpc::Listen,
     k8s::peering::Target,
+    model::Level,
     observability::logging,
     peering,
     persistence::{DiffBaseStorage, Keys, ProgressStorage},
@@ -149,6 +150,12 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_NODE_CLEANUP", default_value_t = true, action = clap::ArgAction::Set)]
     pub node_cleanup: bool,
 
+    /// In per-node mode, the lowest live node cleans up after a deleted Node at once; the next
+    /// two wait this long each and clean what is left (e.g. when the lowest node runs no
+    /// operator).
+    #[arg(long, env = "CAPSTAN_NODE_CLEANUP_DELAY", value_parser = parse_duration, default_value = "30s")]
+    pub node_cleanup_delay: Duration,
+
     /// Serve every namespace (the default when no --namespace is given).
     #[arg(long, short = 'A', env = "CAPSTAN_ALL_NAMESPACES")]
     pub all_namespaces: bool,
@@ -210,6 +217,16 @@ pub struct RunArgs {
     /// finished, their progress is written first (so a crash does not run them again).
     #[arg(long, env = "CAPSTAN_CHECKPOINT_AFTER", value_parser = parse_duration, default_value = "1s")]
     pub checkpoint_after: Duration,
+
+    /// Post Kubernetes Events on objects for handler outcomes and log records (rate-limited
+    /// and aggregated); `--events false` posts none.
+    #[arg(long, env = "CAPSTAN_EVENTS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub events: bool,
+
+    /// The lowest level of outcomes and handler log records that become Events (records a
+    /// handler marks as always posted are posted whatever the level).
+    #[arg(long, env = "CAPSTAN_EVENT_LEVEL", value_enum, default_value_t = EventLevel::Info)]
+    pub event_level: EventLevel,
 
     /// Restart a watch that delivers nothing, not even a bookmark, for this long.
     #[arg(long, env = "CAPSTAN_WATCH_INACTIVITY_TIMEOUT", value_parser = parse_duration, default_value = "5m")]
@@ -292,6 +309,17 @@ pub enum Finalizers {
     True,
     /// No: delete handlers run only if something else holds the object.
     False,
+}
+
+/// The lowest level posted as an Event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EventLevel {
+    /// Successes and info records too (Normal Events).
+    Info,
+    /// Retries, warnings and failures (Warning Events).
+    Warning,
+    /// Permanent failures and error records only.
+    Error,
 }
 
 /// Whose persistence conventions are followed.
@@ -421,6 +449,7 @@ impl RunArgs {
             name,
             base_prefix: self.persistence_prefix.clone(),
             cleanup: self.node_cleanup,
+            fallback_delay: self.node_cleanup_delay,
             status_field: self.status_field.clone(),
         });
         settings.engine.namespaces = if self.all_namespaces {
@@ -431,6 +460,12 @@ impl RunArgs {
         settings.engine.worker_limit = self.worker_limit.max(1);
         settings.engine.watch.inactivity_timeout = self.watch_inactivity_timeout;
         settings.engine.checkpoint_after = self.checkpoint_after;
+        settings.engine.events.enabled = self.events;
+        settings.engine.events.level = match self.event_level {
+            EventLevel::Info => Level::Info,
+            EventLevel::Warning => Level::Warning,
+            EventLevel::Error => Level::Error,
+        };
         settings.engine.activities.probe_timeout = self.probe_timeout;
         settings.engine.watch_crds = !self.no_crd_watch;
         settings.peering = peering::Settings {

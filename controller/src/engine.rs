@@ -123,6 +123,8 @@ pub struct Engine {
 /// One watched resource.
 struct Watched {
     handlers: watch::Sender<Arc<Vec<Registration>>>,
+    /// The selectors the watch applies on the server (see [`common_selectors`]).
+    selectors: (Option<String>, Option<String>),
     cancel: CancellationToken,
     queue: Queue,
     checks: Vec<String>,
@@ -262,6 +264,15 @@ impl Engine {
                 }
             }
             for (key, handlers) in groups {
+                if let Some(w) = watched.remove(&key) {
+                    if w.selectors == common_selectors(&handlers) {
+                        watched.insert(key.clone(), w);
+                    } else {
+                        // The server-side selectors would hide objects from the new handlers.
+                        info!(resource = %key.plural, "handlers' selectors changed; restarting the watch");
+                        self.stop(w);
+                    }
+                }
                 match watched.get(&key) {
                     Some(w) => {
                         let changed = w.handlers.send_if_modified(|current| {
@@ -403,7 +414,8 @@ impl Engine {
             _ => vec![None],
         };
         let served = self.settings.namespaces.clone();
-        let (label_selector, field_selector) = common_selectors(&handlers);
+        let selectors = common_selectors(&handlers);
+        let (label_selector, field_selector) = selectors.clone();
         let mut checks = Vec::new();
         for scope in scopes {
             let status = k8s_watch::Status::default();
@@ -468,6 +480,7 @@ impl Engine {
         self.queues.lock().push((resource.clone(), queue.clone()));
         Watched {
             handlers: handlers_tx,
+            selectors,
             cancel,
             queue,
             checks,
@@ -476,7 +489,8 @@ impl Engine {
 }
 
 /// Server-side selectors shared by every handler of a resource (only then can the watch use
-/// them without hiding objects from some handler).
+/// them without hiding objects from some handler; each handler's own selectors are checked in
+/// [`matching::prematch`] either way).
 fn common_selectors(handlers: &[Registration]) -> (Option<String>, Option<String>) {
     let pick = |f: fn(&Registration) -> &str| {
         let first = handlers.first().map(f).unwrap_or_default();

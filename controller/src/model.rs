@@ -10,6 +10,7 @@ pub mod handler;
 pub mod invocation;
 pub mod posting;
 pub mod resource;
+pub mod selector;
 
 pub use diagnostic::{Diagnostic, Severity};
 pub use handler::{
@@ -22,3 +23,4 @@ pub use invocation::{
 };
 pub use posting::{Level, Policy, Posting};
 pub use resource::{ResolvedResource, ResourceRef, ResourceSelector};
+pub use selector::{ObjectSelector, SelectorError};

@@ -624,7 +624,9 @@ impl HandlerOptions<'_> {
         self
     }
 
-    /// A server-side label selector for the watch, to watch fewer objects.
+    /// A label selector (Kubernetes syntax, e.g. `app=db,tier in (a,b)`): the handler is
+    /// called only for objects it selects. When every handler of the resource gives the same
+    /// selectors, the controller's watch applies them on the server and watches fewer objects.
     pub fn label_selector(mut self, selector: impl Into<String>) -> Self {
         match &mut self.entry.registration.resource {
             Some(resource) => resource.label_selector = selector.into(),
@@ -633,7 +635,8 @@ impl HandlerOptions<'_> {
         self
     }
 
-    /// A server-side field selector for the watch.
+    /// A field selector (e.g. `spec.nodeName=node-1` for node-local handlers), with the same
+    /// scope as [`label_selector`](Self::label_selector). A missing field compares as empty.
     pub fn field_selector(mut self, selector: impl Into<String>) -> Self {
         match &mut self.entry.registration.resource {
             Some(resource) => resource.field_selector = selector.into(),

@@ -849,10 +849,6 @@ async fn the_charts_rbac_is_enough_for_a_full_cycle_and_fails_clearly_without_pa
     s.env.stop().await
 }
 
-/// Variables the chart sets for controller features that `capstan run` does not read yet;
-/// until it does, they are ignored.
-const PENDING_VARIABLES: [&str; 3] = ["CAPSTAN_FINALIZERS", "CAPSTAN_NODE_NAME", "CAPSTAN_NODE_CLEANUP"];
-
 #[tokio::test]
 async fn the_chart_configures_capstan_with_the_variables_and_crds_of_the_binary() -> Result<()> {
     let bin = capstan_tests::process::capstan_binary().await?;
@@ -907,7 +903,7 @@ async fn the_chart_configures_capstan_with_the_variables_and_crds_of_the_binary(
     set.remove("CAPSTAN_ENDPOINT"); // the SDK's variable, in the handler container
     for name in &set {
         ensure!(
-            known.contains(name.as_str()) || PENDING_VARIABLES.contains(&name.as_str()),
+            known.contains(name.as_str()),
             "the chart sets {name}, which `capstan run` does not know"
         );
     }

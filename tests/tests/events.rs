@@ -1,5 +1,6 @@
 //! End to end: handler outcomes and handler log records become Kubernetes Events on the
-//! object, rate-limited so that a failing handler cannot flood the API.
+//! object, rate-limited so that a failing handler cannot flood the API; `--event-level` and
+//! `--events false` narrow or switch them off.
 
 use std::time::Duration;
 
@@ -58,6 +59,43 @@ async fn outcomes_and_log_records_are_posted_as_events() -> anyhow::Result<()> {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_event_level_and_the_off_switch_are_honoured() -> anyhow::Result<()> {
+    let handled = |o: &serde_json::Value| annotation(o, "capstan.dev/last-handled-configuration").is_some();
+    // Warnings only: the retry is posted, successes and info records are not.
+    let s = Scenario::start("create3", &["--event-level", "warning"]).await?;
+    s.create("warned", json!({"temporary": {"create_a": 1}})).await?;
+    s.wait("warned", T, "handled after one retry", handled).await?;
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        let events = events_of(&s, "warned").await?;
+        if events.iter().any(|e| e.type_.as_deref() == Some("Warning")) {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let events = events_of(&s, "warned").await?;
+            let normal: Vec<_> = events
+                .iter()
+                .filter(|e| e.type_.as_deref() != Some("Warning"))
+                .filter_map(|e| e.message.clone())
+                .collect();
+            anyhow::ensure!(normal.is_empty(), "Normal Events below the level: {normal:?}");
+            break;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "no Warning Event for the retry"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Off: nothing at all.
+    let s = Scenario::start("create3", &["--events", "false"]).await?;
+    s.create("silent", json!({"temporary": {"create_a": 1}})).await?;
+    s.wait("silent", T, "handled after one retry", handled).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let events = events_of(&s, "silent").await?;
+    anyhow::ensure!(events.is_empty(), "Events were posted: {events:?}");
     Ok(())
 }
 

@@ -419,6 +419,11 @@ async fn replicas_elect_one_leader_and_a_standby_takes_over_after_a_crash() -> R
         "replicas sharing a lease were reported as conflicting"
     );
     ensure!(leadership(&b.controller).await? == "leader");
+    let (_, metrics) = b.controller.admin_get("/metrics").await?;
+    ensure!(
+        metrics.lines().any(|l| l == "capstan_leader 1"),
+        "the leader's metrics do not say so:\n{metrics}"
+    );
     b.stop().await?;
     env.stop().await
 }

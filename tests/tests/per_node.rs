@@ -2,8 +2,9 @@
 //! names, each with its own handler process, against one API server: every node handles every
 //! object on its own, with its own progress and diff-base, failures of one node are retried
 //! without touching the others, event handlers that opted in are retried, long and odd node
-//! names give valid keys, a restarted node does not re-run what it completed, and a deleted
-//! Node's state is removed from the objects.
+//! names give valid keys, a restarted node does not re-run what it completed, a deleted
+//! Node's state is removed from the objects, and node-local handlers (a field selector on
+//! `spec.nodeName`) are called only for their node's objects.
 
 use std::{path::PathBuf, time::Duration};
 
@@ -35,12 +36,25 @@ impl Node {
 }
 
 async fn node(env: &TestEnv, name: &str, presets: &str, extra_env: &[(&str, &str)]) -> anyhow::Result<Node> {
+    node_with(env, name, presets, extra_env, &[]).await
+}
+
+/// A node's operator with extra controller flags.
+async fn node_with(
+    env: &TestEnv,
+    name: &str,
+    presets: &str,
+    extra_env: &[(&str, &str)],
+    args: &[&str],
+) -> anyhow::Result<Node> {
     let tag = name
         .chars()
         .filter(char::is_ascii_alphanumeric)
         .take(12)
         .collect::<String>();
-    let mut controller = Controller::start(env, &format!("capstan-{tag}"), &["--node-name", name]).await?;
+    let mut flags = vec!["--node-name", name];
+    flags.extend_from_slice(args);
+    let mut controller = Controller::start(env, &format!("capstan-{tag}"), &flags).await?;
     let calls = env.scratch().join(format!("calls-{tag}.log"));
     let calls_str = calls.to_string_lossy().into_owned();
     let mut vars = vec![("E2E_HANDLERS", presets), ("E2E_LOG", calls_str.as_str())];
@@ -170,9 +184,19 @@ async fn every_node_handles_every_object_independently() -> anyhow::Result<()> {
 async fn event_handlers_are_retried_and_departed_nodes_are_cleaned_up() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
-    create_nodes(&env, &["node-a", "node-b"]).await?;
-    let mut a = node(&env, "node-a", "create,event-retry", &[]).await?;
-    let b = node(&env, "node-b", "create,event-retry", &[("E2E_FAIL_FIRST", "2")]).await?;
+    // node-0 runs no operator (say, the DaemonSet's node selector leaves it out): node-a, the
+    // next candidate, cleans up after the delay.
+    create_nodes(&env, &["node-0", "node-a", "node-b"]).await?;
+    let delay = ["--node-cleanup-delay", "2s"];
+    let mut a = node_with(&env, "node-a", "create,event-retry", &[], &delay).await?;
+    let b = node_with(
+        &env,
+        "node-b",
+        "create,event-retry",
+        &[("E2E_FAIL_FIRST", "2")],
+        &delay,
+    )
+    .await?;
     let api = examples(&env.client().await?, "default");
     let obj = serde_json::from_value(json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
         "metadata": {"name": "ev", "namespace": "default"}, "spec": {}}))?;
@@ -199,7 +223,7 @@ async fn event_handlers_are_retried_and_departed_nodes_are_cleaned_up() -> anyho
     assert!(diffbases(&o).len() == 2);
 
     // node-b goes away with its operator, and its Node is deleted: node-a (the lowest live
-    // name) removes node-b's state.
+    // name with an operator) removes node-b's state.
     let mut b = b;
     b.controller.process.kill().await?;
     env.kubectl_ok(&["delete", "node", "node-b", "--wait=false"])
@@ -216,6 +240,72 @@ async fn event_handlers_are_retried_and_departed_nodes_are_cleaned_up() -> anyho
         .process
         .wait_for("cleaned up after the deleted node", Duration::from_secs(10))
         .await?;
+    assert!(
+        a.controller
+            .process
+            .output()
+            .contains("cleaning what lower candidates leave, after a delay"),
+        "node-a was not the fallback candidate"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn node_local_handlers_are_called_only_for_their_nodes_objects() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    create_nodes(&env, &["node-a", "node-b"]).await?;
+    // node-a's handlers differ in their selectors, so its watch sees every object and the
+    // controller applies local_fn's selectors; node-b's only handler has them all, so its watch
+    // asks the server, which refuses a field selector on a custom resource's spec: the
+    // controller falls back to filtering itself.
+    let a = node(&env, "node-a", "create,node-local", &[("E2E_NODE", "node-a")]).await?;
+    let mut b = node(&env, "node-b", "node-local", &[("E2E_NODE", "node-b")]).await?;
+    let api = examples(&env.client().await?, "default");
+    for (name, node, skip) in [
+        ("on-a", Some("node-a"), false),
+        ("on-b", Some("node-b"), false),
+        ("on-b-skipped", Some("node-b"), true),
+        ("nowhere", None, false),
+    ] {
+        let labels = if skip {
+            json!({"e2e/skip": "yes"})
+        } else {
+            json!({})
+        };
+        let obj = serde_json::from_value(json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+            "metadata": {"name": name, "namespace": "default", "labels": labels},
+            "spec": {"nodeName": node}}))?;
+        api.create(&PostParams::default(), &obj).await?;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(45);
+    let done = || {
+        ["on-a", "on-b", "on-b-skipped", "nowhere"]
+            .iter()
+            .all(|o| a.count("create_fn", o) == 1)
+            && a.count("local_fn", "on-a") == 1
+            && b.count("local_fn", "on-b") == 1
+    };
+    while !done() {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "node-local handlers were not called:\n--- node-a\n{}\n--- node-b\n{}",
+            tail(&a.controller.process.output(), 20),
+            tail(&b.controller.process.output(), 20)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    b.controller
+        .process
+        .wait_for("filtering in the controller", Duration::from_secs(5))
+        .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for other in ["on-b", "on-b-skipped", "nowhere"] {
+        assert_eq!(a.count("local_fn", other), 0, "node-a's local_fn ran for {other}");
+    }
+    for other in ["on-a", "on-b-skipped", "nowhere"] {
+        assert_eq!(b.count("local_fn", other), 0, "node-b's local_fn ran for {other}");
+    }
     Ok(())
 }
 

@@ -1,5 +1,6 @@
-//! Which handlers apply to an object and a cause: declarative filters (labels, annotations,
-//! field values, old/new) and kopf's selection rules for change handlers.
+//! Which handlers apply to an object and a cause: the registration's label and field selectors,
+//! declarative filters (labels, annotations, field values, old/new) and kopf's selection rules
+//! for change handlers.
 //!
 //! "Prematching" is everything but the field-change checks; it decides whether an object needs
 //! our finalizer at all.
@@ -23,6 +24,9 @@ pub struct Subject<'a> {
 /// Whether labels, annotations and the field value match (no change checks).
 pub fn prematch(reg: &Registration, s: Subject<'_>) -> bool {
     let f = &reg.filters;
+    if !f.selector.matches(s.body) {
+        return false;
+    }
     let meta = |kind: &str, key: &str| -> Option<String> {
         s.body
             .pointer(&format!("/metadata/{kind}"))?

@@ -2,18 +2,21 @@
 //!
 //! In per-node mode every node's operator keeps its own annotations (and, if enabled, its own
 //! finalizer) on the objects. When a Node object is deleted, nobody would ever remove that
-//! node's state, so one live operator does it: the one whose node name is the lowest among
-//! the nodes still there (every operator can tell, from the same watch of Nodes, whether it is
-//! that one, without coordinating). It removes the departed node's annotations, status stanza
-//! and finalizer from every object it knows, in one PATCH per object.
+//! node's state, so live operators do it without coordinating: each ranks its own node name
+//! among the nodes still there (every operator sees the same watch of Nodes). The lowest
+//! cleans at once; the next [`CANDIDATES`]` - 1` follow after the fallback delay each and
+//! clean only what is still left, which covers a lowest node that runs no operator (a
+//! DaemonSet with a node selector) or one that crashes halfway. Cleaning removes the departed
+//! node's annotations, status stanza and finalizer from every object this operator watches;
+//! objects whose cached body carries nothing of that node cost no request.
 
-use std::{collections::BTreeSet, sync::Arc};
+use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
 use parking_lot::Mutex;
 use serde_json::{Map, Value, json};
-use tokio::sync::mpsc;
+use tokio::{sync::mpsc, task::JoinSet};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::queue::Queue;
 use crate::{
@@ -25,6 +28,12 @@ use crate::{
     persistence::node,
 };
 
+/// How many operators (the lowest node names) take part in cleaning after a deleted node.
+pub const CANDIDATES: usize = 3;
+
+/// Attempts per object when its finalizers change under us (409).
+const CONFLICT_ATTEMPTS: u32 = 3;
+
 /// Per-node mode.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Settings {
@@ -34,6 +43,8 @@ pub struct Settings {
     pub base_prefix: String,
     /// Clean up after deleted nodes.
     pub cleanup: bool,
+    /// How long each further cleanup candidate waits after the one before it.
+    pub fallback_delay: Duration,
     /// The status stanza name the node stanzas derive from.
     pub status_field: String,
 }
@@ -53,7 +64,13 @@ pub fn nodes_resource() -> ResolvedResource {
     }
 }
 
-/// Watches Nodes and cleans up after each deleted one when this operator is the one to do it.
+/// This operator's place among the live nodes (0 = the lowest name), counting itself even
+/// when its own Node object is not (yet) there.
+pub fn rank(live: &BTreeSet<String>, me: &str) -> usize {
+    live.iter().filter(|n| n.as_str() < me).count()
+}
+
+/// Watches Nodes and cleans up after each deleted one when this operator is a candidate.
 pub async fn run(settings: Settings, objects: Objects, queues: Queues, cancel: CancellationToken) {
     let (tx, mut rx) = mpsc::channel(256);
     let watch = Watch::new(
@@ -63,12 +80,14 @@ pub async fn run(settings: Settings, objects: Objects, queues: Queues, cancel: C
         k8s_watch::Settings::default(),
         k8s_watch::Status::default(),
     );
-    tokio::spawn(watch.run(tx, cancel.clone()));
-    let mut live: BTreeSet<String> = BTreeSet::new();
+    let mut tasks = JoinSet::new();
+    tasks.spawn(watch.run(tx, cancel.clone()));
+    let live: Arc<Mutex<BTreeSet<String>>> = Arc::default();
     loop {
         let event = tokio::select! {
-            () = cancel.cancelled() => return,
-            e = rx.recv() => match e { Some(e) => e, None => return },
+            () = cancel.cancelled() => break,
+            e = rx.recv() => match e { Some(e) => e, None => break },
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
         };
         let Some(name) = event
             .body
@@ -79,43 +98,86 @@ pub async fn run(settings: Settings, objects: Objects, queues: Queues, cancel: C
             continue;
         };
         if event.event_type != EventType::Deleted {
-            live.insert(name);
+            live.lock().insert(name);
             continue;
         }
-        live.remove(&name);
+        live.lock().remove(&name);
         if name == settings.name {
             warn!(node = %name, "this operator's own Node was deleted");
             continue;
         }
-        let cleaner = live
-            .iter()
-            .chain(std::iter::once(&settings.name))
-            .min()
-            .cloned()
-            .unwrap_or_default();
-        if cleaner != settings.name {
-            debug!(node = %name, %cleaner, "another operator cleans up after the deleted node");
+        let rank = rank(&live.lock(), &settings.name);
+        if rank >= CANDIDATES {
+            debug!(node = %name, rank, "operators on lower node names clean up after the deleted node");
             continue;
         }
-        info!(node = %name, "node deleted; removing its state from all objects");
-        let targets: Vec<(ResolvedResource, Vec<Value>)> = queues
+        let sweep = Sweep {
+            node: name.clone(),
+            prefix: node::prefix(&name, &settings.base_prefix),
+            stanza: format!("{}-{}", settings.status_field, node::label(&name)),
+            delay: settings.fallback_delay * u32::try_from(rank).unwrap_or(u32::MAX),
+            objects: objects.clone(),
+            queues: queues.clone(),
+            live: live.clone(),
+        };
+        let stop = cancel.clone();
+        tasks.spawn(
+            async move {
+                tokio::select! {
+                    () = stop.cancelled() => {}
+                    () = sweep.run() => {}
+                }
+            }
+            .instrument(info_span!("node-cleanup", node = %name, rank)),
+        );
+    }
+    tasks.shutdown().await;
+}
+
+/// One candidate's cleanup after one deleted node.
+struct Sweep {
+    node: String,
+    prefix: String,
+    stanza: String,
+    delay: Duration,
+    objects: Objects,
+    queues: Queues,
+    live: Arc<Mutex<BTreeSet<String>>>,
+}
+
+impl Sweep {
+    async fn run(self) {
+        if !self.delay.is_zero() {
+            debug!(delay = ?self.delay, "cleaning what lower candidates leave, after a delay");
+            tokio::time::sleep(self.delay).await;
+        }
+        if self.live.lock().contains(&self.node) {
+            info!("the deleted node is back; keeping its state");
+            return;
+        }
+        let targets: Vec<(ResolvedResource, Vec<Value>)> = self
+            .queues
             .lock()
             .iter()
             .map(|(r, q)| (r.clone(), q.bodies()))
             .collect();
-        let prefix = node::prefix(&name, &settings.base_prefix);
-        let stanza = format!("{}-{}", settings.status_field, node::label(&name));
         let mut cleaned = 0usize;
         for (resource, bodies) in targets {
             for body in bodies {
-                match clean(&objects, &resource, &body, &prefix, &stanza).await {
+                // The cached body tells which objects carry anything of the node.
+                if removal(&body, &self.prefix, &self.stanza) == (None, None) {
+                    continue;
+                }
+                match clean(&self.objects, &resource, &body, &self.prefix, &self.stanza).await {
                     Ok(true) => cleaned += 1,
                     Ok(false) => {}
                     Err(e) => warn!(error = %crate::error::chain(&e), "cleaning up an object failed"),
                 }
             }
         }
-        info!(node = %name, objects = cleaned, "cleaned up after the deleted node");
+        if self.delay.is_zero() || cleaned > 0 {
+            info!(node = %self.node, objects = cleaned, "cleaned up after the deleted node");
+        }
     }
 }
 
@@ -170,12 +232,29 @@ async fn clean(
             .to_owned()
     };
     let (namespace, name) = (meta("namespace"), meta("name"));
-    // Work on the freshest version: the queue's copy may predate other writes.
-    let fresh = match objects.get(resource, &namespace, &name).await {
-        Ok(fresh) => fresh,
-        Err(objects::Error::NotFound) => return Ok(false),
-        Err(e) => return Err(e),
-    };
+    let mut attempt = 1;
+    loop {
+        match clean_fresh(objects, resource, &namespace, &name, prefix, stanza).await {
+            Err(objects::Error::Conflict(why)) if attempt < CONFLICT_ATTEMPTS => {
+                debug!(%name, %why, "the object changed while cleaning; reading it again");
+                attempt += 1;
+            }
+            Err(objects::Error::NotFound) => return Ok(false),
+            other => return other,
+        }
+    }
+}
+
+/// One attempt on the freshest version: the queue's copy may predate other writes.
+async fn clean_fresh(
+    objects: &Objects,
+    resource: &ResolvedResource,
+    namespace: &str,
+    name: &str,
+    prefix: &str,
+    stanza: &str,
+) -> Result<bool, objects::Error> {
+    let fresh = objects.get(resource, namespace, name).await?;
     let (object, status) = removal(&fresh, prefix, stanza);
     if object.is_none() && status.is_none() {
         return Ok(false);
@@ -183,12 +262,12 @@ async fn clean(
     if let Some(status) = status {
         let as_status = resource.status_subresource;
         objects
-            .merge_patch(resource, &namespace, &name, &status, as_status)
+            .merge_patch(resource, namespace, name, &status, as_status)
             .await?;
     }
     if let Some(object) = object {
         objects
-            .merge_patch(resource, &namespace, &name, &object, false)
+            .merge_patch(resource, namespace, name, &object, false)
             .await?;
     }
     Ok(true)
@@ -197,6 +276,15 @@ async fn clean(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rank_counts_lower_live_names_and_includes_this_node() {
+        let live: BTreeSet<String> = ["node-b", "node-d", "node-a"].map(String::from).into();
+        assert_eq!(rank(&live, "node-a"), 0);
+        assert_eq!(rank(&live, "node-c"), 2, "its own Node need not be listed");
+        assert_eq!(rank(&live, "node-d"), 2);
+        assert_eq!(rank(&BTreeSet::new(), "x"), 0);
+    }
 
     #[test]
     fn removes_only_the_departed_nodes_state() {

@@ -13,8 +13,8 @@ use serde_json::Value;
 
 use crate::model::{
     self, Activity, AdmissionOptions, CancelReason, ChangeReason, DaemonOptions, Diagnostic, DiffOperation,
-    ErrorsMode, EventType, HandlerKind, KindOptions, KindResult, Level, MetaMatch, Outcome, Patch,
-    PatchTarget, PatchType, Payload, Policy, Posting, Registration, ResolvedResource, ResourceRef,
+    ErrorsMode, EventType, HandlerKind, KindOptions, KindResult, Level, MetaMatch, ObjectSelector, Outcome,
+    Patch, PatchTarget, PatchType, Payload, Policy, Posting, Registration, ResolvedResource, ResourceRef,
     ResourceSelector, Severity, SubhandlerOutcome, TimerOptions, ValueMatch, Work,
 };
 
@@ -99,6 +99,22 @@ pub fn registration(index: usize, reg: &pb::HandlerRegistration) -> Result<Regis
             kind.default_errors_mode()
         }
     };
+    if let Some(sel) = reg.resource.as_ref().filter(|_| kind.is_resource_kind()) {
+        match ObjectSelector::parse(&sel.label_selector, &sel.field_selector) {
+            Ok(parsed) => out.filters.selector = parsed,
+            Err(e) => {
+                let name = if ObjectSelector::parse(&sel.label_selector, "").is_err() {
+                    "label_selector"
+                } else {
+                    "field_selector"
+                };
+                problems.push(
+                    Diagnostic::error("BAD_SELECTOR", format!("{name}: {e}"))
+                        .at(at(&format!("resource.{name}"))),
+                );
+            }
+        }
+    }
     out.retries = (reg.retries > 0).then_some(reg.retries);
     if let Some(backoff) = duration(reg.backoff.as_ref(), &at("backoff"), &mut problems) {
         out.backoff = backoff;
@@ -868,6 +884,32 @@ mod tests {
         let reasons: Vec<_> = err.iter().map(|d| d.field.as_str()).collect();
         assert!(reasons.contains(&"handlers[0].filters.value"), "{err:?}");
         assert!(reasons.contains(&"handlers[0].filters.labels[app]"), "{err:?}");
+    }
+
+    #[test]
+    fn selectors_are_parsed_and_malformed_ones_are_rejected_where_they_are() {
+        let mut r = reg(pb::HandlerKind::Create);
+        if let Some(sel) = r.resource.as_mut() {
+            sel.label_selector = "app in (db,web)".into();
+            sel.field_selector = "spec.nodeName=n1".into();
+        }
+        let ok = registration(0, &r).unwrap();
+        assert!(!ok.filters.selector.is_empty());
+        assert!(ok.filters.selector.matches(
+            &serde_json::json!({"metadata": {"labels": {"app": "db"}}, "spec": {"nodeName": "n1"}})
+        ));
+        for (labels, fields, at) in [
+            ("app in (db", "", "handlers[0].resource.label_selector"),
+            ("", "spec.nodeName", "handlers[0].resource.field_selector"),
+        ] {
+            if let Some(sel) = r.resource.as_mut() {
+                sel.label_selector = labels.into();
+                sel.field_selector = fields.into();
+            }
+            let err = registration(0, &r).unwrap_err();
+            assert_eq!(err[0].reason, "BAD_SELECTOR");
+            assert_eq!(err[0].field, at);
+        }
     }
 
     #[test]

@@ -141,6 +141,19 @@ impl Watch {
                 listed = self.list(&tx) => match listed {
                     Ok(Some(rv)) => rv,
                     Ok(None) => return,
+                    Err(e) if is_bad_request(&e) && self.field_selector.is_some() => {
+                        // Custom resources accept field selectors only on metadata.name,
+                        // metadata.namespace and the CRD's selectableFields; the handlers'
+                        // selectors are checked in the controller as well, so nothing is lost.
+                        warn!(
+                            field_selector = self.field_selector.as_deref().unwrap_or_default(),
+                            error = %e,
+                            "the API server refuses this field selector for the resource (declare the field in \
+                             the CRD's selectableFields to filter on the server); filtering in the controller"
+                        );
+                        self.field_selector = None;
+                        continue 'relist;
+                    }
                     Err(e) => {
                         failures += 1;
                         let delay = backoff(failures);
@@ -349,6 +362,10 @@ impl Watch {
 
 fn is_gone(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 410)
+}
+
+fn is_bad_request(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 400)
 }
 
 fn backoff(failures: u32) -> Duration {

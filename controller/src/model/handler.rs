@@ -187,6 +187,9 @@ pub struct Filters {
     pub new: Option<ValueMatch>,
     /// The SDK evaluates a callable filter too, and may answer `skipped`.
     pub sdk_when: bool,
+    /// The resource selector's label and field selectors, checked here too: the watch applies
+    /// them on the server only when every handler of the resource shares them.
+    pub selector: super::ObjectSelector,
 }
 
 /// Options of daemon handlers.

@@ -40,7 +40,7 @@ pub struct Metrics {
 }
 
 /// Help texts and types of every family.
-const FAMILIES: [(&str, &str, &str); 7] = [
+const FAMILIES: [(&str, &str, &str); 8] = [
     (
         "capstan_handler_invocations_total",
         "counter",
@@ -75,6 +75,11 @@ const FAMILIES: [(&str, &str, &str); 7] = [
         "capstan_paused",
         "gauge",
         "1 while dispatch is paused (frozen, standby, draining).",
+    ),
+    (
+        "capstan_leader",
+        "gauge",
+        "1 while this replica holds the leader-election lease (only with --leader-election).",
     ),
 ];
 

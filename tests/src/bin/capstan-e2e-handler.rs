@@ -282,6 +282,15 @@ async fn main() -> anyhow::Result<()> {
                     .interval(Duration::from_secs(1))
                     .initial_delay(Duration::from_secs(3));
             }
+            // Node-local scoping: objects whose `spec.nodeName` is `E2E_NODE` and that do not
+            // carry the label `e2e/skip`.
+            "node-local" => {
+                let node = std::env::var("E2E_NODE").unwrap_or_default();
+                registry
+                    .on_create(RESOURCE, "local_fn", plain)
+                    .field_selector(format!("spec.nodeName={node}"))
+                    .label_selector("!e2e/skip");
+            }
             "event-retry" => {
                 registry
                     .on_event(RESOURCE, "event_retry", plain)

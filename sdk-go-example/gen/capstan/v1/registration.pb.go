@@ -310,9 +310,13 @@ type ResourceSelector struct {
 	Version string `protobuf:"bytes,2,opt,name=version,proto3" json:"version,omitempty"`
 	// The plural, kind, singular, short name or category of the resource.
 	Name string `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
-	// A server-side label selector applied to the watch (e.g. "app=db"), to watch fewer objects.
+	// A label selector (Kubernetes syntax, e.g. "app=db,tier in (a,b)"): the handler is called
+	// only for objects it selects. When every handler of the resource gives the same selectors,
+	// the watch applies them on the server and fewer objects are watched; otherwise the
+	// controller checks each handler's selectors itself.
 	LabelSelector string `protobuf:"bytes,4,opt,name=label_selector,json=labelSelector,proto3" json:"label_selector,omitempty"`
-	// A server-side field selector applied to the watch (e.g. "spec.nodeName=node-1").
+	// A field selector (e.g. "spec.nodeName=node-1" for node-local handlers), with the same
+	// scope as label_selector. A missing field compares as the empty string.
 	FieldSelector string `protobuf:"bytes,5,opt,name=field_selector,json=fieldSelector,proto3" json:"field_selector,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
