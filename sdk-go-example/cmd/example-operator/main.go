@@ -22,8 +22,12 @@ import (
 // resource is the selector of the example resource.
 const resource = "examples.demo.capstan.dev"
 
-// createFn greets new objects and marks them as handled by this process.
+// createFn greets new objects and marks them as handled by this process. With spec.fail_times
+// set it first fails that many times with a temporary error, to show retries.
 func createFn(_ context.Context, inv *capstan.Invocation) (any, error) {
+	if failTimes := number(inv.Spec()["fail_times"]); inv.Retry < failTimes {
+		return nil, capstan.Temporaryf(time.Second, "not ready yet (attempt %d of %d failing)", inv.Attempt, failTimes)
+	}
 	inv.Patch().Label("demo.capstan.dev/handled-by", "go")
 	inv.Logf("created %s", inv.Name())
 	return map[string]string{"message": fmt.Sprintf("hello %s from go", inv.Name())}, nil
@@ -73,6 +77,19 @@ func tick(_ context.Context, inv *capstan.Invocation) (any, error) {
 }
 
 // show formats a field value for the annotation; an absent field is "none".
+// number reads a JSON number (json.Number, as the layer decodes them) as an int; 0 otherwise.
+func number(v any) int {
+	n, ok := v.(json.Number)
+	if !ok {
+		return 0
+	}
+	i, err := n.Int64()
+	if err != nil {
+		return 0
+	}
+	return int(i)
+}
+
 func show(v any) string {
 	if v == nil {
 		return "none"
