@@ -1,6 +1,6 @@
 //! End to end, against a real API server, the real `capstan` binary and a real SDK handler
 //! process: create, update, field, delete and resume flows; handler order and patch
-//! visibility; finalizers; filters.
+//! visibility; finalizers; filters (labels, annotations, values, old/new); sub-handlers.
 
 use std::time::Duration;
 
@@ -91,6 +91,62 @@ async fn filters_select_objects_in_the_controller() -> anyhow::Result<()> {
     assert_eq!(s.count("selected_fn", "other"), 0);
     assert_eq!(s.count("selected_fn", "skipped"), 0);
     assert_eq!(s.count("create_fn", "other"), 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn value_presence_and_old_new_filters_select_in_the_controller() -> anyhow::Result<()> {
+    let s = Scenario::start("value-filtered,create", &[]).await?;
+    let team = json!({"labels": {"e2e/team": "x"}});
+    s.create_with("three", json!({"size": 3}), team.clone()).await?;
+    s.create_with("four", json!({"size": 4}), team).await?;
+    s.create("anonymous", json!({"size": 3})).await?;
+    for name in ["three", "four", "anonymous"] {
+        s.wait(name, T, "handled", |o| {
+            annotation(o, "capstan.dev/last-handled-configuration").is_some()
+        })
+        .await?;
+    }
+    assert_eq!(s.count("sized_fn", "three"), 1);
+    assert_eq!(s.count("sized_fn", "four"), 0, "the value does not match");
+    assert_eq!(s.count("sized_fn", "anonymous"), 0, "the label is not present");
+
+    // old=3/new=10 matches only that transition.
+    s.patch("four", json!({"spec": {"size": 10}})).await?;
+    s.patch("three", json!({"spec": {"size": 10}})).await?;
+    s.wait("three", T, "the update handled", |o| {
+        annotation(o, "capstan.dev/last-handled-configuration").is_some_and(|d| d.contains("10"))
+    })
+    .await?;
+    s.wait("four", T, "the update handled", |o| {
+        annotation(o, "capstan.dev/last-handled-configuration").is_some_and(|d| d.contains("10"))
+    })
+    .await?;
+    assert_eq!(s.count("became_big_fn", "three"), 1);
+    assert_eq!(s.count("became_big_fn", "four"), 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn sub_handlers_run_once_each_and_keep_the_parent_open_until_all_succeed() -> anyhow::Result<()> {
+    let s = Scenario::start("subhandlers", &[]).await?;
+    // The second child fails once: the parent is called again, the first child is not.
+    s.create("nest", json!({"temporary": {"parent/two": 1}})).await?;
+    let o = s
+        .wait("nest", T, "both children done and the change handled", |o| {
+            annotation(o, "e2e/sub-one") == Some("done")
+                && annotation(o, "e2e/sub-two") == Some("done")
+                && annotation(o, "capstan.dev/last-handled-configuration").is_some()
+        })
+        .await?;
+    assert_eq!(s.count("parent/one", "nest"), 1, "{:?}", s.calls());
+    assert_eq!(s.count("parent/two", "nest"), 2, "{:?}", s.calls());
+    assert_eq!(s.count("parent", "nest"), 2, "{:?}", s.calls());
+    assert!(
+        progress_keys(&o).is_empty(),
+        "progress records are purged once the change is handled: {:?}",
+        progress_keys(&o)
+    );
     Ok(())
 }
 

@@ -223,6 +223,19 @@ async fn main() -> anyhow::Result<()> {
                     .label("e2e/select", "yes")
                     .annotation("e2e/skip", Presence::Absent);
             }
+            // Present label, a field value, and a field that must exist.
+            "value-filtered" => {
+                registry
+                    .on_create(RESOURCE, "sized_fn", plain)
+                    .label("e2e/team", Presence::Present)
+                    .field("spec.size")
+                    .value(3);
+                registry
+                    .on_update(RESOURCE, "became_big_fn", plain)
+                    .field("spec.size")
+                    .old(3)
+                    .new(10);
+            }
             "subhandlers" => {
                 registry
                     .on_create(RESOURCE, "parent", parent)
