@@ -483,7 +483,9 @@ impl Context {
     }
 
     /// Posts a Kubernetes Event on any object (kopf's `kopf.info/warn/exception(obj, …)`).
-    /// Only `group`, `version`, `kind`, `namespace`, `name` and `uid` of `object` are used.
+    /// Only `group`, `version`, `kind`, `plural`, `namespace`, `name` and `uid` of `object`
+    /// are used; without a `uid` the controller looks it up so that `kubectl describe` shows
+    /// the Event. Repeats of the same Event are aggregated into one with a count.
     pub fn post_event_on(
         &self,
         object: &pb::ResourceRef,

@@ -2,7 +2,8 @@
 //! of invalid values with a message that says what to change, every rendered manifest applied
 //! to a real API server (server-side dry run, then for real), and the chart's RBAC verified for
 //! real: the `capstan` binary, impersonating the chart's ServiceAccount, runs a full
-//! create/update/delete cycle with exactly those permissions and fails clearly without `patch`.
+//! create/update/delete cycle with exactly those permissions and fails clearly without `patch`;
+//! in DaemonSet mode it handles objects per node and cleans up after a deleted Node.
 
 use std::{collections::BTreeSet, path::PathBuf, time::Duration};
 
@@ -683,6 +684,38 @@ async fn can_i(env: &TestEnv, kubeconfig: &std::path::Path, verb: &str, resource
     Ok(String::from_utf8_lossy(&out.stdout).trim() == "yes")
 }
 
+/// Every request of the controller (user agent `capstan/…`) in the audit log was made as
+/// `user`, and none was refused.
+fn every_request_was_made_as_and_allowed(env: &TestEnv, user: &str) -> Result<()> {
+    let requests: Vec<Value> = env
+        .audit_events()?
+        .into_iter()
+        .filter(|e| e["stage"] == "ResponseComplete")
+        .filter(|e| {
+            e["userAgent"]
+                .as_str()
+                .is_some_and(|ua| ua.starts_with("capstan/"))
+        })
+        .collect();
+    ensure!(
+        !requests.is_empty(),
+        "no requests of the controller in the audit log"
+    );
+    for e in &requests {
+        ensure!(
+            e["impersonatedUser"]["username"] == user,
+            "a request not made as {user}: {e}"
+        );
+        ensure!(
+            e["responseStatus"]["code"] != 403,
+            "the controller was refused {} {}: {e}",
+            e["verb"],
+            e["requestURI"]
+        );
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn the_charts_rbac_is_enough_for_a_full_cycle_and_fails_clearly_without_patch() -> Result<()> {
     let env = TestEnv::start().await?;
@@ -758,34 +791,7 @@ async fn the_charts_rbac_is_enough_for_a_full_cycle_and_fails_clearly_without_pa
     s.wait_gone("one", T).await?;
     ensure!(s.count("delete_fn", "one") == 1, "calls: {:?}", s.calls());
 
-    // Every request of the controller was made as the ServiceAccount, and none was refused.
-    let requests: Vec<Value> = s
-        .env
-        .audit_events()?
-        .into_iter()
-        .filter(|e| e["stage"] == "ResponseComplete")
-        .filter(|e| {
-            e["userAgent"]
-                .as_str()
-                .is_some_and(|ua| ua.starts_with("capstan/"))
-        })
-        .collect();
-    ensure!(
-        !requests.is_empty(),
-        "no requests of the controller in the audit log"
-    );
-    for e in &requests {
-        ensure!(
-            e["impersonatedUser"]["username"] == user.as_str(),
-            "a request not made as {user}: {e}"
-        );
-        ensure!(
-            e["responseStatus"]["code"] != 403,
-            "the controller was refused {} {}: {e}",
-            e["verb"],
-            e["requestURI"]
-        );
-    }
+    every_request_was_made_as_and_allowed(&s.env, &user)?;
     let writes = s.writes("one");
     ensure!(
         writes.iter().any(|w| w == "patch") && writes.iter().any(|w| w == "patch/status"),
@@ -921,4 +927,101 @@ async fn the_chart_configures_capstan_with_the_variables_and_crds_of_the_binary(
         ensure!(set.contains(name), "no values file exercises {name}");
     }
     Ok(())
+}
+
+#[tokio::test]
+async fn the_daemonset_rbac_lets_a_node_operator_handle_objects_and_clean_up_after_nodes() -> Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let ns = "capstan-system";
+    ensure_namespace(&env, ns).await?;
+    ensure_namespace(&env, "apps").await?;
+    let mut set = EXAMPLE_RESOURCE.to_vec();
+    set.push("mode=daemonset");
+    let rbac = Render {
+        release: "agent",
+        namespace: ns,
+        set,
+        show_only: vec!["templates/serviceaccount.yaml", "templates/rbac.yaml"],
+        ..Render::default()
+    }
+    .manifests()
+    .await?;
+    env.apply(&rbac).await?;
+    for node in ["node-a", "node-b"] {
+        env.apply(&format!(
+            "apiVersion: v1\nkind: Node\nmetadata:\n  name: {node}\n"
+        ))
+        .await?;
+    }
+    let user = format!("system:serviceaccount:{ns}:agent-capstan");
+    let kubeconfig = impersonating_kubeconfig(&env, &user).await?;
+    for (verb, resource, allowed) in [
+        ("watch", "nodes", true),
+        ("list", "nodes", true),
+        ("patch", "nodes", false),
+        ("delete", "nodes", false),
+    ] {
+        ensure!(
+            can_i(&env, &kubeconfig, verb, resource).await? == allowed,
+            "{user} can{} {verb} {resource}",
+            if allowed { "not" } else { "" }
+        );
+    }
+
+    // As the chart runs it on node-a (standalone, the node name from the Downward API).
+    let mut controller = Controller::start_with(
+        &env,
+        &kubeconfig,
+        "capstan",
+        &["--node-name", "node-a", "--standalone"],
+    )
+    .await?;
+    let calls = env.scratch().join("calls.log");
+    let presets = "create";
+    let handler = start_handler(
+        &env,
+        "handler",
+        &controller.endpoint(),
+        &[("E2E_HANDLERS", presets), ("E2E_LOG", &calls.to_string_lossy())],
+    )?;
+    controller
+        .process
+        .wait_for("handler process connected", Duration::from_secs(60))
+        .await?;
+    let client = env.client().await?;
+    let mut s = Scenario {
+        env,
+        client,
+        controller,
+        handler,
+        calls,
+        presets: presets.to_owned(),
+        namespace: "apps".into(),
+    };
+    // node-b's operator handled the object before its node went away.
+    s.create_with(
+        "one",
+        json!({}),
+        json!({"annotations": {"node-b.capstan.dev/last-handled-configuration": "{}",
+                               "node-b.capstan.dev/kopf-managed": "yes"}}),
+    )
+    .await?;
+    s.wait("one", T, "handled on node-a", |o| {
+        annotation(o, "node-a.capstan.dev/last-handled-configuration").is_some()
+    })
+    .await?;
+    ensure!(s.count("create_fn", "one") == 1);
+    s.env
+        .kubectl_ok(&["delete", "node", "node-b", "--wait=false"])
+        .await?;
+    s.wait("one", T, "node-b's state removed", |o| {
+        annotation(o, "node-b.capstan.dev/last-handled-configuration").is_none()
+            && annotation(o, "node-b.capstan.dev/kopf-managed").is_none()
+    })
+    .await?;
+    every_request_was_made_as_and_allowed(&s.env, &user)?;
+    s.handler.terminate().await?;
+    s.controller.process.terminate().await?;
+    s.env.stop().await
 }

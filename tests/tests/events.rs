@@ -63,6 +63,39 @@ async fn outcomes_and_log_records_are_posted_as_events() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
+async fn a_handler_posts_events_on_other_objects_and_repeats_are_aggregated() -> anyhow::Result<()> {
+    let s = Scenario::start("announce", &[]).await?;
+    s.create("target", json!({})).await?;
+    s.create("announcer", json!({"announceTo": "target"})).await?;
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        let events = events_of(&s, "target").await?;
+        let announced: Vec<&Event> = events
+            .iter()
+            .filter(|e| e.reason.as_deref() == Some("Announced"))
+            .collect();
+        if let [e] = announced.as_slice()
+            && e.count == Some(2)
+        {
+            assert_eq!(e.message.as_deref(), Some("announcer says hello"));
+            assert_eq!(e.involved_object.name.as_deref(), Some("target"));
+            assert_eq!(e.involved_object.kind.as_deref(), Some("Example"));
+            assert!(
+                e.involved_object.uid.as_deref().is_some_and(|u| !u.is_empty()),
+                "the controller fills in the uid: {e:?}"
+            );
+            break;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "want one Announced Event with count 2 on target, got {announced:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(())
+}
+
+#[tokio::test]
 async fn the_event_level_and_the_off_switch_are_honoured() -> anyhow::Result<()> {
     let handled = |o: &serde_json::Value| annotation(o, "capstan.dev/last-handled-configuration").is_some();
     // Warnings only: the retry is posted, successes and info records are not.

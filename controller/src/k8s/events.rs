@@ -2,18 +2,21 @@
 //! that repeats.
 //!
 //! Events of cluster-scoped objects go to the `default` namespace (Events are namespaced).
-//! Messages longer than 1024 characters are cut in the middle. Posting is best effort: the
-//! caller logs failures and carries on.
+//! Messages longer than 1024 characters are cut in the middle. An Event about an object
+//! named without its uid (a handler posting on another object) gets the uid looked up, so
+//! that `kubectl describe` finds it. Posting is best effort: the caller logs failures and
+//! carries on.
 
 use k8s_openapi::api::core::v1::Event;
 use kube::{
     Api, Client,
-    api::{Patch, PatchParams, PostParams},
+    api::{ApiResource, DynamicObject, Patch, PatchParams, PostParams},
 };
 use serde_json::json;
+use tracing::debug;
 
 use crate::{
-    model::{Level, Posting},
+    model::{Level, Posting, ResourceRef},
     persistence::time,
 };
 
@@ -54,6 +57,11 @@ impl Events {
         };
         let now = time::format(std::time::SystemTime::now());
         let object = &posting.object;
+        let uid = if object.uid.is_empty() && !object.name.is_empty() {
+            self.uid_of(object).await
+        } else {
+            Some(object.uid.clone())
+        };
         let event: Event = serde_json::from_value(json!({
             "metadata": {
                 "generateName": format!("{}.", if object.name.is_empty() { "capstan" } else { &object.name }),
@@ -64,7 +72,7 @@ impl Events {
                 "kind": object.resource.kind,
                 "name": object.name,
                 "namespace": if object.namespace.is_empty() { None } else { Some(&object.namespace) },
-                "uid": object.uid,
+                "uid": uid,
             },
             "reason": posting.reason,
             "message": cut(&posting.message),
@@ -83,6 +91,30 @@ impl Events {
             namespace: namespace.to_owned(),
             name: created.metadata.name.unwrap_or_default(),
         })
+    }
+
+    /// The uid of a named object, if it can be read.
+    async fn uid_of(&self, object: &ResourceRef) -> Option<String> {
+        let r = &object.resource;
+        let resource = ApiResource {
+            group: r.group.clone(),
+            version: r.version.clone(),
+            api_version: r.api_version(),
+            kind: r.kind.clone(),
+            plural: r.plural.clone(),
+        };
+        let api: Api<DynamicObject> = if object.namespace.is_empty() {
+            Api::all_with(self.client.clone(), &resource)
+        } else {
+            Api::namespaced_with(self.client.clone(), &object.namespace, &resource)
+        };
+        match api.get_metadata(&object.name).await {
+            Ok(meta) => meta.metadata.uid,
+            Err(e) => {
+                debug!(object = %object, error = %e, "the Event's object could not be read; posting without its uid");
+                None
+            }
+        }
     }
 
     /// Sets the count and last time of a posted Event.

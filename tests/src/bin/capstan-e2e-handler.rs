@@ -236,6 +236,35 @@ async fn main() -> anyhow::Result<()> {
                     .old(3)
                     .new(10);
             }
+            // Posts the same Event twice on the object named by `spec.announceTo` (kopf's
+            // `kopf.info(other, …)`), which the controller aggregates into one Event.
+            "announce" => {
+                registry.on_create(RESOURCE, "announce_fn", |ctx: Context| async move {
+                    log_call(&ctx);
+                    let spec = ctx.spec();
+                    let Some(target) = spec.get("announceTo").and_then(Value::as_str) else {
+                        return Ok::<_, HandlerError>(None);
+                    };
+                    let object = capstan_sdk::pb::ResourceRef {
+                        group: "demo.capstan.dev".into(),
+                        version: "v1".into(),
+                        kind: "Example".into(),
+                        plural: "examples".into(),
+                        namespace: ctx.namespace().unwrap_or_default().to_owned(),
+                        name: target.to_owned(),
+                        ..Default::default()
+                    };
+                    for _ in 0..2 {
+                        ctx.post_event_on(
+                            &object,
+                            capstan_sdk::LogLevel::Info,
+                            "Announced",
+                            format!("{} says hello", ctx.name()),
+                        );
+                    }
+                    Ok(None)
+                });
+            }
             "subhandlers" => {
                 registry
                     .on_create(RESOURCE, "parent", parent)
