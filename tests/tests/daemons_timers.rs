@@ -149,11 +149,70 @@ async fn a_timer_ticks_on_its_interval_with_the_latest_body() -> anyhow::Result<
     Ok(())
 }
 
+/// The start times of `handler`'s ticks on `object` (ms), from the handler's `tick-at` notes.
+fn tick_starts(s: &Scenario, handler: &str, object: &str) -> Vec<u128> {
+    std::fs::read_to_string(&s.calls)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let parts: Vec<&str> = l.split_whitespace().collect();
+            match parts.as_slice() {
+                ["tick-at", h, o, ms] if *h == handler && *o == object => ms.parse().ok(),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// Waits for `n` tick starts of `handler` on `object`; returns the gaps between them (ms).
+async fn tick_gaps(s: &Scenario, handler: &str, object: &str, n: usize) -> anyhow::Result<Vec<u128>> {
+    let deadline = Instant::now() + T;
+    loop {
+        let starts = tick_starts(s, handler, object);
+        if starts.len() >= n {
+            return Ok(starts.windows(2).map(|w| w[1].saturating_sub(w[0])).collect());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{handler} ticked {} times on {object}",
+            starts.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test]
-async fn a_sharp_timer_keeps_its_schedule() -> anyhow::Result<()> {
-    let s = Scenario::start("sharp-timer", &[]).await?;
-    s.create("t2", json!({})).await?;
-    s.wait("t2", T, "four ticks", |o| ticks(o) >= 4).await?;
+async fn a_sharp_timer_keeps_its_schedule_and_a_slow_one_never_overlaps() -> anyhow::Result<()> {
+    let s = Scenario::start("steady-and-sharp", &[]).await?;
+    // Each tick takes 0.5 s with a 1 s interval: sharp ticks start every 1 s, steady ones
+    // every 1.5 s (the interval counts from the end of the previous tick).
+    s.create("half", json!({"tickSleep": 0.5})).await?;
+    let sharp = tick_gaps(&s, "sharp", "half", 5).await?;
+    let steady = tick_gaps(&s, "steady", "half", 4).await?;
+    assert!(
+        sharp.iter().all(|g| (850..=1300).contains(g)),
+        "sharp gaps (ms): {sharp:?}"
+    );
+    assert!(
+        steady.iter().all(|g| (1350..=1900).contains(g)),
+        "steady gaps (ms): {steady:?}"
+    );
+    println!("gaps (ms): sharp {sharp:?}, steady {steady:?}");
+    // Slower than the interval: a warning, and the next sharp tick waits for the next slot
+    // of the schedule instead of overlapping.
+    s.create("slow", json!({"tickSleep": 1.3})).await?;
+    let gaps = tick_gaps(&s, "sharp", "slow", 3).await?;
+    assert!(
+        gaps.iter().all(|g| (1850..=2400).contains(g)),
+        "slow sharp gaps (ms): {gaps:?}"
+    );
+    assert!(
+        s.controller
+            .process
+            .output()
+            .contains("the timer handler is slower than its interval"),
+        "no warning about the slow timer"
+    );
     Ok(())
 }
 

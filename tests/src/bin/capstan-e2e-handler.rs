@@ -153,6 +153,15 @@ async fn stubborn(ctx: Context) -> HandlerResult {
 /// Counts ticks in `status.ticks`, reading the latest body.
 async fn tick(ctx: Context) -> HandlerResult {
     log_call(&ctx);
+    // `spec.tickSleep: S` notes when each tick started (`tick-at <id> <name> <unix ms>`) and
+    // makes it take S seconds.
+    if let Some(secs) = ctx.spec().get("tickSleep").and_then(Value::as_f64) {
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        note(&format!("tick-at {} {} {ms}", ctx.handler_id(), ctx.name()));
+        tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+    }
     let ticks = ctx.status()["ticks"].as_u64().unwrap_or(0) + 1;
     ctx.patch().status("ticks", ticks);
     Ok(None)
@@ -306,9 +315,13 @@ async fn main() -> anyhow::Result<()> {
                     .timer(RESOURCE, "tick", tick)
                     .interval(Duration::from_secs(1));
             }
-            "sharp-timer" => {
+            // The same 1 s interval, from the end of the previous tick and sharp.
+            "steady-and-sharp" => {
                 registry
-                    .timer(RESOURCE, "tick", tick)
+                    .timer(RESOURCE, "steady", tick)
+                    .interval(Duration::from_secs(1));
+                registry
+                    .timer(RESOURCE, "sharp", tick)
                     .interval(Duration::from_secs(1))
                     .sharp(true);
             }
