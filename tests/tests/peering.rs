@@ -1,7 +1,7 @@
-//! End to end: priority freezing (`--dev`, `capstan freeze` / `capstan resume`, expiry, the
-//! same-priority warning) and leader election among replicas (one invokes handlers; after a
-//! SIGKILL the standby takes over within the lease duration and completes what was pending,
-//! and no completed change is handled twice).
+//! End to end: priority freezing (`--dev`, a crashed `--dev` operator's expiry, `capstan
+//! freeze` / `capstan resume`, expiry, the same-priority warning) and leader election among
+//! replicas (one invokes handlers; after a SIGKILL the standby takes over within the lease
+//! duration and completes what was pending, and no completed change is handled twice).
 
 use std::{
     path::{Path, PathBuf},
@@ -231,6 +231,28 @@ async fn a_dev_operator_freezes_a_normal_one_until_it_exits() -> Result<()> {
     );
     normal.stop().await?;
     env.stop().await
+}
+
+#[tokio::test]
+async fn a_crashed_dev_operator_freezes_others_only_until_its_lifetime_expires() -> Result<()> {
+    let env = env_with_crds(true).await?;
+    let normal = Operator::start(&env, "normal", &[]).await?;
+    let mut dev = Operator::start(&env, "dev", &["--dev", "--peering-lifetime", "5s"]).await?;
+    normal.wait_log(PAUSED, 1, Duration::from_secs(20)).await?;
+
+    // SIGKILL: the dev operator cannot leave the peering; its entry expires instead.
+    dev.controller.process.kill().await?;
+    let killed = tokio::time::Instant::now();
+    dev.handler.kill().await?;
+    create(&env, "orphaned", json!({})).await?;
+    normal.wait_log(RESUMED, 1, Duration::from_secs(30)).await?;
+    let took = killed.elapsed();
+    ensure!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(15),
+        "resumed {took:?} after the dev operator died (its lifetime is 5 s)"
+    );
+    normal.wait_call("orphaned", Duration::from_secs(30)).await?;
+    Ok(())
 }
 
 #[tokio::test]
