@@ -1,4 +1,5 @@
-//! End to end: errors and retries, crashes of the controller and of the handler process,
+//! End to end: errors and retries (a delayed retry keeps its time across a restart), crashes
+//! of the controller and of the handler process, objects deleted while their handler runs,
 //! patches the API server rejects, and finalizers released when delete handlers go away.
 
 use std::time::Duration;
@@ -106,6 +107,77 @@ async fn a_controller_killed_mid_cause_completes_it_after_restart_without_rerunn
     assert!(
         s.count("create_b", "crash") >= 2,
         "the interrupted handler runs again"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_delayed_retry_survives_a_restart_and_keeps_its_time() -> anyhow::Result<()> {
+    let mut s = Scenario::start("create", &[]).await?;
+    let created = tokio::time::Instant::now();
+    s.create(
+        "later",
+        json!({"temporary": {"create_fn": 1}, "retryDelay": {"create_fn": 6}}),
+    )
+    .await?;
+    s.wait("later", T, "the delay recorded", |o| {
+        annotation(o, "capstan.dev/create_fn").is_some_and(|r| r.contains("\"delayed\""))
+    })
+    .await?;
+    s.controller.process.kill().await?;
+    s.controller = Controller::start(&s.env, "capstan-restarted", &[]).await?;
+    s.handler.kill().await?;
+    s.restart_handler().await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        s.count("create_fn", "later"),
+        1,
+        "the restart must not bring the retry forward"
+    );
+    s.wait("later", T, "handled after the delay", handled).await?;
+    let took = created.elapsed();
+    assert!(
+        took >= Duration::from_secs(6),
+        "retried {took:?} after creation, before its 6 s delay"
+    );
+    assert_eq!(s.count("create_fn", "later"), 2);
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_object_deleted_while_its_handler_runs_is_dropped_quietly() -> anyhow::Result<()> {
+    let s = Scenario::start("create", &[]).await?;
+    s.create("fleeting", json!({"sleep": {"create_fn": 2}})).await?;
+    let deadline = tokio::time::Instant::now() + T;
+    while s.count("create_fn", "fleeting") == 0 {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the handler was never called"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // No delete handler, so no finalizer: the object goes at once.
+    s.delete("fleeting").await?;
+    s.wait_gone("fleeting", T).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let log = s.controller.process.output();
+    let complaints: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("fleeting") && (l.contains("WARN") || l.contains("ERROR")))
+        .collect();
+    assert!(complaints.is_empty(), "{complaints:#?}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains("fleeting") && l.contains("object deleted meanwhile; dropped")),
+        "the write after the handler met the 404"
+    );
+    // The controller carries on with other objects.
+    s.create("next", json!({})).await?;
+    s.wait("next", T, "handled", handled).await?;
+    assert_eq!(
+        s.count("create_fn", "fleeting"),
+        1,
+        "a gone object is not retried"
     );
     Ok(())
 }

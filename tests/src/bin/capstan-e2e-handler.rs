@@ -5,7 +5,8 @@
 //! tests can count calls across process restarts. What a handler does is steered by the
 //! object's spec, per handler id:
 //!
-//! - `spec.temporary.<id>: N` fails with a temporary error (1 s delay) on the first N attempts;
+//! - `spec.temporary.<id>: N` fails with a temporary error on the first N attempts, retried
+//!   after `spec.retryDelay.<id>` seconds (default 1);
 //! - `spec.unclassified.<id>: N` fails with an unclassified error on the first N attempts;
 //! - `spec.permanent.<id>: true` fails permanently;
 //! - `spec.sleep.<id>: S` sleeps S seconds before answering (for crash tests);
@@ -54,9 +55,10 @@ async fn behave(ctx: &Context) -> Result<(), HandlerError> {
     if let Some(n) = setting("temporary").and_then(|v| v.as_u64())
         && u64::from(ctx.retry()) < n
     {
+        let delay = setting("retryDelay").and_then(|v| v.as_f64()).unwrap_or(1.0);
         return Err(HandlerError::temporary(
             format!("temporary failure {} of {n}", ctx.retry() + 1),
-            Duration::from_secs(1),
+            Duration::from_secs_f64(delay),
         ));
     }
     if let Some(n) = setting("unclassified").and_then(|v| v.as_u64())
