@@ -3,8 +3,9 @@
 //! object on its own, with its own progress and diff-base, failures of one node are retried
 //! without touching the others, event handlers that opted in are retried, long and odd node
 //! names give valid keys, a restarted node does not re-run what it completed, a deleted
-//! Node's state is removed from the objects, and node-local handlers (a field selector on
-//! `spec.nodeName`) are called only for their node's objects.
+//! Node's state is removed from the objects, node-local handlers (a field selector on
+//! `spec.nodeName`) are called only for their node's objects, the steady state is one
+//! diff-base per node, and the status storage keeps per-node state out of the annotations.
 
 use std::{path::PathBuf, time::Duration};
 
@@ -16,7 +17,8 @@ use capstan_tests::{
 use kube::api::PostParams;
 use serde_json::{Value, json};
 
-const LONG: &str = "ip-10-0-0-1.eu-west-1.compute.internal.a-very-long-node-name-that-goes-on-and-on-beyond-sixty-three-characters";
+/// The longest Node name Kubernetes allows (253 characters).
+const LONG: &str = "ip-10-0-0-1-eu-west-1-compute-internal-a-very-long-node-name-ab.second-label-of-the-longest-node-name-kubernetes-allows-0123456.third-label-of-the-longest-node-name-kubernetes-allows-01234567.fourth-label-ends-it-at-exactly-two-hundred-fifty-three-chars";
 
 struct Node {
     name: String,
@@ -146,8 +148,19 @@ async fn every_node_handles_every_object_independently() -> anyhow::Result<()> {
         keys.contains(&"node-b.capstan.dev/last-handled-configuration".to_owned()),
         "{keys:?}"
     );
-    for key in &keys {
+    // The steady state: per node, the diff-base and the marker; no progress records.
+    let annotations: Vec<String> = o
+        .pointer("/metadata/annotations")
+        .and_then(Value::as_object)
+        .map(|m| m.keys().cloned().collect())
+        .unwrap_or_default();
+    assert_eq!(annotations.len(), 6, "{annotations:#?}");
+    for key in &annotations {
         let (prefix, name) = key.split_once('/').expect("a prefixed key");
+        assert!(
+            name == "last-handled-configuration" || name == "kopf-managed",
+            "{key}"
+        );
         assert!(prefix.len() <= 253 && name.len() <= 63, "{key}");
         assert!(prefix.split('.').all(|l| !l.is_empty() && l.len() <= 63), "{key}");
     }
@@ -246,6 +259,48 @@ async fn event_handlers_are_retried_and_departed_nodes_are_cleaned_up() -> anyho
             .output()
             .contains("cleaning what lower candidates leave, after a delay"),
         "node-a was not the fallback candidate"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_status_storage_keeps_per_node_state_out_of_the_annotations() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let storage = ["--progress-storage", "status", "--diffbase-storage", "status"];
+    let a = node_with(&env, "node-a", "create", &[], &storage).await?;
+    let b = node_with(&env, "node-b", "create", &[("E2E_FAIL_FIRST", "1")], &storage).await?;
+    let api = examples(&env.client().await?, "default");
+    let obj = serde_json::from_value(json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+        "metadata": {"name": "quiet", "namespace": "default"}, "spec": {}}))?;
+    api.create(&PostParams::default(), &obj).await?;
+    let handled = |o: &Value, node: &str| {
+        o.pointer(&format!("/status/capstan-{node}/last-handled-configuration"))
+            .is_some()
+    };
+    let o = wait(
+        &env,
+        "quiet",
+        "both nodes' diff-bases in the status",
+        &[&a, &b],
+        |o| handled(o, "node-a") && handled(o, "node-b"),
+    )
+    .await?;
+    let node_annotations: Vec<&String> = o
+        .pointer("/metadata/annotations")
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.keys()
+                .filter(|k| k.contains(".capstan.dev/") && !k.ends_with("/kopf-managed"))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(node_annotations.is_empty(), "{node_annotations:?}");
+    assert_eq!(a.count("create_fn", "quiet"), 1);
+    assert_eq!(
+        b.count("create_fn", "quiet"),
+        2,
+        "node-b's retry kept in its stanza"
     );
     Ok(())
 }
