@@ -3,7 +3,8 @@
 //! to a real API server (server-side dry run, then for real), and the chart's RBAC verified for
 //! real: the `capstan` binary, impersonating the chart's ServiceAccount, runs a full
 //! create/update/delete cycle with exactly those permissions and fails clearly without `patch`;
-//! in DaemonSet mode it handles objects per node and cleans up after a deleted Node.
+//! in DaemonSet mode it handles objects per node and cleans up after a deleted Node; with
+//! leader election and peering it leads on its Lease and joins its peering group.
 
 use std::{collections::BTreeSet, path::PathBuf, time::Duration};
 
@@ -1020,6 +1021,115 @@ async fn the_daemonset_rbac_lets_a_node_operator_handle_objects_and_clean_up_aft
             && annotation(o, "node-b.capstan.dev/kopf-managed").is_none()
     })
     .await?;
+    every_request_was_made_as_and_allowed(&s.env, &user)?;
+    s.handler.terminate().await?;
+    s.controller.process.terminate().await?;
+    s.env.stop().await
+}
+
+#[tokio::test]
+async fn the_rbac_for_leader_election_and_peering_is_enough_to_lead_and_peer() -> Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let ns = "capstan-system";
+    ensure_namespace(&env, ns).await?;
+    ensure_namespace(&env, "apps").await?;
+    let mut set = EXAMPLE_RESOURCE.to_vec();
+    set.extend([
+        "leaderElection.enabled=true",
+        "peering.enabled=true",
+        "peering.priority=100",
+        "crds.enabled=true",
+    ]);
+    let manifests = Render {
+        release: "ha",
+        namespace: ns,
+        set,
+        show_only: vec![
+            "templates/serviceaccount.yaml",
+            "templates/rbac.yaml",
+            "templates/crd-peering.yaml",
+        ],
+        ..Render::default()
+    }
+    .manifests()
+    .await?;
+    env.apply(&manifests).await?;
+    env.kubectl_ok(&[
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/capstanpeerings.capstan.dev",
+        "crd/clustercapstanpeerings.capstan.dev",
+    ])
+    .await?;
+    let user = format!("system:serviceaccount:{ns}:ha-capstan");
+    let kubeconfig = impersonating_kubeconfig(&env, &user).await?;
+
+    // As the chart runs it: elected on the release's Lease, in the release's peering group.
+    let args = [
+        "--leader-election",
+        "--lease-name",
+        "ha-capstan",
+        "--lease-namespace",
+        ns,
+        "--peering",
+        "ha-capstan",
+        "--priority",
+        "100",
+    ];
+    let mut controller = Controller::start_with(&env, &kubeconfig, "capstan", &args).await?;
+    let calls = env.scratch().join("calls.log");
+    let presets = "create";
+    let handler = start_handler(
+        &env,
+        "handler",
+        &controller.endpoint(),
+        &[("E2E_HANDLERS", presets), ("E2E_LOG", &calls.to_string_lossy())],
+    )?;
+    controller
+        .process
+        .wait_for("handler process connected", Duration::from_secs(60))
+        .await?;
+    controller
+        .process
+        .wait_for("became the leader", Duration::from_secs(30))
+        .await?;
+    let client = env.client().await?;
+    let mut s = Scenario {
+        env,
+        client,
+        controller,
+        handler,
+        calls,
+        presets: presets.to_owned(),
+        namespace: "apps".into(),
+    };
+    s.create("one", json!({})).await?;
+    s.wait("one", T, "handled by the leader", |o| {
+        annotation(o, "capstan.dev/last-handled-configuration").is_some()
+    })
+    .await?;
+    let peering = s
+        .env
+        .kubectl_ok(&[
+            "get",
+            "clustercapstanpeering",
+            "ha-capstan",
+            "-o",
+            "jsonpath={.status}",
+        ])
+        .await?;
+    let peers: Value = serde_json::from_str(&peering)?;
+    ensure!(
+        peers
+            .as_object()
+            .is_some_and(|p| p.values().any(|e| e["priority"] == 100)),
+        "the operator is not in its peering group: {peering}"
+    );
+    s.env
+        .kubectl_ok(&["get", "lease", "ha-capstan", "-n", ns])
+        .await?;
     every_request_was_made_as_and_allowed(&s.env, &user)?;
     s.handler.terminate().await?;
     s.controller.process.terminate().await?;
