@@ -1,7 +1,8 @@
 //! End to end: daemons and timers live in the handler process while the controller owns their
-//! lifecycle — started with the object, stopped on deletion (then the finalizer goes),
-//! restarted after failures and reconnects, abandoned when they ignore cancellation, and
-//! stopped at shutdown; timers tick on interval, sharp, idle and initial-delay schedules.
+//! lifecycle — started with the object, stopped on deletion (then the finalizer goes) and
+//! while the object does not match the filters, restarted after failures and reconnects,
+//! abandoned when they ignore cancellation, and stopped at shutdown; timers tick on interval,
+//! sharp, idle and initial-delay schedules.
 
 use std::time::Duration;
 
@@ -52,6 +53,32 @@ async fn a_daemon_starts_with_its_object_and_stops_before_the_finalizer_goes() -
         "{:?}",
         log_lines(&s)
     );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_daemon_stops_when_its_object_stops_matching_and_starts_when_it_matches_again() -> anyhow::Result<()>
+{
+    let s = Scenario::start("filtered-daemon", &[]).await?;
+    s.create_with("d5", json!({}), json!({"labels": {"e2e/run": "yes"}}))
+        .await?;
+    wait_log(&s, "monitor d5 ", T).await?;
+    s.patch("d5", json!({"metadata": {"labels": {"e2e/run": "no"}}}))
+        .await?;
+    wait_log(&s, "daemon-stopped d5 CANCEL_REASON_FILTER_MISMATCH", T).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        s.count("monitor", "d5"),
+        1,
+        "not restarted while it does not match"
+    );
+    s.patch("d5", json!({"metadata": {"labels": {"e2e/run": "yes"}}}))
+        .await?;
+    let deadline = Instant::now() + T;
+    while s.count("monitor", "d5") < 2 {
+        anyhow::ensure!(Instant::now() < deadline, "the daemon did not start again");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     Ok(())
 }
 

@@ -1,5 +1,6 @@
 //! End to end: priority freezing (`--dev`, a crashed `--dev` operator's expiry, `capstan
-//! freeze` / `capstan resume`, expiry, the same-priority warning) and leader election among
+//! freeze` / `capstan resume` with daemons stopped while frozen, expiry, the same-priority
+//! warning) and leader election among
 //! replicas (one invokes handlers; after a SIGKILL the standby takes over within the lease
 //! duration and completes what was pending, and no completed change is handled twice).
 
@@ -47,13 +48,18 @@ struct Operator {
 
 impl Operator {
     async fn start(env: &TestEnv, name: &str, args: &[&str]) -> Result<Self> {
+        Self::start_with_handlers(env, name, "create", args).await
+    }
+
+    /// An operator whose handler process registers the `E2E_HANDLERS` presets `presets`.
+    async fn start_with_handlers(env: &TestEnv, name: &str, presets: &str, args: &[&str]) -> Result<Self> {
         let mut controller = Controller::start(env, name, args).await?;
         let calls = env.scratch().join(format!("{name}-calls.log"));
         let handler = start_handler(
             env,
             &format!("{name}-handler"),
             &controller.endpoint(),
-            &[("E2E_HANDLERS", "create"), ("E2E_LOG", &calls.to_string_lossy())],
+            &[("E2E_HANDLERS", presets), ("E2E_LOG", &calls.to_string_lossy())],
         )?;
         controller
             .process
@@ -104,6 +110,21 @@ impl Operator {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         Ok(())
+    }
+
+    /// Waits until at least `n` lines of the handler's call log start with `line`.
+    async fn wait_line(&self, line: &str, n: usize, timeout: Duration) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let log = std::fs::read_to_string(&self.calls).unwrap_or_default();
+            if log.lines().filter(|l| l.starts_with(line)).count() >= n {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!("{line:?} not {n} time(s) in the call log within {timeout:?}:\n{log}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     async fn stop(mut self) -> Result<()> {
@@ -258,7 +279,10 @@ async fn a_crashed_dev_operator_freezes_others_only_until_its_lifetime_expires()
 #[tokio::test]
 async fn capstan_freeze_pauses_and_capstan_resume_resumes() -> Result<()> {
     let env = env_with_crds(true).await?;
-    let op = Operator::start(&env, "op", &[]).await?;
+    let op = Operator::start_with_handlers(&env, "op", "create,daemon", &[]).await?;
+    create(&env, "watched", json!({})).await?;
+    op.wait_line("monitor watched ", 1, Duration::from_secs(30))
+        .await?;
 
     let out = capstan(
         &env,
@@ -286,6 +310,13 @@ async fn capstan_freeze_pauses_and_capstan_resume_resumes() -> Result<()> {
         op.log().contains("maintenance"),
         "the pause does not carry the freeze's message"
     );
+    // Daemons stop while frozen, and start again on resume.
+    op.wait_line(
+        "daemon-stopped watched CANCEL_REASON_PAUSED",
+        1,
+        Duration::from_secs(20),
+    )
+    .await?;
     create(&env, "frozen", json!({})).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     ensure!(op.count("frozen") == 0, "a frozen operator invoked a handler");
@@ -297,6 +328,8 @@ async fn capstan_freeze_pauses_and_capstan_resume_resumes() -> Result<()> {
     );
     op.wait_log(RESUMED, 1, Duration::from_secs(20)).await?;
     op.wait_call("frozen", Duration::from_secs(30)).await?;
+    op.wait_line("monitor watched ", 2, Duration::from_secs(30))
+        .await?;
 
     // A freeze also ends by itself when its lifetime expires.
     capstan(&env, &["freeze", "--lifetime", "3"]).await?;

@@ -307,6 +307,13 @@ async fn main() -> anyhow::Result<()> {
                     .daemon(RESOURCE, "monitor", monitor)
                     .restart_backoff(Duration::from_secs(1));
             }
+            // A daemon only for objects labelled `e2e/run: "yes"`.
+            "filtered-daemon" => {
+                registry
+                    .daemon(RESOURCE, "monitor", monitor)
+                    .label("e2e/run", "yes")
+                    .restart_backoff(Duration::from_secs(1));
+            }
             "stubborn-daemon" => {
                 registry
                     .daemon(RESOURCE, "stubborn", stubborn)
