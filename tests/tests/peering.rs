@@ -1,8 +1,8 @@
 //! End to end: priority freezing (`--dev`, a crashed `--dev` operator's expiry, `capstan
 //! freeze` / `capstan resume` with daemons stopped while frozen, expiry, the same-priority
-//! warning) and leader election among
-//! replicas (one invokes handlers; after a SIGKILL the standby takes over within the lease
-//! duration and completes what was pending, and no completed change is handled twice).
+//! warning) and leader election among replicas (one invokes handlers; after a SIGKILL the
+//! standby takes over within the lease duration and completes what was pending, and no
+//! completed change is handled twice).
 
 use std::{
     path::{Path, PathBuf},
