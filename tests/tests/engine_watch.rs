@@ -1,5 +1,6 @@
 //! End to end: a watch whose connection hangs silently is noticed, reported by `/healthz`
-//! while it is down, restarted, and catches up with what happened meanwhile.
+//! while it is down, restarted, and catches up with what happened meanwhile; a write lost to
+//! an API outage is retried after a backoff without running the handler again.
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -90,5 +91,38 @@ async fn a_silently_hung_watch_is_reported_restarted_and_catches_up() -> anyhow:
     handled("during").await?;
     wait_health(&controller, 200, "healthy again").await?;
     assert!(controller.process.output().contains("watch went silent"));
+
+    // The API goes away while a handler runs: its write fails, is retried after a backoff
+    // once the API is back, and the handler does not run again.
+    let slow = serde_json::from_value::<kube::api::DynamicObject>(json!({
+        "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+        "metadata": {"name": "cut", "namespace": "default"}, "spec": {"sleep": {"create_fn": 2}}
+    }))?;
+    api.create(&PostParams::default(), &slow).await?;
+    let calls_of = |name: &str| {
+        std::fs::read_to_string(&calls)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with(&format!("create_fn {name} ")))
+            .count()
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while calls_of("cut") == 0 {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "cut's handler never ran");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    proxy.freeze();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    proxy.unfreeze();
+    handled("cut").await?;
+    assert!(
+        controller
+            .process
+            .output()
+            .contains("writing the object failed; retrying"),
+        "the failed write was not retried:\n{}",
+        capstan_tests::scenario::tail(&controller.process.output(), 20)
+    );
+    assert_eq!(calls_of("cut"), 1, "the handler ran again after the outage");
     Ok(())
 }

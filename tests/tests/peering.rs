@@ -1,8 +1,8 @@
 //! End to end: priority freezing (`--dev`, a crashed `--dev` operator's expiry, `capstan
-//! freeze` / `capstan resume` with daemons stopped while frozen, expiry, the same-priority
-//! warning) and leader election among replicas (one invokes handlers; after a SIGKILL the
-//! standby takes over within the lease duration and completes what was pending, and no
-//! completed change is handled twice).
+//! freeze` / `capstan resume` with daemons stopped while frozen, namespaced peering, expiry,
+//! the same-priority warning) and leader election among replicas (one invokes handlers;
+//! after a SIGKILL the standby takes over within the lease duration and completes what was
+//! pending, and no completed change is handled twice).
 
 use std::{
     path::{Path, PathBuf},
@@ -251,6 +251,39 @@ async fn a_dev_operator_freezes_a_normal_one_until_it_exits() -> Result<()> {
         "the dev operator did not leave the peering: {status}"
     );
     normal.stop().await?;
+    env.stop().await
+}
+
+#[tokio::test]
+async fn an_operator_of_one_namespace_is_frozen_by_its_namespaces_peering_only() -> Result<()> {
+    let env = env_with_crds(true).await?;
+    let op = Operator::start(&env, "op", &["--namespace", "default"]).await?;
+    // A cluster-wide freeze is for cluster-wide operators.
+    capstan(&env, &["freeze", "-A", "--lifetime", "30", "--priority", "100"]).await?;
+    create(&env, "free", json!({})).await?;
+    op.wait_call("free", Duration::from_secs(30)).await?;
+    ensure!(
+        !op.log().contains(PAUSED),
+        "a cluster-wide freeze paused a namespaced operator"
+    );
+
+    let out = capstan(
+        &env,
+        &["freeze", "-n", "default", "--lifetime", "30", "--priority", "100"],
+    )
+    .await?;
+    ensure!(
+        out.contains("froze capstanpeering/default (namespace default)"),
+        "freeze said: {out}"
+    );
+    op.wait_log(PAUSED, 1, Duration::from_secs(20)).await?;
+    create(&env, "held", json!({})).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(op.count("held") == 0, "a frozen operator invoked a handler");
+    capstan(&env, &["resume", "-n", "default"]).await?;
+    op.wait_log(RESUMED, 1, Duration::from_secs(20)).await?;
+    op.wait_call("held", Duration::from_secs(30)).await?;
+    op.stop().await?;
     env.stop().await
 }
 
