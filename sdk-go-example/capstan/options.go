@@ -44,6 +44,27 @@ func Errors(mode ErrorsMode) Option {
 	return func(r *pb.HandlerRegistration) { r.ErrorsMode = mode }
 }
 
+// LabelSelector restricts the handler to objects a Kubernetes label selector selects (e.g.
+// "app=db,tier in (a,b)"). When every handler of the resource gives the same selectors, the
+// controller's watch filters on the server.
+func LabelSelector(selector string) Option {
+	return func(r *pb.HandlerRegistration) {
+		if r.Resource != nil {
+			r.Resource.LabelSelector = selector
+		}
+	}
+}
+
+// FieldSelector restricts the handler to objects a field selector selects, e.g.
+// "spec.nodeName=node-1" for a per-node operator; a missing field compares as empty.
+func FieldSelector(selector string) Option {
+	return func(r *pb.HandlerRegistration) {
+		if r.Resource != nil {
+			r.Resource.FieldSelector = selector
+		}
+	}
+}
+
 // LabelIs requires the label key to have exactly value.
 func LabelIs(key, value string) Option {
 	return func(r *pb.HandlerRegistration) {

@@ -88,3 +88,13 @@ func TestDuplicateHandlerIDsPanic(t *testing.T) {
 	reg.OnCreate("examples", "fn", func(_ context.Context, _ *Invocation) (any, error) { return nil, nil })
 	reg.OnUpdate("examples", "fn", func(_ context.Context, _ *Invocation) (any, error) { return nil, nil })
 }
+
+func TestSelectorsGoIntoTheResourceSelector(t *testing.T) {
+	reg := NewRegistry()
+	noop := func(_ context.Context, _ *Invocation) (any, error) { return nil, nil }
+	reg.OnCreate("pods", "local", noop, FieldSelector("spec.nodeName=node-1"), LabelSelector("app=db"))
+	got := reg.registrations()[0].GetResource()
+	if got.GetFieldSelector() != "spec.nodeName=node-1" || got.GetLabelSelector() != "app=db" {
+		t.Fatalf("selectors not set: %v", got)
+	}
+}
