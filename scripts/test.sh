@@ -29,4 +29,6 @@ export CAPSTAN_TESTENV_BIN
 
 step "cargo test"
 cargo build --workspace --all-targets --locked
+# The end-to-end tests run this build's binary instead of building their own.
+export CAPSTAN_TEST_BINARY="$CARGO_TARGET_DIR/debug/capstan"
 cargo test --workspace --locked

@@ -32,10 +32,19 @@ pub fn bin_dir() -> Result<PathBuf> {
     Ok(dir.to_path_buf())
 }
 
-/// The `capstan` binary of this build, built on first use.
+/// The `capstan` binary of this build, built on first use, or `CAPSTAN_TEST_BINARY` when set
+/// (`scripts/test.sh` sets it to the binary its workspace build made: a nested `cargo build`
+/// from inside a test process resolves other features and environment, recompiles the
+/// dependencies and the binary while tests run, and starves timing-sensitive tests of CPU).
 pub async fn capstan_binary() -> Result<PathBuf> {
     CAPSTAN
         .get_or_try_init(|| async {
+            if let Some(bin) = std::env::var_os("CAPSTAN_TEST_BINARY").map(PathBuf::from) {
+                if !bin.is_file() {
+                    bail!("CAPSTAN_TEST_BINARY={} is not a file", bin.display());
+                }
+                return Ok(bin);
+            }
             let dir = bin_dir()?;
             let profile = dir
                 .file_name()
