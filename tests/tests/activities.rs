@@ -218,8 +218,9 @@ async fn probe_results_appear_in_healthz_and_a_hanging_probe_fails_within_its_ti
     let (code, body) = loop {
         let asked = Instant::now();
         let (code, body) = controller.admin_get("/healthz").await?;
+        // Never waiting for the probes: the hanging one alone takes its 2 s timeout.
         ensure!(
-            asked.elapsed() < Duration::from_secs(1),
+            asked.elapsed() < Duration::from_millis(1800),
             "/healthz must answer from the cache"
         );
         let report: Value = serde_json::from_str(&body).unwrap_or_default();
