@@ -264,14 +264,14 @@ impl Engine {
                 }
             }
             for (key, handlers) in groups {
-                if let Some(w) = watched.remove(&key) {
-                    if w.selectors == common_selectors(&handlers) {
-                        watched.insert(key.clone(), w);
-                    } else {
-                        // The server-side selectors would hide objects from the new handlers.
-                        info!(resource = %key.plural, "handlers' selectors changed; restarting the watch");
-                        self.stop(w);
-                    }
+                if watched
+                    .get(&key)
+                    .is_some_and(|w| w.selectors != common_selectors(&handlers))
+                    && let Some(w) = watched.remove(&key)
+                {
+                    // The server-side selectors would hide objects from the new handlers.
+                    info!(resource = %key.plural, "handlers' selectors changed; restarting the watch");
+                    self.stop(w);
                 }
                 match watched.get(&key) {
                     Some(w) => {

@@ -2,7 +2,10 @@
 //! controller and an SDK handler process, plus helpers to poll objects and read the handler
 //! call log.
 
-use std::{path::PathBuf, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use anyhow::{Result, bail};
 use kube::{
@@ -39,8 +42,21 @@ impl Scenario {
     pub async fn start(presets: &str, controller_args: &[&str]) -> Result<Self> {
         let env = TestEnv::start().await?;
         env.apply_example_crd().await?;
+        let kubeconfig = env.kubeconfig.clone();
+        Self::attach(env, &kubeconfig, presets, controller_args, "default").await
+    }
+
+    /// Starts a controller with `kubeconfig` (e.g. an impersonated identity) and a handler
+    /// process on an existing testenv, with objects in `namespace`.
+    pub async fn attach(
+        env: TestEnv,
+        kubeconfig: &Path,
+        presets: &str,
+        controller_args: &[&str],
+        namespace: &str,
+    ) -> Result<Self> {
         let client = env.client().await?;
-        let mut controller = Controller::start(&env, "capstan", controller_args).await?;
+        let mut controller = Controller::start_with(&env, kubeconfig, "capstan", controller_args).await?;
         let calls = env.scratch().join("calls.log");
         let handler = start_handler(
             &env,
@@ -59,7 +75,7 @@ impl Scenario {
             handler,
             calls,
             presets: presets.to_owned(),
-            namespace: "default".into(),
+            namespace: namespace.into(),
         })
     }
 

@@ -173,14 +173,16 @@ impl TestEnv {
 
     /// Applies a CRD and waits until it is established.
     pub async fn apply_crd(&self, yaml: &str, name: &str) -> Result<()> {
+        self.apply_crds(yaml, &[name]).await
+    }
+
+    /// Applies manifests that define the CRDs `names` and waits until all are established.
+    pub async fn apply_crds(&self, yaml: &str, names: &[&str]) -> Result<()> {
         self.apply(yaml).await?;
-        self.kubectl_ok(&[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            &format!("crd/{name}"),
-        ])
-        .await?;
+        let crds: Vec<String> = names.iter().map(|n| format!("crd/{n}")).collect();
+        let mut args = vec!["wait", "--for=condition=Established", "--timeout=60s"];
+        args.extend(crds.iter().map(String::as_str));
+        self.kubectl_ok(&args).await?;
         Ok(())
     }
 

@@ -14,7 +14,6 @@ use capstan_tests::{
         self, Render, ci_values_files, documents, ensure_namespace, impersonating_kubeconfig, namespaces_of,
         scratch_file, stem,
     },
-    process::{Controller, start_handler},
     scenario::{Scenario, annotation, has_finalizer, tail},
     testenv::TestEnv,
 };
@@ -750,29 +749,7 @@ async fn the_charts_rbac_is_enough_for_a_full_cycle_and_fails_clearly_without_pa
         );
     }
 
-    let mut controller = Controller::start_with(&env, &kubeconfig, "capstan", &[]).await?;
-    let calls = env.scratch().join("calls.log");
-    let presets = "create,update,delete";
-    let handler = start_handler(
-        &env,
-        "handler",
-        &controller.endpoint(),
-        &[("E2E_HANDLERS", presets), ("E2E_LOG", &calls.to_string_lossy())],
-    )?;
-    controller
-        .process
-        .wait_for("handler process connected", Duration::from_secs(60))
-        .await?;
-    let client = env.client().await?;
-    let mut s = Scenario {
-        env,
-        client,
-        controller,
-        handler,
-        calls,
-        presets: presets.to_owned(),
-        namespace: "apps".into(),
-    };
+    let mut s = Scenario::attach(env, &kubeconfig, "create,update,delete", &[], "apps").await?;
 
     // A full create/update/delete cycle with exactly the chart's permissions.
     s.create("one", json!({"field": "a", "size": 1})).await?;
@@ -971,35 +948,14 @@ async fn the_daemonset_rbac_lets_a_node_operator_handle_objects_and_clean_up_aft
     }
 
     // As the chart runs it on node-a (standalone, the node name from the Downward API).
-    let mut controller = Controller::start_with(
-        &env,
+    let mut s = Scenario::attach(
+        env,
         &kubeconfig,
-        "capstan",
+        "create",
         &["--node-name", "node-a", "--standalone"],
+        "apps",
     )
     .await?;
-    let calls = env.scratch().join("calls.log");
-    let presets = "create";
-    let handler = start_handler(
-        &env,
-        "handler",
-        &controller.endpoint(),
-        &[("E2E_HANDLERS", presets), ("E2E_LOG", &calls.to_string_lossy())],
-    )?;
-    controller
-        .process
-        .wait_for("handler process connected", Duration::from_secs(60))
-        .await?;
-    let client = env.client().await?;
-    let mut s = Scenario {
-        env,
-        client,
-        controller,
-        handler,
-        calls,
-        presets: presets.to_owned(),
-        namespace: "apps".into(),
-    };
     // node-b's operator handled the object before its node went away.
     s.create_with(
         "one",
@@ -1054,14 +1010,13 @@ async fn the_rbac_for_leader_election_and_peering_is_enough_to_lead_and_peer() -
     }
     .manifests()
     .await?;
-    env.apply(&manifests).await?;
-    env.kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "--timeout=60s",
-        "crd/capstanpeerings.capstan.dev",
-        "crd/clustercapstanpeerings.capstan.dev",
-    ])
+    env.apply_crds(
+        &manifests,
+        &[
+            "capstanpeerings.capstan.dev",
+            "clustercapstanpeerings.capstan.dev",
+        ],
+    )
     .await?;
     let user = format!("system:serviceaccount:{ns}:ha-capstan");
     let kubeconfig = impersonating_kubeconfig(&env, &user).await?;
@@ -1078,33 +1033,11 @@ async fn the_rbac_for_leader_election_and_peering_is_enough_to_lead_and_peer() -
         "--priority",
         "100",
     ];
-    let mut controller = Controller::start_with(&env, &kubeconfig, "capstan", &args).await?;
-    let calls = env.scratch().join("calls.log");
-    let presets = "create";
-    let handler = start_handler(
-        &env,
-        "handler",
-        &controller.endpoint(),
-        &[("E2E_HANDLERS", presets), ("E2E_LOG", &calls.to_string_lossy())],
-    )?;
-    controller
-        .process
-        .wait_for("handler process connected", Duration::from_secs(60))
-        .await?;
-    controller
+    let mut s = Scenario::attach(env, &kubeconfig, "create", &args, "apps").await?;
+    s.controller
         .process
         .wait_for("became the leader", Duration::from_secs(30))
         .await?;
-    let client = env.client().await?;
-    let mut s = Scenario {
-        env,
-        client,
-        controller,
-        handler,
-        calls,
-        presets: presets.to_owned(),
-        namespace: "apps".into(),
-    };
     s.create("one", json!({})).await?;
     s.wait("one", T, "handled by the leader", |o| {
         annotation(o, "capstan.dev/last-handled-configuration").is_some()

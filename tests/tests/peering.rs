@@ -26,14 +26,13 @@ async fn env_with_crds(peering: bool) -> Result<TestEnv> {
     env.apply_example_crd().await?;
     if peering {
         let yaml = std::fs::read_to_string(repo_root().join("controller/crds/peering.yaml"))?;
-        env.apply(&yaml).await?;
-        env.kubectl_ok(&[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/capstanpeerings.capstan.dev",
-            "crd/clustercapstanpeerings.capstan.dev",
-        ])
+        env.apply_crds(
+            &yaml,
+            &[
+                "capstanpeerings.capstan.dev",
+                "clustercapstanpeerings.capstan.dev",
+            ],
+        )
         .await?;
     }
     Ok(env)
@@ -145,6 +144,20 @@ fn count_calls(path: &Path, object: &str) -> usize {
         .count()
 }
 
+/// The entries of the cluster-wide peering `default` (its status).
+async fn peers(env: &TestEnv) -> Result<Value> {
+    let status = env
+        .kubectl_ok(&[
+            "get",
+            "clustercapstanpeering",
+            "default",
+            "-o",
+            "jsonpath={.status}",
+        ])
+        .await?;
+    Ok(serde_json::from_str(&status)?)
+}
+
 async fn create(env: &TestEnv, name: &str, spec: Value) -> Result<()> {
     let client = env.client().await?;
     let obj: DynamicObject = serde_json::from_value(json!({
@@ -209,18 +222,9 @@ async fn a_dev_operator_freezes_a_normal_one_until_it_exits() -> Result<()> {
         "the dev operator handled a handled object again"
     );
 
-    let status = env
-        .kubectl_ok(&[
-            "get",
-            "clustercapstanpeering",
-            "default",
-            "-o",
-            "jsonpath={.status}",
-        ])
-        .await?;
-    let peers: Value = serde_json::from_str(&status)?;
+    let status = peers(&env).await?;
     ensure!(
-        peers.as_object().is_some_and(|p| p.len() == 2
+        status.as_object().is_some_and(|p| p.len() == 2
             && p.values().any(|e| e["priority"] == 666)
             && p.values().any(|e| e["priority"] == 0)),
         "unexpected peering status {status}"
@@ -235,19 +239,9 @@ async fn a_dev_operator_freezes_a_normal_one_until_it_exits() -> Result<()> {
         normal.count("during") == 0 && normal.count("before") == 1,
         "after resuming, the normal operator handled a change again"
     );
-    let status = env
-        .kubectl_ok(&[
-            "get",
-            "clustercapstanpeering",
-            "default",
-            "-o",
-            "jsonpath={.status}",
-        ])
-        .await?;
+    let status = peers(&env).await?;
     ensure!(
-        serde_json::from_str::<Value>(&status)?
-            .as_object()
-            .is_some_and(|p| p.len() == 1),
+        status.as_object().is_some_and(|p| p.len() == 1),
         "the dev operator did not leave the peering: {status}"
     );
     normal.stop().await?;

@@ -82,6 +82,16 @@ async fn create_nodes(env: &TestEnv, names: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Creates the Example `name` in `default` with `labels` and `spec`.
+async fn create_example(env: &TestEnv, name: &str, labels: Value, spec: Value) -> anyhow::Result<()> {
+    let obj = serde_json::from_value(json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+        "metadata": {"name": name, "namespace": "default", "labels": labels}, "spec": spec}))?;
+    examples(&env.client().await?, "default")
+        .create(&PostParams::default(), &obj)
+        .await?;
+    Ok(())
+}
+
 fn diffbases(o: &Value) -> Vec<String> {
     o.pointer("/metadata/annotations")
         .and_then(Value::as_object)
@@ -131,10 +141,7 @@ async fn every_node_handles_every_object_independently() -> anyhow::Result<()> {
     let a = node(&env, "node-a", "create", &[]).await?;
     let b = node(&env, "node-b", "create", &[("E2E_FAIL_FIRST", "2")]).await?;
     let c = node(&env, LONG, "create", &[]).await?;
-    let api = examples(&env.client().await?, "default");
-    let obj = serde_json::from_value(json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
-        "metadata": {"name": "shared", "namespace": "default"}, "spec": {}}))?;
-    api.create(&PostParams::default(), &obj).await?;
+    create_example(&env, "shared", json!({}), json!({})).await?;
     let o = wait(&env, "shared", "three diff-bases", &[&a, &b, &c], |o| {
         diffbases(o).len() == 3
     })
@@ -210,10 +217,7 @@ async fn event_handlers_are_retried_and_departed_nodes_are_cleaned_up() -> anyho
         &delay,
     )
     .await?;
-    let api = examples(&env.client().await?, "default");
-    let obj = serde_json::from_value(json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
-        "metadata": {"name": "ev", "namespace": "default"}, "spec": {}}))?;
-    api.create(&PostParams::default(), &obj).await?;
+    create_example(&env, "ev", json!({}), json!({})).await?;
     wait(&env, "ev", "both nodes handled it", &[&a, &b], |o| {
         diffbases(o).len() == 2
     })
@@ -270,10 +274,7 @@ async fn the_status_storage_keeps_per_node_state_out_of_the_annotations() -> any
     let storage = ["--progress-storage", "status", "--diffbase-storage", "status"];
     let a = node_with(&env, "node-a", "create", &[], &storage).await?;
     let b = node_with(&env, "node-b", "create", &[("E2E_FAIL_FIRST", "1")], &storage).await?;
-    let api = examples(&env.client().await?, "default");
-    let obj = serde_json::from_value(json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
-        "metadata": {"name": "quiet", "namespace": "default"}, "spec": {}}))?;
-    api.create(&PostParams::default(), &obj).await?;
+    create_example(&env, "quiet", json!({}), json!({})).await?;
     let handled = |o: &Value, node: &str| {
         o.pointer(&format!("/status/capstan-{node}/last-handled-configuration"))
             .is_some()
@@ -316,7 +317,6 @@ async fn node_local_handlers_are_called_only_for_their_nodes_objects() -> anyhow
     // controller falls back to filtering itself.
     let a = node(&env, "node-a", "create,node-local", &[("E2E_NODE", "node-a")]).await?;
     let mut b = node(&env, "node-b", "node-local", &[("E2E_NODE", "node-b")]).await?;
-    let api = examples(&env.client().await?, "default");
     for (name, node, skip) in [
         ("on-a", Some("node-a"), false),
         ("on-b", Some("node-b"), false),
@@ -328,10 +328,7 @@ async fn node_local_handlers_are_called_only_for_their_nodes_objects() -> anyhow
         } else {
             json!({})
         };
-        let obj = serde_json::from_value(json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
-            "metadata": {"name": name, "namespace": "default", "labels": labels},
-            "spec": {"nodeName": node}}))?;
-        api.create(&PostParams::default(), &obj).await?;
+        create_example(&env, name, labels, json!({"nodeName": node})).await?;
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(45);
     let done = || {

@@ -114,6 +114,9 @@ impl ObjectSelector {
 
     /// Whether `body` satisfies every requirement.
     pub fn matches(&self, body: &Value) -> bool {
+        if self.is_empty() {
+            return true;
+        }
         let labels = body.pointer("/metadata/labels").and_then(Value::as_object);
         let label = |key: &str| labels.and_then(|m| m.get(key)).and_then(Value::as_str);
         self.labels.iter().all(|r| r.matches(label(&r.key)))
