@@ -716,6 +716,24 @@ fn every_request_was_made_as_and_allowed(env: &TestEnv, user: &str) -> Result<()
     Ok(())
 }
 
+/// `kubectl auth can-i` as `user` (through `kubeconfig`) answers as `expected` says for each
+/// (verb, resource, allowed).
+async fn permissions_are(
+    env: &TestEnv,
+    kubeconfig: &std::path::Path,
+    user: &str,
+    expected: &[(&str, &str, bool)],
+) -> Result<()> {
+    for &(verb, resource, allowed) in expected {
+        ensure!(
+            can_i(env, kubeconfig, verb, resource).await? == allowed,
+            "{user} can{} {verb} {resource}",
+            if allowed { "not" } else { "" }
+        );
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn the_charts_rbac_is_enough_for_a_full_cycle_and_fails_clearly_without_patch() -> Result<()> {
     let env = TestEnv::start().await?;
@@ -728,26 +746,26 @@ async fn the_charts_rbac_is_enough_for_a_full_cycle_and_fails_clearly_without_pa
     let kubeconfig = impersonating_kubeconfig(&env, &user).await?;
 
     // Exactly the chart's permissions: what the operator needs, nothing else.
-    for (verb, resource, allowed) in [
-        ("list", "examples.demo.capstan.dev", true),
-        ("watch", "examples.demo.capstan.dev", true),
-        ("patch", "examples.demo.capstan.dev", true),
-        ("get", "examples.demo.capstan.dev", true),
-        ("patch", "examples.demo.capstan.dev/status", true),
-        ("create", "events", true),
-        ("create", "examples.demo.capstan.dev", false),
-        ("delete", "examples.demo.capstan.dev", false),
-        ("update", "examples.demo.capstan.dev", false),
-        ("list", "secrets", false),
-        ("get", "configmaps", false),
-        ("create", "leases.coordination.k8s.io", false),
-    ] {
-        ensure!(
-            can_i(&env, &kubeconfig, verb, resource).await? == allowed,
-            "{user} can{} {verb} {resource}",
-            if allowed { "not" } else { "" }
-        );
-    }
+    permissions_are(
+        &env,
+        &kubeconfig,
+        &user,
+        &[
+            ("list", "examples.demo.capstan.dev", true),
+            ("watch", "examples.demo.capstan.dev", true),
+            ("patch", "examples.demo.capstan.dev", true),
+            ("get", "examples.demo.capstan.dev", true),
+            ("patch", "examples.demo.capstan.dev/status", true),
+            ("create", "events", true),
+            ("create", "examples.demo.capstan.dev", false),
+            ("delete", "examples.demo.capstan.dev", false),
+            ("update", "examples.demo.capstan.dev", false),
+            ("list", "secrets", false),
+            ("get", "configmaps", false),
+            ("create", "leases.coordination.k8s.io", false),
+        ],
+    )
+    .await?;
 
     let mut s = Scenario::attach(env, &kubeconfig, "create,update,delete", &[], "apps").await?;
 
@@ -934,18 +952,18 @@ async fn the_daemonset_rbac_lets_a_node_operator_handle_objects_and_clean_up_aft
     }
     let user = format!("system:serviceaccount:{ns}:agent-capstan");
     let kubeconfig = impersonating_kubeconfig(&env, &user).await?;
-    for (verb, resource, allowed) in [
-        ("watch", "nodes", true),
-        ("list", "nodes", true),
-        ("patch", "nodes", false),
-        ("delete", "nodes", false),
-    ] {
-        ensure!(
-            can_i(&env, &kubeconfig, verb, resource).await? == allowed,
-            "{user} can{} {verb} {resource}",
-            if allowed { "not" } else { "" }
-        );
-    }
+    permissions_are(
+        &env,
+        &kubeconfig,
+        &user,
+        &[
+            ("watch", "nodes", true),
+            ("list", "nodes", true),
+            ("patch", "nodes", false),
+            ("delete", "nodes", false),
+        ],
+    )
+    .await?;
 
     // As the chart runs it on node-a (standalone, the node name from the Downward API).
     let mut s = Scenario::attach(
