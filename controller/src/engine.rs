@@ -26,6 +26,7 @@ pub mod posting;
 pub mod processing;
 pub mod queue;
 pub mod registry;
+pub mod writing;
 
 use std::{collections::BTreeMap, sync::Arc};
 

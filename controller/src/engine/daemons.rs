@@ -264,7 +264,7 @@ impl Daemons {
         if desired == base {
             return;
         }
-        match super::queue::patch_object(&self.ctx.objects, &self.ctx.resource, &base, &desired).await {
+        match super::writing::patch_object(&self.ctx.objects, &self.ctx.resource, &base, &desired).await {
             Ok(stored) => {
                 if let Some(object) = self.objects.lock().get(uid) {
                     object.body.send_replace(stored);

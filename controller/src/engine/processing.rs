@@ -227,78 +227,131 @@ pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
 }
 
 async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
-    let now = SystemTime::now();
-    let body = input.body;
-    if input.event == EventType::Deleted {
-        return Plan::idle(Cause::Gone, body, FinalizerChange::Keep);
-    }
-    let storage = input.storage;
-    let deleting = body
-        .pointer("/metadata/deletionTimestamp")
-        .is_some_and(|v| !v.is_null());
-    let present = has_finalizer(body, &storage.keys.finalizer);
-    let rules = rules(storage, input.handlers);
-    let new = rules.essence(body);
-    let old = storage.diffbase.fetch(body).map(|o| rules.essence(&o));
-    let body_only = Subject {
-        body,
-        old: None,
-        new: None,
-    };
-    let must_block = storage.finalizers
-        && input
-            .handlers
-            .iter()
-            .any(|h| h.requires_finalizer() && matching::prematch(h, body_only));
-    let mut finalizer = FinalizerChange::Keep;
-    if !deleting && must_block && !present {
-        return Plan::idle(Cause::Noop, body, FinalizerChange::Add);
-    }
-    if !deleting && !must_block && present {
-        finalizer = FinalizerChange::Remove;
-    }
-    // As in kopf: an object that no change handler could ever match is invisible to the
-    // change machinery — no diff-base, no records, no writes (event-only operators, daemons).
-    let changing = input
-        .handlers
-        .iter()
-        .any(|h| h.kind.is_changing() && matching::prematch(h, body_only));
-    if !changing {
-        let finalizer = if deleting && present {
-            FinalizerChange::Remove
-        } else {
-            finalizer
-        };
-        return Plan::idle(Cause::Noop, body, finalizer);
-    }
-    let changed = old.as_ref() != Some(&new);
-    let initial = input.memory.noticed_by_listing && !input.memory.fully_handled_once;
-    let cause = causes::detect(Facts {
-        event: input.event,
-        deleting,
-        finalizer_present: present,
-        has_diffbase: old.is_some(),
-        changed,
-        initial,
-    });
-    let Some(reason) = cause.reason() else {
-        let mut plan = Plan::idle(cause, body, finalizer);
-        plan.done = cause == Cause::Noop;
-        return plan;
+    let mut cycle = match Cycle::begin(&input) {
+        Ok(cycle) => cycle,
+        Err(plan) => return plan,
     };
     let subject = Subject {
-        body,
-        old: old.as_ref(),
-        new: Some(&new),
+        body: input.body,
+        old: cycle.old.as_ref(),
+        new: Some(&cycle.new),
     };
-    let selected = matching::select(input.handlers, cause, initial, subject);
-    let purpose = causes::purpose(reason);
-    let mut running = body.clone();
-    let mut base = body.clone();
-    let mut steps: Vec<Step> = Vec::with_capacity(selected.len());
-    let mut interrupted = false;
-    let mut notes: Vec<(Level, String)> = Vec::new();
+    let selected = matching::select(input.handlers, cycle.cause, cycle.initial, subject);
     for reg in selected {
+        cycle.run(reg, invoker).await;
+    }
+    cycle.finish()
+}
+
+/// The state of one cycle while its handlers run, step by step: [`Cycle::begin`] decides the
+/// cause (or ends the cycle early), [`Cycle::run`] runs one handler, [`Cycle::finish`] folds
+/// the steps into the plan.
+struct Cycle<'i, 'a> {
+    input: &'i Input<'a>,
+    now: SystemTime,
+    rules: Rules,
+    cause: Cause,
+    reason: ChangeReason,
+    initial: bool,
+    /// The stored diff-base essence, and the current essence.
+    old: Option<Value>,
+    new: Value,
+    finalizer: FinalizerChange,
+    /// The body with the patches of the handlers that ran so far.
+    running: Value,
+    /// The body as last stored (the input, or what a checkpoint wrote).
+    base: Value,
+    steps: Vec<Step>,
+    interrupted: bool,
+    notes: Vec<(Level, String)>,
+}
+
+impl<'i, 'a> Cycle<'i, 'a> {
+    /// Decides the finalizer change and the cause; `Err` is the plan of a cycle that runs no
+    /// handler (gone, a finalizer to add first, nothing to handle).
+    fn begin(input: &'i Input<'a>) -> Result<Self, Plan> {
+        let body = input.body;
+        if input.event == EventType::Deleted {
+            return Err(Plan::idle(Cause::Gone, body, FinalizerChange::Keep));
+        }
+        let storage = input.storage;
+        let deleting = body
+            .pointer("/metadata/deletionTimestamp")
+            .is_some_and(|v| !v.is_null());
+        let present = has_finalizer(body, &storage.keys.finalizer);
+        let rules = rules(storage, input.handlers);
+        let new = rules.essence(body);
+        let old = storage.diffbase.fetch(body).map(|o| rules.essence(&o));
+        let body_only = Subject {
+            body,
+            old: None,
+            new: None,
+        };
+        let must_block = storage.finalizers
+            && input
+                .handlers
+                .iter()
+                .any(|h| h.requires_finalizer() && matching::prematch(h, body_only));
+        let mut finalizer = FinalizerChange::Keep;
+        if !deleting && must_block && !present {
+            return Err(Plan::idle(Cause::Noop, body, FinalizerChange::Add));
+        }
+        if !deleting && !must_block && present {
+            finalizer = FinalizerChange::Remove;
+        }
+        // As in kopf: an object that no change handler could ever match is invisible to the
+        // change machinery — no diff-base, no records, no writes (event-only operators, daemons).
+        let changing = input
+            .handlers
+            .iter()
+            .any(|h| h.kind.is_changing() && matching::prematch(h, body_only));
+        if !changing {
+            let finalizer = if deleting && present {
+                FinalizerChange::Remove
+            } else {
+                finalizer
+            };
+            return Err(Plan::idle(Cause::Noop, body, finalizer));
+        }
+        let initial = input.memory.noticed_by_listing && !input.memory.fully_handled_once;
+        let cause = causes::detect(Facts {
+            event: input.event,
+            deleting,
+            finalizer_present: present,
+            has_diffbase: old.is_some(),
+            changed: old.as_ref() != Some(&new),
+            initial,
+        });
+        let Some(reason) = cause.reason() else {
+            let mut plan = Plan::idle(cause, body, finalizer);
+            plan.done = cause == Cause::Noop;
+            return Err(plan);
+        };
+        Ok(Self {
+            input,
+            now: SystemTime::now(),
+            rules,
+            cause,
+            reason,
+            initial,
+            old,
+            new,
+            finalizer,
+            running: body.clone(),
+            base: body.clone(),
+            steps: Vec::new(),
+            interrupted: false,
+            notes: Vec::new(),
+        })
+    }
+
+    /// Runs one selected handler, unless it is finished, sleeping, out of limits, or the cycle
+    /// was interrupted; records the step.
+    async fn run(&mut self, reg: &Registration, invoker: &dyn Invoker) {
+        let storage = self.input.storage;
+        let body = self.input.body;
+        let now = self.now;
+        let purpose = causes::purpose(self.reason);
         let fetched = storage
             .progress
             .fetch(&reg.id.0, body)
@@ -316,54 +369,23 @@ async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
             skipped: false,
             delta: Value::Null,
         };
-        if interrupted || record.finished() || record.sleeping(now) {
-            steps.push(step.with(record));
-            continue;
+        if self.interrupted || record.finished() || record.sleeping(now) {
+            self.steps.push(step.with(record));
+            return;
         }
         if let Some(message) = execution::exhausted(reg, &record, now) {
             warn!(handler.id = %reg.id, %message, "handler gives up");
             record.stopped = Some(time::format(now));
             record.failure = true;
             record.message = Some(message);
-            steps.push(step.with(record));
-            continue;
+            self.steps.push(step.with(record));
+            return;
         }
-        let children = child_states(storage, reg, body, &record);
-        let work = work(
-            &input,
-            reg,
-            reason,
-            &record,
-            &running,
-            old.as_ref(),
-            &new,
-            children,
-        );
-        debug!(handler.id = %reg.id, attempt = work.attempt, "invoking");
-        let invocation = invoker.invoke(work);
-        let outcome = match input.checkpoint.filter(|_| !steps.is_empty()) {
-            None => invocation.await,
-            Some(checkpoint) => {
-                tokio::pin!(invocation);
-                tokio::select! {
-                    outcome = &mut invocation => outcome,
-                    () = tokio::time::sleep(input.checkpoint_after) => {
-                        let partial = compose(&base, running.clone(), &steps, &input, cause, &rules, old.as_ref(), FinalizerChange::Keep, false);
-                        if let Some(desired) = partial.desired {
-                            debug!(finished = steps.len(), "a handler is still running; checkpointing the finished ones");
-                            if let Some(stored) = checkpoint.save(&base, &desired).await {
-                                base = stored;
-                            }
-                        }
-                        invocation.await
-                    }
-                }
-            }
-        };
-        if matches!(outcome, Outcome::Cancelled | Outcome::Abandoned) && input.cancel.is_cancelled() {
-            interrupted = true;
-            steps.push(step.with(record));
-            continue;
+        let outcome = self.invoke(reg, &record, invoker).await;
+        if matches!(outcome, Outcome::Cancelled | Outcome::Abandoned) && self.input.cancel.is_cancelled() {
+            self.interrupted = true;
+            self.steps.push(step.with(record));
+            return;
         }
         let reported = subhandlers_of(&outcome);
         if matches!(outcome, Outcome::Skipped) {
@@ -371,30 +393,97 @@ async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
         }
         let verdict = execution::judge(reg, &mut record, outcome, now);
         record_children(storage, body, reg, &mut record, &mut step, reported, now);
+        self.apply(reg, verdict, &mut record, &mut step);
+        self.steps.push(step.with(record));
+    }
+
+    /// Invokes a handler; while it runs longer than the checkpoint time, writes what the
+    /// handlers before it finished.
+    async fn invoke(
+        &mut self,
+        reg: &Registration,
+        record: &ProgressRecord,
+        invoker: &dyn Invoker,
+    ) -> Outcome {
+        let children = child_states(self.input.storage, reg, self.input.body, record);
+        let work = work(
+            self.input,
+            reg,
+            self.reason,
+            record,
+            &self.running,
+            self.old.as_ref(),
+            &self.new,
+            children,
+        );
+        debug!(handler.id = %reg.id, attempt = work.attempt, "invoking");
+        let invocation = invoker.invoke(work);
+        let Some(checkpoint) = self.input.checkpoint.filter(|_| !self.steps.is_empty()) else {
+            return invocation.await;
+        };
+        tokio::pin!(invocation);
+        tokio::select! {
+            outcome = &mut invocation => outcome,
+            () = tokio::time::sleep(self.input.checkpoint_after) => {
+                self.checkpoint(checkpoint).await;
+                invocation.await
+            }
+        }
+    }
+
+    /// Writes the progress of the steps so far.
+    async fn checkpoint(&mut self, checkpoint: &dyn Checkpoint) {
+        let partial = compose(
+            &self.base,
+            self.running.clone(),
+            &self.steps,
+            self.input,
+            self.cause,
+            &self.rules,
+            self.old.as_ref(),
+            FinalizerChange::Keep,
+            false,
+        );
+        if let Some(desired) = partial.desired {
+            debug!(
+                finished = self.steps.len(),
+                "a handler is still running; checkpointing the finished ones"
+            );
+            if let Some(stored) = checkpoint.save(&self.base, &desired).await {
+                self.base = stored;
+            }
+        }
+    }
+
+    /// Applies a verdict: a success's patches and results to the running body, and the notes
+    /// to report.
+    fn apply(&mut self, reg: &Registration, verdict: Verdict, record: &mut ProgressRecord, step: &mut Step) {
+        let storage = self.input.storage;
         match verdict {
             Verdict::Success { result, patches } => {
-                let mut scratch = running.clone();
+                let mut scratch = self.running.clone();
                 match apply_patches(&mut scratch, &patches) {
                     Ok(()) => {
                         step.patched = !patches.is_empty()
                             || result.is_some()
                             || step.children.iter().any(|c| c.result.is_some());
-                        let before = std::mem::replace(&mut running, scratch);
+                        let before = std::mem::replace(&mut self.running, scratch);
                         if let Some(result) = result {
-                            store_result(&mut running, &reg.id.0, result);
+                            store_result(&mut self.running, &reg.id.0, result);
                         }
                         for child in &step.children {
                             if let Some(result) = &child.result {
-                                store_result(&mut running, &child.id, result.clone());
+                                store_result(&mut self.running, &child.id, result.clone());
                             }
                         }
-                        step.delta = merge_diff(&before, &running).unwrap_or(Value::Null);
-                        if children_unfinished(storage, body, &record, &step.children) {
-                            reopen_for_children(&mut record, &step.children, now);
+                        step.delta = merge_diff(&before, &self.running).unwrap_or(Value::Null);
+                        if children_unfinished(storage, self.input.body, record, &step.children) {
+                            reopen_for_children(record, &step.children, self.now);
                         } else {
                             info!(handler.id = %reg.id, "handler succeeded");
                             // Debug: logged, not posted — one Event per handled change is the summary below.
-                            notes.push((Level::Debug, format!("Handler '{}' succeeded.", reg.id)));
+                            self.notes
+                                .push((Level::Debug, format!("Handler '{}' succeeded.", reg.id)));
                         }
                     }
                     Err(d) => {
@@ -411,7 +500,7 @@ async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
                 info!(handler.id = %reg.id, error, delayed, "handler will be retried");
                 crate::observability::metrics::global()
                     .inc("capstan_handler_retries_total", &[("handler", reg.id.0.as_str())]);
-                notes.push((
+                self.notes.push((
                     Level::Error,
                     format!("Handler '{}' failed temporarily: {error}", reg.id),
                 ));
@@ -419,48 +508,51 @@ async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
             Verdict::Failure => {
                 let error = record.message.as_deref().unwrap_or_default();
                 warn!(handler.id = %reg.id, error, "handler failed permanently");
-                notes.push((
+                self.notes.push((
                     Level::Error,
                     format!("Handler '{}' failed permanently: {error}", reg.id),
                 ));
             }
             Verdict::Unrecorded => {}
         }
-        steps.push(step.with(record));
     }
-    // An interrupted cycle (shutdown, pause) still records what finished before it.
-    let mut plan = compose(
-        &base,
-        running,
-        &steps,
-        &input,
-        cause,
-        &rules,
-        old.as_ref(),
-        finalizer,
-        true,
-    );
-    if plan.done && !steps.is_empty() {
-        let failed = steps.iter().filter(|s| s.record.failure).count();
-        let succeeded = steps.iter().filter(|s| s.record.success).count();
-        let what = match cause {
-            Cause::Create => "Creation",
-            Cause::Update => "Updating",
-            Cause::Delete => "Deletion",
-            _ => "Resuming",
-        };
-        notes.push((
-            Level::Info,
-            format!("{what} is processed: {succeeded} succeeded; {failed} failed."),
-        ));
+
+    /// Folds the steps into the plan. An interrupted cycle (shutdown, pause) still records
+    /// what finished before it.
+    fn finish(mut self) -> Plan {
+        let mut plan = compose(
+            &self.base,
+            self.running,
+            &self.steps,
+            self.input,
+            self.cause,
+            &self.rules,
+            self.old.as_ref(),
+            self.finalizer,
+            true,
+        );
+        if plan.done && !self.steps.is_empty() {
+            let failed = self.steps.iter().filter(|s| s.record.failure).count();
+            let succeeded = self.steps.iter().filter(|s| s.record.success).count();
+            let what = match self.cause {
+                Cause::Create => "Creation",
+                Cause::Update => "Updating",
+                Cause::Delete => "Deletion",
+                _ => "Resuming",
+            };
+            self.notes.push((
+                Level::Info,
+                format!("{what} is processed: {succeeded} succeeded; {failed} failed."),
+            ));
+        }
+        plan.notes = self.notes;
+        plan.interrupted = self.interrupted;
+        if self.interrupted {
+            plan.done = false;
+            plan.wake_at = None;
+        }
+        plan
     }
-    plan.notes = notes;
-    plan.interrupted = interrupted;
-    if interrupted {
-        plan.done = false;
-        plan.wake_at = None;
-    }
-    plan
 }
 
 /// One handler's part in a cycle.

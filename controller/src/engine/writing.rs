@@ -1,0 +1,384 @@
+//! The write path: turns a cycle's plan into API writes — the finalizer change, one PATCH of
+//! the object and one of `/status` where the resource has that subresource — and retries what
+//! can be retried without re-running any handler.
+//!
+//! `engine::queue` decides *when* an object is processed and calls [`Writer::write`] with the
+//! plan `engine::processing` composed; daemons and timers use [`patch_object`] for their own
+//! patches. Conflicts re-read the object and rebase the plan's changes on it; a patch the API
+//! server refuses is traced back to the handler whose changes caused it (server-side dry runs),
+//! which gets a failed attempt instead.
+
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::processing::{self, FinalizerChange, Plan, Storage, merge_diff};
+use crate::{
+    k8s::objects::{self, Objects},
+    model::ResolvedResource,
+};
+
+/// Writes the plans of one resource's objects.
+pub struct Writer {
+    /// Reads and writes objects.
+    pub objects: Objects,
+    /// The resource.
+    pub resource: ResolvedResource,
+    /// Storage configuration (the finalizer's name, progress records).
+    pub storage: Storage,
+    /// Cancelled at shutdown: retries stop.
+    pub cancel: CancellationToken,
+}
+
+/// What became of a plan's write.
+pub enum Written {
+    /// Written; the body as stored.
+    Stored(Value),
+    /// Nothing was to be written.
+    Nothing,
+    /// The object is gone.
+    Gone,
+    /// Not written (shutdown).
+    Failed,
+}
+
+impl Writer {
+    /// Writes a plan: the finalizer, then the object and status changes, retrying conflicts and
+    /// unavailability without re-running any handler.
+    pub async fn write(&self, body: &Value, plan: &Plan) -> Written {
+        let mut desired = plan.desired.clone();
+        let mut base = plan.base.clone();
+        let mut attempts = 0u32;
+        let mut isolated = false;
+        if desired.is_none() && plan.finalizer == FinalizerChange::Keep {
+            return Written::Nothing;
+        }
+        loop {
+            attempts += 1;
+            match self.write_once(&base, desired.as_ref(), plan.finalizer).await {
+                Ok(stored) => return Written::Stored(stored),
+                Err(objects::Error::NotFound) => {
+                    debug!("object deleted meanwhile; dropped");
+                    return Written::Gone;
+                }
+                Err(objects::Error::Conflict(message)) if attempts < 10 => {
+                    debug!(%message, "conflict; re-reading the object");
+                    let (ns, name) = identity(body);
+                    match self.objects.get(&self.resource, &ns, &name).await {
+                        Ok(fresh) => {
+                            if let Some(d) = desired.as_mut() {
+                                rebase(d, &base, &fresh);
+                            }
+                            base = fresh;
+                        }
+                        Err(objects::Error::NotFound) => return Written::Gone,
+                        Err(e) => warn!(error = %e, "re-reading after a conflict failed"),
+                    }
+                }
+                Err(objects::Error::Invalid(message)) if !plan.patched.is_empty() && !isolated => {
+                    warn!(%message, "the API server rejected the handlers' patch; finding which handler's patch it was");
+                    desired = Some(self.isolate(plan, &base, &message).await);
+                    isolated = true;
+                }
+                Err(e) => {
+                    if self.cancel.is_cancelled() {
+                        return Written::Failed;
+                    }
+                    let delay =
+                        Duration::from_secs(u64::from(attempts.min(5)).pow(2)).min(Duration::from_secs(30));
+                    warn!(error = %crate::error::chain(&e), retry_in = ?delay, "writing the object failed; retrying");
+                    tokio::select! {
+                        () = self.cancel.cancelled() => return Written::Failed,
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// After a rejected write: adds the handlers' changes one by one (validated with a
+    /// server-side dry run) and records the ones the API server refuses as failed attempts.
+    async fn isolate(&self, plan: &Plan, base: &Value, message: &str) -> Value {
+        let storage = &self.storage;
+        let Some(mut body) = plan.fallback.clone() else {
+            return base.clone();
+        };
+        for p in &plan.patched {
+            let mut candidate = body.clone();
+            processing::accept(p, storage, &mut candidate);
+            match self.dry_run(base, &candidate).await {
+                Ok(()) => body = candidate,
+                Err(objects::Error::Invalid(reason)) => {
+                    warn!(handler.id = %p.registration.id, %reason, "the API server rejected this handler's patch");
+                    processing::reject(p, storage, &reason, &mut body);
+                }
+                Err(e) => {
+                    warn!(handler.id = %p.registration.id, error = %crate::error::chain(&e), "could not validate this handler's patch");
+                    processing::reject(p, storage, message, &mut body);
+                }
+            }
+        }
+        body
+    }
+
+    async fn dry_run(&self, base: &Value, candidate: &Value) -> Result<(), objects::Error> {
+        let (ns, name) = identity(base);
+        let resource = &self.resource;
+        let Some(mut patch) = merge_diff(base, candidate) else {
+            return Ok(());
+        };
+        strip_server_fields(&mut patch);
+        if resource.status_subresource
+            && let Some(status) = patch.as_object_mut().and_then(|p| p.remove("status"))
+        {
+            let status_patch = serde_json::json!({ "status": status });
+            self.objects
+                .merge_patch_dry_run(resource, &ns, &name, &status_patch, true)
+                .await?;
+        }
+        if patch.as_object().is_some_and(|p| !p.is_empty()) {
+            self.objects
+                .merge_patch_dry_run(resource, &ns, &name, &patch, false)
+                .await?;
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn write_once(
+        &self,
+        base: &Value,
+        desired: Option<&Value>,
+        finalizer: FinalizerChange,
+    ) -> Result<Value, objects::Error> {
+        let (ns, name) = identity(base);
+        let resource = &self.resource;
+        let mut patch = desired
+            .and_then(|d| merge_diff(base, d))
+            .unwrap_or(Value::Object(Map::new()));
+        strip_server_fields(&mut patch);
+        if finalizer != FinalizerChange::Keep {
+            let name = &self.storage.keys.finalizer;
+            let mut list: Vec<Value> = base
+                .pointer("/metadata/finalizers")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default();
+            list.retain(|f| f.as_str() != Some(name));
+            if finalizer == FinalizerChange::Add {
+                list.push(Value::String(name.clone()));
+            }
+            let meta = processing_object(&mut patch, "metadata");
+            meta.insert("finalizers".into(), Value::Array(list));
+            if let Some(rv) = base.pointer("/metadata/resourceVersion") {
+                meta.insert("resourceVersion".into(), rv.clone());
+            }
+        }
+        let stored = write_patch(&self.objects, resource, &ns, &name, patch, desired).await?;
+        if finalizer == FinalizerChange::Add {
+            info!("finalizer added");
+        } else if finalizer == FinalizerChange::Remove {
+            info!("finalizer removed");
+        }
+        Ok(stored.unwrap_or_else(|| base.clone()))
+    }
+}
+
+/// Writes the changes from `base` to `desired` (no finalizer change): one `/status` PATCH
+/// where the resource has a status subresource and status changed, one PATCH for the rest.
+pub(crate) async fn patch_object(
+    objects: &Objects,
+    resource: &ResolvedResource,
+    base: &Value,
+    desired: &Value,
+) -> Result<Value, objects::Error> {
+    let (ns, name) = identity(base);
+    let Some(mut patch) = merge_diff(base, desired) else {
+        return Ok(base.clone());
+    };
+    strip_server_fields(&mut patch);
+    Ok(write_patch(objects, resource, &ns, &name, patch, Some(desired))
+        .await?
+        .unwrap_or_else(|| base.clone()))
+}
+
+async fn write_patch(
+    objects: &Objects,
+    resource: &ResolvedResource,
+    ns: &str,
+    name: &str,
+    mut patch: Value,
+    desired: Option<&Value>,
+) -> Result<Option<Value>, objects::Error> {
+    let status = if resource.status_subresource {
+        patch.as_object_mut().and_then(|p| p.remove("status"))
+    } else {
+        None
+    };
+    let mut stored = None;
+    let metrics = crate::observability::metrics::global();
+    if let Some(status) = status {
+        let status_patch = serde_json::json!({ "status": status });
+        metrics.inc("capstan_api_writes_total", &[("resource", &resource.plural)]);
+        stored = Some(
+            objects
+                .merge_patch(resource, ns, name, &status_patch, true)
+                .await?,
+        );
+    }
+    if patch.as_object().is_some_and(|p| !p.is_empty()) {
+        metrics.inc("capstan_api_writes_total", &[("resource", &resource.plural)]);
+        let result = objects.merge_patch(resource, ns, name, &patch, false).await?;
+        if let Some(d) = desired {
+            report_dropped_fields(&patch, &result, d);
+        }
+        stored = Some(result);
+    }
+    Ok(stored)
+}
+
+impl processing::Checkpoint for Writer {
+    fn save<'a>(
+        &'a self,
+        base: &'a Value,
+        desired: &'a Value,
+    ) -> futures::future::BoxFuture<'a, Option<Value>> {
+        Box::pin(async move {
+            match self.write_once(base, Some(desired), FinalizerChange::Keep).await {
+                Ok(stored) => Some(stored),
+                Err(e) => {
+                    debug!(error = %crate::error::chain(&e), "checkpoint not written; the final write will carry it");
+                    None
+                }
+            }
+        })
+    }
+}
+
+/// Removes metadata the server owns from a patch: a stale `resourceVersion` would turn the
+/// patch into a conflicting optimistic lock.
+fn strip_server_fields(patch: &mut Value) {
+    if let Some(meta) = patch.get_mut("metadata").and_then(Value::as_object_mut) {
+        for key in [
+            "resourceVersion",
+            "generation",
+            "managedFields",
+            "uid",
+            "creationTimestamp",
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+            "selfLink",
+            "name",
+            "namespace",
+        ] {
+            meta.remove(key);
+        }
+        if meta.is_empty()
+            && let Some(p) = patch.as_object_mut()
+        {
+            p.remove("metadata");
+        }
+    }
+}
+
+fn identity(body: &Value) -> (String, String) {
+    let get = |k: &str| {
+        body.pointer(&format!("/metadata/{k}"))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    (get("namespace"), get("name"))
+}
+
+fn processing_object<'a>(patch: &'a mut Value, key: &str) -> &'a mut Map<String, Value> {
+    crate::persistence::progress::object_at(patch, &[key])
+}
+
+/// Re-applies the changes from `original` to `desired` on top of a freshly read body.
+fn rebase(desired: &mut Value, original: &Value, fresh: &Value) {
+    if let Some(changes) = merge_diff(original, desired) {
+        let mut rebased = fresh.clone();
+        json_patch::merge(&mut rebased, &changes);
+        *desired = rebased;
+    }
+}
+
+/// Warns about patched fields that did not stick (pruned by the schema or read-only).
+fn report_dropped_fields(patch: &Value, stored: &Value, desired: &Value) {
+    let mut dropped = Vec::new();
+    walk_dropped(&mut Vec::new(), patch, stored, desired, &mut dropped);
+    if !dropped.is_empty() {
+        warn!(fields = %dropped.join(", "), "some patched fields did not stick (pruned by the schema or read-only)");
+    }
+}
+
+fn walk_dropped(
+    path: &mut Vec<String>,
+    patch: &Value,
+    stored: &Value,
+    desired: &Value,
+    out: &mut Vec<String>,
+) {
+    match patch {
+        Value::Object(p) => {
+            for (k, v) in p {
+                if path.is_empty() && k == "metadata" {
+                    continue;
+                }
+                path.push(k.clone());
+                let s = stored.get(k).unwrap_or(&Value::Null);
+                let d = desired.get(k).unwrap_or(&Value::Null);
+                walk_dropped(path, v, s, d, out);
+                path.pop();
+            }
+        }
+        Value::Null => {}
+        _ => {
+            if stored != desired {
+                out.push(path.join("."));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn merge_diff_adds_changes_and_nulls_removals() {
+        let a = json!({"metadata": {"annotations": {"x": "1", "y": "2"}}, "spec": {"a": [1]}});
+        let b = json!({"metadata": {"annotations": {"x": "1", "z": "3"}}, "spec": {"a": [1, 2]}});
+        assert_eq!(
+            merge_diff(&a, &b),
+            Some(json!({"metadata": {"annotations": {"y": null, "z": "3"}}, "spec": {"a": [1, 2]}}))
+        );
+        assert_eq!(merge_diff(&a, &a), None);
+    }
+
+    #[test]
+    fn rebase_keeps_our_changes_on_a_fresh_body() {
+        let original = json!({"metadata": {"annotations": {"a": "1"}}, "spec": {"x": 1}});
+        let mut desired = json!({"metadata": {"annotations": {"a": "1", "ours": "yes"}}, "spec": {"x": 1}});
+        let fresh = json!({"metadata": {"annotations": {"a": "1", "theirs": "t"}}, "spec": {"x": 2}});
+        rebase(&mut desired, &original, &fresh);
+        assert_eq!(
+            desired,
+            json!({"metadata": {"annotations": {"a": "1", "ours": "yes", "theirs": "t"}}, "spec": {"x": 2}})
+        );
+    }
+
+    #[test]
+    fn dropped_fields_are_found() {
+        let patch = json!({"spec": {"kept": 1, "pruned": 2}});
+        let stored = json!({"spec": {"kept": 1}});
+        let desired = json!({"spec": {"kept": 1, "pruned": 2}});
+        let mut out = Vec::new();
+        walk_dropped(&mut Vec::new(), &patch, &stored, &desired, &mut out);
+        assert_eq!(out, vec!["spec.pruned"]);
+    }
+}
