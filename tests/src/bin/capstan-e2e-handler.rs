@@ -11,6 +11,10 @@
 //! - `spec.permanent.<id>: true` fails permanently;
 //! - `spec.sleep.<id>: S` sleeps S seconds before answering (for crash tests);
 //! - `spec.badPatch.<id>: true` patches `spec.size` with a string, which the schema rejects;
+//! - `spec.crash.<id>: true` kills the whole process (SIGKILL) while the handler runs, after
+//!   noting `lost <id> <name> <attempt> <last error reason>`;
+//! - `spec.hugePatch.<id>: N` patches an annotation of N MiB (the API server refuses it);
+//! - `spec.unfinalize.<id>: true` patches `metadata.finalizers` to null;
 //!
 //! and `E2E_FAIL_FIRST=N` makes every handler of this process fail its first N attempts.
 
@@ -72,6 +76,22 @@ async fn behave(ctx: &Context) -> Result<(), HandlerError> {
     }
     if setting("badPatch").and_then(|v| v.as_bool()) == Some(true) {
         ctx.patch().spec("size", "not-a-number");
+    }
+    if setting("crash").and_then(|v| v.as_bool()) == Some(true) {
+        let reason = ctx.last_error().map_or("NONE", |d| d.reason.as_str());
+        note(&format!("lost {id} {} {} {reason}", ctx.name(), ctx.retry() + 1));
+        // SIGKILL, as the OOM killer would: no goodbye, no flush.
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &std::process::id().to_string()])
+            .status();
+        std::process::abort();
+    }
+    if let Some(mib) = setting("hugePatch").and_then(|v| v.as_u64()) {
+        let size = usize::try_from(mib).unwrap_or(0).saturating_mul(1 << 20);
+        ctx.patch().annotation("e2e/huge", "x".repeat(size));
+    }
+    if setting("unfinalize").and_then(|v| v.as_bool()) == Some(true) {
+        ctx.patch().merge(&json!({"metadata": {"finalizers": null}}));
     }
     Ok(())
 }
@@ -313,6 +333,23 @@ async fn main() -> anyhow::Result<()> {
                     .daemon(RESOURCE, "monitor", monitor)
                     .label("e2e/run", "yes")
                     .restart_backoff(Duration::from_secs(1));
+            }
+            // A daemon that ignores its cancellation and has no cancellation timeout.
+            "stubborn-forever" => {
+                registry.daemon(RESOURCE, "stubborn", stubborn);
+            }
+            // A handler id that is not valid in an annotation key as it is.
+            "spaced" => {
+                registry
+                    .on_create(RESOURCE, "has space", plain)
+                    .backoff(Duration::from_secs(1));
+            }
+            // A create handler with a timeout (for crash tests: the clock keeps running).
+            "slow-timeout" => {
+                registry
+                    .on_create(RESOURCE, "slow", plain)
+                    .timeout(Duration::from_secs(300))
+                    .backoff(Duration::from_secs(1));
             }
             "stubborn-daemon" => {
                 registry
