@@ -369,6 +369,7 @@ impl Engine {
             paused: self.hub.paused(),
             poster: poster.clone(),
             cancel: cancel.clone(),
+            max_losses: self.hub.settings().max_losses,
         });
         {
             // Objects being deleted whose last daemon stopped: their finalizer can go now.

@@ -29,7 +29,9 @@ fn losses(s: &Scenario, name: &str) -> Vec<(u32, String)> {
         .filter_map(|l| {
             let parts: Vec<&str> = l.split_whitespace().collect();
             match parts.as_slice() {
-                ["lost", _, n, attempt, reason] if *n == name => Some((attempt.parse().ok()?, (*reason).to_owned())),
+                ["lost", _, n, attempt, reason] if *n == name => {
+                    Some((attempt.parse().ok()?, (*reason).to_owned()))
+                }
                 _ => None,
             }
         })
@@ -76,7 +78,11 @@ async fn a_sole_handler_process_killed_on_every_attempt_trips_the_poison_pill_gu
     let o = s
         .wait("crashy", T, "the cause is done with a failure", handled)
         .await?;
-    assert!(progress_keys(&o).is_empty(), "records purged: {:?}", progress_keys(&o));
+    assert!(
+        progress_keys(&o).is_empty(),
+        "records purged: {:?}",
+        progress_keys(&o)
+    );
     let seen = losses(&s, "crashy");
     assert_eq!(
         seen,
@@ -100,7 +106,8 @@ async fn a_sole_handler_process_killed_on_every_attempt_trips_the_poison_pill_gu
 /// the handler's failed attempt with the server's message, and the object stays alive: once
 /// the spec no longer asks for the huge patch, the retry succeeds.
 #[tokio::test]
-async fn a_patch_too_large_for_the_api_server_is_the_handlers_failure_and_the_object_lives_on() -> anyhow::Result<()> {
+async fn a_patch_too_large_for_the_api_server_is_the_handlers_failure_and_the_object_lives_on()
+-> anyhow::Result<()> {
     let s = Scenario::start("create", &[]).await?;
     s.create("huge", json!({"hugePatch": {"create_fn": 10}})).await?;
     let o = s
@@ -112,7 +119,10 @@ async fn a_patch_too_large_for_the_api_server_is_the_handlers_failure_and_the_ob
     assert!(record["retries"].as_u64() >= Some(1), "{record}");
     s.patch("huge", json!({"spec": {"hugePatch": null}})).await?;
     let o = s.wait("huge", T, "handled after the change", handled).await?;
-    assert!(annotation(&o, "e2e/huge").is_none(), "the refused patch is not on the object");
+    assert!(
+        annotation(&o, "e2e/huge").is_none(),
+        "the refused patch is not on the object"
+    );
     assert!(progress_keys(&o).is_empty(), "{:?}", progress_keys(&o));
     Ok(())
 }
@@ -124,7 +134,9 @@ async fn a_handler_id_that_is_not_a_valid_annotation_key_is_mangled() -> anyhow:
     let s = Scenario::start("spaced", &[]).await?;
     s.create("spaced", json!({"temporary": {"has space": 1}})).await?;
     let o = s
-        .wait("spaced", T, "the first failure recorded", |o| !progress_keys(o).is_empty())
+        .wait("spaced", T, "the first failure recorded", |o| {
+            !progress_keys(o).is_empty()
+        })
         .await?;
     let keys = progress_keys(&o);
     assert!(
@@ -133,7 +145,11 @@ async fn a_handler_id_that_is_not_a_valid_annotation_key_is_mangled() -> anyhow:
     );
     let o = s.wait("spaced", T, "cause done", handled).await?;
     assert!(progress_keys(&o).is_empty(), "{:?}", progress_keys(&o));
-    assert_eq!(s.count("has", "spaced"), 0, "sanity: the call log splits on spaces");
+    assert_eq!(
+        s.count("has", "spaced"),
+        0,
+        "sanity: the call log splits on spaces"
+    );
     Ok(())
 }
 
@@ -161,7 +177,8 @@ async fn a_handler_patch_cannot_remove_capstans_finalizer() -> anyhow::Result<()
         .await
         .unwrap_or_default()
     });
-    s.create("unfin", json!({"unfinalize": {"create_fn": true}})).await?;
+    s.create("unfin", json!({"unfinalize": {"create_fn": true}}))
+        .await?;
     s.wait("unfin", T, "created and handled", handled).await?;
     s.delete("unfin").await?;
     s.wait_gone("unfin", T).await?;
@@ -232,12 +249,18 @@ async fn a_controller_crash_keeps_the_start_time_of_a_running_handler() -> anyho
     s.restart_handler().await?;
     let deadline = tokio::time::Instant::now() + T;
     while s.count("slow", "slow") < 2 {
-        anyhow::ensure!(tokio::time::Instant::now() < deadline, "not invoked again after the restart");
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "not invoked again after the restart"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let o = s.get("slow").await?.unwrap_or_default();
     let after: Value = serde_json::from_str(annotation(&o, "capstan.dev/slow").unwrap_or("{}"))?;
-    assert_eq!(after["started"], before["started"], "the start survives the crash");
+    assert_eq!(
+        after["started"], before["started"],
+        "the start survives the crash"
+    );
     let o = s.wait("slow", T, "cause done", handled).await?;
     assert!(progress_keys(&o).is_empty());
     Ok(())

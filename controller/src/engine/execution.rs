@@ -4,6 +4,12 @@
 //! `retries = N` allows N attempts in total; `timeout` counts from the first attempt, so time
 //! the controller was down counts too; a temporary error that would land past the timeout or
 //! beyond the last allowed attempt is final at once (kopf's look-ahead).
+//!
+//! An attempt during which the handler process disconnected is a retry at once, recorded with
+//! the loss (`lost` in the record, `HANDLER_PROCESS_LOST` to the next attempt); after
+//! `max_losses` consecutive losses the handler fails for good (the poison-pill guard). The
+//! count lives in the progress record, so it survives the absence of every handler process
+//! and restarts of the controller.
 
 use std::time::{Duration, SystemTime};
 
@@ -47,8 +53,64 @@ pub fn exhausted(reg: &Registration, record: &ProgressRecord, now: SystemTime) -
     None
 }
 
+/// The reason given to the next attempt after a lost one.
+pub const LOST_REASON: &str = "HANDLER_PROCESS_LOST";
+
+/// The reason given to the next attempt after a failed one.
+pub const FAILED_REASON: &str = "PREVIOUS_ATTEMPT_FAILED";
+
+/// What the next attempt is told about the previous one, from the record.
+pub fn last_error(record: &ProgressRecord) -> Option<Diagnostic> {
+    let reason = if record.lost > 0 {
+        LOST_REASON
+    } else {
+        FAILED_REASON
+    };
+    record
+        .message
+        .as_ref()
+        .map(|m| Diagnostic::error(reason, m.clone()))
+}
+
+/// Applies `outcome` to `record` (in place) and says what to do with it; a lost attempt counts
+/// against `max_losses` consecutive losses.
+pub fn judge_with_guard(
+    reg: &Registration,
+    record: &mut ProgressRecord,
+    outcome: Outcome,
+    now: SystemTime,
+    max_losses: u32,
+) -> Verdict {
+    if outcome != Outcome::Lost {
+        return judge(reg, record, outcome, now);
+    }
+    record.lost += 1;
+    if record.lost >= max_losses.max(1) {
+        record.retries += 1;
+        let message = format!(
+            "{LOST_REASON}: the handler process disconnected {} times in a row while processing",
+            record.lost
+        );
+        finish(record, now, false, Some(message));
+        return Verdict::Failure;
+    }
+    retry(
+        reg,
+        record,
+        now,
+        Duration::ZERO,
+        "the handler process disconnected during the previous attempt",
+    )
+}
+
 /// Applies `outcome` to `record` (in place) and says what to do with it.
 pub fn judge(reg: &Registration, record: &mut ProgressRecord, outcome: Outcome, now: SystemTime) -> Verdict {
+    if !matches!(
+        outcome,
+        Outcome::Lost | Outcome::Skipped | Outcome::Cancelled | Outcome::Abandoned
+    ) {
+        record.lost = 0;
+    }
     match outcome {
         Outcome::Success { result, patches, .. } => {
             finish(record, now, true, None);
@@ -85,6 +147,13 @@ pub fn judge(reg: &Registration, record: &mut ProgressRecord, outcome: Outcome, 
             }
         }
         Outcome::TimedOut => retry(reg, record, now, reg.backoff, "the attempt exceeded its deadline"),
+        Outcome::Lost => retry(
+            reg,
+            record,
+            now,
+            Duration::ZERO,
+            "the handler process disconnected during the previous attempt",
+        ),
         Outcome::Skipped | Outcome::Cancelled | Outcome::Abandoned => Verdict::Unrecorded,
     }
 }
@@ -207,6 +276,42 @@ mod tests {
         reg.errors = ErrorsMode::Permanent;
         let mut record = ProgressRecord::default();
         assert_eq!(judge(&reg, &mut record, err(), now()), Verdict::Failure);
+    }
+
+    #[test]
+    fn lost_attempts_are_retried_at_once_until_the_guard_trips() {
+        let reg = Registration::new("h", HandlerKind::Create, None);
+        let mut record = ProgressRecord::started(now(), "create");
+        for n in 1..3 {
+            assert_eq!(
+                judge_with_guard(&reg, &mut record, Outcome::Lost, now(), 3),
+                Verdict::Retry
+            );
+            assert_eq!((record.retries, record.lost), (n, n));
+            assert_eq!(record.delayed_until(), Some(now()));
+            assert_eq!(
+                last_error(&record).map(|d| d.reason),
+                Some(LOST_REASON.to_owned())
+            );
+        }
+        assert_eq!(
+            judge_with_guard(&reg, &mut record, Outcome::Lost, now(), 3),
+            Verdict::Failure
+        );
+        assert!(record.failure && record.message.as_deref().is_some_and(|m| m.contains(LOST_REASON)));
+        // Another outcome in between starts the count again.
+        let mut record = ProgressRecord::started(now(), "create");
+        judge_with_guard(&reg, &mut record, Outcome::Lost, now(), 2);
+        judge_with_guard(&reg, &mut record, temporary(0), now(), 2);
+        assert_eq!(record.lost, 0);
+        assert_eq!(
+            last_error(&record).map(|d| d.reason),
+            Some(FAILED_REASON.to_owned())
+        );
+        assert_eq!(
+            judge_with_guard(&reg, &mut record, Outcome::Lost, now(), 2),
+            Verdict::Retry
+        );
     }
 
     #[test]

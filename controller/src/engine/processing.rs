@@ -119,6 +119,9 @@ pub struct Input<'a> {
     /// Daemons or timers of the object are still running: its finalizer must stay until they
     /// have stopped.
     pub daemons_alive: bool,
+    /// After this many consecutive attempts lost with their handler process, a handler fails
+    /// for good (the poison-pill guard).
+    pub max_losses: u32,
 }
 
 /// A change to our finalizer.
@@ -391,7 +394,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
         if matches!(outcome, Outcome::Skipped) {
             step.skipped = true;
         }
-        let verdict = execution::judge(reg, &mut record, outcome, now);
+        let verdict = execution::judge_with_guard(reg, &mut record, outcome, now, self.input.max_losses);
         record_children(storage, body, reg, &mut record, &mut step, reported, now);
         self.apply(reg, verdict, &mut record, &mut step);
         self.steps.push(step.with(record));
@@ -999,10 +1002,8 @@ fn work(
     work.object = Some(object);
     work.body = Some(running.clone());
     work.param = reg.param.clone();
-    work.last_error = record
-        .message
-        .as_ref()
-        .map(|m| Diagnostic::error("PREVIOUS_ATTEMPT_FAILED", m.clone()));
+    work.last_error = execution::last_error(record);
+    work.report_losses = true;
     work.subhandlers = subhandlers;
     work.cancel = input.cancel.child_token();
     work.cancel_reason = CancelReason::RuntimeShutdown;

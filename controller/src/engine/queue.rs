@@ -58,6 +58,8 @@ pub struct Context {
     pub poster: super::posting::Poster,
     /// Cancelled at shutdown (and while paused).
     pub cancel: CancellationToken,
+    /// Consecutive attempts lost with their handler process before a handler fails for good.
+    pub max_losses: u32,
 }
 
 /// The queues of one resource.
@@ -356,6 +358,7 @@ impl Queue {
                 checkpoint: Some(self.writer.as_ref()),
                 checkpoint_after: self.ctx.checkpoint_after,
                 daemons_alive,
+                max_losses: self.ctx.max_losses,
             },
             self.ctx.invoker.as_ref(),
         )
@@ -486,13 +489,11 @@ impl Queue {
             work.object = Some(object);
             work.body = Some(body.clone());
             work.param = reg.param.clone();
-            work.last_error = record
-                .message
-                .clone()
-                .map(|m| crate::model::Diagnostic::error("PREVIOUS_ATTEMPT_FAILED", m));
+            work.last_error = execution::last_error(&record);
+            work.report_losses = true;
             work.cancel = self.ctx.cancel.child_token();
             let outcome = self.ctx.invoker.invoke(work).await;
-            match execution::judge(reg, &mut record, outcome, now) {
+            match execution::judge_with_guard(reg, &mut record, outcome, now, self.ctx.max_losses) {
                 execution::Verdict::Retry => {
                     info!(handler.id = %reg.id, error = record.message.as_deref().unwrap_or_default(), "event handler will be retried");
                     if let Some(t) = record.delayed_until() {

@@ -464,6 +464,7 @@ impl Hub {
                         );
                         return outcome;
                     }
+                    Delivery::Lost if work.report_losses => return Outcome::Lost,
                     Delivery::Lost => {
                         losses += 1;
                         if losses >= self.inner.settings.max_losses {

@@ -194,6 +194,11 @@ pub struct Work {
     /// The object's latest bodies while the invocation runs (daemons); sent to handler
     /// processes that support object updates.
     pub body_updates: Option<watch::Receiver<Value>>,
+    /// A lost connection ends the work with [`Outcome::Lost`] instead of a redelivery by the
+    /// hub: the caller records the lost attempt in the object's progress record and delivers
+    /// the next one itself, so that attempt numbers and the poison-pill guard survive the
+    /// absence of every handler process and a restart of the controller.
+    pub report_losses: bool,
 }
 
 impl Work {
@@ -217,6 +222,7 @@ impl Work {
             updates: None,
             body_updates: None,
             cancel_reason_cell: None,
+            report_losses: false,
         }
     }
 
@@ -381,6 +387,9 @@ pub enum Outcome {
     TimedOut,
     /// The invocation was cancelled and did not answer within the grace period.
     Abandoned,
+    /// The handler process disconnected while the attempt ran (only for work with
+    /// `report_losses`; other work is redelivered by the hub).
+    Lost,
 }
 
 impl Outcome {
@@ -395,6 +404,7 @@ impl Outcome {
             Self::Skipped => "skipped",
             Self::TimedOut => "timed_out",
             Self::Abandoned => "abandoned",
+            Self::Lost => "lost",
         }
     }
 

@@ -47,6 +47,18 @@ pub struct ProgressRecord {
     /// Ids of all descendant sub-handlers (for purging), sorted.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub subrefs: Vec<String>,
+    /// Consecutive attempts during which the handler process disconnected (Capstan's own
+    /// field; kopf ignores it): the poison-pill guard counts them across restarts.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lost: u32,
+}
+
+#[allow(
+    clippy::trivially_copy_pass_by_ref,
+    reason = "serde's skip_serializing_if signature"
+)]
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl ProgressRecord {

@@ -81,6 +81,7 @@ async fn run(
             checkpoint: None,
             checkpoint_after: Duration::from_secs(1),
             daemons_alive: false,
+            max_losses: 3,
         },
         script,
     )
