@@ -356,6 +356,7 @@ impl Engine {
             default_grace: self.hub.settings().cancel_grace,
             stopped: stopped_tx,
             cancel: cancel.clone(),
+            finalizer: self.settings.storage.keys.finalizer.clone(),
         });
         let queue = Queue::new(queue::Context {
             resource: resource.clone(),

@@ -58,6 +58,8 @@ pub struct Context {
     pub stopped: mpsc::UnboundedSender<String>,
     /// Cancelled at shutdown.
     pub cancel: CancellationToken,
+    /// Our finalizer, which the handlers' patches cannot remove.
+    pub finalizer: String,
 }
 
 /// The daemons and timers of one resource. Cheap to clone.
@@ -264,7 +266,15 @@ impl Daemons {
         if desired == base {
             return;
         }
-        match super::writing::patch_object(&self.ctx.objects, &self.ctx.resource, &base, &desired).await {
+        match super::writing::patch_object(
+            &self.ctx.objects,
+            &self.ctx.resource,
+            &self.ctx.finalizer,
+            &base,
+            &desired,
+        )
+        .await
+        {
             Ok(stored) => {
                 if let Some(object) = self.objects.lock().get(uid) {
                     object.body.send_replace(stored);

@@ -514,7 +514,15 @@ impl Queue {
         if desired == body {
             return (body, wake);
         }
-        match patch_object(&self.ctx.objects, &self.ctx.resource, &body, &desired).await {
+        match patch_object(
+            &self.ctx.objects,
+            &self.ctx.resource,
+            &self.ctx.storage.keys.finalizer,
+            &body,
+            &desired,
+        )
+        .await
+        {
             Ok(stored) => {
                 if let Some(uid) = uid_of(&stored)
                     && let Some(slot) = self.slots.lock().get_mut(&uid)

@@ -158,23 +158,7 @@ impl Writer {
             .and_then(|d| merge_diff(base, d))
             .unwrap_or(Value::Object(Map::new()));
         strip_server_fields(&mut patch);
-        if finalizer != FinalizerChange::Keep {
-            let name = &self.storage.keys.finalizer;
-            let mut list: Vec<Value> = base
-                .pointer("/metadata/finalizers")
-                .and_then(Value::as_array)
-                .cloned()
-                .unwrap_or_default();
-            list.retain(|f| f.as_str() != Some(name));
-            if finalizer == FinalizerChange::Add {
-                list.push(Value::String(name.clone()));
-            }
-            let meta = processing_object(&mut patch, "metadata");
-            meta.insert("finalizers".into(), Value::Array(list));
-            if let Some(rv) = base.pointer("/metadata/resourceVersion") {
-                meta.insert("resourceVersion".into(), rv.clone());
-            }
-        }
+        keep_finalizer(&mut patch, base, desired, &self.storage.keys.finalizer, finalizer);
         let stored = write_patch(&self.objects, resource, &ns, &name, patch, desired).await?;
         if finalizer == FinalizerChange::Add {
             info!("finalizer added");
@@ -187,9 +171,11 @@ impl Writer {
 
 /// Writes the changes from `base` to `desired` (no finalizer change): one `/status` PATCH
 /// where the resource has a status subresource and status changed, one PATCH for the rest.
+/// Our finalizer (`finalizer`) stays whatever the patches in `desired` did to it.
 pub(crate) async fn patch_object(
     objects: &Objects,
     resource: &ResolvedResource,
+    finalizer: &str,
     base: &Value,
     desired: &Value,
 ) -> Result<Value, objects::Error> {
@@ -198,6 +184,7 @@ pub(crate) async fn patch_object(
         return Ok(base.clone());
     };
     strip_server_fields(&mut patch);
+    keep_finalizer(&mut patch, base, Some(desired), finalizer, FinalizerChange::Keep);
     Ok(write_patch(objects, resource, &ns, &name, patch, Some(desired))
         .await?
         .unwrap_or_else(|| base.clone()))
@@ -253,6 +240,58 @@ impl processing::Checkpoint for Writer {
                 }
             }
         })
+    }
+}
+
+/// Makes the patch's finalizer list what `change` says about ours, whatever the handlers'
+/// patches in `desired` did to the list: a handler may add or remove other finalizers, but
+/// ours goes only with [`FinalizerChange::Remove`] — in the same write, so that no version of
+/// the object lacks it while delete handlers are due. Adding or removing ours is guarded by
+/// the base's `resourceVersion` (another controller may change the list meanwhile).
+fn keep_finalizer(
+    patch: &mut Value,
+    base: &Value,
+    desired: Option<&Value>,
+    ours: &str,
+    change: FinalizerChange,
+) {
+    let list_of = |body: &Value| -> Vec<Value> {
+        body.pointer("/metadata/finalizers")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let before = list_of(base);
+    let had = before.iter().any(|f| f.as_str() == Some(ours));
+    let mut list = desired.map_or_else(|| before.clone(), list_of);
+    let present = list.iter().any(|f| f.as_str() == Some(ours));
+    let wanted = match change {
+        FinalizerChange::Add => true,
+        FinalizerChange::Remove => false,
+        FinalizerChange::Keep => had,
+    };
+    if wanted && !present {
+        list.push(Value::String(ours.to_owned()));
+    } else if !wanted && present {
+        list.retain(|f| f.as_str() != Some(ours));
+    }
+    if list == before && change == FinalizerChange::Keep {
+        if let Some(meta) = patch.get_mut("metadata").and_then(Value::as_object_mut) {
+            meta.remove("finalizers");
+            if meta.is_empty()
+                && let Some(p) = patch.as_object_mut()
+            {
+                p.remove("metadata");
+            }
+        }
+        return;
+    }
+    let meta = processing_object(patch, "metadata");
+    meta.insert("finalizers".into(), Value::Array(list));
+    if change != FinalizerChange::Keep
+        && let Some(rv) = base.pointer("/metadata/resourceVersion")
+    {
+        meta.insert("resourceVersion".into(), rv.clone());
     }
 }
 
@@ -370,6 +409,42 @@ mod tests {
             desired,
             json!({"metadata": {"annotations": {"a": "1", "ours": "yes", "theirs": "t"}}, "spec": {"x": 2}})
         );
+    }
+
+    #[test]
+    fn our_finalizer_survives_handler_patches_and_goes_only_when_removed() {
+        let ours = "capstan.dev/finalizer";
+        let base = json!({"metadata": {"resourceVersion": "7", "finalizers": ["other", ours]}});
+        // A handler patch that drops every finalizer keeps ours, in the same patch.
+        let dropped = json!({"metadata": {"resourceVersion": "7"}, "spec": {"x": 1}});
+        let mut patch = merge_diff(&base, &dropped).unwrap_or_default();
+        keep_finalizer(&mut patch, &base, Some(&dropped), ours, FinalizerChange::Keep);
+        assert_eq!(
+            patch,
+            json!({"metadata": {"finalizers": [ours]}, "spec": {"x": 1}})
+        );
+        // Nulling the list while only ours is on it changes nothing.
+        let only = json!({"metadata": {"finalizers": [ours]}});
+        let nulled = json!({"metadata": {}});
+        let mut patch = merge_diff(&only, &nulled).unwrap_or_default();
+        keep_finalizer(&mut patch, &only, Some(&nulled), ours, FinalizerChange::Keep);
+        assert_eq!(patch, json!({}));
+        // Removal is ours to make, with the optimistic lock.
+        let mut patch = json!({});
+        keep_finalizer(&mut patch, &base, None, ours, FinalizerChange::Remove);
+        assert_eq!(
+            patch,
+            json!({"metadata": {"finalizers": ["other"], "resourceVersion": "7"}})
+        );
+        let mut patch = json!({});
+        keep_finalizer(
+            &mut patch,
+            &json!({"metadata": {}}),
+            None,
+            ours,
+            FinalizerChange::Add,
+        );
+        assert_eq!(patch, json!({"metadata": {"finalizers": [ours]}}));
     }
 
     #[test]
