@@ -20,7 +20,7 @@ use tokio::{
     task::JoinHandle,
 };
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, debug, info, info_span, warn};
+use tracing::{Instrument, debug, error, info, info_span, warn};
 
 use super::{
     execution,
@@ -364,9 +364,17 @@ impl Queue {
         )
         .await;
         let written = self.writer.write(&body, &plan).await;
-        if !plan.notes.is_empty() {
+        let mut notes = plan.notes.clone();
+        if let Written::Refused(message) = &written {
+            error!(%message, cause = %plan.cause, "the API server refused the cycle's write for good; its changes are dropped, later changes of the object are handled");
+            notes.push((
+                crate::model::Level::Error,
+                format!("The API server refused Capstan's write: {message}"),
+            ));
+        }
+        if !notes.is_empty() {
             let object = processing::object_ref(&self.ctx.resource, &body);
-            for (level, message) in &plan.notes {
+            for (level, message) in &notes {
                 self.ctx.poster.post(crate::model::Posting {
                     object: object.clone(),
                     level: *level,
@@ -376,6 +384,7 @@ impl Queue {
                 });
             }
         }
+        let refused = matches!(written, Written::Refused(_));
         let mut slots = self.slots.lock();
         let Some(slot) = slots.get_mut(uid) else { return };
         if plan.done {
@@ -396,11 +405,15 @@ impl Queue {
                 return;
             }
             Written::Failed => {}
+            Written::Refused(_) => slot.last_body = Some(Stored::new(&plan.base)),
         }
         if let Some(t) = slot.timer.take() {
             t.abort();
         }
-        let wake_at = match (plan.wake_at, event_wake) {
+        // A refused write would be refused again: no retry of the cycle until the object
+        // changes (or its handlers do).
+        let planned = plan.wake_at.filter(|_| !refused);
+        let wake_at = match (planned, event_wake) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };

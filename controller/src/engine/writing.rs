@@ -42,6 +42,26 @@ pub enum Written {
     Gone,
     /// Not written (shutdown).
     Failed,
+    /// The API server refused the write for good (with its message), even without the
+    /// handlers' patches: the same write would be refused again.
+    Refused(String),
+}
+
+/// The API server's message when it refused a write for good — the same request will never
+/// succeed: invalid content (400, 422), a body too large for the server (413) or for etcd, a
+/// method or media type it does not take (405, 415). Everything else may pass later
+/// (conflicts, 403 until the RBAC is fixed, 429, 5xx, transport errors).
+pub fn refusal(e: &objects::Error) -> Option<String> {
+    match e {
+        objects::Error::Invalid(message) => Some(message.clone()),
+        objects::Error::Unavailable(kube::Error::Api(status))
+            if matches!(status.code, 405 | 413 | 414 | 415)
+                || status.message.contains("request is too large") =>
+        {
+            Some(format!("{} ({})", status.message, status.code))
+        }
+        _ => None,
+    }
 }
 
 impl Writer {
@@ -77,7 +97,10 @@ impl Writer {
                         Err(e) => warn!(error = %e, "re-reading after a conflict failed"),
                     }
                 }
-                Err(objects::Error::Invalid(message)) if !plan.patched.is_empty() && !isolated => {
+                Err(e) if let Some(message) = refusal(&e) => {
+                    if plan.patched.is_empty() || isolated {
+                        return Written::Refused(message);
+                    }
                     warn!(%message, "the API server rejected the handlers' patch; finding which handler's patch it was");
                     desired = Some(self.isolate(plan, &base, &message).await);
                     isolated = true;
@@ -110,7 +133,7 @@ impl Writer {
             processing::accept(p, storage, &mut candidate);
             match self.dry_run(base, &candidate).await {
                 Ok(()) => body = candidate,
-                Err(objects::Error::Invalid(reason)) => {
+                Err(e) if let Some(reason) = refusal(&e) => {
                     warn!(handler.id = %p.registration.id, %reason, "the API server rejected this handler's patch");
                     processing::reject(p, storage, &reason, &mut body);
                 }
@@ -445,6 +468,22 @@ mod tests {
             FinalizerChange::Add,
         );
         assert_eq!(patch, json!({"metadata": {"finalizers": [ours]}}));
+    }
+
+    #[test]
+    fn permanent_refusals_are_told_from_passing_failures() {
+        let api = |code: u16, message: &str| {
+            objects::Error::from(kube::Error::Api(
+                kube::core::Status::failure(message, "").with_code(code).boxed(),
+            ))
+        };
+        assert!(refusal(&api(413, "Request entity too large: limit is 3145728")).is_some());
+        assert!(refusal(&api(422, "metadata.annotations: Invalid value")).is_some());
+        assert!(refusal(&api(500, "etcdserver: request is too large")).is_some());
+        assert!(refusal(&api(500, "internal error")).is_none());
+        assert!(refusal(&api(429, "slow down")).is_none());
+        assert!(refusal(&api(409, "conflict")).is_none());
+        assert!(refusal(&api(403, "forbidden")).is_none());
     }
 
     #[test]

@@ -7,6 +7,15 @@
 //! characters) of a 4-byte BLAKE2b digest. Two formats exist: V2 limits the name part to 63
 //! characters; legacy V1 counted the prefix too. Both are read; both are written while
 //! `v1` is on (they coincide for short ids).
+//!
+//! Handler ids are free text on the wire, and kopf's substitutions do not make every id a
+//! valid annotation name (a space, a colon or a trailing `_` stay, and the API server would
+//! refuse the key — kopf's operator fails there). Capstan accepts such ids and goes one step
+//! further only for them: every character outside `[A-Za-z0-9._-]` becomes `_`, leading
+//! non-alphanumerics are dropped, and the stable suffix of the original id is always added, so
+//! that the key is valid and never collides with another id's (`has space` →
+//! `has_space-<digest>`, while `has_space` stays as it is). Ids that kopf stores validly keep
+//! kopf's keys exactly.
 
 use blake2::{
     Blake2bVar,
@@ -66,6 +75,9 @@ impl Keys {
     /// The V2 key of a handler's progress record.
     pub fn v2_key(&self, id: &str) -> String {
         let safe = safe(id);
+        if !valid_name(&safe) {
+            return format!("{}/{}", self.prefix, repaired(id, &safe, NAME_LIMIT));
+        }
         if id.len() > NAME_LIMIT {
             let suffix = suffix(id);
             format!(
@@ -82,6 +94,9 @@ impl Keys {
     pub fn v1_key(&self, id: &str) -> String {
         let safe = safe(id);
         let room = NAME_LIMIT.saturating_sub(self.prefix.len() + 1);
+        if !valid_name(&safe) {
+            return format!("{}/{}", self.prefix, repaired(id, &safe, room));
+        }
         if safe.len() <= room {
             format!("{}/{safe}", self.prefix)
         } else {
@@ -127,6 +142,27 @@ fn safe(id: &str) -> String {
             c => c,
         })
         .collect()
+}
+
+fn allowed(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')
+}
+
+/// Whether kopf's safe form of an id makes a valid annotation name (once shortened, when it
+/// is too long: the digest suffix then ends it).
+fn valid_name(safe: &str) -> bool {
+    safe.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && safe.chars().all(allowed)
+        && (safe.len() > NAME_LIMIT || safe.ends_with(|c: char| c.is_ascii_alphanumeric()))
+}
+
+/// A valid name for an id whose safe form is not one: see the module docs.
+fn repaired(id: &str, safe: &str, room: usize) -> String {
+    let cleaned: String = safe.chars().map(|c| if allowed(c) { c } else { '_' }).collect();
+    let cleaned = cleaned.trim_start_matches(|c: char| !c.is_ascii_alphanumeric());
+    let cleaned = if cleaned.is_empty() { "h" } else { cleaned };
+    let suffix = suffix(id);
+    format!("{}{suffix}", truncate(cleaned, room.saturating_sub(suffix.len())))
 }
 
 fn truncate(s: &str, max: usize) -> &str {
@@ -215,6 +251,36 @@ mod tests {
         for len in [1, 62, 63, 64, 200] {
             let key = k.v2_key(&"a/b<c>".repeat(len));
             assert!(key.split_once('/').unwrap().1.len() <= NAME_LIMIT, "{key}");
+        }
+    }
+
+    #[test]
+    fn ids_that_are_no_valid_names_are_repaired_without_collisions() {
+        let k = Keys::new("capstan.dev");
+        let valid = |key: &str| {
+            let name = key.split_once('/').map_or("", |(_, n)| n);
+            !name.is_empty()
+                && name.len() <= NAME_LIMIT
+                && name.chars().all(allowed)
+                && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+                && name.ends_with(|c: char| c.is_ascii_alphanumeric())
+        };
+        let spaced = k.v2_key("has space");
+        assert!(spaced.starts_with("capstan.dev/has_space-"), "{spaced}");
+        assert_ne!(spaced, k.v2_key("has_space"));
+        assert_eq!(k.v2_key("has_space"), "capstan.dev/has_space");
+        for id in [
+            "has space",
+            "fn_",
+            "_private",
+            "ns:name",
+            "ünï",
+            "***",
+            &"a b".repeat(40),
+        ] {
+            for key in [k.v2_key(id), k.v1_key(id)] {
+                assert!(valid(&key), "{id:?} -> {key:?}");
+            }
         }
     }
 
