@@ -353,7 +353,6 @@ impl Engine {
             invoker: self.invoker.clone(),
             objects: self.objects.clone(),
             rules: processing::rules(&self.settings.storage, &handlers),
-            default_grace: self.hub.settings().cancel_grace,
             stopped: stopped_tx,
             cancel: cancel.clone(),
             finalizer: self.settings.storage.keys.finalizer.clone(),

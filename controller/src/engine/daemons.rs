@@ -8,8 +8,9 @@
 //!
 //! They stop when the object is deleted, stops matching the filters, or the handler is
 //! unregistered, and while dispatch is paused (shutdown, freezing, loss of leadership): first
-//! a `Cancel` with a grace period, then the invocation is abandoned with a warning so that an
-//! object's deletion is never blocked forever. Daemons see the object's latest body
+//! a `Cancel`; a daemon with a `cancellation_timeout` is abandoned with a warning when it has
+//! not ended by then (its object's finalizer is released), one without is waited for as long
+//! as it runs, as kopf does — its object's deletion waits for it. Daemons see the object's latest body
 //! (`ObjectUpdate`), timers get it on every tick, and both may patch their object.
 
 use std::{
@@ -41,6 +42,10 @@ use crate::{
     },
 };
 
+/// The grace of a cancelled daemon without a `cancellation_timeout`: no limit (the hub's sleep
+/// saturates to its far future, and the `Cancel` carries no grace period).
+const WAIT_FOREVER: Duration = Duration::MAX;
+
 /// What the daemons of one resource need.
 pub struct Context {
     /// The resource.
@@ -51,8 +56,6 @@ pub struct Context {
     pub objects: Objects,
     /// Essence rules, to notice changes for `idle` timers.
     pub rules: Rules,
-    /// The grace given to a cancelled daemon without a `cancellation_timeout`.
-    pub default_grace: Duration,
     /// Told the uid of an object being deleted whose last daemon just stopped (so that its
     /// finalizer can be released).
     pub stopped: mpsc::UnboundedSender<String>,
@@ -332,10 +335,14 @@ impl Lane<'_> {
                 format!("{}/{}/daemon/{restarts}", self.uid, self.reg.id),
             );
             work.attempt = restarts + 1;
-            let grace = opts
-                .cancellation_timeout
-                .unwrap_or(self.daemons.ctx.default_grace);
-            work.cancel_grace = Some(opts.cancellation_backoff.unwrap_or_default() + grace);
+            let grace = match opts.cancellation_timeout {
+                Some(timeout) => opts
+                    .cancellation_backoff
+                    .unwrap_or_default()
+                    .saturating_add(timeout),
+                None => WAIT_FOREVER,
+            };
+            work.cancel_grace = Some(grace);
             work.updates = Some(updates_tx);
             work.body_updates = Some(self.body.clone());
             let invocation = self.daemons.ctx.invoker.invoke(work);
@@ -361,7 +368,7 @@ impl Lane<'_> {
                     info!(restart_in = ?delay, "the daemon exited; it will be restarted");
                 }
                 Outcome::Abandoned | Outcome::TimedOut if self.stop.is_cancelled() => {
-                    warn!(grace = ?grace, "the daemon ignored its cancellation and was abandoned");
+                    warn!(cancellation_timeout = ?grace, "the daemon ignored its cancellation and was abandoned");
                     return;
                 }
                 _ if self.stop.is_cancelled() => return,

@@ -384,7 +384,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
             self.steps.push(step.with(record));
             return;
         }
-        let outcome = self.invoke(reg, &record, invoker).await;
+        let outcome = self.invoke(reg, &record, &step, invoker).await;
         if matches!(outcome, Outcome::Cancelled | Outcome::Abandoned) && self.input.cancel.is_cancelled() {
             self.interrupted = true;
             self.steps.push(step.with(record));
@@ -401,11 +401,14 @@ impl<'i, 'a> Cycle<'i, 'a> {
     }
 
     /// Invokes a handler; while it runs longer than the checkpoint time, writes what the
-    /// handlers before it finished.
+    /// handlers before it finished and its own start (so that a crash of the controller does
+    /// not restart its `timeout` clock). A handler that answers within the checkpoint time
+    /// costs no write of its own.
     async fn invoke(
         &mut self,
         reg: &Registration,
         record: &ProgressRecord,
+        step: &Step,
         invoker: &dyn Invoker,
     ) -> Outcome {
         let children = child_states(self.input.storage, reg, self.input.body, record);
@@ -421,14 +424,22 @@ impl<'i, 'a> Cycle<'i, 'a> {
         );
         debug!(handler.id = %reg.id, attempt = work.attempt, "invoking");
         let invocation = invoker.invoke(work);
-        let Some(checkpoint) = self.input.checkpoint.filter(|_| !self.steps.is_empty()) else {
+        let unsaved = step.fetched.as_ref() != Some(record);
+        let Some(checkpoint) = self
+            .input
+            .checkpoint
+            .filter(|_| unsaved || !self.steps.is_empty())
+        else {
             return invocation.await;
         };
         tokio::pin!(invocation);
         tokio::select! {
             outcome = &mut invocation => outcome,
             () = tokio::time::sleep(self.input.checkpoint_after) => {
+                // The running handler's record as it is before its attempt ends: its start.
+                self.steps.push(step.clone().with(record.clone()));
                 self.checkpoint(checkpoint).await;
+                self.steps.pop();
                 invocation.await
             }
         }
@@ -449,8 +460,8 @@ impl<'i, 'a> Cycle<'i, 'a> {
         );
         if let Some(desired) = partial.desired {
             debug!(
-                finished = self.steps.len(),
-                "a handler is still running; checkpointing the finished ones"
+                steps = self.steps.len(),
+                "a handler is still running; checkpointing the progress so far"
             );
             if let Some(stored) = checkpoint.save(&self.base, &desired).await {
                 self.base = stored;
@@ -559,6 +570,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
 }
 
 /// One handler's part in a cycle.
+#[derive(Clone)]
 struct Step {
     registration: Registration,
     /// The record as stored before the cycle (for the current purpose).
@@ -583,6 +595,7 @@ impl Step {
     }
 }
 
+#[derive(Clone)]
 struct Child {
     id: String,
     fetched: Option<ProgressRecord>,

@@ -199,7 +199,8 @@ pub struct DaemonOptions {
     pub initial_delay: Duration,
     /// Grace between the stop request and cancellation.
     pub cancellation_backoff: Option<Duration>,
-    /// How long to wait after cancellation before abandoning.
+    /// How long to wait after cancellation before abandoning; `None`: wait as long as the
+    /// daemon runs (kopf's default).
     pub cancellation_timeout: Option<Duration>,
     /// Delay before restarting an exited daemon.
     pub restart_backoff: Option<Duration>,

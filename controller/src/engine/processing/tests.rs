@@ -507,3 +507,78 @@ async fn objects_being_deleted_without_our_finalizer_are_free() {
     .await;
     assert_eq!(plan.cause, Cause::Gone);
 }
+
+/// Answers every invocation with success after a delay.
+struct Slow(Duration);
+
+impl Invoker for Slow {
+    fn invoke(&self, _work: Work) -> BoxFuture<'static, Outcome> {
+        let delay = self.0;
+        Box::pin(async move {
+            tokio::time::sleep(delay).await;
+            Outcome::success(None)
+        })
+    }
+}
+
+/// Keeps what it is asked to write and stores it as it is.
+#[derive(Default)]
+struct Saved(Mutex<Vec<Value>>);
+
+impl Checkpoint for Saved {
+    fn save<'a>(&'a self, _base: &'a Value, desired: &'a Value) -> BoxFuture<'a, Option<Value>> {
+        self.0.lock().push(desired.clone());
+        Box::pin(async move { Some(desired.clone()) })
+    }
+}
+
+async fn run_with_checkpoint(invoker: &dyn Invoker, saved: &Saved) -> Plan {
+    let storage = Storage::annotations("capstan.dev");
+    let cancel = CancellationToken::new();
+    let handlers = [reg("slow", HandlerKind::Create)];
+    cycle(
+        Input {
+            body: &body(),
+            event: EventType::Added,
+            resource: &resource(),
+            handlers: &handlers,
+            memory: Memory::default(),
+            storage: &storage,
+            cancel: &cancel,
+            checkpoint: Some(saved),
+            checkpoint_after: Duration::from_secs(1),
+            daemons_alive: false,
+            max_losses: 3,
+        },
+        invoker,
+    )
+    .await
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handler_running_past_the_checkpoint_time_has_its_start_written() {
+    let saved = Saved::default();
+    let plan = run_with_checkpoint(&Slow(Duration::from_secs(5)), &saved).await;
+    let writes = saved.0.lock().clone();
+    assert_eq!(writes.len(), 1, "one checkpoint: {writes:?}");
+    let record: ProgressRecord = serde_json::from_str(
+        writes[0]
+            .pointer("/metadata/annotations/capstan.dev~1slow")
+            .and_then(Value::as_str)
+            .unwrap_or("{}"),
+    )
+    .unwrap();
+    assert!(
+        record.started.is_some() && !record.finished() && record.retries == 0,
+        "{record:?}"
+    );
+    assert!(plan.done, "the cycle still completes");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handler_answering_within_the_checkpoint_time_costs_no_checkpoint() {
+    let saved = Saved::default();
+    let plan = run_with_checkpoint(&Slow(Duration::from_millis(500)), &saved).await;
+    assert!(saved.0.lock().is_empty());
+    assert!(plan.done);
+}
