@@ -9,10 +9,12 @@
 
 use std::{
     collections::HashMap,
+    panic::AssertUnwindSafe,
     sync::Arc,
     time::{Duration, SystemTime},
 };
 
+use futures::FutureExt;
 use parking_lot::Mutex;
 use serde_json::Value;
 use tokio::{
@@ -60,6 +62,28 @@ pub struct Context {
     pub cancel: CancellationToken,
     /// Consecutive attempts lost with their handler process before a handler fails for good.
     pub max_losses: u32,
+}
+
+/// How long an object whose cycle panicked waits before it is processed again.
+pub const PANIC_RETRY: Duration = Duration::from_secs(5);
+
+/// Frees an object's slot when its worker ends abnormally (see [`Queue::work`]).
+struct WorkerGuard<'a> {
+    queue: &'a Queue,
+    uid: &'a str,
+    armed: bool,
+}
+
+impl Drop for WorkerGuard<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Some(slot) = self.queue.slots.lock().get_mut(self.uid) {
+            slot.running = false;
+            error!(object.uid = %self.uid, "an object's worker ended abnormally; its next event starts a new one");
+        }
+    }
 }
 
 /// The queues of one resource.
@@ -247,7 +271,21 @@ impl Queue {
         }
     }
 
+    /// The object's worker: cycles while events keep coming. A cycle that panics is logged
+    /// with its object and run again after [`PANIC_RETRY`]; if the worker ends any other
+    /// abnormal way, its guard frees the object's slot so that the next event starts a new one.
     async fn work(self, uid: String) {
+        let mut guard = WorkerGuard {
+            queue: &self,
+            uid: &uid,
+            armed: true,
+        };
+        self.cycles(&uid).await;
+        guard.armed = false;
+    }
+
+    async fn cycles(&self, uid: &str) {
+        let uid = uid.to_owned();
         loop {
             let next = {
                 let mut slots = self.slots.lock();
@@ -308,6 +346,9 @@ impl Queue {
                 return;
             }
             let Ok(_permit) = self.ctx.limit.clone().acquire_owned().await else {
+                if let Some(slot) = self.slots.lock().get_mut(&uid) {
+                    slot.running = false;
+                }
                 return;
             };
             let name = body
@@ -321,10 +362,46 @@ impl Queue {
                 .unwrap_or_default()
                 .to_owned();
             let span = info_span!("object", object.resource = %self.ctx.resource.plural, object.namespace = %namespace, object.name = %name, object.uid = %uid);
-            self.process(&uid, event_type, body, memory)
-                .instrument(span)
-                .await;
+            let cycle = self
+                .process(&uid, event_type, body, memory)
+                .instrument(span.clone());
+            if let Err(panic) = AssertUnwindSafe(cycle).catch_unwind().await {
+                span.in_scope(|| self.recover(&uid, stored, panic.as_ref()));
+            }
         }
+    }
+
+    /// After a cycle panicked: logs it and runs the object again after a pause, with the body
+    /// it was processing (or a newer one).
+    fn recover(&self, uid: &str, stored: Stored, panic: &(dyn std::any::Any + Send)) {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".to_owned());
+        error!(panic = %what, retry_in = ?PANIC_RETRY, "processing the object panicked; it is processed again after a pause");
+        let mut slots = self.slots.lock();
+        let Some(slot) = slots.get_mut(uid) else { return };
+        if slot.last_body.as_ref().is_none_or(|b| b.rv <= stored.rv) {
+            slot.last_body = Some(stored);
+        }
+        self.schedule(slot, uid, PANIC_RETRY);
+    }
+
+    /// Wakes the object after `delay` (replacing any earlier wake-up).
+    fn schedule(&self, slot: &mut Slot, uid: &str, delay: Duration) {
+        if let Some(t) = slot.timer.take() {
+            t.abort();
+        }
+        let queue = self.clone();
+        let uid = uid.to_owned();
+        debug!(?delay, "next attempt scheduled");
+        slot.timer = Some(tokio::spawn(async move {
+            tokio::select! {
+                () = queue.ctx.cancel.cancelled() => {}
+                () = tokio::time::sleep(delay) => queue.wake(&uid),
+            }
+        }));
     }
 
     async fn process(&self, uid: &str, event_type: EventType, body: Value, memory: Memory) {
@@ -419,15 +496,7 @@ impl Queue {
         };
         if let Some(at) = wake_at {
             let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
-            let queue = self.clone();
-            let uid = uid.to_owned();
-            debug!(?delay, "next attempt scheduled");
-            slot.timer = Some(tokio::spawn(async move {
-                tokio::select! {
-                    () = queue.ctx.cancel.cancelled() => {}
-                    () = tokio::time::sleep(delay) => queue.wake(&uid),
-                }
-            }));
+            self.schedule(slot, uid, delay);
         }
     }
 
@@ -604,9 +673,111 @@ impl Stored {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use futures::future::BoxFuture;
     use serde_json::json;
 
     use super::*;
+    use crate::model::{HandlerKind, Outcome, Work};
+
+    /// Panics in the first invocation (an injected bug), succeeds afterwards.
+    #[derive(Default)]
+    struct PanicsOnce {
+        calls: AtomicU32,
+    }
+
+    impl Invoker for PanicsOnce {
+        fn invoke(&self, _work: Work) -> BoxFuture<'static, Outcome> {
+            let call = self.calls.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                assert!(call > 0, "injected panic in the first cycle");
+                Outcome::success(None)
+            })
+        }
+    }
+
+    fn example(rv: &str) -> Value {
+        json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+               "metadata": {"name": "one", "namespace": "default", "uid": "u1", "resourceVersion": rv},
+               "spec": {"size": 1}})
+    }
+
+    /// An API server that answers every request with the object.
+    fn objects() -> Objects {
+        let service = tower::service_fn(|_req: http::Request<kube::client::Body>| async {
+            let body = serde_json::to_vec(&example("20")).unwrap_or_default();
+            Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::from(body)))
+        });
+        Objects::new(kube::Client::new(service, "default"))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_cycle_frees_its_slot_and_permit_and_the_object_is_processed_again() {
+        let resource = crate::model::ResolvedResource {
+            group: "demo.capstan.dev".into(),
+            version: "v1".into(),
+            plural: "examples".into(),
+            kind: "Example".into(),
+            namespaced: true,
+            status_subresource: false,
+        };
+        let mut create = Registration::new("create_fn", HandlerKind::Create, None);
+        create.resource = Some(resource.clone());
+        let invoker = Arc::new(PanicsOnce::default());
+        let limit = Arc::new(Semaphore::new(1));
+        let cancel = CancellationToken::new();
+        let (_handlers_tx, handlers) = watch::channel(Arc::new(vec![create]));
+        let (_paused_tx, paused) = watch::channel(false);
+        let (stopped, _stopped_rx) = tokio::sync::mpsc::unbounded_channel();
+        let storage = Storage::annotations("capstan.dev");
+        let daemons = super::super::daemons::Daemons::new(super::super::daemons::Context {
+            resource: resource.clone(),
+            invoker: invoker.clone(),
+            objects: objects(),
+            rules: processing::rules(&storage, &[]),
+            stopped,
+            cancel: cancel.clone(),
+            finalizer: storage.keys.finalizer.clone(),
+        });
+        let queue = Queue::new(Context {
+            resource,
+            handlers,
+            storage,
+            invoker: invoker.clone(),
+            objects: objects(),
+            limit: limit.clone(),
+            checkpoint_after: Duration::from_secs(1),
+            daemons,
+            paused,
+            poster: super::super::posting::Poster::disabled(),
+            cancel,
+            max_losses: 3,
+        });
+        queue.push(EventType::Added, example("10"));
+        let deadline = tokio::time::Instant::now() + PANIC_RETRY * 4;
+        while invoker.calls.load(Ordering::SeqCst) < 2 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the object was not processed again"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        while queue.slots.lock().get("u1").is_some_and(|s| s.running) {
+            assert!(tokio::time::Instant::now() < deadline, "the worker never ended");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(limit.available_permits(), 1, "the permit is back");
+        // The slot is usable: a new event starts a new worker.
+        queue.push(EventType::Modified, example("21"));
+        while invoker.calls.load(Ordering::SeqCst) < 3 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "a later event was not processed"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
 
     #[test]
     fn stored_bodies_round_trip_and_are_smaller_than_their_text() {
