@@ -529,14 +529,11 @@ mod tests {
     #[test]
     fn too_many_requests_waits_at_least_the_retry_after() {
         let status = |code: u16, retry: u32| {
-            kube::Error::Api(Box::new(kube::core::Status {
-                code,
-                details: Some(kube::core::response::StatusDetails {
-                    retry_after_seconds: retry,
-                    ..Default::default()
-                }),
-                ..Default::default()
+            let status: kube::core::Status = serde_json::from_value(json!({
+                "code": code, "details": {"retryAfterSeconds": retry}
             }))
+            .unwrap();
+            kube::Error::Api(Box::new(status))
         };
         let mut backoff = DefaultBackoff::default();
         assert_eq!(retry_delay(&mut backoff, &status(429, 45)), Duration::from_secs(45));
