@@ -9,7 +9,10 @@
 //! All components share one API client whose credentials login handlers may replace
 //! (`k8s::switch`); discovery and the CRD watch use the kubeconfig / in-cluster client, which
 //! must exist before any handler process could log in. A startup handler that fails for good
-//! stops the controller with an error (non-zero exit).
+//! before the operator started stops the controller with an error (non-zero exit); a late one
+//! only withdraws its own process's registrations (`engine::activities`). Whatever ends the
+//! controller, the way out is bounded: the servers get the shutdown grace to stop, then they
+//! are aborted, so the process never hangs on a handler process that keeps its stream open.
 
 use std::{sync::Arc, time::Duration};
 
@@ -113,7 +116,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
     background.stop().await;
     pausing.stop_peering().await;
     serving.cancel();
-    finish(tasks, failed).await
+    finish(tasks, failed, settings.shutdown_grace).await
 }
 
 /// What every part of the controller shares: the API clients, discovery, the hub and health.
@@ -387,9 +390,15 @@ async fn run_cleanup(hub: &Hub, activities: &Activities, grace: Duration) {
 async fn finish(
     mut tasks: JoinSet<Result<()>>,
     failed: Option<Result<Result<()>, tokio::task::JoinError>>,
+    grace: Duration,
 ) -> Result<()> {
     if let Some(joined) = failed {
-        while tasks.join_next().await.is_some() {}
+        let rest = async { while tasks.join_next().await.is_some() {} };
+        if tokio::time::timeout(grace, rest).await.is_err() {
+            warn!(?grace, "the servers did not stop within the shutdown grace; aborting them");
+            tasks.abort_all();
+            while tasks.join_next().await.is_some() {}
+        }
         return match joined {
             Ok(result) => result,
             Err(e) => {
@@ -398,10 +407,16 @@ async fn finish(
             }
         };
     }
-    while let Some(joined) = tasks.join_next().await {
-        if let Ok(Err(e)) = joined {
-            warn!(error = %e, "a subsystem failed during shutdown");
+    let rest = async {
+        while let Some(joined) = tasks.join_next().await {
+            if let Ok(Err(e)) = joined {
+                warn!(error = %e, "a subsystem failed during shutdown");
+            }
         }
+    };
+    if tokio::time::timeout(grace, rest).await.is_err() {
+        warn!(?grace, "the servers did not stop within the shutdown grace; aborting them");
+        tasks.abort_all();
     }
     info!("capstan stopped");
     Ok(())
