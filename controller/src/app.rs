@@ -9,7 +9,10 @@
 //! All components share one API client whose credentials login handlers may replace
 //! (`k8s::switch`); discovery and the CRD watch use the kubeconfig / in-cluster client, which
 //! must exist before any handler process could log in. A startup handler that fails for good
-//! stops the controller with an error (non-zero exit).
+//! before the operator started stops the controller with an error (non-zero exit); a late one
+//! only withdraws its own process's registrations (`engine::activities`). Whatever ends the
+//! controller, the way out is bounded: the servers get the shutdown grace to stop, then they
+//! are aborted, so the process never hangs on a handler process that keeps its stream open.
 
 use std::{sync::Arc, time::Duration};
 
@@ -69,143 +72,32 @@ impl grpc::Resolver for DiscoveryResolver {
 /// When a subsystem cannot start (no cluster configuration, address in use, peering required
 /// but its CRDs missing) or fails.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> {
-    let switch = k8s::switch::Switchable::connect().await?;
-    let client = switch.client();
-    let objects = k8s::objects::Objects::new(client.clone());
-    let discovery = Arc::new(k8s::discovery::Discovery::new(
-        switch.base(),
-        settings.discovery_ttl,
-    ));
-    let watch_crds = settings.engine.watch_crds;
-    let resolver = Arc::new(DiscoveryResolver {
-        discovery: discovery.clone(),
-        pending: watch_crds,
-    });
-    let hub = Hub::new(settings.hub.clone());
-    let health = Health::default();
-    let activities_stop = CancellationToken::new();
-    let activities = Activities::new(
-        hub.clone(),
-        health.clone(),
-        Some(switch.clone()),
-        settings.engine.activities.clone(),
-    );
-    let activities_task = tokio::spawn(activities.clone().run(activities_stop.clone()));
-    let crds = watch_crds.then(|| {
-        let (tx, rx) = tokio::sync::watch::channel(k8s::crds::Snapshot::default());
-        let task = tokio::spawn(
-            k8s::crds::Crds::new(switch.base())
-                .run(tx, activities_stop.clone())
-                .instrument(info_span!("crds")),
-        );
-        (rx, task)
-    });
-    {
-        let hub = hub.clone();
-        health.readiness("handler-processes", move || match hub.connections() {
-            0 => Check::fail("no handler process is connected"),
-            n => Check::pass(format!("{n} handler process(es) connected")),
-        });
-    }
-    {
-        let metrics = crate::observability::metrics::global();
-        let h = hub.clone();
-        metrics.gauge_fn("capstan_handler_processes", move || h.connections() as f64);
-        let paused = hub.paused();
-        metrics.gauge_fn("capstan_paused", move || if *paused.borrow() { 1.0 } else { 0.0 });
-    }
-
-    let gate = Gate::new();
-    let election = &settings.election;
-    let lease = election
-        .enabled
-        .then(|| format!("{}/{}", election.namespace(), election.lease_name));
-    if election.enabled {
-        election.validate().map_err(peering::Error::from)?;
-    }
-    let peering = Peering::start(
-        &settings.peering,
-        client.clone(),
-        &gate,
-        &settings.engine.namespaces.exact().unwrap_or_default(),
-        lease.clone(),
-        PEERING_FIRST_DECISION,
-    )
-    .await?;
-    let election_stop = CancellationToken::new();
-    let elector = election.enabled.then(|| {
-        let namespace = election.namespace();
-        let store = Arc::new(k8s::lease::Leases::new(
-            client.clone(),
-            &namespace,
-            &election.lease_name,
-        ));
-        let identity = settings.peering.identity();
-        info!(lease = lease.as_deref().unwrap_or_default(), %identity, "leader election started");
-        let mut elector = Elector::new(election.clone(), identity, store, gate.clone());
-        let status = elector.status();
-        let leading = status.clone();
-        crate::observability::metrics::global().gauge_fn("capstan_leader", move || {
-            if leading.lock().leading { 1.0 } else { 0.0 }
-        });
-        health.readiness("leadership", move || Check::pass(status.lock().describe()));
-        let stop = election_stop.clone();
-        tokio::spawn(
-            async move {
-                elector.run(stop).await;
-                elector
-            }
-            .instrument(info_span!("election")),
-        )
-    });
-
+    let core = Core::connect(&settings).await?;
+    let background = Background::start(&settings, &core);
+    core.register_checks();
+    let mut pausing = Pausing::start(&settings, &core).await?;
     let serving = CancellationToken::new();
     let server = grpc::Server::bind(
         settings.listen.clone(),
-        hub.clone(),
-        resolver,
+        core.hub.clone(),
+        core.resolver(settings.engine.watch_crds),
         settings.connection.clone(),
         serving.clone(),
     )
     .await?;
-    let admin = Admin::bind(settings.admin_listen, health.clone()).await?;
+    let admin = Admin::bind(settings.admin_listen, core.health.clone()).await?;
     info!(listen = %server.local(), admin = ?admin.local_addr(), version = env!("CARGO_PKG_VERSION"), "capstan started");
 
-    let engines = Arc::new(Engines {
-        hub: hub.clone(),
-        objects,
-        settings: settings.engine.clone(),
-        health: health.clone(),
-        activities: activities.clone(),
-        discovery: crds.as_ref().map(|(rx, _)| (discovery.clone(), rx.clone())),
-        current: tokio::sync::Mutex::new(None),
-    });
+    let engines = core.engines(&settings, &background);
     let gate_stop = CancellationToken::new();
-    let gate_task = tokio::spawn(gate.clone().drive(
-        hub.clone(),
+    let gate_task = tokio::spawn(pausing.gate.clone().drive(
+        core.hub.clone(),
         settings.shutdown_grace,
         engines.clone(),
         gate_stop.clone(),
     ));
     engines.start().await;
-
-    let mut tasks = JoinSet::new();
-    tasks.spawn(async move { server.serve().await.map_err(crate::error::Error::from) });
-    let admin_stop = serving.clone();
-    tasks.spawn(async move {
-        admin.serve(admin_stop).await;
-        Ok(())
-    });
-    {
-        let activities = activities.clone();
-        let stop = serving.clone();
-        tasks.spawn(async move {
-            tokio::select! {
-                e = activities.failed() => Err(e.into()),
-                () = stop.cancelled() => Ok(()),
-            }
-        });
-    }
+    let mut tasks = serve(server, admin, &background.activities, &serving);
 
     let failed = tokio::select! {
         () = shutdown.cancelled() => None,
@@ -214,32 +106,299 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
     gate_stop.cancel();
     let _ = gate_task.await;
     if failed.is_none() {
-        drain(&hub, settings.shutdown_grace).await;
+        drain(&core.hub, settings.shutdown_grace).await;
     }
-    election_stop.cancel();
-    if let Some(task) = elector
-        && let Ok(mut elector) = task.await
-    {
-        elector.release().await;
-    }
+    pausing.stop_election().await;
     engines.stop().await;
     if failed.is_none() {
-        // Resource work is drained and the engine stopped: only cleanup handlers dispatch now.
-        hub.set_paused(false);
-        activities.cleanup(settings.shutdown_grace).await;
-        hub.set_paused(true);
+        run_cleanup(&core.hub, &background.activities, settings.shutdown_grace).await;
     }
-    activities_stop.cancel();
-    let _ = activities_task.await;
-    if let Some((_, task)) = crds {
-        let _ = task.await;
-    }
-    if let Some(peering) = peering {
-        peering.stop().await;
-    }
+    background.stop().await;
+    pausing.stop_peering().await;
     serving.cancel();
+    finish(tasks, failed, settings.shutdown_grace).await
+}
+
+/// What every part of the controller shares: the API clients, discovery, the hub and health.
+struct Core {
+    switch: k8s::switch::Switchable,
+    client: kube::Client,
+    objects: k8s::objects::Objects,
+    discovery: Arc<k8s::discovery::Discovery>,
+    hub: Hub,
+    health: Health,
+}
+
+impl Core {
+    async fn connect(settings: &Settings) -> Result<Self> {
+        let switch = k8s::switch::Switchable::connect(settings.api_timeout).await?;
+        let client = switch.client();
+        Ok(Self {
+            objects: k8s::objects::Objects::new(client.clone()),
+            discovery: Arc::new(k8s::discovery::Discovery::new(
+                switch.base(),
+                settings.discovery_ttl,
+            )),
+            client,
+            switch,
+            hub: Hub::new(settings.hub.clone()),
+            health: Health::default(),
+        })
+    }
+
+    /// Resolves registration selectors; with `pending` (CRDs are watched) a resource that is
+    /// not served yet is waited for.
+    fn resolver(&self, pending: bool) -> Arc<DiscoveryResolver> {
+        Arc::new(DiscoveryResolver {
+            discovery: self.discovery.clone(),
+            pending,
+        })
+    }
+
+    /// Readiness: a handler process is connected and the API server answers; metrics of the
+    /// hub.
+    fn register_checks(&self) {
+        let hub = self.hub.clone();
+        self.health
+            .readiness("handler-processes", move || match hub.connections() {
+                0 => Check::fail("no handler process is connected"),
+                n => Check::pass(format!("{n} handler process(es) connected")),
+            });
+        let reachability = self.switch.reachability();
+        self.health.readiness("api-server", move || match reachability.outage() {
+            Some((since, why)) => Check::fail(format!(
+                "the API server does not answer (for {}s): {why}",
+                since.as_secs()
+            )),
+            None => Check::pass("the API server answers"),
+        });
+        let metrics = crate::observability::metrics::global();
+        let h = self.hub.clone();
+        metrics.gauge_fn("capstan_handler_processes", move || h.connections() as f64);
+        let paused = self.hub.paused();
+        metrics.gauge_fn("capstan_paused", move || if *paused.borrow() { 1.0 } else { 0.0 });
+    }
+
+    fn engines(&self, settings: &Settings, background: &Background) -> Arc<Engines> {
+        Arc::new(Engines {
+            hub: self.hub.clone(),
+            objects: self.objects.clone(),
+            settings: settings.engine.clone(),
+            health: self.health.clone(),
+            activities: background.activities.clone(),
+            discovery: background
+                .crds
+                .as_ref()
+                .map(|(rx, _)| (self.discovery.clone(), rx.clone())),
+            current: tokio::sync::Mutex::new(None),
+        })
+    }
+}
+
+/// Tasks that run for the controller's whole life: operator activities, the CRD watch and
+/// the API server's reachability probe.
+struct Background {
+    activities: Activities,
+    stop: CancellationToken,
+    activities_task: JoinHandle<()>,
+    crds: Option<(tokio::sync::watch::Receiver<k8s::crds::Snapshot>, JoinHandle<()>)>,
+    reachability_task: JoinHandle<()>,
+}
+
+impl Background {
+    fn start(settings: &Settings, core: &Core) -> Self {
+        let stop = CancellationToken::new();
+        let activities = Activities::new(
+            core.hub.clone(),
+            core.health.clone(),
+            Some(core.switch.clone()),
+            settings.engine.activities.clone(),
+        );
+        let activities_task = tokio::spawn(activities.clone().run(stop.clone()));
+        let crds = settings.engine.watch_crds.then(|| {
+            let (tx, rx) = tokio::sync::watch::channel(k8s::crds::Snapshot::default());
+            let task = tokio::spawn(
+                k8s::crds::Crds::new(core.switch.base())
+                    .run(tx, stop.clone())
+                    .instrument(info_span!("crds")),
+            );
+            (rx, task)
+        });
+        let reachability_task = tokio::spawn(
+            probe_reachability(core.switch.clone(), stop.clone()).instrument(info_span!("reachability")),
+        );
+        Self {
+            activities,
+            stop,
+            activities_task,
+            crds,
+            reachability_task,
+        }
+    }
+
+    async fn stop(self) {
+        self.stop.cancel();
+        let _ = self.activities_task.await;
+        if let Some((_, task)) = self.crds {
+            let _ = task.await;
+        }
+        let _ = self.reachability_task.await;
+    }
+}
+
+/// How often the API server is asked whether it answers when no other request told.
+const REACHABILITY_PROBE: Duration = Duration::from_secs(10);
+
+/// Keeps the API server's reachability fresh: when no request finished for a while (only
+/// long-running watches, or nothing at all to do) or the last one got no answer, asks for the
+/// server's version.
+async fn probe_reachability(switch: k8s::switch::Switchable, stop: CancellationToken) {
+    let reachability = switch.reachability();
+    let client = switch.base();
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(REACHABILITY_PROBE) => {}
+        }
+        let stale = reachability.idle_for().is_none_or(|idle| idle >= REACHABILITY_PROBE);
+        if stale || !reachability.is_reachable() {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                answer = client.apiserver_version() => if let Err(e) = answer {
+                    debug!(error = %e, "the API server does not answer");
+                },
+            }
+        }
+    }
+}
+
+/// Freezing by peers and leader election: both pause dispatch through the gate.
+struct Pausing {
+    gate: Gate,
+    peering: Option<Peering>,
+    election_stop: CancellationToken,
+    elector: Option<JoinHandle<Elector>>,
+}
+
+impl Pausing {
+    async fn start(settings: &Settings, core: &Core) -> Result<Self> {
+        let gate = Gate::new();
+        let election = &settings.election;
+        let lease = election
+            .enabled
+            .then(|| format!("{}/{}", election.namespace(), election.lease_name));
+        if election.enabled {
+            election.validate().map_err(peering::Error::from)?;
+        }
+        let peering = Peering::start(
+            &settings.peering,
+            core.client.clone(),
+            &gate,
+            &settings.engine.namespaces.exact().unwrap_or_default(),
+            lease.clone(),
+            PEERING_FIRST_DECISION,
+        )
+        .await?;
+        let election_stop = CancellationToken::new();
+        let elector = election.enabled.then(|| {
+            let namespace = election.namespace();
+            let store = Arc::new(k8s::lease::Leases::new(
+                core.client.clone(),
+                &namespace,
+                &election.lease_name,
+            ));
+            let identity = settings.peering.identity();
+            info!(lease = lease.as_deref().unwrap_or_default(), %identity, "leader election started");
+            let mut elector = Elector::new(election.clone(), identity, store, gate.clone());
+            let status = elector.status();
+            let leading = status.clone();
+            crate::observability::metrics::global().gauge_fn("capstan_leader", move || {
+                if leading.lock().leading { 1.0 } else { 0.0 }
+            });
+            core.health
+                .readiness("leadership", move || Check::pass(status.lock().describe()));
+            let stop = election_stop.clone();
+            tokio::spawn(
+                async move {
+                    elector.run(stop).await;
+                    elector
+                }
+                .instrument(info_span!("election")),
+            )
+        });
+        Ok(Self {
+            gate,
+            peering,
+            election_stop,
+            elector,
+        })
+    }
+
+    /// Stops the election and releases the lease (a standby takes over at once).
+    async fn stop_election(&mut self) {
+        self.election_stop.cancel();
+        if let Some(task) = self.elector.take()
+            && let Ok(mut elector) = task.await
+        {
+            elector.release().await;
+        }
+    }
+
+    /// Removes the peering entry.
+    async fn stop_peering(self) {
+        if let Some(peering) = self.peering {
+            peering.stop().await;
+        }
+    }
+}
+
+/// The tasks whose end ends the controller: the gRPC server, the admin endpoint, and a
+/// startup handler that fails for good.
+fn serve(
+    server: grpc::Server,
+    admin: Admin,
+    activities: &Activities,
+    serving: &CancellationToken,
+) -> JoinSet<Result<()>> {
+    let mut tasks = JoinSet::new();
+    tasks.spawn(async move { server.serve().await.map_err(crate::error::Error::from) });
+    let admin_stop = serving.clone();
+    tasks.spawn(async move {
+        admin.serve(admin_stop).await;
+        Ok(())
+    });
+    let activities = activities.clone();
+    let stop = serving.clone();
+    tasks.spawn(async move {
+        tokio::select! {
+            e = activities.failed() => Err(e.into()),
+            () = stop.cancelled() => Ok(()),
+        }
+    });
+    tasks
+}
+
+/// Runs cleanup handlers once resource work is drained and the engine stopped: only they
+/// dispatch now.
+async fn run_cleanup(hub: &Hub, activities: &Activities, grace: Duration) {
+    hub.set_paused(false);
+    activities.cleanup(grace).await;
+    hub.set_paused(true);
+}
+
+/// Waits for the serving tasks; the first one that ended early decides the result.
+async fn finish(
+    mut tasks: JoinSet<Result<()>>,
+    failed: Option<Result<Result<()>, tokio::task::JoinError>>,
+    grace: Duration,
+) -> Result<()> {
     if let Some(joined) = failed {
-        while tasks.join_next().await.is_some() {}
+        let rest = async { while tasks.join_next().await.is_some() {} };
+        if tokio::time::timeout(grace, rest).await.is_err() {
+            warn!(?grace, "the servers did not stop within the shutdown grace; aborting them");
+            tasks.abort_all();
+            while tasks.join_next().await.is_some() {}
+        }
         return match joined {
             Ok(result) => result,
             Err(e) => {
@@ -248,10 +407,16 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
             }
         };
     }
-    while let Some(joined) = tasks.join_next().await {
-        if let Ok(Err(e)) = joined {
-            warn!(error = %e, "a subsystem failed during shutdown");
+    let rest = async {
+        while let Some(joined) = tasks.join_next().await {
+            if let Ok(Err(e)) = joined {
+                warn!(error = %e, "a subsystem failed during shutdown");
+            }
         }
+    };
+    if tokio::time::timeout(grace, rest).await.is_err() {
+        warn!(?grace, "the servers did not stop within the shutdown grace; aborting them");
+        tasks.abort_all();
     }
     info!("capstan stopped");
     Ok(())

@@ -108,6 +108,11 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_DISCOVERY_TTL", value_parser = parse_duration, default_value = "30s")]
     pub discovery_ttl: Duration,
 
+    /// How long one API request may take before it fails and is retried (a watch: until the
+    /// server starts answering; its stream is guarded by `--watch-inactivity-timeout`).
+    #[arg(long, env = "CAPSTAN_API_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
+    pub api_timeout: Duration,
+
     /// How long one probe handler may take before `/healthz` reports it failing. Probe
     /// results are cached for 10 s, as in kopf.
     #[arg(long, env = "CAPSTAN_PROBE_TIMEOUT", value_parser = parse_duration, default_value = "5s")]
@@ -434,6 +439,7 @@ impl RunArgs {
             admin_listen: self.admin_listen,
             shutdown_grace: self.shutdown_grace,
             discovery_ttl: self.discovery_ttl,
+            api_timeout: self.api_timeout,
             ..Settings::default()
         };
         settings.connection.ping_interval = self.ping_interval;

@@ -27,6 +27,8 @@ pub struct Settings {
     pub shutdown_grace: Duration,
     /// How long discovery results are reused before the API is asked again. Default 30 s.
     pub discovery_ttl: Duration,
+    /// How long one API request may take (watches: until their answer starts). Default 30 s.
+    pub api_timeout: Duration,
     /// Watching, queueing, persistence.
     pub engine: engine::Settings,
     /// Priority peering (freezing).
@@ -44,6 +46,7 @@ impl Default for Settings {
             hub: grpc::hub::Settings::default(),
             shutdown_grace: Duration::from_secs(20),
             discovery_ttl: Duration::from_secs(30),
+            api_timeout: crate::k8s::switch::DEFAULT_REQUEST_TIMEOUT,
             engine: engine::Settings::default(),
             peering: peering::Settings::default(),
             election: peering::election::Settings::default(),

@@ -11,5 +11,6 @@ pub mod events;
 pub mod lease;
 pub mod objects;
 pub mod peering;
+pub mod reachability;
 pub mod switch;
 pub mod watch;

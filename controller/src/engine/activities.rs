@@ -5,14 +5,29 @@
 //!   (the highest priority first) are checked against the API server and swapped into the
 //!   shared API client ([`crate::k8s::switch`]). Rejected or unusable credentials are logged
 //!   and retried after the handler's backoff while everything else keeps serving. A
-//!   `401 Unauthorized` from the API later calls them again (kopf's re-login).
+//!   `401 Unauthorized` from the API later calls them again (kopf's re-login). Every login
+//!   call has a deadline (`login_timeout`, whether the handler never answers or its process
+//!   has left meanwhile), `/readyz` reports the wait and its last problem, and when no login
+//!   handler is registered any more the wait ends: the credentials in use stay.
 //! - **startup** handlers run next, each until it succeeds, with kopf's error rules
 //!   (temporary and unclassified errors retried after their delay/backoff; permanent errors,
-//!   exhausted retries or timeout end the controller with [`Error::StartupFailed`]). The
-//!   engine starts no resource watch while a registered startup (or login) handler has not
-//!   succeeded ([`Activities::ready`]). Startup runs once per controller lifetime: the ids
-//!   that succeeded are remembered, so a reconnecting handler process does not re-run them,
-//!   and the state lives here, outside the engine, which is replaced on every resume.
+//!   exhausted retries or timeout fail it). The engine starts no resource watch while a
+//!   registered startup (or login) handler has not succeeded ([`Activities::ready`], reported
+//!   by `/readyz`). A startup handler whose process leaves is no longer waited for. Startup
+//!   runs once per controller lifetime: the ids that succeeded are remembered, so a
+//!   reconnecting handler process does not re-run them, and the state lives here, outside
+//!   the engine, which is replaced on every resume.
+//!
+//!   kopf's startup gates the whole operator; here several handler processes share one
+//!   controller, so what a failure stops depends on when it happens. The operator *starts*
+//!   the first time a round of login and startup handlers completes with registrations
+//!   present (resource watching is allowed from then on). A startup handler that fails for
+//!   good **before** that ends the controller with [`Error::StartupFailed`] (non-zero exit,
+//!   as kopf's operator does). A **late** startup handler — one of a process that connects
+//!   once the operator runs, while other processes may be serving — affects only its own
+//!   process: all of that process's registrations are withdrawn (as if it had left) and it
+//!   gets a `Notice` with `STARTUP_FAILED`; everything else carries on. Its stream stays open;
+//!   when the process connects again its startup handler runs again.
 //! - **probe** handlers feed `/healthz`: each id's last result is shown as kopf's liveness
 //!   endpoint shows it, plus a `probe/<id>` liveness check. The HTTP endpoint answers from a
 //!   cache; a request that finds the cache older than 10 s wakes the prober, which re-runs
@@ -32,7 +47,7 @@ use parking_lot::Mutex;
 use serde_json::Value;
 use tokio::{sync::Notify, sync::watch, task::JoinSet, time::Instant};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument as _, error, info, info_span, warn};
+use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
 use super::execution::{self, Verdict};
 use crate::{
@@ -101,7 +116,14 @@ struct State {
     logged_in: bool,
     probes: BTreeMap<String, (Check, Option<Value>)>,
     probes_run_at: Option<Instant>,
+    /// The operator started (see the module docs): later startup failures are confined.
+    operating: bool,
+    /// Why the last round of login calls gave no usable credentials.
+    login_problem: Option<String>,
 }
+
+/// Extra time a login call gets beyond its attempt timeout, for the cancel to reach it.
+const LOGIN_SLACK: Duration = Duration::from_secs(5);
 
 impl Activities {
     /// Activities dispatched through `hub`; login credentials go into `switch`.
@@ -118,6 +140,17 @@ impl Activities {
             failed,
             probe_wanted: Notify::new(),
             login_lock: tokio::sync::Mutex::new(()),
+        });
+        let weak = Arc::downgrade(&inner);
+        health.readiness("activities", move || {
+            let Some(inner) = weak.upgrade() else {
+                return Check::pass("stopped");
+            };
+            let registrations = inner.hub.registrations().borrow().clone();
+            match awaited(&inner, &registrations) {
+                Ok(()) => Check::pass("operator activities done"),
+                Err(why) => Check::fail(why),
+            }
         });
         let weak = Arc::downgrade(&inner);
         health.probe_values(move || {
@@ -153,21 +186,7 @@ impl Activities {
     /// # Errors
     /// What is still awaited, for logs.
     pub fn ready(&self, registrations: &[Registration]) -> Result<(), String> {
-        let state = self.inner.state.lock();
-        let login = registrations.iter().any(|r| r.kind == HandlerKind::Login);
-        if login && !state.logged_in && self.inner.switch.is_some() {
-            return Err("waiting for a login handler's credentials".into());
-        }
-        let waiting: Vec<&str> = registrations
-            .iter()
-            .filter(|r| r.kind == HandlerKind::Startup && !state.started.contains(&r.id))
-            .map(|r| r.id.0.as_str())
-            .collect();
-        if waiting.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("waiting for startup handlers: {}", waiting.join(", ")))
-        }
+        awaited(&self.inner, registrations)
     }
 
     /// Resolves when a startup handler failed for good.
@@ -234,7 +253,7 @@ impl Activities {
             if !logins.is_empty() && !self.inner.state.lock().logged_in {
                 tokio::select! {
                     () = cancel.cancelled() => return,
-                    () = self.login(&logins) => {}
+                    () = self.login() => {}
                 }
             }
             let pending: Vec<Registration> = {
@@ -247,6 +266,11 @@ impl Activities {
             for reg in pending {
                 let result = tokio::select! {
                     () = cancel.cancelled() => return,
+                    () = self.gone(&reg.id) => {
+                        info!(handler.id = %reg.id, "the startup handler's process left; it is not waited for");
+                        self.bump();
+                        continue;
+                    }
                     result = self.startup(&reg) => result,
                 };
                 match result {
@@ -254,6 +278,7 @@ impl Activities {
                         self.inner.state.lock().started.insert(reg.id.clone());
                         self.bump();
                     }
+                    Err(message) if self.inner.state.lock().operating => self.refuse(&reg, &message),
                     Err(message) => {
                         error!(handler.id = %reg.id, %message, "startup handler failed for good; the controller stops");
                         self.inner
@@ -263,11 +288,47 @@ impl Activities {
                     }
                 }
             }
+            let current = self.inner.hub.registrations().borrow().clone();
+            if !current.is_empty() && awaited(&self.inner, &current).is_ok() {
+                let mut state = self.inner.state.lock();
+                if !state.operating {
+                    state.operating = true;
+                    debug!("the operator started: later startup failures affect only their own process");
+                }
+            }
             tokio::select! {
                 () = cancel.cancelled() => return,
                 changed = registrations.changed() => if changed.is_err() { return },
             }
         }
+    }
+
+    /// Resolves once no connected process registers `id`.
+    async fn gone(&self, id: &HandlerId) {
+        let mut registrations = self.inner.hub.registrations();
+        loop {
+            if !registrations.borrow_and_update().iter().any(|r| &r.id == id) {
+                return;
+            }
+            if registrations.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// Confines a late startup failure to its process (see the module docs).
+    fn refuse(&self, reg: &Registration, message: &str) {
+        let diagnostic = Diagnostic::error(
+            "STARTUP_FAILED",
+            format!(
+                "startup handler {} failed for good: {message}; this process's registrations are withdrawn \
+                 (the operator is already running, so the controller carries on)",
+                reg.id
+            ),
+        );
+        let expelled = self.inner.hub.expel(&reg.id, &diagnostic);
+        error!(handler.id = %reg.id, %message, expelled, "late startup handler failed for good; its process's registrations are withdrawn");
+        self.bump();
     }
 
     /// Runs one startup handler until it succeeds or fails for good.
@@ -317,24 +378,41 @@ impl Activities {
         }
     }
 
-    /// Calls the login handlers until credentials from one of them work.
-    async fn login(&self, logins: &[Registration]) {
+    /// Calls the login handlers until credentials from one of them work, or until no login
+    /// handler is registered any more.
+    async fn login(&self) {
         let Some(switch) = &self.inner.switch else {
             return;
         };
         let _serial = self.inner.login_lock.lock().await;
+        let mut registrations = self.inner.hub.registrations();
         loop {
+            registrations.borrow_and_update();
+            let logins = self.of_kind(HandlerKind::Login);
+            if logins.is_empty() {
+                info!("no login handler is registered any more; the credentials in use stay");
+                self.inner.state.lock().login_problem = None;
+                self.bump();
+                return;
+            }
             let mut candidates = Vec::new();
             let mut problems = Vec::new();
-            for reg in logins {
+            let timeout = self.inner.settings.login_timeout;
+            for reg in &logins {
                 let mut work = Work::new(
                     reg.id.0.clone(),
                     format!("login/{}", reg.id),
                     Payload::Activity(Activity::Login),
                 );
-                work.attempt_timeout = Some(self.inner.settings.login_timeout);
+                work.attempt_timeout = Some(timeout);
                 work.param.clone_from(&reg.param);
-                match self.inner.hub.invoke(work).await {
+                // Dropping the invocation withdraws it, whether it waits for its process or runs.
+                let Ok(outcome) = tokio::time::timeout(timeout + LOGIN_SLACK, self.inner.hub.invoke(work)).await
+                else {
+                    problems.push(format!("{}: no answer within {timeout:?}", reg.id));
+                    continue;
+                };
+                match outcome {
                     Outcome::Success {
                         kind_result: Some(KindResult::Credentials(c)),
                         ..
@@ -352,7 +430,11 @@ impl Activities {
                 match switch.install(&id.0, credentials).await {
                     Ok(()) => {
                         info!(handler.id = %id, server = %credentials.server, "logged in: the API client now uses the login handler's credentials");
-                        self.inner.state.lock().logged_in = true;
+                        {
+                            let mut state = self.inner.state.lock();
+                            state.logged_in = true;
+                            state.login_problem = None;
+                        }
                         self.bump();
                         return;
                     }
@@ -365,7 +447,13 @@ impl Activities {
                 .min()
                 .unwrap_or(Duration::from_secs(60));
             error!(problems = %problems.join("; "), retry_in = ?backoff, "login failed; the previous credentials stay in use");
-            tokio::time::sleep(backoff).await;
+            self.inner.state.lock().login_problem = Some(problems.join("; "));
+            self.bump();
+            // A process that leaves (or a new login handler) is noticed at once.
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                _ = registrations.changed() => {}
+            }
         }
     }
 
@@ -387,7 +475,7 @@ impl Activities {
             warn!(identity = %switch.identity(), "the API server answered 401 Unauthorized; calling the login handlers again");
             tokio::select! {
                 () = cancel.cancelled() => return,
-                () = self.login(&logins) => {}
+                () = self.login() => {}
             }
             // Requests that failed with the old credentials meanwhile need no second login.
             unauthorized.borrow_and_update();
@@ -519,6 +607,28 @@ impl Activities {
         join_all(runs)
             .instrument(info_span!("activities", activity = "cleanup"))
             .await;
+    }
+}
+
+/// What resource watching still waits for (see [`Activities::ready`]).
+fn awaited(inner: &Inner, registrations: &[Registration]) -> Result<(), String> {
+    let state = inner.state.lock();
+    let login = registrations.iter().any(|r| r.kind == HandlerKind::Login);
+    if login && !state.logged_in && inner.switch.is_some() {
+        return Err(match &state.login_problem {
+            Some(problem) => format!("waiting for a login handler's credentials (last attempt: {problem})"),
+            None => "waiting for a login handler's credentials".into(),
+        });
+    }
+    let waiting: Vec<&str> = registrations
+        .iter()
+        .filter(|r| r.kind == HandlerKind::Startup && !state.started.contains(&r.id))
+        .map(|r| r.id.0.as_str())
+        .collect();
+    if waiting.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("waiting for startup handlers: {}", waiting.join(", ")))
     }
 }
 

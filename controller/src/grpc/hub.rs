@@ -281,6 +281,30 @@ impl Hub {
         self.publish(&state);
     }
 
+    /// Withdraws every registration of the process that owns `handler` (as [`Hub::detach`]
+    /// does when it leaves) and tells it why with a `Notice`; the stream stays open, and the
+    /// process may reconnect. Returns whether such a process was connected.
+    pub(crate) fn expel(&self, handler: &HandlerId, diagnostic: &Diagnostic) -> bool {
+        let owner = {
+            let state = self.inner.state.lock();
+            state
+                .owners
+                .get(handler)
+                .and_then(|conn| state.connections.get(conn).map(|c| (*conn, c.tx.clone())))
+        };
+        let Some((conn, tx)) = owner else {
+            return false;
+        };
+        let _ = tx.try_send(pb::ConnectResponse {
+            message: Some(pb::connect_response::Message::Notice(pb::Notice {
+                invocation_id: String::new(),
+                diagnostics: vec![convert::diagnostic_to_pb(diagnostic)],
+            })),
+        });
+        self.detach(conn);
+        true
+    }
+
     /// Changes a connection's caps (`FlowControl`): `None` handler means the process cap; 0
     /// pauses.
     pub(crate) fn flow_control(&self, conn: ConnectionId, handler: Option<&HandlerId>, max_in_flight: u32) {

@@ -4,21 +4,49 @@
 //! Events of cluster-scoped objects go to the `default` namespace (Events are namespaced).
 //! Messages longer than 1024 characters are cut in the middle. An Event about an object
 //! named without its uid (a handler posting on another object) gets the uid looked up, so
-//! that `kubectl describe` finds it. Posting is best effort: the caller logs failures and
-//! carries on.
+//! that `kubectl describe` finds it.
+//!
+//! # Guarantees
+//!
+//! An Event whose creation fails because the API server did not answer (connection refused or
+//! reset, timeout, `429`, `5xx`) is not lost (kopf#513): it waits in a bounded outbox and is
+//! posted again with kube-runtime's jittered backoff (0.8 s doubling to 30 s) until the server
+//! takes it, one at a time and no faster than [`RETRY_PACE`] apart, so retries stay within the
+//! default global Event rate. A repeat of an Event that is still waiting raises its count
+//! instead of queueing a copy. When the outbox is full the oldest Event is dropped and counted
+//! ([`Events::dropped`]). An Event the server refuses for good (`403`, `422`, …) is not
+//! retried. The caller still learns of the first failure and carries on.
+
+use std::{
+    collections::VecDeque,
+    sync::{
+        Arc, Weak,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 use k8s_openapi::api::core::v1::Event;
 use kube::{
     Api, Client,
     api::{ApiResource, DynamicObject, Patch, PatchParams, PostParams},
+    runtime::watcher::DefaultBackoff,
 };
+use parking_lot::Mutex;
 use serde_json::json;
-use tracing::debug;
+use tracing::{Instrument as _, debug, info, info_span, warn};
 
 use crate::{
+    k8s::reachability,
     model::{Level, Posting, ResourceRef},
     persistence::time,
 };
+
+/// Events waiting for the API server at most; beyond, the oldest is dropped.
+pub const OUTBOX_CAPACITY: usize = 256;
+
+/// The least time between two retried Events (the default global rate of 20 per second).
+pub const RETRY_PACE: Duration = Duration::from_millis(50);
 
 /// The longest Event message posted.
 pub const MAX_MESSAGE: usize = 1024;
@@ -28,6 +56,21 @@ pub const MAX_MESSAGE: usize = 1024;
 pub struct Events {
     client: Client,
     instance: String,
+    outbox: Arc<Outbox>,
+}
+
+/// Events that wait for the API server to answer again.
+#[derive(Default)]
+struct Outbox {
+    pending: Mutex<Pending>,
+    dropped: AtomicU64,
+}
+
+#[derive(Default)]
+struct Pending {
+    events: VecDeque<Event>,
+    /// Whether the retrying task runs.
+    retrying: bool,
 }
 
 /// Where a posted Event lives, to bump its count later.
@@ -42,10 +85,25 @@ pub struct Posted {
 impl Events {
     /// A poster reporting as `instance` (e.g. the pod or host name).
     pub fn new(client: Client, instance: String) -> Self {
-        Self { client, instance }
+        Self {
+            client,
+            instance,
+            outbox: Arc::default(),
+        }
     }
 
-    /// Creates an Event.
+    /// How many Events were dropped because the outbox was full.
+    pub fn dropped(&self) -> u64 {
+        self.outbox.dropped.load(Ordering::Relaxed)
+    }
+
+    /// How many Events wait for the API server.
+    pub fn waiting(&self) -> usize {
+        self.outbox.pending.lock().events.len()
+    }
+
+    /// Creates an Event; when the API server does not answer, the Event is kept and posted
+    /// again later (see the module docs).
     ///
     /// # Errors
     /// When the API refuses or is unreachable.
@@ -86,11 +144,45 @@ impl Events {
         }))
         .map_err(kube::Error::SerdeError)?;
         let api: Api<Event> = Api::namespaced(self.client.clone(), namespace);
-        let created = api.create(&PostParams::default(), &event).await?;
-        Ok(Posted {
-            namespace: namespace.to_owned(),
-            name: created.metadata.name.unwrap_or_default(),
-        })
+        match api.create(&PostParams::default(), &event).await {
+            Ok(created) => Ok(Posted {
+                namespace: namespace.to_owned(),
+                name: created.metadata.name.unwrap_or_default(),
+            }),
+            Err(e) => {
+                if reachability::is_unanswered(&e) {
+                    self.keep(event);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Puts an Event into the outbox and makes sure that the retrying task runs.
+    fn keep(&self, event: Event) {
+        let start = {
+            let mut pending = self.outbox.pending.lock();
+            if let Some(same) = pending.events.iter_mut().find(|e| same_event(e, &event)) {
+                same.count = Some(same.count.unwrap_or(1).saturating_add(1));
+                same.last_timestamp.clone_from(&event.last_timestamp);
+            } else {
+                if pending.events.len() >= OUTBOX_CAPACITY {
+                    pending.events.pop_front();
+                    let dropped = self.outbox.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+                    if dropped.is_power_of_two() {
+                        warn!(dropped, "the Event outbox is full; the oldest waiting Events were dropped");
+                    }
+                }
+                pending.events.push_back(event);
+            }
+            !std::mem::replace(&mut pending.retrying, true)
+        };
+        if start {
+            debug!("the API server did not take an Event; it is posted again when it answers");
+            tokio::spawn(
+                retry(self.client.clone(), Arc::downgrade(&self.outbox)).instrument(info_span!("event-outbox")),
+            );
+        }
     }
 
     /// The uid of a named object, if it can be read.
@@ -130,6 +222,65 @@ impl Events {
     }
 }
 
+/// Posts the outbox's Events until it is empty or every [`Events`] handle is gone (then the
+/// waiting Events go with them).
+async fn retry(client: Client, outbox: Weak<Outbox>) {
+    let mut backoff = DefaultBackoff::default();
+    let mut failures = 0u32;
+    loop {
+        let delay = if failures == 0 {
+            RETRY_PACE
+        } else {
+            backoff.next().unwrap_or(Duration::from_secs(30))
+        };
+        tokio::time::sleep(delay).await;
+        let Some(outbox) = outbox.upgrade() else {
+            return;
+        };
+        let next = {
+            let mut pending = outbox.pending.lock();
+            let next = pending.events.front().cloned();
+            if next.is_none() {
+                pending.retrying = false;
+            }
+            next
+        };
+        let Some(event) = next else {
+            return;
+        };
+        let namespace = event.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+        let api: Api<Event> = Api::namespaced(client.clone(), &namespace);
+        let outcome = api.create(&PostParams::default(), &event).await;
+        let retry_again = matches!(&outcome, Err(e) if reachability::is_unanswered(e));
+        if !retry_again {
+            let mut pending = outbox.pending.lock();
+            // The front is still this Event unless the full outbox dropped it meanwhile.
+            if pending.events.front().is_some_and(|e| same_event(e, &event)) {
+                pending.events.pop_front();
+            }
+        }
+        match outcome {
+            Ok(_) => {
+                if failures > 0 {
+                    info!(waited = failures, "the API server takes Events again; posting the waiting ones");
+                }
+                failures = 0;
+                backoff = DefaultBackoff::default();
+            }
+            Err(e) if retry_again => {
+                failures = failures.saturating_add(1);
+                debug!(error = %e, "posting a waiting Event failed again");
+            }
+            Err(e) => warn!(error = %e, reason = event.reason.as_deref().unwrap_or_default(), "the API server refused a waiting Event; it is dropped"),
+        }
+    }
+}
+
+/// Whether two Events say the same thing about the same object.
+fn same_event(a: &Event, b: &Event) -> bool {
+    a.involved_object == b.involved_object && a.reason == b.reason && a.message == b.message && a.type_ == b.type_
+}
+
 fn event_type(level: Level) -> &'static str {
     match level {
         Level::Debug | Level::Info => "Normal",
@@ -157,7 +308,91 @@ pub fn cut(message: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicU32;
+
+    use http::{Request, Response, StatusCode};
+    use kube::client::Body;
+
     use super::*;
+    use crate::model::{Policy, ResolvedResource};
+
+    /// An API that answers `503` to the first `failing` Event posts, then takes them.
+    fn flaky(failing: u32) -> (Client, Arc<AtomicU32>, Arc<AtomicU32>) {
+        let attempts = Arc::new(AtomicU32::new(0));
+        let created = Arc::new(AtomicU32::new(0));
+        let (a, c) = (attempts.clone(), created.clone());
+        let service = tower::service_fn(move |req: Request<Body>| {
+            let (a, c) = (a.clone(), c.clone());
+            async move {
+                let n = a.fetch_add(1, Ordering::SeqCst);
+                let (status, body) = if req.method() != http::Method::POST {
+                    (StatusCode::NOT_FOUND, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","code":404}"#.to_owned())
+                } else if n < failing {
+                    (StatusCode::SERVICE_UNAVAILABLE, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"down","code":503}"#.to_owned())
+                } else {
+                    c.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::CREATED, r#"{"apiVersion":"v1","kind":"Event","metadata":{"name":"x.1","namespace":"default"},"involvedObject":{}}"#.to_owned())
+                };
+                let mut response = Response::new(Body::from(body.into_bytes()));
+                *response.status_mut() = status;
+                Ok::<_, std::convert::Infallible>(response)
+            }
+        });
+        (Client::new(service, "default"), attempts, created)
+    }
+
+    fn posting(message: &str) -> Posting {
+        Posting {
+            object: ResourceRef {
+                resource: ResolvedResource {
+                    group: "demo.capstan.dev".into(),
+                    version: "v1".into(),
+                    plural: "examples".into(),
+                    kind: "Example".into(),
+                    namespaced: true,
+                    status_subresource: false,
+                },
+                namespace: "default".into(),
+                name: "one".into(),
+                uid: "u1".into(),
+                ..ResourceRef::default()
+            },
+            level: Level::Info,
+            reason: "Logging".into(),
+            message: message.into(),
+            policy: Policy::ByLevel,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_event_the_server_did_not_take_is_posted_when_it_answers_again() {
+        let (client, _, created) = flaky(3);
+        let events = Events::new(client, "test".into());
+        assert!(events.create(&posting("hello")).await.is_err());
+        assert!(events.create(&posting("hello")).await.is_err(), "a repeat is folded in");
+        assert_eq!(events.waiting(), 1);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        while created.load(Ordering::SeqCst) == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "the waiting Event was never posted");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(created.load(Ordering::SeqCst), 1);
+        assert_eq!(events.waiting(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_outbox_drops_the_oldest_and_counts() {
+        let (client, _, _) = flaky(u32::MAX);
+        let events = Events::new(client, "test".into());
+        for n in 0..OUTBOX_CAPACITY + 3 {
+            let _ = events.create(&posting(&format!("message {n}"))).await;
+        }
+        assert_eq!(events.waiting(), OUTBOX_CAPACITY);
+        assert_eq!(events.dropped(), 3);
+        let first = events.outbox.pending.lock().events.front().and_then(|e| e.message.clone());
+        assert_eq!(first.as_deref(), Some("message 3"));
+    }
 
     #[test]
     fn long_messages_are_cut_in_the_middle() {

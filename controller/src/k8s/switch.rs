@@ -15,15 +15,24 @@
 //! only the discovery permission every authenticated user has. Without any kubeconfig or
 //! in-cluster configuration the controller does not start, even when a login handler would
 //! provide credentials later: a limitation, documented rather than worked around.
+//!
+//! Every request through either client is bounded: kube-rs sets no read timeout, so a request
+//! on a connection that stopped answering would hang forever (and with it the worker that
+//! holds a permit of the global limit). The answer's headers must arrive within the request
+//! timeout, and for everything but watches the whole body too; a watch's body streams for as
+//! long as the watch lives and is guarded by the watch's own inactivity timeout
+//! ([`crate::k8s::watch`]). Every request's outcome feeds [`Reachability`].
 
 use std::{
+    pin::Pin,
     sync::Arc,
     task::{Context, Poll},
     time::Duration,
 };
 
 use futures::future::BoxFuture;
-use http::{Request, Response, StatusCode};
+use http::{Request, Response, StatusCode, Uri};
+use hyper::body::{Frame, SizeHint};
 use kube::{
     Client, Config,
     client::Body,
@@ -33,7 +42,10 @@ use parking_lot::RwLock;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
-use super::client::{self, USER_AGENT};
+use super::{
+    client::{self, USER_AGENT},
+    reachability::{self, Reachability},
+};
 use crate::model::Credentials;
 
 /// Why credentials could not be used.
@@ -53,11 +65,20 @@ pub enum Error {
 /// How long checking new credentials may take.
 const VERIFY_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long one API request may take unless configured otherwise.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A request that got no answer within its timeout.
+#[derive(Debug, thiserror::Error)]
+#[error("the API server did not answer within {0:?}")]
+pub struct TimedOut(pub Duration);
+
 /// The API client whose credentials can be replaced. Cheap to clone.
 #[derive(Clone)]
 pub struct Switchable {
     inner: Arc<Inner>,
     routed: Client,
+    base: Client,
 }
 
 struct Inner {
@@ -66,6 +87,8 @@ struct Inner {
     current: RwLock<Client>,
     identity: RwLock<String>,
     unauthorized: watch::Sender<u64>,
+    timeout: Duration,
+    reachability: Reachability,
 }
 
 impl Switchable {
@@ -73,17 +96,23 @@ impl Switchable {
     ///
     /// # Errors
     /// [`client::Error::Config`] when neither works.
-    pub async fn connect() -> Result<Self, client::Error> {
+    pub async fn connect(timeout: Duration) -> Result<Self, client::Error> {
         let mut config = Config::infer()
             .await
             .map_err(|e| client::Error::Config(kube::Error::InferConfig(e)))?;
         with_user_agent(&mut config);
         let base = Client::try_from(config.clone()).map_err(client::Error::Config)?;
-        Ok(Self::new(config, base))
+        Ok(Self::build(config, base, timeout, Reachability::global()))
     }
 
-    /// Wraps an existing base client (tests).
-    pub fn new(base_config: Config, base: Client) -> Self {
+    /// Wraps an existing base client; every request gets `timeout` (see the module docs).
+    /// Reachability is recorded in an instance of its own ([`Switchable::connect`] uses the
+    /// process-wide one).
+    pub fn new(base_config: Config, base: Client, timeout: Duration) -> Self {
+        Self::build(base_config, base, timeout, Reachability::default())
+    }
+
+    fn build(base_config: Config, base: Client, timeout: Duration, reachability: Reachability) -> Self {
         let namespace = base.default_namespace().to_owned();
         let (unauthorized, _) = watch::channel(0);
         let inner = Arc::new(Inner {
@@ -92,9 +121,24 @@ impl Switchable {
             base,
             identity: RwLock::new("kubeconfig".to_owned()),
             unauthorized,
+            timeout,
+            reachability,
         });
-        let routed = Client::new(Route { inner: inner.clone() }, namespace);
-        Self { inner, routed }
+        let routed = Client::new(
+            Route {
+                inner: inner.clone(),
+                base: false,
+            },
+            namespace.clone(),
+        );
+        let base = Client::new(
+            Route {
+                inner: inner.clone(),
+                base: true,
+            },
+            namespace,
+        );
+        Self { inner, routed, base }
     }
 
     /// The client every component uses: requests go to the current credentials.
@@ -104,7 +148,12 @@ impl Switchable {
 
     /// The kubeconfig / in-cluster client, for discovery (see the module docs).
     pub fn base(&self) -> Client {
-        self.inner.base.clone()
+        self.base.clone()
+    }
+
+    /// Whether the API server answers, as the requests of both clients found.
+    pub fn reachability(&self) -> Reachability {
+        self.inner.reachability.clone()
     }
 
     /// Which credentials are in use: `kubeconfig` or the login handler's id.
@@ -210,30 +259,109 @@ fn b64(bytes: &[u8]) -> Result<Value, Error> {
     serde_json::to_value(k8s_openapi::ByteString(bytes.to_vec())).map_err(|e| Error::Unusable(e.to_string()))
 }
 
-/// Forwards each request to the current inner client and reports 401s.
+/// Forwards each request to the current inner client (or the base one), bounds it by the
+/// request timeout, records whether the server answered, and reports 401s.
 struct Route {
     inner: Arc<Inner>,
+    base: bool,
 }
 
 impl tower::Service<Request<Body>> for Route {
-    type Response = Response<Body>;
+    type Response = Response<Bounded>;
     type Error = kube::Error;
-    type Future = BoxFuture<'static, Result<Response<Body>, kube::Error>>;
+    type Future = BoxFuture<'static, Result<Response<Bounded>, kube::Error>>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request<Body>) -> Self::Future {
-        let client = self.inner.current.read().clone();
+        let client = if self.base {
+            self.inner.base.clone()
+        } else {
+            self.inner.current.read().clone()
+        };
         let inner = self.inner.clone();
+        let watch = is_watch(request.uri());
         Box::pin(async move {
-            let response = client.send(request).await?;
+            let timeout = inner.timeout;
+            let deadline = tokio::time::Instant::now() + timeout;
+            let response = match tokio::time::timeout_at(deadline, client.send(request)).await {
+                Ok(Ok(response)) => response,
+                Ok(Err(e)) => {
+                    if reachability::is_unanswered(&e) {
+                        inner.reachability.failed(e.to_string());
+                    }
+                    return Err(e);
+                }
+                Err(_) => {
+                    inner.reachability.failed(TimedOut(timeout).to_string());
+                    return Err(kube::Error::Service(Box::new(TimedOut(timeout))));
+                }
+            };
+            if reachability::is_answer(response.status()) {
+                inner.reachability.answered();
+            } else {
+                inner
+                    .reachability
+                    .failed(format!("the API server answered {}", response.status()));
+            }
             if response.status() == StatusCode::UNAUTHORIZED {
                 inner.unauthorized.send_modify(|n| *n += 1);
             }
-            Ok(response)
+            let limit = (!watch).then_some((deadline, timeout));
+            Ok(response.map(|body| Bounded::new(body, limit)))
         })
+    }
+}
+
+/// Whether a request is a watch (`?watch=true` or `?watch=1`): its body streams for as long as
+/// the watch lives.
+fn is_watch(uri: &Uri) -> bool {
+    uri.query().is_some_and(|q| {
+        q.split('&')
+            .any(|pair| matches!(pair, "watch=true" | "watch=1" | "watch=True"))
+    })
+}
+
+/// A response body that fails once its deadline passes (for everything but watches).
+struct Bounded {
+    body: Body,
+    deadline: Option<(Pin<Box<tokio::time::Sleep>>, Duration)>,
+}
+
+impl Bounded {
+    fn new(body: Body, limit: Option<(tokio::time::Instant, Duration)>) -> Self {
+        Self {
+            body,
+            deadline: limit.map(|(at, timeout)| (Box::pin(tokio::time::sleep_until(at)), timeout)),
+        }
+    }
+}
+
+impl hyper::body::Body for Bounded {
+    type Data = hyper::body::Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        if let Some((sleep, timeout)) = self.deadline.as_mut()
+            && sleep.as_mut().poll(cx).is_ready()
+        {
+            let timeout = *timeout;
+            return Poll::Ready(Some(Err(Box::new(TimedOut(timeout)))));
+        }
+        Pin::new(&mut self.body).poll_frame(cx).map_err(Into::into)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -261,7 +389,7 @@ mod tests {
 
     #[tokio::test]
     async fn reports_unauthorized_answers() {
-        let switch = Switchable::new(config(), fake(StatusCode::UNAUTHORIZED));
+        let switch = Switchable::new(config(), fake(StatusCode::UNAUTHORIZED), DEFAULT_REQUEST_TIMEOUT);
         let mut rx = switch.unauthorized();
         let err = switch.client().list_core_api_versions().await.unwrap_err();
         assert!(matches!(err, kube::Error::Api(s) if s.code == 401));
@@ -271,15 +399,51 @@ mod tests {
 
     #[tokio::test]
     async fn routes_through_the_current_client() {
-        let switch = Switchable::new(config(), fake(StatusCode::UNAUTHORIZED));
+        let switch = Switchable::new(config(), fake(StatusCode::UNAUTHORIZED), DEFAULT_REQUEST_TIMEOUT);
         *switch.inner.current.write() = fake(StatusCode::OK);
         assert!(switch.client().list_core_api_versions().await.is_ok());
         assert!(!switch.unauthorized().has_changed().unwrap());
     }
 
+    fn silent() -> Client {
+        let service = tower::service_fn(|_req: Request<Body>| async move {
+            std::future::pending::<()>().await;
+            Ok::<_, std::convert::Infallible>(Response::new(Body::empty()))
+        });
+        Client::new(service, "default")
+    }
+
+    #[tokio::test]
+    async fn a_request_that_gets_no_answer_times_out_and_marks_the_server_unreachable() {
+        let switch = Switchable::new(config(), silent(), Duration::from_millis(200));
+        let started = std::time::Instant::now();
+        let err = switch.client().list_core_api_versions().await.unwrap_err();
+        assert!(err.to_string().contains("did not answer"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(!switch.reachability().is_reachable());
+        let err = switch.base().list_core_api_versions().await.unwrap_err();
+        assert!(err.to_string().contains("did not answer"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn an_answer_marks_the_server_reachable() {
+        let switch = Switchable::new(config(), fake(StatusCode::OK), DEFAULT_REQUEST_TIMEOUT);
+        switch.reachability().failed("earlier");
+        switch.client().list_core_api_versions().await.unwrap();
+        assert!(switch.reachability().is_reachable());
+    }
+
+    #[test]
+    fn watches_are_told_apart() {
+        assert!(is_watch(&"/api/v1/pods?watch=true&resourceVersion=1".parse().unwrap()));
+        assert!(is_watch(&"/api/v1/pods?labelSelector=a&watch=1".parse().unwrap()));
+        assert!(!is_watch(&"/api/v1/pods?limit=500".parse().unwrap()));
+        assert!(!is_watch(&"/api/v1/pods".parse().unwrap()));
+    }
+
     #[tokio::test]
     async fn credentials_without_identity_are_unusable() {
-        let switch = Switchable::new(config(), fake(StatusCode::OK));
+        let switch = Switchable::new(config(), fake(StatusCode::OK), DEFAULT_REQUEST_TIMEOUT);
         let err = switch
             .install("login_fn", &Credentials::default())
             .await

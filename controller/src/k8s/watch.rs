@@ -4,8 +4,33 @@
 //! kopf's most reported failure is a watch that silently hangs or dies and is never restarted.
 //! Here a watch that delivers nothing at all (not even a bookmark) for the inactivity timeout
 //! is restarted, any failure is retried with backoff, and the watch's state is exposed to the
-//! liveness probe while it is down. Lists are paginated to keep the peak memory of a large
+//! health probes while it is down. Lists are paginated to keep the peak memory of a large
 //! initial list small; objects vanished during a relist are reported as deleted.
+//!
+//! # Health
+//!
+//! [`Status`] tells liveness from readiness: a watch that is down because the API server does
+//! not answer (connection refused or reset, no answer in time, `429`, `5xx`) is an *outage*
+//! — readiness, recorded in the process-wide [`Reachability`] as well — while a watch the API
+//! server refuses with another status, or a watch loop that made no progress for twice the
+//! inactivity timeout (plus a minute), is a *problem* — liveness, because restarting the
+//! process is what helps then.
+//!
+//! # Recovery
+//!
+//! Retries wait for kube-runtime's [`DefaultBackoff`] (client-go's parameters: exponential from
+//! 0.8 s to 30 s, each delay stretched by a random factor in `[1, 2)`), so that after an API
+//! server restart the watches of many controllers do not reconnect in step; a `429` waits at
+//! least the `Retry-After` the server asked for (`details.retryAfterSeconds`). The backoff
+//! starts over once a watch is established.
+//!
+//! Why not kube-runtime's `watcher()` itself: it keeps bookmarks, reconnects and its own idle
+//! timeout inside the stream and shows none of them to its consumer, so neither a silent
+//! watch nor one that keeps failing to reconnect could be reported to the health probes, and
+//! the inactivity restart would have to relist everything instead of resuming from the last
+//! resourceVersion. The field-selector fallback and the synthetic deletes after a relist are
+//! Capstan's own either way; so this module keeps its list-then-watch loop and borrows the
+//! backoff.
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
@@ -13,6 +38,7 @@ use futures::{StreamExt, TryStreamExt};
 use kube::{
     Api,
     api::{DynamicObject, ListParams, WatchEvent, WatchParams},
+    runtime::{utils::Backoff as _, watcher::DefaultBackoff},
 };
 use parking_lot::Mutex;
 use serde_json::{Value, json};
@@ -20,7 +46,10 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::objects::to_value;
+use super::{
+    objects::to_value,
+    reachability::{self, Reachability},
+};
 use crate::model::EventType;
 
 /// Tunables of a watch.
@@ -53,7 +82,7 @@ pub struct Event {
     pub body: Value,
 }
 
-/// The liveness of one watch, shared with the health endpoint.
+/// The health of one watch, shared with the health endpoint (see the module docs).
 #[derive(Clone, Debug, Default)]
 pub struct Status {
     inner: Arc<Mutex<StatusInner>>,
@@ -64,6 +93,11 @@ struct StatusInner {
     up: bool,
     synced: bool,
     problem: Option<String>,
+    outage: Option<String>,
+    /// When the watch loop last moved (an event, a bookmark, a retry).
+    progress: Option<tokio::time::Instant>,
+    /// No progress for this long means the loop is wedged.
+    stuck_after: Option<Duration>,
 }
 
 impl Status {
@@ -77,9 +111,26 @@ impl Status {
         self.inner.lock().synced
     }
 
-    /// Why the watch is down, if it is.
+    /// Why this watch is not alive, if it is not (liveness): the API server refuses it, or
+    /// the watch loop stopped moving. An unreachable API server is no problem of the watch
+    /// ([`Status::outage`]).
     pub fn problem(&self) -> Option<String> {
-        self.inner.lock().problem.clone()
+        let s = self.inner.lock();
+        if let (Some(at), Some(limit)) = (s.progress, s.stuck_after)
+            && at.elapsed() > limit
+        {
+            return Some(format!("the watch made no progress for {:?}", at.elapsed()));
+        }
+        s.problem.clone()
+    }
+
+    /// Why the watch is down while the API server does not answer (readiness).
+    pub fn outage(&self) -> Option<String> {
+        self.inner.lock().outage.clone()
+    }
+
+    fn moved(&self) {
+        self.inner.lock().progress = Some(tokio::time::Instant::now());
     }
 
     fn set_up(&self, synced: bool) {
@@ -87,12 +138,22 @@ impl Status {
         s.up = true;
         s.synced |= synced;
         s.problem = None;
+        s.outage = None;
+        s.progress = Some(tokio::time::Instant::now());
     }
 
-    fn set_down(&self, problem: String) {
+    /// The watch is down: an outage when the server did not answer, a problem otherwise.
+    fn set_down(&self, why: String, unanswered: bool) {
         let mut s = self.inner.lock();
         s.up = false;
-        s.problem = Some(problem);
+        s.progress = Some(tokio::time::Instant::now());
+        if unanswered {
+            s.outage = Some(why);
+            s.problem = None;
+        } else {
+            s.problem = Some(why);
+            s.outage = None;
+        }
     }
 }
 
@@ -103,6 +164,8 @@ pub struct Watch {
     field_selector: Option<String>,
     settings: Settings,
     status: Status,
+    reachability: Reachability,
+    backoff: DefaultBackoff,
     /// Known objects by uid: (namespace, name), for reporting objects that vanished between
     /// a watch's end and the relist.
     known: HashMap<String, (String, String)>,
@@ -122,19 +185,49 @@ impl Watch {
         settings: Settings,
         status: Status,
     ) -> Self {
+        status.inner.lock().stuck_after = Some(
+            settings
+                .inactivity_timeout
+                .saturating_mul(2)
+                .saturating_add(Duration::from_secs(60)),
+        );
         Self {
             api,
             label_selector,
             field_selector,
             settings,
             status,
+            reachability: Reachability::global(),
+            backoff: DefaultBackoff::default(),
             known: HashMap::new(),
         }
     }
 
+    /// Marks the watch down for `e` and returns how long to wait before the next try.
+    fn failed(&mut self, what: &str, e: &kube::Error) -> Duration {
+        let unanswered = reachability::is_unanswered(e);
+        if unanswered {
+            self.reachability.failed(e.to_string());
+        }
+        self.status.set_down(format!("{what}: {e}"), unanswered);
+        retry_delay(&mut self.backoff, e)
+    }
+
+    /// Marks the watch down because a request got no answer in time.
+    fn hung(&mut self, what: &str) -> Duration {
+        let why = format!("{what} (no answer within {:?})", self.settings.inactivity_timeout);
+        self.reachability.failed(why.clone());
+        self.status.set_down(why, true);
+        self.backoff.next().unwrap_or(MAX_DELAY)
+    }
+
+    fn established(&mut self, synced: bool) {
+        self.status.set_up(synced);
+        self.backoff.reset();
+    }
+
     /// Runs until `cancel` fires or the receiver goes away.
     pub async fn run(mut self, tx: mpsc::Sender<Event>, cancel: CancellationToken) {
-        let mut failures = 0u32;
         'relist: loop {
             let rv = tokio::select! {
                 () = cancel.cancelled() => return,
@@ -155,17 +248,14 @@ impl Watch {
                         continue 'relist;
                     }
                     Err(e) => {
-                        failures += 1;
-                        let delay = backoff(failures);
+                        let delay = self.failed("listing failed", &e);
                         warn!(error = %e, retry_in = ?delay, "listing failed");
-                        self.status.set_down(format!("listing failed: {e}"));
                         if sleep_or_cancel(delay, &cancel).await { return }
                         continue 'relist;
                     }
                 },
             };
-            failures = 0;
-            self.status.set_up(true);
+            self.established(true);
             let mut rv = rv;
             loop {
                 match self.watch(&tx, &mut rv, &cancel).await {
@@ -200,6 +290,7 @@ impl Watch {
                         ))));
                     }
                 };
+            self.status.moved();
             rv = page.metadata.resource_version.clone().unwrap_or(rv);
             for obj in page.items {
                 if let Some(uid) = obj.metadata.uid.clone() {
@@ -269,23 +360,26 @@ impl Watch {
             s = tokio::time::timeout(self.settings.inactivity_timeout, self.api.watch(&params, rv)) => s,
         };
         let Ok(stream) = stream else {
-            warn!(timeout = ?self.settings.inactivity_timeout, "starting the watch hung; retrying");
-            self.status.set_down("starting the watch hung".into());
+            let delay = self.hung("starting the watch hung");
+            warn!(timeout = ?self.settings.inactivity_timeout, retry_in = ?delay, "starting the watch hung; retrying");
+            if sleep_or_cancel(delay, cancel).await {
+                return None;
+            }
             return Some(Restart::Rewatch);
         };
         let mut stream = match stream {
             Ok(s) => s.boxed(),
+            Err(e) if is_gone(&e) => {
+                debug!("the watch's resourceVersion expired (410 Gone); relisting");
+                return Some(Restart::Relist);
+            }
             Err(e) => {
-                warn!(error = %e, "starting the watch failed");
-                self.status.set_down(format!("watch failed to start: {e}"));
-                if sleep_or_cancel(Duration::from_secs(1), cancel).await {
+                let delay = self.failed("watch failed to start", &e);
+                warn!(error = %e, retry_in = ?delay, "starting the watch failed");
+                if sleep_or_cancel(delay, cancel).await {
                     return None;
                 }
-                return Some(if is_gone(&e) {
-                    Restart::Relist
-                } else {
-                    Restart::Rewatch
-                });
+                return Some(Restart::Rewatch);
             }
         };
         self.status.set_up(false);
@@ -296,16 +390,20 @@ impl Watch {
             };
             let event = match next {
                 Err(_) => {
+                    // Whether the server answers decides the restart: a new watch that starts
+                    // is up again, one that cannot start is an outage or a problem.
                     warn!(silent_for = ?self.settings.inactivity_timeout, "watch went silent; restarting it");
-                    self.status.set_down("watch went silent".into());
+                    self.status.moved();
                     return Some(Restart::Rewatch);
                 }
                 Ok(Ok(Some(e))) => e,
                 Ok(Ok(None)) => return Some(Restart::Rewatch),
                 Ok(Err(e)) => {
-                    warn!(error = %e, "watch stream failed; restarting it");
-                    self.status.set_down(format!("watch stream failed: {e}"));
-                    let _ = sleep_or_cancel(Duration::from_millis(500), cancel).await;
+                    let delay = self.failed("watch stream failed", &e);
+                    warn!(error = %e, retry_in = ?delay, "watch stream failed; restarting it");
+                    if sleep_or_cancel(delay, cancel).await {
+                        return None;
+                    }
                     return Some(Restart::Rewatch);
                 }
             };
@@ -315,7 +413,7 @@ impl Watch {
                 WatchEvent::Deleted(o) => (EventType::Deleted, o),
                 WatchEvent::Bookmark(b) => {
                     *rv = b.metadata.resource_version;
-                    self.status.set_up(false);
+                    self.established(false);
                     continue;
                 }
                 WatchEvent::Error(e) if e.code == 410 => {
@@ -323,13 +421,16 @@ impl Watch {
                     return Some(Restart::Relist);
                 }
                 WatchEvent::Error(e) => {
-                    warn!(code = e.code, message = %e.message, "watch error; restarting it");
-                    self.status
-                        .set_down(format!("watch error {}: {}", e.code, e.message));
+                    let e = kube::Error::Api(e.boxed());
+                    let delay = self.failed("watch error", &e);
+                    warn!(error = %e, retry_in = ?delay, "watch error; restarting it");
+                    if sleep_or_cancel(delay, cancel).await {
+                        return None;
+                    }
                     return Some(Restart::Rewatch);
                 }
             };
-            self.status.set_up(false);
+            self.established(false);
             if let Some(v) = &obj.metadata.resource_version {
                 rv.clone_from(v);
             }
@@ -368,8 +469,30 @@ fn is_bad_request(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 400)
 }
 
-fn backoff(failures: u32) -> Duration {
-    Duration::from_secs(u64::from(failures.min(6)).pow(2).clamp(1, 30))
+/// The longest a retry waits for the backoff (kube-runtime's `DefaultBackoff` cap, before
+/// jitter); also the fallback should the backoff ever end.
+const MAX_DELAY: Duration = Duration::from_secs(30);
+
+/// The longest `Retry-After` honoured, so that a bad value cannot park a watch for long.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(300);
+
+/// The next delay: the jittered backoff, but at least what a `429` asked for.
+fn retry_delay(backoff: &mut impl Iterator<Item = Duration>, e: &kube::Error) -> Duration {
+    let delay = backoff.next().unwrap_or(MAX_DELAY);
+    retry_after(e).map_or(delay, |asked| delay.max(asked))
+}
+
+/// The `Retry-After` of a `429 Too Many Requests` answer (`details.retryAfterSeconds`).
+fn retry_after(e: &kube::Error) -> Option<Duration> {
+    match e {
+        kube::Error::Api(s) if s.code == 429 => s
+            .details
+            .as_ref()
+            .map(|d| d.retry_after_seconds)
+            .filter(|s| *s > 0)
+            .map(|s| Duration::from_secs(u64::from(s)).min(MAX_RETRY_AFTER)),
+        _ => None,
+    }
 }
 
 /// Sleeps; returns true when cancelled first.
@@ -377,5 +500,61 @@ async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) -> bool {
     tokio::select! {
         () = cancel.cancelled() => true,
         () = tokio::time::sleep(d) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_is_jittered_within_bounds_and_grows_to_its_cap() {
+        // kube-runtime's DefaultBackoff: base 0.8 s doubling to 30 s, each delay in [base, 2 base).
+        let mut runs: Vec<Vec<Duration>> = Vec::new();
+        for _ in 0..20 {
+            let mut backoff = DefaultBackoff::default();
+            let delays: Vec<Duration> = (0..10).map(|_| backoff.next().unwrap()).collect();
+            for (n, d) in delays.iter().enumerate() {
+                let base = Duration::from_millis(800)
+                    .saturating_mul(1 << n)
+                    .min(MAX_DELAY);
+                assert!(*d >= base && *d < base * 2, "delay {n}: {d:?} outside [{base:?}, {:?})", base * 2);
+            }
+            runs.push(delays);
+        }
+        let firsts: std::collections::HashSet<Duration> = runs.iter().map(|r| r[0]).collect();
+        assert!(firsts.len() > 1, "twenty watches would retry in step: {firsts:?}");
+    }
+
+    #[test]
+    fn too_many_requests_waits_at_least_the_retry_after() {
+        let status = |code: u16, retry: u32| {
+            let status: kube::core::Status = serde_json::from_value(json!({
+                "code": code, "details": {"retryAfterSeconds": retry}
+            }))
+            .unwrap();
+            kube::Error::Api(Box::new(status))
+        };
+        let mut backoff = DefaultBackoff::default();
+        assert_eq!(retry_delay(&mut backoff, &status(429, 45)), Duration::from_secs(45));
+        assert!(retry_delay(&mut backoff, &status(429, 0)) < Duration::from_secs(10));
+        assert_eq!(retry_delay(&mut backoff, &status(429, 100_000)), MAX_RETRY_AFTER);
+        assert!(retry_delay(&mut backoff, &status(500, 45)) < Duration::from_secs(45));
+    }
+
+    #[tokio::test]
+    async fn outages_are_not_problems_and_a_wedged_loop_is() {
+        tokio::time::pause();
+        let status = Status::default();
+        status.inner.lock().stuck_after = Some(Duration::from_secs(60));
+        status.set_down("listing failed: connection refused".into(), true);
+        assert!(status.problem().is_none());
+        assert!(status.outage().is_some());
+        status.set_down("listing failed: 403 forbidden".into(), false);
+        assert!(status.problem().is_some() && status.outage().is_none());
+        status.set_up(true);
+        assert!(status.problem().is_none() && status.outage().is_none());
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert!(status.problem().unwrap().contains("no progress"));
     }
 }
