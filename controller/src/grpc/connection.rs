@@ -120,7 +120,18 @@ pub async fn accept(
     let first = tokio::time::timeout(settings.handshake_timeout, inbound.message())
         .await
         .map_err(|_| Status::deadline_exceeded("no hello received within the handshake timeout"))?
-        .map_err(|e| Status::invalid_argument(format!("reading the hello failed: {}", e.message())))?;
+        .map_err(|e| {
+            if too_large(&e) {
+                warn!(error = %e.message(), "handler process sent an oversized hello");
+                Status::resource_exhausted(format!(
+                    "MESSAGE_TOO_LARGE: messages are limited to {} bytes: {}",
+                    settings.max_message_bytes,
+                    e.message()
+                ))
+            } else {
+                Status::invalid_argument(format!("reading the hello failed: {}", e.message()))
+            }
+        })?;
     let hello = match first.and_then(|m| m.message) {
         Some(In::Hello(hello)) => hello,
         Some(other) => {
@@ -240,6 +251,14 @@ pub async fn accept(
     };
     tokio::spawn(task.run(inbound, out_rx).instrument(span));
     Ok(ReceiverStream::new(resp_rx))
+}
+
+/// Whether reading a message failed because it is above the size limit.
+fn too_large(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
+    ) || status.message().contains("too large")
 }
 
 fn convert_summary(diagnostics: &[pb::Diagnostic]) -> String {
@@ -479,11 +498,7 @@ impl Connection {
     }
 
     fn inbound_error(&self, status: Status) -> Status {
-        if matches!(
-            status.code(),
-            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
-        ) || status.message().contains("too large")
-        {
+        if too_large(&status) {
             warn!(error = %status.message(), "handler process sent an oversized message");
             Status::resource_exhausted(format!(
                 "MESSAGE_TOO_LARGE: messages are limited to {} bytes: {}",
