@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every check and test of Capstan: formatting, lints (Rust and protobuf), unit tests,
 # protocol tests over a real Unix socket, and end-to-end tests against a real kube-apiserver
-# (built from Go modules on first use). Needs Rust (cargo, rustfmt, clippy), Go and kubectl.
+# (built from Go modules on first use). Needs Rust (cargo, rustfmt, clippy), Go, kubectl and
+# Python 3 (a venv with a pinned grpcio is created once, for the interoperability tests).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -26,6 +27,10 @@ step "Go example SDK: vet, unit tests, generated code up to date"
 step "real API server (tests/testenv)"
 CAPSTAN_TESTENV_BIN=$(bash tests/testenv/build.sh | tail -n1)
 export CAPSTAN_TESTENV_BIN
+
+step "stock grpcio client for the interoperability tests (tests/interop)"
+CAPSTAN_INTEROP_PYTHON=$(bash tests/interop/setup.sh | tail -n1)
+export CAPSTAN_INTEROP_PYTHON
 
 step "cargo test"
 cargo build --workspace --all-targets --locked

@@ -54,7 +54,8 @@ pub enum Command {
 /// Flags of `capstan run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// Where handler processes connect: unix:///path/to.sock or 127.0.0.1:PORT.
+    /// Where handler processes connect: unix:///path/to.sock or a loopback 127.0.0.1:PORT
+    /// (other TCP addresses need --listen-insecure-non-loopback).
     #[arg(
         long,
         env = "CAPSTAN_LISTEN",
@@ -90,6 +91,16 @@ pub struct RunArgs {
     /// How long a handler process has to send its hello after connecting.
     #[arg(long, env = "CAPSTAN_HANDSHAKE_TIMEOUT", value_parser = parse_duration, default_value = "10s")]
     pub handshake_timeout: Duration,
+
+    /// How long a new connection has to send the HTTP/2 preface before it is closed.
+    #[arg(long, env = "CAPSTAN_PREFACE_TIMEOUT", value_parser = parse_duration, default_value = "10s")]
+    pub preface_timeout: Duration,
+
+    /// Allow --listen on a TCP address that is not loopback. INSECURE: the handler protocol
+    /// has no authentication, and whoever reaches the port can register handlers for anything
+    /// the controller may list and patch. Only for isolated networks.
+    #[arg(long, env = "CAPSTAN_LISTEN_INSECURE_NON_LOOPBACK")]
+    pub listen_insecure_non_loopback: bool,
 
     /// How long a cancelled invocation has to finish before it is abandoned.
     #[arg(long, env = "CAPSTAN_CANCEL_GRACE", value_parser = parse_duration, default_value = "5s")]
@@ -445,6 +456,8 @@ impl RunArgs {
         settings.connection.ping_interval = self.ping_interval;
         settings.connection.ping_timeout = self.ping_timeout;
         settings.connection.handshake_timeout = self.handshake_timeout;
+        settings.connection.preface_timeout = self.preface_timeout;
+        settings.connection.insecure_non_loopback = self.listen_insecure_non_loopback;
         settings.connection.max_in_flight = self.max_in_flight.max(1);
         settings.connection.cancel_grace = self.cancel_grace;
         settings.hub.cancel_grace = self.cancel_grace;

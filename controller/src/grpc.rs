@@ -6,6 +6,7 @@
 
 pub mod connection;
 pub mod convert;
+pub mod frames;
 pub mod hub;
 pub mod server;
 

@@ -59,7 +59,21 @@ pub struct Settings {
     /// The handler kinds the controller runs; `None` accepts every kind of the protocol.
     /// Registrations of other kinds are rejected with `UNSUPPORTED_HANDLER_KIND`.
     pub supported_kinds: Option<Vec<HandlerKind>>,
+    /// Most registrations (`Hello.handlers` entries) one handler process may make. A larger
+    /// `hello` ends the stream with `RESOURCE_EXHAUSTED` (`TOO_MANY_HANDLERS:`) before any of
+    /// it is validated, so that one process cannot stall registration for the others.
+    /// Default 1,000 (kopf operators have dozens).
+    pub max_handlers: usize,
+    /// How long a new connection has to send the HTTP/2 preface and its first frame before
+    /// it is closed (below gRPC; `hello` has `handshake_timeout` after that). Default 10 s.
+    pub preface_timeout: Duration,
+    /// Serve TCP on an address that is not loopback (`--listen-insecure-non-loopback`): the
+    /// protocol has no authentication. Default false: such an address is refused.
+    pub insecure_non_loopback: bool,
 }
+
+/// The default of [`Settings::max_handlers`].
+pub const MAX_HANDLERS: usize = 1_000;
 
 impl Default for Settings {
     fn default() -> Self {
@@ -71,6 +85,9 @@ impl Default for Settings {
             max_message_bytes: capstan_proto::MAX_MESSAGE_BYTES,
             cancel_grace: Duration::from_secs(5),
             supported_kinds: None,
+            max_handlers: MAX_HANDLERS,
+            preface_timeout: Duration::from_secs(10),
+            insecure_non_loopback: false,
         }
     }
 }
@@ -103,7 +120,18 @@ pub async fn accept(
     let first = tokio::time::timeout(settings.handshake_timeout, inbound.message())
         .await
         .map_err(|_| Status::deadline_exceeded("no hello received within the handshake timeout"))?
-        .map_err(|e| Status::invalid_argument(format!("reading the hello failed: {}", e.message())))?;
+        .map_err(|e| {
+            if too_large(&e) {
+                warn!(error = %e.message(), "handler process sent an oversized hello");
+                Status::resource_exhausted(format!(
+                    "MESSAGE_TOO_LARGE: messages are limited to {} bytes: {}",
+                    settings.max_message_bytes,
+                    e.message()
+                ))
+            } else {
+                Status::invalid_argument(format!("reading the hello failed: {}", e.message()))
+            }
+        })?;
     let hello = match first.and_then(|m| m.message) {
         Some(In::Hello(hello)) => hello,
         Some(other) => {
@@ -122,6 +150,18 @@ pub async fn accept(
             ));
         }
     };
+    if hello.handlers.len() > settings.max_handlers {
+        warn!(
+            handlers = hello.handlers.len(),
+            limit = settings.max_handlers,
+            "handler process registers too many handlers"
+        );
+        return Err(Status::resource_exhausted(format!(
+            "TOO_MANY_HANDLERS: hello registers {} handlers; a handler process may register at most {}",
+            hello.handlers.len(),
+            settings.max_handlers
+        )));
+    }
     let capabilities: Vec<pb::Capability> = hello
         .capabilities
         .iter()
@@ -213,6 +253,14 @@ pub async fn accept(
     Ok(ReceiverStream::new(resp_rx))
 }
 
+/// Whether reading a message failed because it is above the size limit.
+fn too_large(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
+    ) || status.message().contains("too large")
+}
+
 fn convert_summary(diagnostics: &[pb::Diagnostic]) -> String {
     let ds: Vec<Diagnostic> = diagnostics.iter().map(convert::diagnostic_from_pb).collect();
     Diagnostic::summarize(&ds)
@@ -247,6 +295,9 @@ async fn validate(
         .map(|h| HandlerId(h.handler_id.clone()))
         .collect();
     let owned = hub.owned(&ids);
+    // Each distinct selector is resolved once per hello, however many handlers use it.
+    let mut resolved: std::collections::HashMap<ResourceSelector, Result<ResolvedResource, Diagnostic>> =
+        std::collections::HashMap::new();
     for (index, raw) in hello.handlers.iter().enumerate() {
         let mut status = pb::RegistrationStatus {
             handler_id: raw.handler_id.clone(),
@@ -276,7 +327,14 @@ async fn validate(
                 ),
             )]),
             Ok(mut reg) => match &reg.selector {
-                Some(selector) => match resolver.resolve(selector).await {
+                Some(selector) => match match resolved.get(selector) {
+                    Some(known) => known.clone(),
+                    None => {
+                        let found = resolver.resolve(selector).await;
+                        resolved.insert(selector.clone(), found.clone());
+                        found
+                    }
+                } {
                     Ok(resource) => {
                         status.resource = Some(convert::resolved_to_pb(&resource));
                         reg.resource = Some(resource);
@@ -364,16 +422,31 @@ impl Connection {
         ping.tick().await;
         let mut awaiting: Option<(u64, tokio::time::Instant)> = None;
         let mut nonce = 0u64;
+        // The message the handler process has not taken yet, and since when. Sends are never
+        // awaited inside the loop: a process that stops reading is noticed by the same deadline
+        // as a missing pong, and shutdown is always polled.
+        let mut pending: Option<(pb::ConnectResponse, tokio::time::Instant)> = None;
         let end: Option<Status> = loop {
-            let pong_deadline = awaiting.map(|(_, sent)| sent + self.settings.ping_timeout);
+            let pong_deadline = awaiting.and_then(|(_, sent)| sent.checked_add(self.settings.ping_timeout));
+            let send_deadline = pending
+                .as_ref()
+                .and_then(|(_, since)| since.checked_add(self.settings.ping_timeout));
             tokio::select! {
                 biased;
                 () = self.shutdown.cancelled() => {
                     break Some(Status::unavailable("the controller is shutting down"));
                 }
-                Some(message) = out_rx.recv() => {
-                    if self.resp_tx.send(Ok(message)).await.is_err() {
-                        break None;
+                permit = self.resp_tx.reserve(), if pending.is_some() => match (permit, pending.take()) {
+                    (Ok(permit), Some((message, _))) => permit.send(Ok(message)),
+                    _ => break None,
+                },
+                Some(message) = out_rx.recv(), if pending.is_none() => {
+                    match self.resp_tx.try_send(Ok(message)) {
+                        Ok(()) => {}
+                        Err(mpsc::error::TrySendError::Full(Ok(message))) => {
+                            pending = Some((message, tokio::time::Instant::now()));
+                        }
+                        Err(_) => break None,
                     }
                 }
                 incoming = inbound.message() => match incoming {
@@ -394,11 +467,21 @@ impl Connection {
                         "PING_TIMEOUT: no pong within {:?}", self.settings.ping_timeout
                     )));
                 }
+                () = sleep_until_opt(send_deadline) => {
+                    warn!(timeout = ?self.settings.ping_timeout, "handler process stopped reading its stream; dropping the connection");
+                    break Some(Status::unavailable(format!(
+                        "SEND_TIMEOUT: the handler process took no message for {:?}", self.settings.ping_timeout
+                    )));
+                }
                 _ = ping.tick(), if awaiting.is_none() => {
                     nonce += 1;
                     awaiting = Some((nonce, tokio::time::Instant::now()));
-                    let ping = pb::Ping { nonce, sent_time: Some(prost_types::Timestamp::from(std::time::SystemTime::now())) };
-                    if self.resp_tx.send(Ok(pb::ConnectResponse { message: Some(Out::Ping(ping)) })).await.is_err() {
+                    let ping = pb::ConnectResponse { message: Some(Out::Ping(pb::Ping {
+                        nonce,
+                        sent_time: Some(prost_types::Timestamp::from(std::time::SystemTime::now())),
+                    })) };
+                    // A congested stream gets no ping: the pong deadline runs all the same.
+                    if let Err(mpsc::error::TrySendError::Closed(_)) = self.resp_tx.try_send(Ok(ping)) {
                         break None;
                     }
                 }
@@ -415,11 +498,7 @@ impl Connection {
     }
 
     fn inbound_error(&self, status: Status) -> Status {
-        if matches!(
-            status.code(),
-            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
-        ) || status.message().contains("too large")
-        {
+        if too_large(&status) {
             warn!(error = %status.message(), "handler process sent an oversized message");
             Status::resource_exhausted(format!(
                 "MESSAGE_TOO_LARGE: messages are limited to {} bytes: {}",
@@ -445,8 +524,8 @@ impl Connection {
                     "PROTOCOL_VIOLATION: hello may be sent only once",
                 ));
             }
-            Some(In::Result(result)) => self.on_result(&result).await,
-            Some(In::Update(update)) => self.on_update(update).await,
+            Some(In::Result(result)) => return self.on_result(&result).await.err(),
+            Some(In::Update(update)) => return self.on_update(update).await.err(),
             Some(In::Log(record)) => self.on_log(&record),
             Some(In::Pong(pong)) => {
                 if awaiting.is_some_and(|(n, _)| n == pong.nonce) {
@@ -466,24 +545,26 @@ impl Connection {
                 self.hub.close_for_dispatch(self.conn);
             }
             None => {
-                self.notice(
-                    "",
-                    Diagnostic::warning("UNKNOWN_MESSAGE", "a message with no known content was ignored"),
-                )
-                .await;
+                return self
+                    .notice(
+                        "",
+                        Diagnostic::warning("UNKNOWN_MESSAGE", "a message with no known content was ignored"),
+                    )
+                    .await
+                    .err();
             }
         }
         None
     }
 
-    async fn on_result(&self, result: &pb::InvocationResult) {
+    async fn on_result(&self, result: &pb::InvocationResult) -> Result<(), Status> {
         let handler = self.hub.handler_of(&result.invocation_id).map(|(h, _)| h);
         match self.hub.complete(self.conn, result) {
             Ok(problem) => {
                 debug!(invocation.id = %result.invocation_id, handler.id = ?handler, "result received");
                 if let Some(d) = &problem {
                     warn!(invocation.id = %result.invocation_id, problem = %d, "result could not be used as sent");
-                    self.notice(&result.invocation_id, d.clone()).await;
+                    self.notice(&result.invocation_id, d.clone()).await?;
                 }
                 if self.acks {
                     let ack = pb::ResultAck {
@@ -491,13 +572,9 @@ impl Connection {
                         accepted: problem.is_none(),
                         diagnostics: problem.iter().map(convert::diagnostic_to_pb).collect(),
                     };
-                    let _ = self
-                        .resp_tx
-                        .send(Ok(pb::ConnectResponse {
-                            message: Some(Out::ResultAck(ack)),
-                        }))
-                        .await;
+                    self.emit(Out::ResultAck(ack)).await?;
                 }
+                Ok(())
             }
             Err(e) => {
                 warn!(invocation.id = %result.invocation_id, "stale result ignored");
@@ -508,41 +585,34 @@ impl Connection {
                         accepted: false,
                         diagnostics: vec![convert::diagnostic_to_pb(&d)],
                     };
-                    let _ = self
-                        .resp_tx
-                        .send(Ok(pb::ConnectResponse {
-                            message: Some(Out::ResultAck(ack)),
-                        }))
-                        .await;
+                    self.emit(Out::ResultAck(ack)).await
                 } else {
-                    self.notice(&result.invocation_id, d).await;
+                    self.notice(&result.invocation_id, d).await
                 }
             }
         }
     }
 
-    async fn on_update(&self, update: pb::InvocationUpdate) {
+    async fn on_update(&self, update: pb::InvocationUpdate) -> Result<(), Status> {
         let patches = match convert::patches(&update.patches) {
             Ok(p) => p,
             Err(d) => {
                 warn!(invocation.id = %update.invocation_id, problem = %d, "update with a malformed patch ignored");
-                self.notice(&update.invocation_id, d).await;
-                return;
+                return self.notice(&update.invocation_id, d).await;
             }
         };
         match self.hub.update(self.conn, &update.invocation_id, patches) {
-            Ok(true) => {}
+            Ok(true) => Ok(()),
+            Ok(false) if update.patches.is_empty() => Ok(()),
             Ok(false) => {
-                if !update.patches.is_empty() {
-                    self.notice(
-                        &update.invocation_id,
-                        Diagnostic::warning(
-                            "UPDATES_NOT_ACCEPTED",
-                            "this invocation does not accept interim patches",
-                        ),
-                    )
-                    .await;
-                }
+                self.notice(
+                    &update.invocation_id,
+                    Diagnostic::warning(
+                        "UPDATES_NOT_ACCEPTED",
+                        "this invocation does not accept interim patches",
+                    ),
+                )
+                .await
             }
             Err(e) => {
                 self.notice(
@@ -591,16 +661,34 @@ impl Connection {
         }
     }
 
-    async fn notice(&self, invocation_id: &str, diagnostic: Diagnostic) {
+    async fn notice(&self, invocation_id: &str, diagnostic: Diagnostic) -> Result<(), Status> {
         let notice = pb::Notice {
             invocation_id: invocation_id.to_owned(),
             diagnostics: vec![convert::diagnostic_to_pb(&diagnostic)],
         };
-        let _ = self
-            .resp_tx
-            .send(Ok(pb::ConnectResponse {
-                message: Some(Out::Notice(notice)),
-            }))
-            .await;
+        self.emit(Out::Notice(notice)).await
+    }
+
+    /// Sends one message to the handler process, waiting at most the ping timeout for room
+    /// (and never past shutdown).
+    ///
+    /// # Errors
+    /// The status that ends the stream when the process does not read, the controller stops,
+    /// or the stream is gone.
+    async fn emit(&self, message: Out) -> Result<(), Status> {
+        let message = pb::ConnectResponse {
+            message: Some(message),
+        };
+        tokio::select! {
+            sent = self.resp_tx.send(Ok(message)) => sent.map_err(|_| Status::cancelled("the stream is gone")),
+            () = tokio::time::sleep(self.settings.ping_timeout) => {
+                warn!(timeout = ?self.settings.ping_timeout, "handler process stopped reading its stream; dropping the connection");
+                Err(Status::unavailable(format!(
+                    "SEND_TIMEOUT: the handler process took no message for {:?}",
+                    self.settings.ping_timeout
+                )))
+            }
+            () = self.shutdown.cancelled() => Err(Status::unavailable("the controller is shutting down")),
+        }
     }
 }

@@ -373,19 +373,61 @@ fn value_match(m: &pb::ValueMatch) -> Result<ValueMatch, Diagnostic> {
     }
 }
 
+/// The longest duration accepted from a handler process: 365 days. Longer backoffs,
+/// timeouts, intervals, delays and grace periods make no sense for an operator, and the bound
+/// keeps every `now + duration` far from the end of the clocks.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Checks a wire duration: not negative, nanoseconds within `0..1e9`, at most
+/// [`MAX_DURATION`].
+///
+/// # Errors
+/// A `BAD_DURATION` diagnostic saying what is wrong.
+pub fn bounded_duration(d: &prost_types::Duration) -> Result<Duration, Diagnostic> {
+    let bad = |why: &str| Diagnostic::error("BAD_DURATION", format!("the duration {why}"));
+    if d.seconds < 0 || d.nanos < 0 {
+        return Err(bad("is negative"));
+    }
+    if d.nanos >= 1_000_000_000 {
+        return Err(bad("has nanos outside 0..999999999"));
+    }
+    let secs = u64::try_from(d.seconds).map_err(|_| bad("is negative"))?;
+    let nanos = u32::try_from(d.nanos).map_err(|_| bad("is negative"))?;
+    let out = Duration::new(secs, nanos);
+    if out > MAX_DURATION {
+        return Err(bad(&format!(
+            "is longer than the maximum of {} days",
+            MAX_DURATION.as_secs() / 86_400
+        )));
+    }
+    Ok(out)
+}
+
 fn duration(
     d: Option<&prost_types::Duration>,
     field: &str,
     problems: &mut Vec<Diagnostic>,
 ) -> Option<Duration> {
-    let d = d?;
-    match Duration::try_from(*d) {
+    match bounded_duration(d?) {
         Ok(d) => Some(d),
-        Err(_) => {
-            problems.push(
-                Diagnostic::error("BAD_DURATION", "the duration is negative or out of range").at(field),
-            );
+        Err(diag) => {
+            problems.push(diag.at(field));
             None
+        }
+    }
+}
+
+/// A `retry_after` from a result: unset, valid, or invalid (then the handler's backoff
+/// applies, and the diagnostic tells the handler process).
+fn retry_after(d: Option<&prost_types::Duration>, field: &str) -> (Option<Duration>, Option<Diagnostic>) {
+    match d.map(bounded_duration) {
+        None => (None, None),
+        Some(Ok(d)) => (Some(d), None),
+        Some(Err(diag)) => {
+            let mut diag = diag.at(field);
+            diag.severity = Severity::Warning;
+            diag.summary = format!("{}; the handler's backoff applies instead", diag.summary);
+            (None, Some(diag))
         }
     }
 }
@@ -710,13 +752,18 @@ pub fn outcome(result: &pb::InvocationResult) -> (Outcome, Option<Diagnostic>) {
         }
     };
     let diags = |ds: &[pb::Diagnostic]| ds.iter().map(diagnostic_from_pb).collect::<Vec<_>>();
+    let mut warning = None;
     let converted = match &result.outcome {
         Some(O::Success(s)) => success(s, &result.patches, subhandlers),
-        Some(O::TemporaryError(t)) => Ok(Outcome::Temporary {
-            delay: t.retry_after.and_then(|d| Duration::try_from(d).ok()),
-            diagnostics: diags(&t.diagnostics),
-            subhandlers,
-        }),
+        Some(O::TemporaryError(t)) => {
+            let (delay, problem) = retry_after(t.retry_after.as_ref(), "temporary_error.retry_after");
+            warning = problem;
+            Ok(Outcome::Temporary {
+                delay,
+                diagnostics: diags(&t.diagnostics),
+                subhandlers,
+            })
+        }
         Some(O::PermanentError(p)) => Ok(Outcome::Permanent {
             diagnostics: diags(&p.diagnostics),
             subhandlers,
@@ -733,7 +780,7 @@ pub fn outcome(result: &pb::InvocationResult) -> (Outcome, Option<Diagnostic>) {
         )),
     };
     match converted {
-        Ok(o) => (o, None),
+        Ok(o) => (o, warning),
         Err(d) => (
             Outcome::Permanent {
                 diagnostics: vec![d.clone()],
@@ -802,11 +849,16 @@ fn subhandler_outcomes(raw: &[pb::SubhandlerOutcome]) -> Result<Vec<SubhandlerOu
             let diags = |ds: &[pb::Diagnostic]| ds.iter().map(diagnostic_from_pb).collect::<Vec<_>>();
             let outcome = match &s.outcome {
                 Some(O::Success(ok)) => success(ok, &[], Vec::new())?,
-                Some(O::TemporaryError(t)) => Outcome::Temporary {
-                    delay: t.retry_after.and_then(|d| Duration::try_from(d).ok()),
-                    diagnostics: diags(&t.diagnostics),
-                    subhandlers: Vec::new(),
-                },
+                Some(O::TemporaryError(t)) => {
+                    // A sub-handler's invalid retry_after falls back to the backoff silently:
+                    // the parent's result is still used.
+                    let (delay, _) = retry_after(t.retry_after.as_ref(), "subhandlers.retry_after");
+                    Outcome::Temporary {
+                        delay,
+                        diagnostics: diags(&t.diagnostics),
+                        subhandlers: Vec::new(),
+                    }
+                }
                 Some(O::PermanentError(p)) => Outcome::Permanent {
                     diagnostics: diags(&p.diagnostics),
                     subhandlers: Vec::new(),
@@ -959,6 +1011,74 @@ mod tests {
         assert_eq!(d.unwrap().reason, "MALFORMED_PATCH");
         let (_, d) = outcome(&result_with_patch(pb::PatchType::Merge, "{not json"));
         assert_eq!(d.unwrap().reason, "MALFORMED_PATCH");
+    }
+
+    #[test]
+    fn extreme_durations_are_bad_durations() {
+        let extreme = [
+            prost_types::Duration {
+                seconds: i64::MAX,
+                nanos: 999_999_999,
+            },
+            prost_types::Duration {
+                seconds: u64::MAX as i64,
+                nanos: 0,
+            },
+            prost_types::Duration {
+                seconds: -1,
+                nanos: 0,
+            },
+            prost_types::Duration {
+                seconds: 0,
+                nanos: -1,
+            },
+            prost_types::Duration {
+                seconds: 1,
+                nanos: 1_000_000_000,
+            },
+            prost_types::Duration {
+                seconds: 366 * 86_400,
+                nanos: 0,
+            },
+        ];
+        for d in extreme {
+            let mut r = reg(pb::HandlerKind::Timer);
+            r.kind_options = Some(pb::handler_registration::KindOptions::Timer(pb::TimerOptions {
+                interval: Some(d),
+                ..Default::default()
+            }));
+            r.timeout = Some(d);
+            let err = registration(0, &r).unwrap_err();
+            assert!(
+                err.iter()
+                    .any(|e| e.reason == "BAD_DURATION" && e.field == "handlers[0].timeout"),
+                "{d:?}: {err:?}"
+            );
+            assert!(
+                err.iter().any(|e| e.field == "handlers[0].timer.interval"),
+                "{d:?}: {err:?}"
+            );
+            let result = pb::InvocationResult {
+                invocation_id: "i".into(),
+                outcome: Some(pb::invocation_result::Outcome::TemporaryError(
+                    pb::TemporaryError {
+                        retry_after: Some(d),
+                        ..Default::default()
+                    },
+                )),
+                ..Default::default()
+            };
+            let (o, problem) = outcome(&result);
+            assert!(
+                matches!(o, Outcome::Temporary { delay: None, .. }),
+                "{d:?}: {o:?}"
+            );
+            assert_eq!(problem.unwrap().reason, "BAD_DURATION");
+        }
+        assert_eq!(
+            bounded_duration(&prost_types::Duration { seconds: 2, nanos: 5 }).unwrap(),
+            Duration::new(2, 5)
+        );
     }
 
     #[test]

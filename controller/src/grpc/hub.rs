@@ -40,6 +40,10 @@ pub struct Settings {
     /// After this many consecutive connection losses while the same work was in flight, the
     /// work fails permanently (poison-pill guard). Default 3.
     pub max_losses: u32,
+    /// Most pieces of work waiting in the hub for a connection with room. Further callers of
+    /// [`Hub::invoke`] wait, first come first served, before their work enters the hub: the
+    /// backpressure reaches the engine's queues instead of growing a list here. Default 10,000.
+    pub max_waiting: usize,
 }
 
 impl Default for Settings {
@@ -47,6 +51,7 @@ impl Default for Settings {
         Self {
             cancel_grace: Duration::from_secs(5),
             max_losses: 3,
+            max_waiting: 10_000,
         }
     }
 }
@@ -61,6 +66,10 @@ struct Inner {
     state: Mutex<State>,
     settings: Settings,
     ids: AtomicU64,
+    /// Makes invocation ids unique across controller restarts: ids are `<boot>-<conn>-<n>`.
+    boot: String,
+    /// Room for work waiting for dispatch ([`Settings::max_waiting`]).
+    waiting: Arc<tokio::sync::Semaphore>,
     registrations: watch::Sender<Arc<Vec<Registration>>>,
     paused: watch::Sender<bool>,
     postings: tokio::sync::broadcast::Sender<Posting>,
@@ -140,8 +149,10 @@ impl Hub {
         Self {
             inner: Arc::new(Inner {
                 state: Mutex::new(State::default()),
+                waiting: Arc::new(tokio::sync::Semaphore::new(settings.max_waiting.max(1))),
                 settings,
                 ids: AtomicU64::new(1),
+                boot: boot_id(),
                 registrations: watch::channel(Arc::new(Vec::new())).0,
                 paused: watch::channel(false).0,
                 postings: tokio::sync::broadcast::channel(1024).0,
@@ -157,6 +168,12 @@ impl Hub {
     /// A fresh id (connections, invocations).
     pub(crate) fn next_id(&self) -> u64 {
         self.inner.ids.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// This controller run's part of every invocation id: random per process start, so that
+    /// ids are never reused after a restart.
+    pub fn boot_id(&self) -> &str {
+        &self.inner.boot
     }
 
     /// The registrations of all connected handler processes, updated on every change.
@@ -468,7 +485,7 @@ impl Hub {
             let mut losses = 0u32;
             loop {
                 let grant = tokio::select! {
-                    grant = self.acquire(&work.handler_id) => grant,
+                    grant = self.wait_and_acquire(&work.handler_id) => grant,
                     // Withdrawn before it reached a handler: nothing to abandon.
                     () = work.cancel.cancelled() => return Outcome::Cancelled,
                 };
@@ -517,10 +534,26 @@ impl Hub {
         .await
     }
 
+    /// Waits for room among the waiting work, then for a connection with room.
+    async fn wait_and_acquire(&self, handler: &HandlerId) -> Grant {
+        // The semaphore is never closed; without a permit the work waits unbounded only
+        // if it were, which cannot happen.
+        let permit = self.inner.waiting.clone().acquire_owned().await.ok();
+        let grant = self.acquire(handler).await;
+        drop(permit);
+        grant
+    }
+
     async fn attempt(&self, work: &Work, grant: Grant) -> Delivery {
-        let invocation_id = format!("{}-{}", grant.conn, self.next_id());
-        let deadline = work.attempt_timeout.map(|t| tokio::time::Instant::now() + t);
-        let wall_deadline = work.attempt_timeout.map(|t| SystemTime::now() + t);
+        let invocation_id = format!("{}-{}-{}", self.inner.boot, grant.conn, self.next_id());
+        // Durations are bounded where they come off the wire; a deadline that would overflow
+        // the clock is no deadline at all.
+        let deadline = work
+            .attempt_timeout
+            .and_then(|t| tokio::time::Instant::now().checked_add(t));
+        let wall_deadline = work
+            .attempt_timeout
+            .and_then(|t| SystemTime::now().checked_add(t));
         let (reply_tx, mut reply_rx) = oneshot::channel();
         {
             let mut state = self.inner.state.lock();
@@ -548,9 +581,17 @@ impl Hub {
         let message = pb::ConnectResponse {
             message: Some(pb::connect_response::Message::Invocation(invocation)),
         };
-        if grant.tx.send(message).await.is_err() {
-            guard.withdraw();
-            return Delivery::Lost;
+        // Bounded: a connection whose process stops reading is dropped after its ping
+        // timeout, which closes this channel; withdrawn work stops waiting at once.
+        tokio::select! {
+            sent = grant.tx.send(message) => if sent.is_err() {
+                guard.withdraw();
+                return Delivery::Lost;
+            },
+            () = work.cancel.cancelled() => {
+                guard.withdraw();
+                return Delivery::Result(Outcome::Cancelled);
+            }
         }
         let grace = work.cancel_grace.unwrap_or(self.inner.settings.cancel_grace);
         let mut bodies = work.body_updates.clone().filter(|_| grant.object_updates);
@@ -573,7 +614,11 @@ impl Hub {
                     let body = bodies.as_mut().map(|b| b.borrow_and_update().clone());
                     if let Some(body) = body {
                         let update = pb::ObjectUpdate { invocation_id: invocation_id.clone(), body: Some(convert::to_json(&body)) };
-                        let _ = grant.tx.send(pb::ConnectResponse { message: Some(pb::connect_response::Message::ObjectUpdate(update)) }).await;
+                        // Never awaited here: the deadline and the cancellation stay polled. A
+                        // congested connection misses this body; the next change brings a newer one.
+                        if grant.tx.try_send(pb::ConnectResponse { message: Some(pb::connect_response::Message::ObjectUpdate(update)) }).is_err() {
+                            debug!(%invocation_id, "object update not sent: the connection is congested");
+                        }
                     }
                 }
             }
@@ -592,7 +637,7 @@ impl Hub {
                     Err(_) => Delivery::Lost,
                 }
             }
-            () = tokio::time::sleep(grace) => {
+            () = sleep_until_opt(tokio::time::Instant::now().checked_add(grace)) => {
                 guard.withdraw();
                 warn!(%invocation_id, ?reason, "invocation did not end within its cancel grace period; abandoned");
                 Delivery::Result(if reason == CancelReason::DeadlineExceeded { Outcome::TimedOut } else { Outcome::Abandoned })
@@ -627,6 +672,20 @@ impl Hub {
             }
         }
     }
+}
+
+/// A random id for this process start: 12 hex digits from the standard library's randomly
+/// keyed hasher (seeded from the operating system), mixed with the time and the process id.
+fn boot_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    hasher.write_u32(std::process::id());
+    format!("{:012x}", hasher.finish() & 0xffff_ffff_ffff)
 }
 
 fn cancel_message(invocation_id: &str, reason: CancelReason, grace: Duration) -> pb::ConnectResponse {
@@ -667,7 +726,14 @@ impl State {
         if !c.open {
             return;
         }
-        let handlers: Vec<HandlerId> = c.handlers.keys().cloned().collect();
+        // Only the handlers that have waiting work: linear in what waits, not in what is
+        // registered.
+        let handlers: Vec<HandlerId> = self
+            .waiters
+            .iter()
+            .filter(|(h, q)| !q.is_empty() && self.owners.get(*h) == Some(&conn))
+            .map(|(h, _)| h.clone())
+            .collect();
         for handler in handlers {
             loop {
                 let Some(c) = self.connections.get_mut(&conn) else {

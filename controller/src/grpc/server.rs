@@ -1,12 +1,25 @@
 //! The tonic server: `RuntimeService`, `grpc.health.v1` and server reflection, on a Unix socket
 //! (the default, shared with the handler container through an `emptyDir`) or loopback TCP.
 //!
-//! The socket file is created with mode 0600 in a directory with mode 0700, so only the pod's
-//! own user can dial it; a stale socket left by a previous run is removed first.
+//! The socket is created with mode 0600 (the process umask is narrowed around `bind`, so it
+//! never exists with a wider mode) in a directory tightened to mode 0700 (created so, or
+//! tightened when it exists, belongs to this user and is not a shared sticky directory such as
+//! `/tmp`), so only the pod's own user can dial it. A socket file left at the path is removed
+//! only when nothing answers on it: a live socket belongs to another controller, and starting
+//! is refused rather than taking it over. At exit the socket is removed only if it is still the
+//! one this process created.
+//!
+//! TCP is for local development and listens on loopback addresses only: the protocol has no
+//! authentication, and whoever reaches it can register handlers for anything the controller
+//! may list and patch. Another address is refused unless
+//! `--listen-insecure-non-loopback` says otherwise, and then a warning is logged.
+//!
+//! Every accepted connection goes through `grpc::frames` (the HTTP/2 handshake deadline, the
+//! `:authority` of gRPC C-core clients, the log of refused streams) before the HTTP/2 server.
 
 use std::{
     net::SocketAddr,
-    os::unix::fs::{FileTypeExt, PermissionsExt},
+    os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt},
     path::{Path, PathBuf},
     str::FromStr,
     sync::Arc,
@@ -17,13 +30,15 @@ use capstan_proto::pb::{
     runtime_service_server::{RuntimeService, RuntimeServiceServer},
 };
 use tokio::net::{TcpListener, UnixListener};
+use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
-use tracing::info;
+use tracing::{info, warn};
 
 use super::{
     connection::{self, Resolver, ResponseStream},
+    frames::Guarded,
     hub::Hub,
 };
 
@@ -82,6 +97,14 @@ pub enum Error {
     /// Something other than a socket is in the way.
     #[error("{0} exists and is not a socket; refusing to remove it")]
     NotASocket(PathBuf),
+    /// Another process serves on the socket.
+    #[error("another process is serving on {0} (a second controller?); refusing to take the socket over")]
+    SocketInUse(PathBuf),
+    /// A TCP address that is not loopback, without the flag that allows it.
+    #[error(
+        "refusing to serve the unauthenticated handler protocol on {0}, which is not a loopback address; use a Unix socket, 127.0.0.1, or --listen-insecure-non-loopback"
+    )]
+    NotLoopback(SocketAddr),
     /// Binding failed (address in use, permissions).
     #[error("cannot listen on {listen}")]
     Bind {
@@ -132,6 +155,9 @@ pub struct Server {
     listen: Listen,
     incoming: Incoming,
     runtime: Runtime,
+    /// The socket file this process created (device and inode), removed at exit if it is
+    /// still there.
+    socket: Option<(u64, u64)>,
 }
 
 enum Incoming {
@@ -152,12 +178,23 @@ impl Server {
         settings: connection::Settings,
         shutdown: CancellationToken,
     ) -> Result<Self, Error> {
+        let mut socket = None;
         let (listen, incoming) = match listen {
             Listen::Unix(path) => {
                 let listener = bind_unix(&path)?;
+                socket = std::fs::symlink_metadata(&path).ok().map(|m| (m.dev(), m.ino()));
                 (Listen::Unix(path), Incoming::Unix(listener))
             }
             Listen::Tcp(addr) => {
+                if !addr.ip().is_loopback() {
+                    if !settings.insecure_non_loopback {
+                        return Err(Error::NotLoopback(addr));
+                    }
+                    warn!(
+                        listen = %addr,
+                        "INSECURE: serving the unauthenticated handler protocol on a non-loopback address (--listen-insecure-non-loopback); anyone who reaches it can register handlers and patch objects"
+                    );
+                }
                 let listener = TcpListener::bind(addr).await.map_err(|source| Error::Bind {
                     listen: addr.to_string(),
                     source,
@@ -178,6 +215,7 @@ impl Server {
                 settings,
                 shutdown,
             },
+            socket,
         })
     }
 
@@ -193,6 +231,7 @@ impl Server {
     pub async fn serve(self) -> Result<(), Error> {
         let shutdown = self.runtime.shutdown.clone();
         let max = self.runtime.settings.max_message_bytes;
+        let runtime_preface_timeout = self.runtime.settings.preface_timeout;
         let (health_reporter, health) = tonic_health::server::health_reporter();
         health_reporter
             .set_serving::<RuntimeServiceServer<Runtime>>()
@@ -213,20 +252,26 @@ impl Server {
             .add_service(reflection);
         info!(listen = %self.listen, "gRPC server listening");
         let stopped = shutdown.clone();
+        let preface = runtime_preface_timeout;
         let result = match self.incoming {
             Incoming::Unix(l) => {
+                let incoming = UnixListenerStream::new(l).map(move |s| s.map(|s| Guarded::new(s, preface)));
                 router
-                    .serve_with_incoming_shutdown(UnixListenerStream::new(l), stopped.cancelled_owned())
+                    .serve_with_incoming_shutdown(incoming, stopped.cancelled_owned())
                     .await
             }
             Incoming::Tcp(l) => {
+                let incoming = TcpListenerStream::new(l).map(move |s| s.map(|s| Guarded::new(s, preface)));
                 router
-                    .serve_with_incoming_shutdown(TcpListenerStream::new(l), stopped.cancelled_owned())
+                    .serve_with_incoming_shutdown(incoming, stopped.cancelled_owned())
                     .await
             }
         };
-        if let Listen::Unix(path) = &self.listen {
-            let _ = std::fs::remove_file(path);
+        if let (Listen::Unix(path), Some(ours)) = (&self.listen, self.socket) {
+            let still_ours = std::fs::symlink_metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == ours);
+            if still_ours {
+                let _ = std::fs::remove_file(path);
+            }
         }
         result.map_err(Error::Transport)
     }
@@ -237,24 +282,60 @@ fn bind_unix(path: &Path) -> Result<UnixListener, Error> {
         path: path.to_owned(),
         source,
     };
-    if let Some(dir) = path.parent()
-        && !dir.exists()
-    {
-        std::fs::create_dir_all(dir).map_err(io)?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+    if let Some(dir) = path.parent() {
+        prepare_dir(dir).map_err(io)?;
     }
     match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path).map_err(io)?,
+        Ok(meta) if meta.file_type().is_socket() => {
+            if answers(path) {
+                return Err(Error::SocketInUse(path.to_owned()));
+            }
+            info!(path = %path.display(), "removing a stale socket nobody answers on");
+            std::fs::remove_file(path).map_err(io)?;
+        }
         Ok(_) => return Err(Error::NotASocket(path.to_owned())),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(io(e)),
     }
-    let listener = UnixListener::bind(path).map_err(|source| Error::Bind {
+    // The socket is created with mode 0600 from the start: the umask is narrowed around bind.
+    let previous = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
+    let bound = UnixListener::bind(path);
+    rustix::process::umask(previous);
+    bound.map_err(|source| Error::Bind {
         listen: format!("unix://{}", path.display()),
         source,
-    })?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
-    Ok(listener)
+    })
+}
+
+/// Creates the socket's directory with mode 0700, or tightens an existing one to 0700 when it
+/// belongs to this user and is not a shared (sticky) directory such as `/tmp`.
+fn prepare_dir(dir: &Path) -> std::io::Result<()> {
+    if !dir.exists() {
+        std::fs::create_dir_all(dir)?;
+        return std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+    }
+    let meta = std::fs::metadata(dir)?;
+    let mode = meta.permissions().mode() & 0o7777;
+    if mode & 0o777 == 0o700 {
+        return Ok(());
+    }
+    if mode & 0o1000 != 0 {
+        warn!(dir = %dir.display(), mode = format!("{mode:o}"), "the socket directory is a shared sticky directory; leaving its mode alone (the socket itself is 0600)");
+        return Ok(());
+    }
+    match std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            warn!(dir = %dir.display(), mode = format!("{mode:o}"), "cannot tighten the socket directory to 0700 (not its owner); the socket itself is 0600");
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether a process accepts connections on the socket at `path`.
+fn answers(path: &Path) -> bool {
+    std::os::unix::net::UnixStream::connect(path).is_ok()
 }
 
 #[cfg(test)]
@@ -285,6 +366,10 @@ mod tests {
             .unwrap();
         rt.block_on(async {
             let first = bind_unix(&sock).unwrap();
+            assert!(
+                matches!(bind_unix(&sock), Err(Error::SocketInUse(_))),
+                "a live socket is never taken over"
+            );
             drop(first);
             let _second = bind_unix(&sock).unwrap();
             let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
@@ -296,6 +381,16 @@ mod tests {
                 & 0o777;
             assert_eq!(dir_mode, 0o700);
         });
+        // An existing directory with a wide mode is tightened.
+        let wide = dir.path().join("wide");
+        std::fs::create_dir(&wide).unwrap();
+        std::fs::set_permissions(&wide, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let inside = wide.join("c.sock");
+        rt.block_on(async { drop(bind_unix(&inside).unwrap()) });
+        assert_eq!(
+            std::fs::metadata(&wide).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
         let file = dir.path().join("file");
         std::fs::write(&file, b"x").unwrap();
         assert!(matches!(bind_unix(&file), Err(Error::NotASocket(_))));
