@@ -76,10 +76,3 @@ func (ms *memos) drop(uid string, grace time.Duration) {
 	}
 	ms.doomed[uid] = time.Now().Add(grace)
 }
-
-// len returns the number of memos kept.
-func (ms *memos) len() int {
-	ms.mu.Lock()
-	defer ms.mu.Unlock()
-	return len(ms.byUID)
-}

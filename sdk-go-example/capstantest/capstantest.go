@@ -164,7 +164,7 @@ func (p *Process) wait() (error, error) {
 		p.ended = true
 		return p.err, nil
 	case <-time.After(3 * Wait):
-		return nil, errors.New("Run did not return after its context was cancelled")
+		return nil, errors.New("capstan.Registry.Run did not return after its context was cancelled")
 	}
 }
 
