@@ -91,11 +91,11 @@ func TestEveryKindAndOptionIsRegistered(t *testing.T) {
 		t.Errorf("AlsoFor registration = %+v", also)
 	}
 	checks := map[string]string{
-		"update_fn":  `"old":{"presence":"PRESENCE_PRESENT"}`,
-		"delete_fn":  `"optional":true`,
-		"resume_fn":  `"deleted":true`,
-		"monitor":    `"cancellation_backoff":"2s","cancellation_timeout":"3s","initial_delay":"1s","no_restart_after_success":true,"restart_backoff":"4s"`,
-		"tick":       `"idle":"5s","initial_delay":"1s","interval":"10s","sharp":true`,
+		"update_fn":           `"old":{"presence":"PRESENCE_PRESENT"}`,
+		"delete_fn":           `"optional":true`,
+		"resume_fn":           `"deleted":true`,
+		"monitor":             `"cancellation_backoff":"2s","cancellation_timeout":"3s","initial_delay":"1s","no_restart_after_success":true,"restart_backoff":"4s"`,
+		"tick":                `"idle":"5s","initial_delay":"1s","interval":"10s","sharp":true`,
 		"field_fn/spec.field": `"field":"spec.field"`,
 	}
 	for id, s := range checks {
@@ -118,14 +118,16 @@ func TestMisusedOptionsPanicAtRegistration(t *testing.T) {
 		"optional on create":   func(r *capstan.Registry) { r.OnCreate(res, "a", noop, capstan.Optional()) },
 		"label on an activity": func(r *capstan.Registry) { r.OnStartup("a", noop, capstan.Label("x", capstan.Present)) },
 		"value without field":  func(r *capstan.Registry) { r.OnCreate(res, "a", noop, capstan.Value(capstan.Equals(1))) },
-		"old on create":        func(r *capstan.Registry) { r.OnCreate(res, "a", noop, capstan.Field("x"), capstan.Old(capstan.Present)) },
+		"old on create": func(r *capstan.Registry) {
+			r.OnCreate(res, "a", noop, capstan.Field("x"), capstan.Old(capstan.Present))
+		},
 		"value with new": func(r *capstan.Registry) {
 			r.OnUpdate(res, "a", noop, capstan.Field("x"), capstan.Value(capstan.Present), capstan.New(capstan.Present))
 		},
-		"zero interval":        func(r *capstan.Registry) { r.Timer(res, "a", 0, noop) },
-		"sharp on a daemon":    func(r *capstan.Registry) { r.Daemon(res, "a", noop, capstan.Sharp()) },
-		"non-string label":     func(r *capstan.Registry) { r.OnCreate(res, "a", noop, capstan.Label("x", capstan.Equals(1))) },
-		"unknown errors mode":  func(r *capstan.Registry) { r.OnCreate(res, "a", noop, capstan.Errors("sometimes")) },
+		"zero interval":       func(r *capstan.Registry) { r.Timer(res, "a", 0, noop) },
+		"sharp on a daemon":   func(r *capstan.Registry) { r.Daemon(res, "a", noop, capstan.Sharp()) },
+		"non-string label":    func(r *capstan.Registry) { r.OnCreate(res, "a", noop, capstan.Label("x", capstan.Equals(1))) },
+		"unknown errors mode": func(r *capstan.Registry) { r.OnCreate(res, "a", noop, capstan.Errors("sometimes")) },
 	}
 	for name, register := range cases {
 		t.Run(name, func(t *testing.T) {

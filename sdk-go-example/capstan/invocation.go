@@ -229,7 +229,9 @@ func (inv *Invocation) takeSubhandlers() []subhandler {
 
 // Logf logs at info level: the record is sent to the controller, which may post it as a
 // Kubernetes Event on the object, and written to the local log.
-func (inv *Invocation) Logf(format string, args ...any) { inv.Log(LevelInfo, fmt.Sprintf(format, args...)) }
+func (inv *Invocation) Logf(format string, args ...any) {
+	inv.Log(LevelInfo, fmt.Sprintf(format, args...))
+}
 
 // Warnf logs at warning level, like [Invocation.Logf].
 func (inv *Invocation) Warnf(format string, args ...any) {
@@ -244,8 +246,15 @@ func (inv *Invocation) Debugf(format string, args ...any) {
 // Log logs msg at level, like [Invocation.Logf].
 func (inv *Invocation) Log(level LogLevel, msg string) {
 	if inv.logger != nil {
-		local := map[LogLevel]slog.Level{LevelDebug: slog.LevelDebug, LevelWarning: slog.LevelWarn,
-			LevelError: slog.LevelError}[level]
+		local := slog.LevelInfo
+		switch level {
+		case LevelDebug:
+			local = slog.LevelDebug
+		case LevelWarning:
+			local = slog.LevelWarn
+		case LevelError:
+			local = slog.LevelError
+		}
 		inv.logger.Log(context.Background(), local, msg, "handler", inv.HandlerID,
 			"object", inv.Namespace()+"/"+inv.Name(), "invocation", inv.ID)
 	}

@@ -48,7 +48,6 @@ type Registry struct {
 	handlers []*handler
 	byID     map[string]*handler
 	memos    memos
-
 }
 
 // NewRegistry returns an empty registry.

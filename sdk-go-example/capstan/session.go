@@ -170,7 +170,8 @@ func (s *session) start(m *pb.Invocation) {
 		res := dispatch(ctx, h, inv, m.GetSubhandlers())
 		res.InvocationId = id
 		res.Duration = durationpb.New(time.Since(begin))
-		if f := res.GetUnclassifiedError(); f != nil && f.GetDiagnostics()[0].GetReason() == "HANDLER_PANIC" {
+		if f := res.GetUnclassifiedError(); f != nil && len(f.GetDiagnostics()) > 0 &&
+			f.GetDiagnostics()[0].GetReason() == "HANDLER_PANIC" {
 			d := f.GetDiagnostics()[0]
 			s.log.Error("capstan: handler panicked", "handler", inv.HandlerID, "invocation", id,
 				"panic", d.GetSummary(), "stack", d.GetStackTrace())

@@ -40,6 +40,21 @@ var cancelReasons = map[pb.CancelReason]CancelReason{
 	pb.CancelReason_CANCEL_REASON_PAUSED:               CancelPaused,
 }
 
+var reasons = map[pb.ChangeReason]Reason{
+	pb.ChangeReason_CHANGE_REASON_CREATE: ReasonCreate, pb.ChangeReason_CHANGE_REASON_UPDATE: ReasonUpdate,
+	pb.ChangeReason_CHANGE_REASON_DELETE: ReasonDelete, pb.ChangeReason_CHANGE_REASON_RESUME: ReasonResume,
+}
+
+var eventTypes = map[pb.EventType]EventType{
+	pb.EventType_EVENT_TYPE_ADDED: EventAdded, pb.EventType_EVENT_TYPE_MODIFIED: EventModified,
+	pb.EventType_EVENT_TYPE_DELETED: EventDeleted,
+}
+
+var activities = map[pb.Activity]Activity{
+	pb.Activity_ACTIVITY_STARTUP: ActivityStartup, pb.Activity_ACTIVITY_CLEANUP: ActivityCleanup,
+	pb.Activity_ACTIVITY_LOGIN: ActivityLogin,
+}
+
 var logLevels = map[LogLevel]pb.LogLevel{
 	LevelDebug: pb.LogLevel_LOG_LEVEL_DEBUG, LevelInfo: pb.LogLevel_LOG_LEVEL_INFO,
 	LevelWarning: pb.LogLevel_LOG_LEVEL_WARNING, LevelError: pb.LogLevel_LOG_LEVEL_ERROR,
@@ -218,9 +233,7 @@ func newInvocation(m *pb.Invocation, kind Kind) (*Invocation, error) {
 			return nil, err
 		}
 	case *pb.Invocation_Event:
-		inv.EventType = map[pb.EventType]EventType{pb.EventType_EVENT_TYPE_ADDED: EventAdded,
-			pb.EventType_EVENT_TYPE_MODIFIED: EventModified, pb.EventType_EVENT_TYPE_DELETED: EventDeleted,
-		}[p.Event.GetType()]
+		inv.EventType = eventTypes[p.Event.GetType()]
 	case *pb.Invocation_Daemon:
 		inv.Restarts = int(p.Daemon.GetRestarts())
 	case *pb.Invocation_Timer:
@@ -228,19 +241,14 @@ func newInvocation(m *pb.Invocation, kind Kind) (*Invocation, error) {
 			inv.Scheduled = t.AsTime()
 		}
 	case *pb.Invocation_Activity:
-		inv.Activity = map[pb.Activity]Activity{pb.Activity_ACTIVITY_STARTUP: ActivityStartup,
-			pb.Activity_ACTIVITY_CLEANUP: ActivityCleanup, pb.Activity_ACTIVITY_LOGIN: ActivityLogin,
-		}[p.Activity.GetActivity()]
+		inv.Activity = activities[p.Activity.GetActivity()]
 	}
 	return inv, nil
 }
 
 // decodeChange decodes the payload of change and field handlers.
 func (inv *Invocation) decodeChange(change *pb.ResourceChange) error {
-	inv.Reason = map[pb.ChangeReason]Reason{pb.ChangeReason_CHANGE_REASON_CREATE: ReasonCreate,
-		pb.ChangeReason_CHANGE_REASON_UPDATE: ReasonUpdate, pb.ChangeReason_CHANGE_REASON_DELETE: ReasonDelete,
-		pb.ChangeReason_CHANGE_REASON_RESUME: ReasonResume,
-	}[change.GetReason()]
+	inv.Reason = reasons[change.GetReason()]
 	inv.Field = change.GetField()
 	var err error
 	if inv.Old, err = decode(change.GetOld()); err != nil {
