@@ -21,8 +21,14 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "protobuf lint and breaking-change check"
 bash proto/lint.sh
 
-step "Go example SDK: vet, unit tests, generated code up to date"
-(cd sdk-go-example && go vet ./... && go test ./... && ./generate.sh --check)
+step "Go SDK: vet, staticcheck, unit tests, generated code up to date"
+# staticcheck pinned, installed once from the Go module proxy into a cached GOBIN.
+staticcheck_version=v0.8.2
+gobin=$HOME/.cache/capstan/gobin
+if [[ "$("$gobin/staticcheck" -version 2>/dev/null)" != *"(${staticcheck_version#v})"* ]]; then
+	GOBIN=$gobin go install "honnef.co/go/tools/cmd/staticcheck@$staticcheck_version"
+fi
+(cd sdk-go-example && go vet ./... && "$gobin/staticcheck" ./... && go test ./... && ./generate.sh --check)
 
 step "real API server (tests/testenv)"
 CAPSTAN_TESTENV_BIN=$(bash tests/testenv/build.sh | tail -n1)

@@ -4,8 +4,9 @@
 # Usage: ./generate.sh            regenerate gen/ in place
 #        ./generate.sh --check    fail when gen/ differs from what the protos generate now
 #
-# The protoc plugins are the versions pinned by the `tool` directives of go.mod. buf is the
-# version pinned for proto/lint.sh, installed into ${CAPSTAN_BIN} when it is missing.
+# The protoc plugins are the versions pinned below (they are not `tool` dependencies in go.mod,
+# which would raise the module's `go` directive to 1.24 for every user). buf is the version
+# pinned for proto/lint.sh, installed into ${CAPSTAN_BIN} when it is missing.
 #
 # Environment:
 #   CAPSTAN_BIN  where buf is installed and looked for (default: $HOME/.cache/capstan/bin)
@@ -26,6 +27,8 @@ module_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bin_dir="${CAPSTAN_BIN:-$HOME/.cache/capstan/bin}"
 buf_version="${BUF_VERSION:-v1.50.0}"
 buf="$bin_dir/buf"
+protoc_gen_go="google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12"
+protoc_gen_go_grpc="google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.2"
 export GOTOOLCHAIN=local
 
 if [[ ! -x "$buf" ]]; then
@@ -38,11 +41,10 @@ cd "$module_dir"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-# The plugins, built at the versions pinned in go.mod.
+# The plugins, built at their pinned versions.
 mkdir -p "$work/bin"
-go build -o "$work/bin/" \
-  google.golang.org/protobuf/cmd/protoc-gen-go \
-  google.golang.org/grpc/cmd/protoc-gen-go-grpc
+GOBIN="$work/bin" go install "$protoc_gen_go"
+GOBIN="$work/bin" go install "$protoc_gen_go_grpc"
 export PATH="$work/bin:$PATH"
 
 if ! $check; then

@@ -41,15 +41,14 @@ func Permanentf(format string, args ...any) error {
 	return &PermanentError{Err: fmt.Errorf(format, args...)}
 }
 
-// CancelledError is the cause (see [context.Cause]) of a handler context cancelled by the
-// controller's Cancel message; Reason says why, e.g. "RESOURCE_DELETED" or
-// "RUNTIME_SHUTDOWN".
+// CancelledError is the cause (see [context.Cause]) of a handler context that was cancelled:
+// by the controller's Cancel, because the stream was lost, or because the process is stopping.
 type CancelledError struct {
-	// Reason is the CancelReason without its prefix.
-	Reason string
+	// Reason says why.
+	Reason CancelReason
 }
 
-func (e *CancelledError) Error() string { return "cancelled by the controller: " + e.Reason }
+func (e *CancelledError) Error() string { return "capstan: invocation cancelled: " + string(e.Reason) }
 
 // panicError is a recovered panic of a handler.
 type panicError struct {

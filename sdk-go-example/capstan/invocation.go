@@ -1,45 +1,41 @@
 package capstan
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
-	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
-
-	"google.golang.org/protobuf/types/known/timestamppb"
-
-	pb "capstan.dev/sdk-go-example/gen/capstan/v1"
 )
 
-// Invocation is one call of a handler: kopf's handler arguments, decoded from the protocol's
-// Invocation message.
+// Invocation is one call of a handler: kopf's handler arguments.
 //
-// JSON values (Body, Old, New, Diff values, Param) are decoded with encoding/json into
-// map[string]any, []any, string, bool, nil and [json.Number] (numbers keep their exact text,
-// so 64-bit integers survive).
+// JSON values (the body, Old, New, Diff values, Param) are decoded with encoding/json into
+// map[string]any, []any, string, bool, nil and [json.Number] (numbers keep their exact text, so
+// 64-bit integers survive). Treat them as read-only.
 type Invocation struct {
 	// ID is the invocation id (unique per attempt); compare it, never parse it.
 	ID string
-	// HandlerID is the id of the handler being called.
+	// HandlerID is the id of the handler being called ("parent/child" for sub-handlers).
 	HandlerID string
+	// Kind is the handler's kind.
+	Kind Kind
 	// Attempt is the 1-based attempt number.
 	Attempt int
-	// Retry is kopf's retry: Attempt - 1.
+	// Retry is kopf's retry: the number of attempts before this one.
 	Retry int
 	// IdempotencyKey is stable across all attempts of the same work; use it to make side
 	// effects safe to repeat.
 	IdempotencyKey string
 	// Started is when the first attempt of this work started.
 	Started time.Time
-	// Body is the object as the controller saw it, with the patches of the handlers that ran
-	// before in the same processing cycle; nil for activities.
-	Body map[string]any
-	// Reason is the cause of a change or field handler: "create", "update", "delete" or
-	// "resume"; empty for other kinds.
-	Reason string
+	// Resource identifies the object; zero for activities.
+	Resource ResourceRef
+	// Reason is the cause of a change or field handler; empty for other kinds.
+	Reason Reason
 	// Old and New are the old and new essence (for field handlers: the field's old and new
 	// value); nil when absent.
 	Old, New any
@@ -47,155 +43,224 @@ type Invocation struct {
 	Diff []DiffItem
 	// Field is the dotted path of a field handler's field.
 	Field string
-	// EventType is the watch event type of an event handler: "ADDED", "MODIFIED", "DELETED",
-	// or empty for an object of the initial listing.
-	EventType string
-	// Param is the registration's param, echoed; nil when unset.
+	// EventType is the watch event type of an event handler.
+	EventType EventType
+	// Activity is the activity of a startup, cleanup or login handler.
+	Activity Activity
+	// Restarts counts the earlier starts of a daemon for this object.
+	Restarts int
+	// Scheduled is when a timer's tick was scheduled.
+	Scheduled time.Time
+	// Param is the registration's [Param], echoed; nil when unset.
 	Param any
 	// LastError is the previous attempt's failure, if any.
-	LastError *pb.Diagnostic
-	// Raw is the message as received, for anything this type does not mirror.
-	Raw *pb.Invocation
+	LastError *Diagnostic
 
+	body   atomic.Pointer[map[string]any]
 	patch  Patch
 	logger *slog.Logger
-	send   func(*pb.ConnectRequest)
+	send   func(message)
+	memos  *memos
+	memo   *Memo
+
+	mu           sync.Mutex
+	cancelReason CancelReason
+	subhandlers  []subhandler
+	canDeclare   bool
 }
 
-// DiffItem is one difference between two essences, as kopf's (op, path, old, new).
-type DiffItem struct {
-	// Op is "add", "change" or "remove".
-	Op string
-	// Path is the field path, one element per nesting level.
-	Path []string
-	// Old is the old value (nil for "add"); New the new value (nil for "remove").
-	Old, New any
+// message is what an invocation sends on the stream besides its result: a log record or an
+// interim patch.
+type message struct {
+	log   *logRecord
+	patch *Patch
+	id    string
 }
 
-// Spec returns Body["spec"] as a map (empty when absent).
-func (inv *Invocation) Spec() map[string]any { return section(inv.Body, "spec") }
+// logRecord is one log record of an invocation.
+type logRecord struct {
+	level   LogLevel
+	message string
+	time    time.Time
+}
 
-// Meta returns Body["metadata"] as a map (empty when absent).
-func (inv *Invocation) Meta() map[string]any { return section(inv.Body, "metadata") }
+// Body returns the object's latest body (nil for activities): the body the invocation carried,
+// or for a running daemon the newest one the controller has sent since (kopf's live body).
+func (inv *Invocation) Body() map[string]any {
+	if b := inv.body.Load(); b != nil {
+		return *b
+	}
+	return nil
+}
 
-// Status returns Body["status"] as a map (empty when absent).
-func (inv *Invocation) Status() map[string]any { return section(inv.Body, "status") }
+// setBody replaces the body with a newer one.
+func (inv *Invocation) setBody(body map[string]any) { inv.body.Store(&body) }
 
-// Name returns the object's name.
-func (inv *Invocation) Name() string { return inv.Raw.GetResource().GetName() }
+// Spec returns the latest body's "spec" as a map (empty when absent).
+func (inv *Invocation) Spec() map[string]any { return section(inv.Body(), "spec") }
 
-// Namespace returns the object's namespace (empty for cluster-scoped objects).
-func (inv *Invocation) Namespace() string { return inv.Raw.GetResource().GetNamespace() }
+// Meta returns the latest body's "metadata" as a map (empty when absent).
+func (inv *Invocation) Meta() map[string]any { return section(inv.Body(), "metadata") }
 
-// UID returns the object's uid.
-func (inv *Invocation) UID() string { return inv.Raw.GetResource().GetUid() }
+// Status returns the latest body's "status" as a map (empty when absent).
+func (inv *Invocation) Status() map[string]any { return section(inv.Body(), "status") }
 
-// DecodeBody decodes the object's body into v, e.g. a struct with JSON tags.
+// Labels returns the latest body's labels (empty when none).
+func (inv *Invocation) Labels() map[string]any { return section(inv.Meta(), "labels") }
+
+// Annotations returns the latest body's annotations (empty when none).
+func (inv *Invocation) Annotations() map[string]any { return section(inv.Meta(), "annotations") }
+
+// Name returns the object's name (empty for activities).
+func (inv *Invocation) Name() string { return inv.Resource.Name }
+
+// Namespace returns the object's namespace (empty for cluster-scoped objects and activities).
+func (inv *Invocation) Namespace() string { return inv.Resource.Namespace }
+
+// UID returns the object's uid (empty for activities).
+func (inv *Invocation) UID() string { return inv.Resource.UID }
+
+// Runtime returns how long ago the first attempt started (kopf's runtime).
+func (inv *Invocation) Runtime() time.Duration { return time.Since(inv.Started) }
+
+// DecodeBody decodes the object's latest body into v, e.g. a struct with JSON tags.
 func (inv *Invocation) DecodeBody(v any) error {
-	return json.Unmarshal(inv.Raw.GetBody().GetJson(), v)
+	raw, err := json.Marshal(inv.Body())
+	if err != nil {
+		return err
+	}
+	return json.Unmarshal(raw, v)
 }
 
-// Patch returns the invocation's merge patch; it is sent with the result if the handler
-// succeeds, and discarded otherwise.
+// Patch returns the invocation's patch; it is sent with the result if the handler succeeds,
+// and discarded otherwise.
 func (inv *Invocation) Patch() *Patch { return &inv.patch }
 
-// Logf logs an info message: it is sent to the controller as a log record of this invocation
-// (which may post it as a Kubernetes Event) and written to the local log.
+// SendPatch sends p to the controller now, while the handler keeps running, and the controller
+// applies it at once (a daemon's progress). It does not touch [Invocation.Patch].
+func (inv *Invocation) SendPatch(p *Patch) error {
+	if inv.send == nil {
+		return errors.New("capstan: the invocation is not connected to a controller")
+	}
+	if p.Empty() {
+		return nil
+	}
+	inv.send(message{id: inv.ID, patch: p.clone()})
+	return nil
+}
+
+// Memo returns the object's memo: values kept in this process across the invocations of all
+// handlers for the same object (kopf's memo), e.g. a client or a cache a daemon shares with the
+// change handlers. It is dropped when the object goes away: after a DELETED event, a daemon or
+// timer cancelled because the object was deleted, or a minute after a delete handler
+// succeeded. It is not persisted: a restarted process starts with empty memos. Activities
+// share one process-wide memo.
+func (inv *Invocation) Memo() *Memo {
+	inv.mu.Lock()
+	defer inv.mu.Unlock()
+	if inv.memo == nil {
+		if inv.memos == nil {
+			inv.memos = &memos{}
+		}
+		inv.memo = inv.memos.get(inv.UID())
+	}
+	return inv.memo
+}
+
+// CancelReason returns why the controller cancelled the invocation; empty while it is not
+// cancelled.
+func (inv *Invocation) CancelReason() CancelReason {
+	inv.mu.Lock()
+	defer inv.mu.Unlock()
+	return inv.cancelReason
+}
+
+func (inv *Invocation) cancelled(reason CancelReason) {
+	inv.mu.Lock()
+	defer inv.mu.Unlock()
+	if inv.cancelReason == "" {
+		inv.cancelReason = reason
+	}
+}
+
+// Subhandler declares a sub-handler (kopf's register/@subhandler). After this handler returns
+// successfully, each declared sub-handler that has not finished in an earlier attempt runs in
+// declaration order, and the controller records its outcome under "<handler id>/<id>". As in
+// kopf, the parent is invoked again until all its sub-handlers have finished and must declare
+// the same sub-handlers every time.
+//
+// Only change and field handlers and their sub-handlers may declare sub-handlers; sub-handlers
+// nest. The options [Retries], [Backoff], [Timeout], [Errors] and [When] apply to the
+// sub-handler itself; others are ignored with a warning.
+func (inv *Invocation) Subhandler(id string, fn HandlerFunc, opts ...Option) {
+	if !inv.canDeclare || id == "" || fn == nil {
+		inv.Warnf("sub-handler %q cannot be declared here; ignored", id)
+		return
+	}
+	s := spec{kind: inv.Kind, id: id}
+	for _, opt := range opts {
+		switch opt.name {
+		case "Retries", "Backoff", "Timeout", "Errors", "When":
+			if err := opt.apply(&s); err != nil {
+				inv.Warnf("sub-handler %q: %s: %v; ignored", id, opt.name, err)
+			}
+		default:
+			inv.Warnf("sub-handler %q: %s does not apply to sub-handlers; ignored", id, opt.name)
+		}
+	}
+	inv.mu.Lock()
+	defer inv.mu.Unlock()
+	for _, sub := range inv.subhandlers {
+		if sub.spec.id == id {
+			return
+		}
+	}
+	inv.subhandlers = append(inv.subhandlers, subhandler{spec: s, fn: fn})
+}
+
+func (inv *Invocation) takeSubhandlers() []subhandler {
+	inv.mu.Lock()
+	defer inv.mu.Unlock()
+	subs := inv.subhandlers
+	inv.subhandlers = nil
+	inv.canDeclare = false
+	return subs
+}
+
+// Logf logs at info level: the record is sent to the controller, which may post it as a
+// Kubernetes Event on the object, and written to the local log.
 func (inv *Invocation) Logf(format string, args ...any) {
-	inv.log(pb.LogLevel_LOG_LEVEL_INFO, slog.LevelInfo, fmt.Sprintf(format, args...))
+	inv.Log(LevelInfo, fmt.Sprintf(format, args...))
 }
 
-// Warnf logs a warning, like [Invocation.Logf].
+// Warnf logs at warning level, like [Invocation.Logf].
 func (inv *Invocation) Warnf(format string, args ...any) {
-	inv.log(pb.LogLevel_LOG_LEVEL_WARNING, slog.LevelWarn, fmt.Sprintf(format, args...))
+	inv.Log(LevelWarning, fmt.Sprintf(format, args...))
 }
 
-// log sends a log record and writes it locally.
-func (inv *Invocation) log(level pb.LogLevel, local slog.Level, msg string) {
+// Debugf logs at debug level, like [Invocation.Logf].
+func (inv *Invocation) Debugf(format string, args ...any) {
+	inv.Log(LevelDebug, fmt.Sprintf(format, args...))
+}
+
+// Log logs msg at level, like [Invocation.Logf].
+func (inv *Invocation) Log(level LogLevel, msg string) {
 	if inv.logger != nil {
-		inv.logger.Log(context.Background(), local, msg, "handler", inv.HandlerID, "object", inv.Namespace()+"/"+inv.Name(),
-			"invocation", inv.ID)
+		local := slog.LevelInfo
+		switch level {
+		case LevelDebug:
+			local = slog.LevelDebug
+		case LevelWarning:
+			local = slog.LevelWarn
+		case LevelError:
+			local = slog.LevelError
+		}
+		inv.logger.Log(context.Background(), local, msg, "handler", inv.HandlerID,
+			"object", inv.Namespace()+"/"+inv.Name(), "invocation", inv.ID)
 	}
 	if inv.send != nil {
-		inv.send(&pb.ConnectRequest{Message: &pb.ConnectRequest_Log{Log: &pb.LogRecord{
-			InvocationId: inv.ID,
-			Level:        level,
-			Message:      msg,
-			Time:         timestamppb.Now(),
-		}}})
+		inv.send(message{id: inv.ID, log: &logRecord{level: level, message: msg, time: time.Now()}})
 	}
-}
-
-// newInvocation decodes an Invocation message. A value that is not valid JSON is an error.
-func newInvocation(m *pb.Invocation) (*Invocation, error) {
-	inv := &Invocation{
-		ID:             m.GetInvocationId(),
-		HandlerID:      m.GetHandlerId(),
-		Attempt:        int(m.GetAttempt()),
-		Retry:          max(int(m.GetAttempt())-1, 0),
-		IdempotencyKey: m.GetIdempotencyKey(),
-		LastError:      m.GetLastError(),
-		Raw:            m,
-	}
-	if m.GetStartedTime() != nil {
-		inv.Started = m.GetStartedTime().AsTime()
-	}
-	var err error
-	var body any
-	if body, err = decode(m.GetBody()); err != nil {
-		return nil, fmt.Errorf("body: %w", err)
-	}
-	inv.Body, _ = body.(map[string]any)
-	if inv.Param, err = decode(m.GetParam()); err != nil {
-		return nil, fmt.Errorf("param: %w", err)
-	}
-	if change := m.GetChange(); change != nil {
-		inv.Reason = lowerSuffix(change.GetReason().String(), "CHANGE_REASON_")
-		inv.Field = change.GetField()
-		if inv.Old, err = decode(change.GetOld()); err != nil {
-			return nil, fmt.Errorf("change.old: %w", err)
-		}
-		if inv.New, err = decode(change.GetNew()); err != nil {
-			return nil, fmt.Errorf("change.new: %w", err)
-		}
-		for i, d := range change.GetDiff() {
-			item := DiffItem{Op: lowerSuffix(d.GetOperation().String(), "DIFF_OPERATION_"), Path: d.GetPath()}
-			if item.Old, err = decode(d.GetOld()); err != nil {
-				return nil, fmt.Errorf("change.diff[%d].old: %w", i, err)
-			}
-			if item.New, err = decode(d.GetNew()); err != nil {
-				return nil, fmt.Errorf("change.diff[%d].new: %w", i, err)
-			}
-			inv.Diff = append(inv.Diff, item)
-		}
-	}
-	if event := m.GetEvent(); event != nil && event.GetType() != pb.EventType_EVENT_TYPE_UNSPECIFIED {
-		inv.EventType = event.GetType().String()[len("EVENT_TYPE_"):]
-	}
-	return inv, nil
-}
-
-// decode parses a Json message; an unset one is nil.
-func decode(j *pb.Json) (any, error) {
-	if j == nil {
-		return nil, nil
-	}
-	dec := json.NewDecoder(bytes.NewReader(j.GetJson()))
-	dec.UseNumber()
-	var v any
-	if err := dec.Decode(&v); err != nil {
-		return nil, err
-	}
-	return v, nil
-}
-
-// lowerSuffix turns "CHANGE_REASON_CREATE" into "create"; unspecified values become "".
-func lowerSuffix(name, prefix string) string {
-	s := name[min(len(prefix), len(name)):]
-	if s == "UNSPECIFIED" {
-		return ""
-	}
-	return strings.ToLower(s)
 }
 
 // section returns m[key] as a map, or an empty map.

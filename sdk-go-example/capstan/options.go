@@ -1,120 +1,288 @@
 package capstan
 
 import (
+	"fmt"
 	"time"
-
-	"google.golang.org/protobuf/types/known/durationpb"
-
-	pb "capstan.dev/sdk-go-example/gen/capstan/v1"
 )
 
-// Option changes a handler's registration. The options map one to one onto the fields of
-// HandlerRegistration in proto/capstan/v1/registration.proto.
-type Option func(*pb.HandlerRegistration)
+// Option refines a handler's registration: kopf's decorator keyword arguments. Options that do
+// not apply to the handler's kind make the registration panic, as kopf raises at decoration
+// time.
+type Option struct {
+	name  string
+	apply func(*spec) error
+}
 
-// ErrorsMode says how unclassified errors of a handler are treated (kopf ErrorsMode).
-type ErrorsMode = pb.ErrorsMode
+// Match is a condition on a label, annotation or field value: [Equals], [Present] or [Absent].
+type Match struct {
+	equals   any
+	presence presence
+}
 
-// The errors modes. Without [Errors], the kind's default applies (temporary for change
-// handlers, daemons and timers; ignored for event handlers).
+type presence int
+
 const (
-	ErrorsTemporary = pb.ErrorsMode_ERRORS_MODE_TEMPORARY
-	ErrorsPermanent = pb.ErrorsMode_ERRORS_MODE_PERMANENT
-	ErrorsIgnored   = pb.ErrorsMode_ERRORS_MODE_IGNORED
+	noPresence presence = iota
+	present
+	absent
 )
 
-// Retries limits the number of attempts in total (0, the default, means unlimited).
-func Retries(n uint32) Option {
-	return func(r *pb.HandlerRegistration) { r.Retries = n }
+// Equals matches a label or annotation with exactly this string value, or a field with this
+// JSON value (compared after JSON encoding).
+func Equals(value any) Match { return Match{equals: value} }
+
+// Present and Absent match a label, annotation or field that exists (with any value) or does
+// not exist (kopf.PRESENT and kopf.ABSENT).
+var (
+	Present = Match{presence: present}
+	Absent  = Match{presence: absent}
+)
+
+// spec is one handler's registration as the options build it.
+type spec struct {
+	kind        Kind
+	id          string
+	resource    selector
+	also        []selector
+	labels      map[string]Match
+	annotations map[string]Match
+	field       string
+	value       *Match
+	old, new    *Match
+	when        func(*Invocation) bool
+	errors      ErrorsMode
+	retries     uint32
+	backoff     time.Duration
+	timeout     time.Duration
+	maxInFlight uint32
+	param       any
+	hasParam    bool
+
+	optional, deleted bool
+
+	initialDelay          time.Duration
+	cancellationBackoff   time.Duration
+	cancellationTimeout   time.Duration
+	restartBackoff        time.Duration
+	noRestartAfterSuccess bool
+
+	interval time.Duration
+	idle     time.Duration
+	sharp    bool
 }
 
-// Backoff sets the delay before an unclassified error is retried (default 60 s).
-func Backoff(d time.Duration) Option {
-	return func(r *pb.HandlerRegistration) { r.Backoff = durationpb.New(d) }
+// selector is a resource selector: kopf's resource name with an optional group and version.
+type selector struct {
+	group, version, name         string
+	labelSelector, fieldSelector string
 }
 
-// Timeout makes the handler give up once d has passed since its first attempt; it also
-// bounds each attempt's deadline, which the handler sees in its context.
-func Timeout(d time.Duration) Option {
-	return func(r *pb.HandlerRegistration) { r.Timeout = durationpb.New(d) }
+func option(name string, apply func(*spec) error) Option { return Option{name: name, apply: apply} }
+
+func errNotFor(s *spec) error { return fmt.Errorf("does not apply to %s handlers", s.kind) }
+
+// onResource rejects options for activities, which have no object.
+func onResource(apply func(*spec)) func(*spec) error {
+	return func(s *spec) error {
+		if s.kind.IsActivity() {
+			return errNotFor(s)
+		}
+		apply(s)
+		return nil
+	}
 }
 
-// Errors sets how unclassified errors are treated.
+// only rejects options for kinds other than kinds.
+func only(apply func(*spec), kinds ...Kind) func(*spec) error {
+	return func(s *spec) error {
+		for _, k := range kinds {
+			if s.kind == k {
+				apply(s)
+				return nil
+			}
+		}
+		return errNotFor(s)
+	}
+}
+
+// Errors sets how unclassified errors are treated; default: the kind's (kopf's) default.
 func Errors(mode ErrorsMode) Option {
-	return func(r *pb.HandlerRegistration) { r.ErrorsMode = mode }
+	return option("Errors", func(s *spec) error {
+		switch mode {
+		case ErrorsTemporary, ErrorsPermanent, ErrorsIgnored:
+			s.errors = mode
+			return nil
+		}
+		return fmt.Errorf("unknown errors mode %q", mode)
+	})
+}
+
+// Retries limits the number of attempts in total; default (0) unlimited.
+func Retries(attempts uint32) Option {
+	return option("Retries", func(s *spec) error { s.retries = attempts; return nil })
+}
+
+// Backoff sets the delay before an unclassified error is retried; default 60 s.
+func Backoff(delay time.Duration) Option {
+	return option("Backoff", func(s *spec) error { s.backoff = delay; return nil })
+}
+
+// Timeout makes the handler give up once this long has passed since its first attempt; it
+// also bounds each attempt's deadline, which the handler sees in its context.
+func Timeout(timeout time.Duration) Option {
+	return option("Timeout", func(s *spec) error { s.timeout = timeout; return nil })
+}
+
+// MaxInFlight allows at most this many invocations of the handler at once; 0: the default.
+func MaxInFlight(limit uint32) Option {
+	return option("MaxInFlight", func(s *spec) error { s.maxInFlight = limit; return nil })
+}
+
+// Param is an opaque value, encoded as JSON, echoed in every invocation ([Invocation.Param]);
+// one function registered under several ids can tell them apart by it.
+func Param(value any) Option {
+	return option("Param", func(s *spec) error { s.param, s.hasParam = value, true; return nil })
+}
+
+// Label requires the label key to match: Equals("value"), [Present] or [Absent].
+func Label(key string, m Match) Option {
+	return option("Label", onResource(func(s *spec) {
+		if s.labels == nil {
+			s.labels = map[string]Match{}
+		}
+		s.labels[key] = m
+	}))
+}
+
+// Annotation requires the annotation key to match: Equals("value"), [Present] or [Absent].
+func Annotation(key string, m Match) Option {
+	return option("Annotation", onResource(func(s *spec) {
+		if s.annotations == nil {
+			s.annotations = map[string]Match{}
+		}
+		s.annotations[key] = m
+	}))
+}
+
+// Field names the dotted field (e.g. "spec.replicas") that [Value], [Old] and [New] test; on
+// update handlers only changes of that field then invoke the handler (kopf's field=).
+func Field(path string) Option {
+	return option("Field", onResource(func(s *spec) { s.field = path }))
+}
+
+// Value requires the [Field]'s value to match (in the old or new state for change handlers,
+// in the current body for others).
+func Value(m Match) Option {
+	return option("Value", onResource(func(s *spec) { s.value = &m }))
+}
+
+// Old requires the [Field]'s old value to match (update and field handlers).
+func Old(m Match) Option {
+	return option("Old", only(func(s *spec) { s.old = &m }, KindUpdate, KindField))
+}
+
+// New requires the [Field]'s new value to match (update and field handlers).
+func New(m Match) Option {
+	return option("New", only(func(s *spec) { s.new = &m }, KindUpdate, KindField))
+}
+
+// When is a callable filter evaluated in this process before the handler runs (kopf's when=):
+// when it returns false the invocation is answered "skipped" and nothing is recorded.
+func When(filter func(*Invocation) bool) Option {
+	return option("When", onResource(func(s *spec) { s.when = filter }))
 }
 
 // LabelSelector restricts the handler to objects a Kubernetes label selector selects (e.g.
 // "app=db,tier in (a,b)"). When every handler of the resource gives the same selectors, the
 // controller's watch filters on the server.
 func LabelSelector(selector string) Option {
-	return func(r *pb.HandlerRegistration) {
-		if r.Resource != nil {
-			r.Resource.LabelSelector = selector
-		}
-	}
+	return option("LabelSelector", onResource(func(s *spec) { s.resource.labelSelector = selector }))
 }
 
 // FieldSelector restricts the handler to objects a field selector selects, e.g.
 // "spec.nodeName=node-1" for a per-node operator; a missing field compares as empty.
 func FieldSelector(selector string) Option {
-	return func(r *pb.HandlerRegistration) {
-		if r.Resource != nil {
-			r.Resource.FieldSelector = selector
+	return option("FieldSelector", onResource(func(s *spec) { s.resource.fieldSelector = selector }))
+}
+
+// AlsoFor registers the same handler for another resource too. Where several selectors name
+// the same resource, the controller calls the handler once per event of an object.
+func AlsoFor(resource string) Option {
+	return option("AlsoFor", onResource(func(s *spec) { s.also = append(s.also, parseSelector(resource)) }))
+}
+
+// Optional makes a delete handler never block deletion with a finalizer (kopf optional=True).
+func Optional() Option {
+	return option("Optional", only(func(s *spec) { s.optional = true }, KindDelete))
+}
+
+// Deleted makes a resume handler also resume objects already marked for deletion (kopf
+// deleted=True).
+func Deleted() Option {
+	return option("Deleted", only(func(s *spec) { s.deleted = true }, KindResume))
+}
+
+// InitialDelay is the delay between the object's appearance and the daemon's start or the
+// timer's first tick.
+func InitialDelay(delay time.Duration) Option {
+	return option("InitialDelay", only(func(s *spec) { s.initialDelay = delay }, KindDaemon, KindTimer))
+}
+
+// CancellationBackoff is a daemon's grace between a stop request and its cancellation.
+func CancellationBackoff(delay time.Duration) Option {
+	return option("CancellationBackoff", only(func(s *spec) { s.cancellationBackoff = delay }, KindDaemon))
+}
+
+// CancellationTimeout is how long a cancelled daemon may take to end before the controller
+// abandons it; default forever.
+func CancellationTimeout(timeout time.Duration) Option {
+	return option("CancellationTimeout", only(func(s *spec) { s.cancellationTimeout = timeout }, KindDaemon))
+}
+
+// RestartBackoff is how long to wait before restarting a daemon that exited or failed.
+func RestartBackoff(delay time.Duration) Option {
+	return option("RestartBackoff", only(func(s *spec) { s.restartBackoff = delay }, KindDaemon))
+}
+
+// NoRestartAfterSuccess keeps a daemon that returned successfully from being restarted.
+func NoRestartAfterSuccess() Option {
+	return option("NoRestartAfterSuccess", only(func(s *spec) { s.noRestartAfterSuccess = true }, KindDaemon))
+}
+
+// Idle makes a timer tick only once the object has not changed for this long.
+func Idle(idle time.Duration) Option {
+	return option("Idle", only(func(s *spec) { s.idle = idle }, KindTimer))
+}
+
+// Sharp aligns a timer's ticks to a fixed schedule instead of counting the interval from the
+// end of the previous tick.
+func Sharp() Option {
+	return option("Sharp", only(func(s *spec) { s.sharp = true }, KindTimer))
+}
+
+// check validates a registration as kopf does at decoration time.
+func (s *spec) check() error {
+	if s.timeout < 0 || s.backoff < 0 || s.interval < 0 || s.idle < 0 || s.initialDelay < 0 {
+		return fmt.Errorf("negative duration")
+	}
+	if (s.value != nil || s.old != nil || s.new != nil) && s.field == "" {
+		return fmt.Errorf("Value, Old and New need Field")
+	}
+	if s.value != nil && (s.old != nil || s.new != nil) {
+		return fmt.Errorf("Value cannot be combined with Old or New")
+	}
+	for key, m := range s.labels {
+		if _, ok := m.equals.(string); m.presence == noPresence && !ok {
+			return fmt.Errorf("label %q: Equals needs a string", key)
 		}
 	}
-}
-
-// LabelIs requires the label key to have exactly value.
-func LabelIs(key, value string) Option {
-	return func(r *pb.HandlerRegistration) {
-		filters(r).Labels[key] = &pb.MetaMatch{Condition: &pb.MetaMatch_Equals{Equals: value}}
+	for key, m := range s.annotations {
+		if _, ok := m.equals.(string); m.presence == noPresence && !ok {
+			return fmt.Errorf("annotation %q: Equals needs a string", key)
+		}
 	}
-}
-
-// LabelPresent requires the label key to exist (present) or not to exist (!present).
-func LabelPresent(key string, present bool) Option {
-	return func(r *pb.HandlerRegistration) { filters(r).Labels[key] = presence(present) }
-}
-
-// AnnotationIs requires the annotation key to have exactly value.
-func AnnotationIs(key, value string) Option {
-	return func(r *pb.HandlerRegistration) {
-		filters(r).Annotations[key] = &pb.MetaMatch{Condition: &pb.MetaMatch_Equals{Equals: value}}
+	if s.kind == KindTimer && s.interval <= 0 {
+		return fmt.Errorf("a timer needs a positive interval")
 	}
-}
-
-// AnnotationPresent requires the annotation key to exist (present) or not to exist
-// (!present).
-func AnnotationPresent(key string, present bool) Option {
-	return func(r *pb.HandlerRegistration) { filters(r).Annotations[key] = presence(present) }
-}
-
-// Field restricts the handler to changes of the dotted field path (kopf's field=); on
-// update handlers, only changes of that field then invoke it.
-func Field(path string) Option {
-	return func(r *pb.HandlerRegistration) { filters(r).Field = path }
-}
-
-// filters returns the registration's filters, creating them on first use.
-func filters(r *pb.HandlerRegistration) *pb.Filters {
-	if r.Filters == nil {
-		r.Filters = &pb.Filters{}
-	}
-	if r.Filters.Labels == nil {
-		r.Filters.Labels = map[string]*pb.MetaMatch{}
-	}
-	if r.Filters.Annotations == nil {
-		r.Filters.Annotations = map[string]*pb.MetaMatch{}
-	}
-	return r.Filters
-}
-
-// presence returns a PRESENT or ABSENT condition.
-func presence(present bool) *pb.MetaMatch {
-	p := pb.Presence_PRESENCE_ABSENT
-	if present {
-		p = pb.Presence_PRESENCE_PRESENT
-	}
-	return &pb.MetaMatch{Condition: &pb.MetaMatch_Presence{Presence: p}}
+	return nil
 }

@@ -65,6 +65,62 @@ func (p *Patch) Set(path []string, value any) {
 // Status sets status.<key> (kopf's patch.status[key] = value).
 func (p *Patch) Status(key string, value any) { p.Set([]string{"status", key}, value) }
 
+// Merge merges an RFC 7386 merge patch document into the patch; its "status" key goes to the
+// status subresource.
+func (p *Patch) Merge(doc map[string]any) {
+	for key, value := range doc {
+		if sub, ok := value.(map[string]any); ok {
+			mergeInto(p, []string{key}, sub)
+			continue
+		}
+		p.Set([]string{key}, value)
+	}
+}
+
+// mergeInto sets every leaf of doc under path.
+func mergeInto(p *Patch, path []string, doc map[string]any) {
+	if len(doc) == 0 {
+		p.Set(path, map[string]any{})
+	}
+	for key, value := range doc {
+		next := append(append([]string(nil), path...), key)
+		if sub, ok := value.(map[string]any); ok && len(sub) > 0 {
+			mergeInto(p, next, sub)
+			continue
+		}
+		p.Set(next, value)
+	}
+}
+
+// Documents returns copies of the two merge patch documents: the object's (metadata, spec)
+// and the status subresource's (starting at "status"); nil when empty.
+func (p *Patch) Documents() (object, status map[string]any) {
+	c := p.clone()
+	return c.object, c.status
+}
+
+// clone returns a deep copy of the patch.
+func (p *Patch) clone() *Patch {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return &Patch{object: deepCopy(p.object), status: deepCopy(p.status)}
+}
+
+// deepCopy copies the nested maps of a patch document.
+func deepCopy(m map[string]any) map[string]any {
+	if m == nil {
+		return nil
+	}
+	out := make(map[string]any, len(m))
+	for k, v := range m {
+		if sub, ok := v.(map[string]any); ok {
+			v = deepCopy(sub)
+		}
+		out[k] = v
+	}
+	return out
+}
+
 // Empty reports whether nothing was patched.
 func (p *Patch) Empty() bool {
 	p.mu.Lock()

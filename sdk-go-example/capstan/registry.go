@@ -4,48 +4,50 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
-
-	"google.golang.org/protobuf/types/known/durationpb"
-
-	pb "capstan.dev/sdk-go-example/gen/capstan/v1"
 )
 
 // HandlerFunc is the signature of every handler.
 //
 // ctx carries the invocation's deadline, if any, and is cancelled when the controller cancels
-// the invocation or the stream is lost; a handler that gives up because of it returns ctx.Err()
-// (or an error wrapping it) and is reported as cancelled.
+// the invocation (its cause is a [*CancelledError]) or the stream is lost; a handler that gives
+// up because of it returns ctx.Err() (or an error wrapping it) and is reported as cancelled.
 //
-// The returned value, unless nil, is encoded as JSON and becomes the handler's result (the
-// controller stores it at status.<handler id>). The returned error decides the outcome: see
+// The returned value, unless nil, is encoded as JSON: change, event, daemon and timer handlers
+// have it stored at status.<handler id>, probe handlers have it shown by the liveness endpoint,
+// and login handlers return a [*Credentials]. The returned error decides the outcome: see
 // [TemporaryError] and [PermanentError]; any other error is unclassified and follows the
 // registration's [ErrorsMode].
 type HandlerFunc func(ctx context.Context, inv *Invocation) (any, error)
 
-// handler is one registered handler: what is sent in Hello and the function to call.
+// handler is one registered handler: its registration and the function to call.
 type handler struct {
-	registration *pb.HandlerRegistration
-	fn           HandlerFunc
+	spec spec
+	fn   HandlerFunc
 }
 
 // Registry holds the handlers of a handler process and runs them ([Registry.Run]).
 //
 // Register every handler before calling Run; the registrations are sent once per connection,
-// in the order they were added.
+// in the order they were added. Registering is not safe for concurrent use.
 type Registry struct {
-	// Logger receives the layer's own logs and a copy of every handler log record; nil means
+	// Logger receives the package's own logs and a copy of every handler log record; nil means
 	// slog.Default().
 	Logger *slog.Logger
 	// ShutdownGrace is how long Run lets running invocations finish after its context is
 	// cancelled before it cancels them; 0 means 10 seconds.
 	ShutdownGrace time.Duration
+	// MaxInFlight caps the invocations in flight to this process; 0 means the controller's
+	// default.
+	MaxInFlight uint32
+	// ReconnectDelay is the first delay before dialling again after the stream was lost; it
+	// doubles, with jitter, up to MaxReconnectDelay. Zero means 250 ms and 30 s.
+	ReconnectDelay, MaxReconnectDelay time.Duration
 
 	handlers []*handler
 	byID     map[string]*handler
-
-	// Reconnect backoff bounds; zero means 250 ms and 30 s. Tests shorten them.
-	minBackoff, maxBackoff time.Duration
+	memos    memos
 }
 
 // NewRegistry returns an empty registry.
@@ -55,60 +57,80 @@ func NewRegistry() *Registry {
 
 // OnCreate registers a handler called once when an object is first seen (kopf on.create).
 func (r *Registry) OnCreate(resource, id string, fn HandlerFunc, opts ...Option) {
-	r.add(pb.HandlerKind_HANDLER_KIND_CREATE, resource, id, fn, opts)
+	r.add(KindCreate, resource, id, fn, opts)
 }
 
 // OnUpdate registers a handler called when an object's essence changes (kopf on.update).
 func (r *Registry) OnUpdate(resource, id string, fn HandlerFunc, opts ...Option) {
-	r.add(pb.HandlerKind_HANDLER_KIND_UPDATE, resource, id, fn, opts)
+	r.add(KindUpdate, resource, id, fn, opts)
 }
 
-// OnDelete registers a handler called when an object is marked for deletion (kopf
-// on.delete). The controller keeps a finalizer on the object until the handler succeeds.
+// OnDelete registers a handler called when an object is marked for deletion (kopf on.delete).
+// The object keeps a finalizer until the handler succeeds, unless it is [Optional].
 func (r *Registry) OnDelete(resource, id string, fn HandlerFunc, opts ...Option) {
-	r.add(pb.HandlerKind_HANDLER_KIND_DELETE, resource, id, fn, opts)
+	r.add(KindDelete, resource, id, fn, opts)
 }
 
 // OnResume registers a handler called for objects that existed before the controller started
-// (kopf on.resume).
+// (kopf on.resume); with [Deleted], also for objects already marked for deletion.
 func (r *Registry) OnResume(resource, id string, fn HandlerFunc, opts ...Option) {
-	r.add(pb.HandlerKind_HANDLER_KIND_RESUME, resource, id, fn, opts)
+	r.add(KindResume, resource, id, fn, opts)
 }
 
-// OnField registers a handler called when the value of the dotted field path changes, for
-// any cause (kopf on.field). As is conventional, the registered handler id is id + "/" +
-// field, e.g. "field_fn/spec.field"; [Invocation.Old] and [Invocation.New] hold the field's
-// values.
+// OnField registers a handler called when the value of the dotted field path changes, for any
+// cause (kopf on.field). As in kopf, the handler id becomes id + "/" + field, e.g.
+// "field_fn/spec.field"; [Invocation.Old] and [Invocation.New] hold the field's values.
 func (r *Registry) OnField(resource, field, id string, fn HandlerFunc, opts ...Option) {
 	opts = append([]Option{Field(field)}, opts...)
-	r.add(pb.HandlerKind_HANDLER_KIND_FIELD, resource, id+"/"+field, fn, opts)
+	r.add(KindField, resource, id+"/"+field, fn, opts)
 }
 
 // OnEvent registers a handler called for every watch event (kopf on.event); it is not
 // persisted and, by default, not retried.
 func (r *Registry) OnEvent(resource, id string, fn HandlerFunc, opts ...Option) {
-	r.add(pb.HandlerKind_HANDLER_KIND_EVENT, resource, id, fn, opts)
+	r.add(KindEvent, resource, id, fn, opts)
 }
 
 // Daemon registers a long-running handler per object (kopf daemon). It runs until it returns
-// or ctx is cancelled (the object was deleted, the controller stops, ...).
+// or ctx is cancelled (the object was deleted, the controller stops, ...); meanwhile
+// [Invocation.Body] follows the object, and [Invocation.SendPatch] writes progress.
 func (r *Registry) Daemon(resource, id string, fn HandlerFunc, opts ...Option) {
-	r.add(pb.HandlerKind_HANDLER_KIND_DAEMON, resource, id, fn, opts)
+	r.add(KindDaemon, resource, id, fn, opts)
 }
 
 // Timer registers a handler called every interval per object (kopf timer).
 func (r *Registry) Timer(resource, id string, interval time.Duration, fn HandlerFunc, opts ...Option) {
-	opts = append([]Option{func(reg *pb.HandlerRegistration) {
-		reg.KindOptions = &pb.HandlerRegistration_Timer{
-			Timer: &pb.TimerOptions{Interval: durationpb.New(interval)},
-		}
-	}}, opts...)
-	r.add(pb.HandlerKind_HANDLER_KIND_TIMER, resource, id, fn, opts)
+	opts = append([]Option{{name: "interval", apply: func(s *spec) error { s.interval = interval; return nil }}}, opts...)
+	r.add(KindTimer, resource, id, fn, opts)
 }
 
-// add registers one handler. A duplicate or empty id is a programming error and panics, as a
-// duplicate pattern does in net/http.ServeMux.
-func (r *Registry) add(kind pb.HandlerKind, resource, id string, fn HandlerFunc, opts []Option) {
+// OnStartup registers a handler run once before the controller starts watching (kopf
+// on.startup); no object is handled until every startup handler has succeeded.
+func (r *Registry) OnStartup(id string, fn HandlerFunc, opts ...Option) {
+	r.add(KindStartup, "", id, fn, opts)
+}
+
+// OnCleanup registers a handler run once when the controller stops (kopf on.cleanup).
+func (r *Registry) OnCleanup(id string, fn HandlerFunc, opts ...Option) {
+	r.add(KindCleanup, "", id, fn, opts)
+}
+
+// OnLogin registers a handler returning API credentials for the controller (kopf on.login);
+// it returns a [*Credentials].
+func (r *Registry) OnLogin(id string, fn HandlerFunc, opts ...Option) {
+	r.add(KindLogin, "", id, fn, opts)
+}
+
+// OnProbe registers a handler whose result the controller's liveness endpoint reports (kopf
+// on.probe); an error fails liveness.
+func (r *Registry) OnProbe(id string, fn HandlerFunc, opts ...Option) {
+	r.add(KindProbe, "", id, fn, opts)
+}
+
+// add registers one handler. An empty or duplicate id, a nil function, and an option that does
+// not apply to the kind are programming errors and panic, as a duplicate pattern does in
+// net/http.ServeMux.
+func (r *Registry) add(kind Kind, resource, id string, fn HandlerFunc, opts []Option) {
 	if id == "" {
 		panic("capstan: empty handler id")
 	}
@@ -121,26 +143,32 @@ func (r *Registry) add(kind pb.HandlerKind, resource, id string, fn HandlerFunc,
 	if _, ok := r.byID[id]; ok {
 		panic(fmt.Sprintf("capstan: handler id %q registered twice", id))
 	}
-	reg := &pb.HandlerRegistration{
-		HandlerId: id,
-		Kind:      kind,
-		Resource:  &pb.ResourceSelector{Name: resource},
+	h := &handler{spec: spec{kind: kind, id: id}, fn: fn}
+	if !kind.IsActivity() {
+		h.spec.resource = parseSelector(resource)
 	}
 	for _, opt := range opts {
-		opt(reg)
+		if opt.apply == nil {
+			continue
+		}
+		if err := opt.apply(&h.spec); err != nil {
+			panic(fmt.Sprintf("capstan: handler %q: %s %v", id, opt.name, err))
+		}
 	}
-	h := &handler{registration: reg, fn: fn}
+	if err := h.spec.check(); err != nil {
+		panic(fmt.Sprintf("capstan: handler %q: %v", id, err))
+	}
 	r.handlers = append(r.handlers, h)
 	r.byID[id] = h
 }
 
-// registrations returns the HandlerRegistrations for Hello, in registration order.
-func (r *Registry) registrations() []*pb.HandlerRegistration {
-	regs := make([]*pb.HandlerRegistration, len(r.handlers))
+// Handlers returns the ids of the registered handlers, in registration order.
+func (r *Registry) Handlers() []string {
+	ids := make([]string, len(r.handlers))
 	for i, h := range r.handlers {
-		regs[i] = h.registration
+		ids[i] = h.spec.id
 	}
-	return regs
+	return ids
 }
 
 // logger returns the configured logger.
@@ -149,4 +177,45 @@ func (r *Registry) logger() *slog.Logger {
 		return r.Logger
 	}
 	return slog.Default()
+}
+
+// parseSelector splits "group/version/name", "version/name" (core group, e.g. "v1/pods") and
+// "group/name"; anything else is a name the controller resolves as kopf does (plural, kind,
+// singular, short name or category, possibly dotted with version and group).
+func parseSelector(text string) selector {
+	parts := strings.Split(text, "/")
+	switch {
+	case len(parts) == 3:
+		return selector{group: parts[0], version: parts[1], name: parts[2]}
+	case len(parts) == 2 && isVersion(parts[0]):
+		return selector{version: parts[0], name: parts[1]}
+	case len(parts) == 2:
+		return selector{group: parts[0], name: parts[1]}
+	}
+	return selector{name: text}
+}
+
+// isVersion reports whether s looks like a Kubernetes API version: v1, v1beta2, v2alpha1.
+func isVersion(s string) bool {
+	rest, ok := strings.CutPrefix(s, "v")
+	if !ok {
+		return false
+	}
+	digits := 0
+	for digits < len(rest) && rest[digits] >= '0' && rest[digits] <= '9' {
+		digits++
+	}
+	if digits == 0 {
+		return false
+	}
+	tail := rest[digits:]
+	if tail == "" {
+		return true
+	}
+	for _, stage := range []string{"alpha", "beta"} {
+		if n, ok := strings.CutPrefix(tail, stage); ok && n != "" && strings.Trim(n, "0123456789") == "" {
+			return true
+		}
+	}
+	return false
 }

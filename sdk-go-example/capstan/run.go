@@ -22,11 +22,20 @@ import (
 // DefaultEndpoint is where the controller listens unless configured otherwise.
 const DefaultEndpoint = "unix:///run/capstan/capstan.sock"
 
-// Version is the version of this layer, sent in Hello.
-const Version = "0.1.0"
+// Version is the version of this package, sent in Hello.
+const Version = "0.2.0"
 
 // maxMessageBytes is the protocol's message size limit, both ways (16 MiB).
 const maxMessageBytes = 16 << 20
+
+// capabilities are the protocol features this package implements, announced in Hello.
+var capabilities = []pb.Capability{
+	pb.Capability_CAPABILITY_RESULT_ACK,
+	pb.Capability_CAPABILITY_INVOCATION_UPDATES,
+	pb.Capability_CAPABILITY_SDK_FILTERS,
+	pb.Capability_CAPABILITY_SUBHANDLERS,
+	pb.Capability_CAPABILITY_OBJECT_UPDATES,
+}
 
 // handshakeTimeout bounds the wait for Welcome after Hello.
 const handshakeTimeout = 30 * time.Second
@@ -44,11 +53,16 @@ func (r *Registry) Run(ctx context.Context, endpoint string) error {
 	if len(r.handlers) == 0 {
 		return errors.New("capstan: no handlers registered")
 	}
+	regs, err := r.registrations()
+	if err != nil {
+		return err
+	}
 	hello := &pb.Hello{
-		Capabilities: []pb.Capability{pb.Capability_CAPABILITY_RESULT_ACK},
-		Sdk:          &pb.SoftwareInfo{Name: "capstan-sdk-go-example", Version: Version, Language: "go"},
+		Capabilities: capabilities,
+		Sdk:          &pb.SoftwareInfo{Name: "capstan-sdk-go", Version: Version, Language: "go"},
 		InstanceId:   newInstanceID(),
-		Handlers:     r.registrations(),
+		Handlers:     regs,
+		MaxInFlight:  r.MaxInFlight,
 	}
 	log := r.logger()
 	for failures := 0; ; failures++ {
@@ -164,7 +178,7 @@ func target(endpoint string) string {
 // bounds, with jitter (a random delay in its upper half) so that many processes do not
 // reconnect in step.
 func (r *Registry) backoff(failures int) time.Duration {
-	lo, hi := r.minBackoff, r.maxBackoff
+	lo, hi := r.ReconnectDelay, r.MaxReconnectDelay
 	if lo <= 0 {
 		lo = 250 * time.Millisecond
 	}

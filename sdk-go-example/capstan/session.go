@@ -2,25 +2,24 @@ package capstan
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
-	"runtime/debug"
 	"strings"
 	"sync"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	pb "capstan.dev/sdk-go-example/gen/capstan/v1"
 )
 
 // errStreamLost is the context cause of invocations whose stream ended.
-var errStreamLost = errors.New("capstan: the stream to the controller was lost")
+var errStreamLost = &CancelledError{Reason: CancelStreamLost}
 
 // errStopping is the context cause of invocations still running when the shutdown grace
 // period ran out.
-var errStopping = errors.New("capstan: the handler process is stopping")
+var errStopping = &CancelledError{Reason: CancelProcessStopping}
 
 // stream is the client side of Connect.
 type stream = grpc.BidiStreamingClient[pb.ConnectRequest, pb.ConnectResponse]
@@ -40,8 +39,14 @@ type session struct {
 	closed bool // no more sends: the stream ended or our side was closed
 
 	mu      sync.Mutex
-	running map[string]context.CancelCauseFunc
+	running map[string]*active
 	idle    chan struct{} // closed when running becomes empty; see waitIdle
+}
+
+// active is one running invocation.
+type active struct {
+	cancel context.CancelCauseFunc
+	inv    *Invocation
 }
 
 // newSession wraps a stream whose handshake is done.
@@ -53,7 +58,7 @@ func newSession(reg *Registry, s stream) *session {
 		stream:  s,
 		ctx:     ctx,
 		cancel:  cancel,
-		running: map[string]context.CancelCauseFunc{},
+		running: map[string]*active{},
 	}
 }
 
@@ -69,6 +74,16 @@ func (s *session) send(m *pb.ConnectRequest) {
 		s.closed = true
 		s.log.Debug("capstan: send failed; the stream has ended", "error", err)
 	}
+}
+
+// sendMessage sends what an invocation sends besides its result.
+func (s *session) sendMessage(m message) {
+	req, err := m.request()
+	if err != nil {
+		s.log.Warn("capstan: dropping an unencodable patch", "invocation", m.id, "error", err)
+		return
+	}
+	s.send(req)
 }
 
 // serve reads the stream until it ends (returning why) or ctx is cancelled (returning nil
@@ -104,6 +119,8 @@ func (s *session) read() error {
 				Nonce:    msg.Ping.GetNonce(),
 				InFlight: uint32(s.inFlight()),
 			}}})
+		case *pb.ConnectResponse_ObjectUpdate:
+			s.updateBody(msg.ObjectUpdate)
 		case *pb.ConnectResponse_Drain:
 			s.log.Info("capstan: the controller is draining; no new invocations will come",
 				"reason", msg.Drain.GetReason(), "grace", msg.Drain.GetGracePeriod().AsDuration())
@@ -116,8 +133,7 @@ func (s *session) read() error {
 			s.logDiagnostics("capstan: notice from the controller", msg.Notice.GetInvocationId(),
 				msg.Notice.GetDiagnostics())
 		default:
-			// A second welcome, an object update (a capability this layer does not ask for) or
-			// a message of a newer protocol revision: ignored.
+			// A second welcome or a message of a newer protocol revision: ignored.
 			s.log.Debug("capstan: ignoring a message", "type", fmt.Sprintf("%T", msg))
 		}
 	}
@@ -128,50 +144,71 @@ func (s *session) start(m *pb.Invocation) {
 	id := m.GetInvocationId()
 	h := s.reg.byID[m.GetHandlerId()]
 	if h == nil {
-		s.reject(id, "UNKNOWN_HANDLER", fmt.Sprintf("no handler %q in this process", m.GetHandlerId()))
+		s.reject(id, "UNKNOWN_HANDLER", fmt.Sprintf("no handler %q is registered in this process", m.GetHandlerId()))
 		return
 	}
-	inv, err := newInvocation(m)
+	inv, err := newInvocation(m, h.spec.kind)
 	if err != nil {
-		s.reject(id, "MALFORMED_JSON", fmt.Sprintf("invocation %s: %v", id, err))
+		s.reject(id, "INVALID_INVOCATION", fmt.Sprintf("the invocation carries malformed JSON: %v", err))
 		return
 	}
-	inv.logger, inv.send = s.log, s.send
+	inv.logger, inv.send, inv.memos = s.log, s.sendMessage, &s.reg.memos
 
 	ctx, cancel := context.WithCancelCause(s.ctx)
 	stopDeadline := context.CancelFunc(func() {})
 	if deadline := m.GetDeadline(); deadline != nil {
-		ctx, stopDeadline = context.WithDeadline(ctx, deadline.AsTime())
+		ctx, stopDeadline = context.WithDeadlineCause(ctx, deadline.AsTime(),
+			&CancelledError{Reason: CancelDeadlineExceeded})
 	}
 	s.mu.Lock()
-	s.running[id] = cancel
+	s.running[id] = &active{cancel: cancel, inv: inv}
 	s.mu.Unlock()
 
 	go func() {
 		defer stopDeadline()
 		begin := time.Now()
-		value, err := call(ctx, h.fn, inv)
-		var p *panicError
-		if errors.As(err, &p) {
+		res := dispatch(ctx, h, inv, m.GetSubhandlers())
+		res.InvocationId = id
+		res.Duration = durationpb.New(time.Since(begin))
+		if f := res.GetUnclassifiedError(); f != nil && len(f.GetDiagnostics()) > 0 &&
+			f.GetDiagnostics()[0].GetReason() == "HANDLER_PANIC" {
+			d := f.GetDiagnostics()[0]
 			s.log.Error("capstan: handler panicked", "handler", inv.HandlerID, "invocation", id,
-				"panic", p.value, "stack", string(p.stack))
+				"panic", d.GetSummary(), "stack", d.GetStackTrace())
 		}
-		s.send(&pb.ConnectRequest{Message: &pb.ConnectRequest_Result{
-			Result: result(id, value, err, inv.Patch(), ctx.Err() != nil, time.Since(begin)),
-		}})
+		s.send(&pb.ConnectRequest{Message: &pb.ConnectRequest_Result{Result: res}})
 		cancel(nil)
 		s.finish(id)
+		s.forget(inv, res)
 	}()
 }
 
-// call calls a handler and turns a panic into an error.
-func call(ctx context.Context, fn HandlerFunc, inv *Invocation) (value any, err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			value, err = nil, &panicError{value: r, stack: debug.Stack()}
-		}
-	}()
-	return fn(ctx, inv)
+// forget drops the memo of an object that went away: after a DELETED event, and a while after
+// a delete handler succeeded.
+func (s *session) forget(inv *Invocation, res *pb.InvocationResult) {
+	switch {
+	case inv.EventType == EventDeleted:
+		s.reg.memos.drop(inv.UID(), 0)
+	case inv.Reason == ReasonDelete && res.GetSuccess() != nil:
+		s.reg.memos.drop(inv.UID(), memoGrace)
+	}
+}
+
+// updateBody shows a running invocation the latest body of its object.
+func (s *session) updateBody(u *pb.ObjectUpdate) {
+	s.mu.Lock()
+	a := s.running[u.GetInvocationId()]
+	s.mu.Unlock()
+	if a == nil {
+		return // already finished
+	}
+	body, err := decode(u.GetBody())
+	if b, ok := body.(map[string]any); ok && err == nil {
+		a.inv.setBody(b)
+		return
+	}
+	s.log.Warn("capstan: ignoring an object update without an object body", "invocation", u.GetInvocationId(),
+		"error", err)
 }
 
 // reject answers an invocation that cannot run with a permanent error.
@@ -188,12 +225,20 @@ func (s *session) reject(id, reason, summary string) {
 // cancelOne cancels the context of a running invocation; its handler then answers.
 func (s *session) cancelOne(c *pb.Cancel) {
 	s.mu.Lock()
-	cancel := s.running[c.GetInvocationId()]
+	a := s.running[c.GetInvocationId()]
 	s.mu.Unlock()
-	if cancel == nil {
+	if a == nil {
 		return // already finished: its result is on the way
 	}
-	cancel(&CancelledError{Reason: strings.TrimPrefix(c.GetReason().String(), "CANCEL_REASON_")})
+	reason := cancelReasons[c.GetReason()]
+	if reason == "" {
+		reason = CancelReason(strings.ToLower(strings.TrimPrefix(c.GetReason().String(), "CANCEL_REASON_")))
+	}
+	a.inv.cancelled(reason)
+	a.cancel(&CancelledError{Reason: reason})
+	if reason == CancelResourceDeleted {
+		s.reg.memos.drop(a.inv.UID(), 0)
+	}
 }
 
 // finish forgets a finished invocation.
@@ -235,7 +280,17 @@ func (s *session) abandon() {
 	s.sendMu.Lock()
 	s.closed = true
 	s.sendMu.Unlock()
-	s.cancel(errStreamLost)
+	s.cancelAll(errStreamLost)
+}
+
+// cancelAll cancels every running invocation with cause.
+func (s *session) cancelAll(cause *CancelledError) {
+	s.mu.Lock()
+	for _, a := range s.running {
+		a.inv.cancelled(cause.Reason)
+	}
+	s.mu.Unlock()
+	s.cancel(cause)
 }
 
 // shutdown says goodbye, lets the running invocations finish within the grace period, cancels
@@ -255,7 +310,7 @@ func (s *session) shutdown(lost <-chan error) {
 		s.abandon()
 		return
 	case <-time.After(grace):
-		s.cancel(errStopping)
+		s.cancelAll(errStopping)
 		select {
 		case <-s.waitIdle():
 		case <-time.After(grace):

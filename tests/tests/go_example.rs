@@ -1,7 +1,9 @@
 //! End to end with the Go example operator (`sdk-go-example/cmd/example-operator`), a handler
-//! process written in Go from `proto/` alone: the real API server, the real `capstan` binary
-//! and the Go process, with the handlers' effects (including a retried temporary error)
-//! asserted on the objects.
+//! process written with the Go SDK: the real API server, the real `capstan` binary and the Go
+//! process, with the handlers' effects asserted on the objects — change handlers with results,
+//! a retried temporary error, sub-handlers (one retried on its own), a daemon that follows its
+//! object's live body and writes progress while it runs, a timer, and the startup, probe and
+//! cleanup activities.
 
 use std::{
     collections::HashMap,
@@ -13,11 +15,11 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use capstan_tests::{
     process::{Controller, Process},
-    scenario::{Scenario, annotation, label},
+    scenario::{Scenario, annotation, label, tail},
     testenv::{TestEnv, repo_root},
 };
-use serde_json::json;
-use tokio::process::Command;
+use serde_json::{Value, json};
+use tokio::{process::Command, time::Instant};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -59,7 +61,7 @@ async fn start() -> Result<Scenario> {
     env.apply_example_crd().await?;
     let client = env.client().await?;
     let binary = build_go_operator(env.scratch()).await?;
-    let mut controller = Controller::start(&env, "capstan", &[]).await?;
+    let mut controller = Controller::start(&env, "capstan", &["--shutdown-grace", "5s"]).await?;
     let vars = HashMap::from([("CAPSTAN_ENDPOINT".to_owned(), controller.endpoint())]);
     let mut operator = Process::spawn("go-operator", &binary, &[], &vars, env.scratch())?;
     controller
@@ -82,12 +84,16 @@ async fn start() -> Result<Scenario> {
 }
 
 #[tokio::test]
-async fn go_operator_handles_create_update_field_and_delete() -> Result<()> {
+async fn go_operator_handles_changes_subhandlers_a_live_daemon_a_timer_and_activities() -> Result<()> {
     let mut s = start().await?;
 
     // Every registration is accepted in the welcome, and the operator logs each.
     for handler in [
+        "startup_fn",
+        "cleanup_fn",
+        "probe_fn",
         "create_fn",
+        "setup",
         "update_fn",
         "field_fn/spec.field",
         "delete_fn",
@@ -100,13 +106,18 @@ async fn go_operator_handles_create_update_field_and_delete() -> Result<()> {
             s.handler.output()
         );
     }
+    s.handler
+        .wait_for("example operator startup done", T)
+        .await?;
 
     s.create("one", json!({"field": "a"})).await?;
     let obj = s
-        .wait("one", T, "create and field handlers done", |o| {
+        .wait("one", T, "create, field, sub- and daemon handlers done", |o| {
             label(o, "demo.capstan.dev/handled-by").is_some()
                 && annotation(o, "demo.capstan.dev/field").is_some()
                 && o.pointer("/status/create_fn/message").is_some()
+                && annotation(o, "demo.capstan.dev/service").is_some()
+                && annotation(o, "demo.capstan.dev/monitored") == Some("a")
         })
         .await?;
     assert_eq!(label(&obj, "demo.capstan.dev/handled-by"), Some("go"));
@@ -116,16 +127,41 @@ async fn go_operator_handles_create_update_field_and_delete() -> Result<()> {
         Some("none->a"),
         "field handlers fire on creation"
     );
+    assert_eq!(annotation(&obj, "demo.capstan.dev/config"), Some("ready"));
+    assert_eq!(
+        annotation(&obj, "demo.capstan.dev/service"),
+        Some("ready after 0 retries")
+    );
 
+    // The probe's result is on the controller's liveness endpoint.
+    let deadline = Instant::now() + T;
+    loop {
+        let (_, body) = s.controller.admin_get("/healthz").await?;
+        let report: Value = serde_json::from_str(&body).unwrap_or_default();
+        if report["probes"]["probe_fn"]["answer"]["language"] == "go" {
+            assert!(report["probes"]["probe_fn"]["answer"]["created"].as_u64() >= Some(1), "{body}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no Go probe result in /healthz: {body}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // The running daemon sees the new body (it is not restarted) and writes what it sees.
     s.patch("one", json!({"spec": {"field": "b"}})).await?;
     let obj = s
-        .wait("one", T, "update and field handlers done", |o| {
+        .wait("one", T, "update, field and daemon handlers saw b", |o| {
             annotation(o, "demo.capstan.dev/field") == Some("a->b")
                 && o.pointer("/status/update_fn/message").is_some()
+                && annotation(o, "demo.capstan.dev/monitored") == Some("b")
         })
         .await?;
     assert_eq!(obj["status"]["update_fn"]["message"], "updated one from go");
     assert_eq!(obj["status"]["create_fn"]["message"], "hello one from go");
+    assert!(
+        !s.handler.output().contains("monitor stopped"),
+        "the daemon was restarted instead of following its object:\n{}",
+        s.handler.output()
+    );
 
     let obj = s
         .wait("one", T, "the timer ticked", |o| {
@@ -134,24 +170,46 @@ async fn go_operator_handles_create_update_field_and_delete() -> Result<()> {
         .await?;
     assert!(obj["status"]["ticks"].as_u64() >= Some(1), "{obj}");
 
-    // A temporary error is retried after its delay, and the retry count reaches the handler.
-    s.create("flaky", json!({"fail_times": 2})).await?;
+    // A temporary error is retried after its delay, and the retry count reaches the handler;
+    // a failing sub-handler is retried on its own.
+    s.create("flaky", json!({"fail_times": 2, "fail_service": true}))
+        .await?;
     let obj = s
         .wait("flaky", T, "created after two temporary failures", |o| {
             o.pointer("/status/create_fn/message").is_some()
+                && annotation(o, "demo.capstan.dev/service").is_some()
         })
         .await?;
     assert_eq!(obj["status"]["create_fn"]["message"], "hello flaky from go");
+    assert_eq!(
+        annotation(&obj, "demo.capstan.dev/service"),
+        Some("ready after 1 retries")
+    );
+    assert_eq!(annotation(&obj, "demo.capstan.dev/config"), Some("ready"));
     let log = s.controller.process.output();
     for attempt in 1..=2 {
         let message = format!("not ready yet (attempt {attempt} of 2 failing)");
         assert!(log.contains(&message), "no retry after {message:?}:\n{log}");
     }
+    assert!(
+        log.contains("service not ready yet"),
+        "no retry of the sub-handler:\n{}",
+        tail(&log, 40)
+    );
 
     s.delete("one").await?;
     s.wait_gone("one", T).await?;
     s.handler.wait_for("deleting one", T).await?;
-    s.handler.wait_for("monitor stopped", T).await?;
+    s.handler
+        .wait_for("monitor stopped object=one reason=resource_deleted", T)
+        .await?;
+
+    // The controller's shutdown runs the cleanup handler in the Go process.
+    let status = s.controller.process.terminate().await?;
+    assert!(status.success(), "the controller exited with {status}");
+    s.handler
+        .wait_for("example operator cleanup done", T)
+        .await?;
 
     let status = s.handler.terminate().await?;
     assert!(status.success(), "the Go operator exited with {status}");

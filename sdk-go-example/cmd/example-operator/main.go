@@ -1,6 +1,8 @@
 // Command example-operator is a Capstan handler process written in Go: it handles the example
-// resource examples.demo.capstan.dev (kind Example, short name cex) with one handler of each
-// common kind.
+// resource examples.demo.capstan.dev (kind Example, short name cex) and shows the common
+// patterns of an operator: results stored in the status, retries, sub-handlers, a daemon that
+// follows its object and writes progress while it runs, a timer, and the operator's startup,
+// cleanup and probe activities.
 //
 // Run it next to a capstan controller; it dials CAPSTAN_ENDPOINT (default
 // unix:///run/capstan/capstan.sock) and stops on SIGTERM or SIGINT.
@@ -13,6 +15,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -22,15 +25,54 @@ import (
 // resource is the selector of the example resource.
 const resource = "examples.demo.capstan.dev"
 
-// createFn greets new objects and marks them as handled by this process. With spec.fail_times
-// set it first fails that many times with a temporary error, to show retries.
+// handled counts successful create handler calls, for the probe.
+var handled atomic.Int64
+
+// startupFn runs once before the controller starts watching.
+func startupFn(_ context.Context, inv *capstan.Invocation) (any, error) {
+	inv.Logf("example operator startup done")
+	return nil, nil
+}
+
+// cleanupFn runs once when the controller stops.
+func cleanupFn(_ context.Context, inv *capstan.Invocation) (any, error) {
+	inv.Logf("example operator cleanup done")
+	return nil, nil
+}
+
+// probeFn reports this process's state on the controller's liveness endpoint.
+func probeFn(context.Context, *capstan.Invocation) (any, error) {
+	return map[string]any{"language": "go", "created": handled.Load()}, nil
+}
+
+// createFn greets new objects and marks them as handled by this process; its result goes to
+// status.create_fn. With spec.fail_times set it first fails that many times with a temporary
+// error, to show retries.
 func createFn(_ context.Context, inv *capstan.Invocation) (any, error) {
 	if failTimes := number(inv.Spec()["fail_times"]); inv.Retry < failTimes {
 		return nil, capstan.Temporaryf(time.Second, "not ready yet (attempt %d of %d failing)", inv.Attempt, failTimes)
 	}
 	inv.Patch().Label("demo.capstan.dev/handled-by", "go")
 	inv.Logf("created %s", inv.Name())
+	handled.Add(1)
 	return map[string]string{"message": fmt.Sprintf("hello %s from go", inv.Name())}, nil
+}
+
+// setupFn declares two sub-handlers, each recorded on its own ("setup/config",
+// "setup/service"): a failing one is retried without running the finished one again.
+func setupFn(_ context.Context, inv *capstan.Invocation) (any, error) {
+	inv.Subhandler("config", func(_ context.Context, sub *capstan.Invocation) (any, error) {
+		sub.Patch().Annotation("demo.capstan.dev/config", "ready")
+		return nil, nil
+	})
+	inv.Subhandler("service", func(_ context.Context, sub *capstan.Invocation) (any, error) {
+		if sub.Spec()["fail_service"] == true && sub.Retry == 0 {
+			return nil, capstan.Temporaryf(time.Second, "service not ready yet")
+		}
+		sub.Patch().Annotation("demo.capstan.dev/service", fmt.Sprintf("ready after %d retries", sub.Retry))
+		return nil, nil
+	}, capstan.Retries(5))
+	return nil, nil
 }
 
 // updateFn acknowledges changes of the object.
@@ -53,31 +95,35 @@ func deleteFn(_ context.Context, inv *capstan.Invocation) (any, error) {
 	return nil, nil
 }
 
-// monitor reports every few seconds that the object is monitored, until it is cancelled.
+// monitor follows its object while it lives: whenever spec.field changes, it writes the value
+// it sees to the annotation demo.capstan.dev/monitored at once, without waiting to return.
 func monitor(ctx context.Context, inv *capstan.Invocation) (any, error) {
-	ticker := time.NewTicker(5 * time.Second)
-	defer ticker.Stop()
+	seen := ""
 	for {
+		if now := show(inv.Spec()["field"]); now != seen { // Spec() is the latest body
+			seen = now
+			p := &capstan.Patch{}
+			p.Annotation("demo.capstan.dev/monitored", now)
+			if err := inv.SendPatch(p); err != nil {
+				return nil, err
+			}
+		}
 		select {
 		case <-ctx.Done():
-			slog.Info("monitor stopped", "object", inv.Name(), "cause", context.Cause(ctx))
+			slog.Info("monitor stopped", "object", inv.Name(), "reason", inv.CancelReason())
 			return nil, ctx.Err()
-		case <-ticker.C:
-			slog.Info("monitoring", "object", inv.Name())
+		case <-time.After(500 * time.Millisecond):
 		}
 	}
 }
 
 // tick counts timer ticks in status.ticks.
 func tick(_ context.Context, inv *capstan.Invocation) (any, error) {
-	n, _ := inv.Status()["ticks"].(json.Number)
-	ticks, _ := n.Int64() // 0 when absent
-	inv.Patch().Status("ticks", ticks+1)
+	inv.Patch().Status("ticks", number(inv.Status()["ticks"])+1)
 	return nil, nil
 }
 
-// show formats a field value for the annotation; an absent field is "none".
-// number reads a JSON number (json.Number, as the layer decodes them) as an int; 0 otherwise.
+// number reads a JSON number (json.Number, as the package decodes them) as an int; 0 otherwise.
 func number(v any) int {
 	n, ok := v.(json.Number)
 	if !ok {
@@ -90,6 +136,7 @@ func number(v any) int {
 	return int(i)
 }
 
+// show formats a field value for an annotation; an absent field is "none".
 func show(v any) string {
 	if v == nil {
 		return "none"
@@ -97,17 +144,19 @@ func show(v any) string {
 	return fmt.Sprint(v)
 }
 
-// registry registers the handlers. The daemon and the timer are registered like the others;
-// a controller that does not support them rejects just those two in its welcome (the layer
-// logs why) and invokes the rest.
+// registry registers the handlers.
 func registry() *capstan.Registry {
 	reg := capstan.NewRegistry()
+	reg.OnStartup("startup_fn", startupFn)
+	reg.OnCleanup("cleanup_fn", cleanupFn)
+	reg.OnProbe("probe_fn", probeFn)
 	reg.OnCreate(resource, "create_fn", createFn, capstan.Retries(5))
+	reg.OnCreate(resource, "setup", setupFn)
 	reg.OnUpdate(resource, "update_fn", updateFn)
 	reg.OnField(resource, "spec.field", "field_fn", fieldFn)
 	reg.OnDelete(resource, "delete_fn", deleteFn)
-	reg.Daemon(resource, "monitor", monitor)
-	reg.Timer(resource, "tick", 10*time.Second, tick)
+	reg.Daemon(resource, "monitor", monitor, capstan.CancellationTimeout(10*time.Second))
+	reg.Timer(resource, "tick", 5*time.Second, tick)
 	return reg
 }
 

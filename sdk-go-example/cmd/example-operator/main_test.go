@@ -1,34 +1,69 @@
 package main
 
 import (
-	"context"
 	"encoding/json"
-	"errors"
 	"testing"
 
 	"capstan.dev/sdk-go-example/capstan"
+	"capstan.dev/sdk-go-example/capstantest"
 )
 
-func invocation(spec map[string]any, retry int) *capstan.Invocation {
-	return &capstan.Invocation{
-		HandlerID: "create_fn",
-		Attempt:   retry + 1,
-		Retry:     retry,
-		Body:      map[string]any{"spec": spec},
-	}
+func object(name string, spec map[string]any) map[string]any {
+	return map[string]any{"metadata": map[string]any{"name": name, "namespace": "default", "uid": "u-" + name}, "spec": spec}
 }
 
-func TestCreateFailsTemporarilyAsManyTimesAsAsked(t *testing.T) {
-	spec := map[string]any{"fail_times": json.Number("2")}
-	for retry := 0; retry < 2; retry++ {
-		_, err := createFn(context.Background(), invocation(spec, retry))
-		var temporary *capstan.TemporaryError
-		if !errors.As(err, &temporary) {
-			t.Fatalf("retry %d: want a temporary error, got %v", retry, err)
+func TestTheOperatorAgainstAFakeController(t *testing.T) {
+	ctl := capstantest.NewController(t)
+	ctl.Serve(t, registry())
+
+	// Retries: spec.fail_times temporary failures, then the greeting.
+	flaky := object("flaky", map[string]any{"fail_times": 2})
+	for attempt := 1; attempt <= 2; attempt++ {
+		r := ctl.Invoke(t, capstantest.Invocation{Handler: "create_fn", Body: flaky, Attempt: attempt})
+		if r.Outcome != capstantest.Temporary {
+			t.Fatalf("attempt %d: %+v", attempt, r)
 		}
 	}
-	if _, err := createFn(context.Background(), invocation(spec, 2)); err != nil {
-		t.Fatalf("third attempt: %v", err)
+	r := ctl.Invoke(t, capstantest.Invocation{Handler: "create_fn", Body: flaky, Attempt: 3})
+	if r.Outcome != capstantest.Success || r.Value.(map[string]any)["message"] != "hello flaky from go" {
+		t.Fatalf("third attempt: %+v", r)
+	}
+
+	// Sub-handlers: service fails once and is retried alone.
+	r = ctl.Invoke(t, capstantest.Invocation{Handler: "setup", Body: object("s", map[string]any{"fail_service": true})})
+	if len(r.Subhandlers) != 2 || r.Subhandlers[0].Outcome != capstantest.Success || r.Subhandlers[1].Outcome != capstantest.Temporary {
+		t.Fatalf("setup: %+v", r.Subhandlers)
+	}
+	r = ctl.Invoke(t, capstantest.Invocation{Handler: "setup", Body: object("s", map[string]any{"fail_service": true}),
+		Subhandlers: []capstantest.SubhandlerState{{ID: "config", Success: true}, {ID: "service", Retries: 1}}})
+	if len(r.Subhandlers) != 1 || r.Subhandlers[0].ID != "service" || r.Subhandlers[0].Outcome != capstantest.Success {
+		t.Fatalf("setup again: %+v", r.Subhandlers)
+	}
+
+	// The daemon follows its object's body and writes what it sees at once.
+	run := ctl.Start(t, capstantest.Invocation{Handler: "monitor", Body: object("d", map[string]any{"field": "a"})})
+	if u := run.NextUpdate(t); u.Object["metadata"].(map[string]any)["annotations"].(map[string]any)["demo.capstan.dev/monitored"] != "a" {
+		t.Fatalf("first update: %+v", u)
+	}
+	run.UpdateBody(t, object("d", map[string]any{"field": "b"}))
+	if u := run.NextUpdate(t); u.Object["metadata"].(map[string]any)["annotations"].(map[string]any)["demo.capstan.dev/monitored"] != "b" {
+		t.Fatalf("second update: %+v", u)
+	}
+	run.Cancel(t, capstan.CancelResourceDeleted)
+	if r := run.Wait(t); r.Outcome != capstantest.Cancelled {
+		t.Fatalf("daemon: %+v", r)
+	}
+
+	// The timer counts, and the probe reports the creations.
+	body := object("t", nil)
+	body["status"] = map[string]any{"ticks": 4}
+	r = ctl.Invoke(t, capstantest.Invocation{Handler: "tick", Body: body})
+	if r.Patch.Status["status"].(map[string]any)["ticks"] != json.Number("5") {
+		t.Fatalf("tick: %+v", r)
+	}
+	r = ctl.Invoke(t, capstantest.Invocation{Handler: "probe_fn"})
+	if r.Value.(map[string]any)["created"] != json.Number("1") {
+		t.Fatalf("probe: %+v", r)
 	}
 }
 

@@ -36,8 +36,7 @@ func logCall(inv *capstan.Invocation) {
 
 // temporary fails the first spec.temporary.<id> attempts, as the Rust e2e handler does.
 func temporary(inv *capstan.Invocation) error {
-	spec, _ := inv.Body["spec"].(map[string]any)
-	t, _ := spec["temporary"].(map[string]any)
+	t, _ := inv.Spec()["temporary"].(map[string]any)
 	if n, ok := t[inv.HandlerID]; ok {
 		var limit int
 		fmt.Sscan(fmt.Sprint(n), &limit)
