@@ -87,7 +87,9 @@ async fn start() -> Result<Scenario> {
 async fn go_operator_handles_changes_subhandlers_a_live_daemon_a_timer_and_activities() -> Result<()> {
     let mut s = start().await?;
 
-    // Every registration is accepted in the welcome, and the operator logs each.
+    // Every registration is accepted in the welcome, and the operator logs each (the last one
+    // logged is the timer).
+    s.handler.wait_for("handler=tick ", T).await?;
     for handler in [
         "startup_fn",
         "cleanup_fn",
