@@ -493,8 +493,18 @@ func TestCancelsDeadlinesAndPings(t *testing.T) {
 			return "released", nil
 		}
 	})
+	reg.OnCreate(res, "gives_up", func(ctx context.Context, _ *capstan.Invocation) (any, error) {
+		<-ctx.Done()
+		return nil, errors.New("stopped half-way") // any error after a cancel is "cancelled"
+	})
 	ctl := capstantest.NewController(t)
 	ctl.Serve(t, reg)
+
+	gaveUp := ctl.Start(t, capstantest.Invocation{Handler: "gives_up"})
+	gaveUp.Cancel(t, capstan.CancelPaused)
+	if r := gaveUp.Wait(t); r.Outcome != capstantest.Cancelled {
+		t.Errorf("an error after a cancel = %+v", r)
+	}
 
 	run := ctl.Start(t, capstantest.Invocation{Handler: "waits"})
 	if n := ctl.Ping(t); n != 1 {

@@ -116,7 +116,7 @@ func runSubhandlers(ctx context.Context, parent *Invocation, prefix string, stat
 				}
 			}
 		}
-		if ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+		if ctx.Err() != nil {
 			return outcomes, patches, false
 		}
 		switch f := sub.spec.judge(classify(ctx, err), int(st.GetRetries())).(type) {
@@ -204,7 +204,8 @@ func call(ctx context.Context, fn HandlerFunc, inv *Invocation) (value any, err 
 
 // classify turns a handler's error into a failure message, as kopf classifies errors:
 //
-//   - the context was cancelled and the handler returned the context's error: nil (cancelled);
+//   - the context was cancelled (by the controller, the deadline, a lost stream or shutdown)
+//     and the handler returned an error: nil (cancelled), as the Rust SDK answers;
 //   - a [TemporaryError] in the chain: TemporaryError with retry_after = Delay;
 //   - a [PermanentError] in the chain: PermanentError;
 //   - anything else, a recovered panic included: UnclassifiedError.
@@ -212,7 +213,7 @@ func classify(ctx context.Context, err error) any {
 	var temporary *TemporaryError
 	var permanent *PermanentError
 	switch {
-	case ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)):
+	case ctx.Err() != nil:
 		return nil
 	case errors.As(err, &temporary):
 		var delay *durationpb.Duration

@@ -1,34 +1,33 @@
-// Package capstan is a thin Go layer over the capstan.v1 handler protocol: it registers
-// handlers with a Capstan controller and runs them when the controller invokes them.
+// Package capstan is the Go SDK for Capstan: it registers the handlers of a Kubernetes
+// operator with a Capstan controller and runs them when the controller invokes them, with
+// kopf's semantics and the Rust SDK's names.
 //
-// A handler process opens one bidirectional gRPC stream (capstan.v1.RuntimeService/Connect)
-// to the controller, sends Hello with every handler registration, and then answers each
-// Invocation with exactly one InvocationResult. This package does that and nothing more:
+// The controller watches the cluster, detects causes, persists progress, retries, runs daemons
+// and timers, and writes to the API; a handler process only runs handlers. It opens one gRPC
+// stream to the controller ([Registry.Run]), registers its handlers, and answers each
+// invocation with exactly one result:
 //
-//   - [Registry] collects handlers (create, update, delete, resume, field, event, daemon,
-//     timer) with their options ([Retries], [Backoff], [Timeout], [Errors], label and
-//     annotation filters, [Field]) and turns them into HandlerRegistrations.
-//   - [Registry.Run] dials the controller, performs the handshake, serves invocations, answers
-//     pings from the stream reader, reconnects with jittered exponential backoff when the
-//     stream is lost, and says Goodbye when its context is cancelled.
-//   - Each invocation runs in its own goroutine as a [HandlerFunc] with a [context.Context]
-//     that carries the invocation's deadline and is cancelled when the controller sends
-//     Cancel (daemon stop, deadline, shutdown) or the stream is lost.
-//   - The handler's return value becomes the result (stored by the controller at
-//     status.<handler id>), [Invocation.Patch] collects JSON merge patches, and the returned
-//     error is classified: [TemporaryError] and [PermanentError] (found with errors.As), any
-//     other error is unclassified, and a panic is recovered and reported as an unclassified
-//     error while the process keeps serving.
+//   - [Registry] collects handlers of every kind the controller runs — [Registry.OnCreate],
+//     [Registry.OnUpdate], [Registry.OnDelete], [Registry.OnResume], [Registry.OnField],
+//     [Registry.OnEvent], [Registry.Daemon], [Registry.Timer] and the activities
+//     [Registry.OnStartup], [Registry.OnCleanup], [Registry.OnLogin], [Registry.OnProbe] —
+//     with kopf's options as [Option] values ([Retries], [Backoff], [Timeout], [Errors],
+//     [Label], [Field], [When], [Optional], ...).
+//   - Each invocation runs in its own goroutine as a [HandlerFunc] with an [*Invocation]
+//     (kopf's arguments, the [Patch], a logger, [Invocation.Subhandler],
+//     [Invocation.SendPatch], [Invocation.Memo]) and a context that carries the deadline and is
+//     cancelled when the controller cancels the invocation ([CancelledError] says why).
+//   - The returned value is the result (stored at status.<handler id>); the returned error is
+//     classified as kopf does: [TemporaryError], [PermanentError], or unclassified (the
+//     handler's [ErrorsMode] decides); a panic is recovered and reported, and the process
+//     keeps serving.
+//   - Run reconnects with jittered backoff when the stream is lost and says goodbye, letting
+//     running handlers finish, when its context is cancelled.
 //
-// Example:
+// The package's API has its own types only; the generated protocol code is an implementation
+// detail. Package capstantest runs handlers against an in-process fake controller, for unit
+// tests without a cluster. Index and admission handlers are not offered until the controller
+// runs them.
 //
-//	reg := capstan.NewRegistry()
-//	reg.OnCreate("examples.demo.capstan.dev", "create_fn",
-//		func(ctx context.Context, inv *capstan.Invocation) (any, error) {
-//			inv.Patch().Label("demo.capstan.dev/handled", "yes")
-//			return map[string]string{"message": "hello " + inv.Name()}, nil
-//		}, capstan.Retries(5))
-//	err := reg.Run(ctx, "unix:///run/capstan/capstan.sock")
-//
-// The protocol itself is documented in proto/README.md and proto/capstan/v1/*.proto.
+// The protocol is documented in proto/README.md and proto/capstan/v1/*.proto.
 package capstan

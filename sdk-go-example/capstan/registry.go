@@ -12,7 +12,7 @@ import (
 //
 // ctx carries the invocation's deadline, if any, and is cancelled when the controller cancels
 // the invocation (its cause is a [*CancelledError]) or the stream is lost; a handler that gives
-// up because of it returns ctx.Err() (or an error wrapping it) and is reported as cancelled.
+// up because of it returns ctx.Err() (or any error) and is reported as cancelled.
 //
 // The returned value, unless nil, is encoded as JSON: change, event, daemon and timer handlers
 // have it stored at status.<handler id>, probe handlers have it shown by the liveness endpoint,

@@ -129,8 +129,9 @@ const (
 
 // ResourceRef identifies the object of an invocation and the version of it the invocation saw.
 type ResourceRef struct {
+	// Group (empty for the core group), Version, Kind and Plural name the resource.
 	Group, Version, Kind, Plural string
-	// Namespace is empty for cluster-scoped objects.
+	// Namespace (empty for cluster-scoped objects), Name and UID name the object.
 	Namespace, Name, UID string
 	// ResourceVersion and Generation are those of the body the invocation carried.
 	ResourceVersion string

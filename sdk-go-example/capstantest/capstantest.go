@@ -57,7 +57,6 @@ type Controller struct {
 	// Endpoint is the address to pass to [capstan.Registry.Run].
 	Endpoint string
 
-	pb.UnimplementedRuntimeServiceServer
 	conns chan *conn
 
 	mu       sync.Mutex
@@ -83,7 +82,7 @@ func NewController(t testing.TB) *Controller {
 	}
 	c := &Controller{Endpoint: "unix://" + socket, conns: make(chan *conn, 8), rejected: map[string]string{}}
 	srv := grpc.NewServer(grpc.MaxRecvMsgSize(maxMessageBytes), grpc.MaxSendMsgSize(maxMessageBytes))
-	pb.RegisterRuntimeServiceServer(srv, c)
+	pb.RegisterRuntimeServiceServer(srv, &server{c: c})
 	go func() { _ = srv.Serve(lis) }()
 	t.Cleanup(srv.Stop)
 	return c
@@ -183,9 +182,16 @@ type conn struct {
 	pongs  chan *pb.Pong
 }
 
+// server is the gRPC service of a Controller (kept out of its exported API).
+type server struct {
+	pb.UnimplementedRuntimeServiceServer
+	c *Controller
+}
+
 // Connect serves one handler process: the handshake, then a reader that routes what the
 // process sends to the invocations waiting for it.
-func (c *Controller) Connect(stream grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectResponse]) error {
+func (s *server) Connect(stream grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectResponse]) error {
+	c := s.c
 	first, err := stream.Recv()
 	if err != nil {
 		return err

@@ -153,14 +153,18 @@ func (h Hello) Handler(id string) (Registration, bool) {
 
 // Registration is one handler's registration as sent in Hello.
 type Registration struct {
+	// ID is the handler id; Kind its kind.
 	ID   string
 	Kind capstan.Kind
 	// Group, Version and Resource select the resource; empty for activities.
-	Group, Version, Resource     string
+	Group, Version, Resource string
+	// LabelSelector and FieldSelector are the handler's selectors.
 	LabelSelector, FieldSelector string
-	Errors                       capstan.ErrorsMode
-	Retries, MaxInFlight         uint32
-	Backoff, Timeout             time.Duration
+	// Errors is the errors mode; empty for the kind's default.
+	Errors capstan.ErrorsMode
+	// Retries, MaxInFlight, Backoff and Timeout are the options of the same names; 0 unset.
+	Retries, MaxInFlight uint32
+	Backoff, Timeout     time.Duration
 	// Param is the decoded param; nil when unset.
 	Param any
 	// Filters and KindOptions are the registration's filters and kind-specific options in
