@@ -407,8 +407,14 @@ impl Activities {
                 work.attempt_timeout = Some(timeout);
                 work.param.clone_from(&reg.param);
                 // Dropping the invocation withdraws it, whether it waits for its process or runs.
-                let Ok(outcome) = tokio::time::timeout(timeout + LOGIN_SLACK, self.inner.hub.invoke(work)).await
-                else {
+                let answer = tokio::select! {
+                    answer = tokio::time::timeout(timeout + LOGIN_SLACK, self.inner.hub.invoke(work)) => answer,
+                    () = self.gone(&reg.id) => {
+                        problems.push(format!("{}: its process left", reg.id));
+                        continue;
+                    }
+                };
+                let Ok(outcome) = answer else {
                     problems.push(format!("{}: no answer within {timeout:?}", reg.id));
                     continue;
                 };
