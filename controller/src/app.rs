@@ -165,13 +165,14 @@ impl Core {
                 n => Check::pass(format!("{n} handler process(es) connected")),
             });
         let reachability = self.switch.reachability();
-        self.health.readiness("api-server", move || match reachability.outage() {
-            Some((since, why)) => Check::fail(format!(
-                "the API server does not answer (for {}s): {why}",
-                since.as_secs()
-            )),
-            None => Check::pass("the API server answers"),
-        });
+        self.health
+            .readiness("api-server", move || match reachability.outage() {
+                Some((since, why)) => Check::fail(format!(
+                    "the API server does not answer (for {}s): {why}",
+                    since.as_secs()
+                )),
+                None => Check::pass("the API server answers"),
+            });
         let metrics = crate::observability::metrics::global();
         let h = self.hub.clone();
         metrics.gauge_fn("capstan_handler_processes", move || h.connections() as f64);
@@ -260,7 +261,9 @@ async fn probe_reachability(switch: k8s::switch::Switchable, stop: CancellationT
             () = stop.cancelled() => return,
             () = tokio::time::sleep(REACHABILITY_PROBE) => {}
         }
-        let stale = reachability.idle_for().is_none_or(|idle| idle >= REACHABILITY_PROBE);
+        let stale = reachability
+            .idle_for()
+            .is_none_or(|idle| idle >= REACHABILITY_PROBE);
         if stale || !reachability.is_reachable() {
             tokio::select! {
                 () = stop.cancelled() => return,
@@ -395,7 +398,10 @@ async fn finish(
     if let Some(joined) = failed {
         let rest = async { while tasks.join_next().await.is_some() {} };
         if tokio::time::timeout(grace, rest).await.is_err() {
-            warn!(?grace, "the servers did not stop within the shutdown grace; aborting them");
+            warn!(
+                ?grace,
+                "the servers did not stop within the shutdown grace; aborting them"
+            );
             tasks.abort_all();
             while tasks.join_next().await.is_some() {}
         }
@@ -415,7 +421,10 @@ async fn finish(
         }
     };
     if tokio::time::timeout(grace, rest).await.is_err() {
-        warn!(?grace, "the servers did not stop within the shutdown grace; aborting them");
+        warn!(
+            ?grace,
+            "the servers did not stop within the shutdown grace; aborting them"
+        );
         tasks.abort_all();
     }
     info!("capstan stopped");

@@ -87,7 +87,10 @@ async fn a_silently_hung_watch_is_reported_restarted_and_catches_up() -> anyhow:
     let body = wait_health(&controller, "/readyz", 503, "reported while hung").await?;
     assert!(body.contains("api-server"), "{body}");
     let (code, body) = controller.admin_get("/healthz").await?;
-    assert_eq!(code, 200, "an unanswering API server is no liveness failure: {body}");
+    assert_eq!(
+        code, 200,
+        "an unanswering API server is no liveness failure: {body}"
+    );
     api.create(&PostParams::default(), &create("during")?).await?;
 
     proxy.unfreeze();

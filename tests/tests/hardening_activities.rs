@@ -79,7 +79,11 @@ fn handler(env: &TestEnv, name: &str, controller: &Controller, presets: &str, lo
         env,
         name,
         &controller.endpoint(),
-        &[("E2E_HANDLERS", presets), ("E2E_LOG", log), ("E2E_STARTUP_FAILS", "0")],
+        &[
+            ("E2E_HANDLERS", presets),
+            ("E2E_LOG", log),
+            ("E2E_STARTUP_FAILS", "0"),
+        ],
     )
 }
 
@@ -155,7 +159,8 @@ async fn a_late_startup_failure_with_nothing_else_happening_never_hangs_the_cont
 }
 
 #[tokio::test]
-async fn a_login_handler_that_never_answers_is_reported_and_its_process_leaving_releases_everything() -> Result<()> {
+async fn a_login_handler_that_never_answers_is_reported_and_its_process_leaving_releases_everything()
+-> Result<()> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
     create(&env, "waiting").await?;

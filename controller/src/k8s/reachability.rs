@@ -85,7 +85,9 @@ impl Reachability {
 pub fn is_answer(status: http::StatusCode) -> bool {
     !matches!(
         status,
-        http::StatusCode::BAD_GATEWAY | http::StatusCode::SERVICE_UNAVAILABLE | http::StatusCode::GATEWAY_TIMEOUT
+        http::StatusCode::BAD_GATEWAY
+            | http::StatusCode::SERVICE_UNAVAILABLE
+            | http::StatusCode::GATEWAY_TIMEOUT
     )
 }
 

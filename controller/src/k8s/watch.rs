@@ -515,10 +515,12 @@ mod tests {
             let mut backoff = DefaultBackoff::default();
             let delays: Vec<Duration> = (0..10).map(|_| backoff.next().unwrap()).collect();
             for (n, d) in delays.iter().enumerate() {
-                let base = Duration::from_millis(800)
-                    .saturating_mul(1 << n)
-                    .min(MAX_DELAY);
-                assert!(*d >= base && *d < base * 2, "delay {n}: {d:?} outside [{base:?}, {:?})", base * 2);
+                let base = Duration::from_millis(800).saturating_mul(1 << n).min(MAX_DELAY);
+                assert!(
+                    *d >= base && *d < base * 2,
+                    "delay {n}: {d:?} outside [{base:?}, {:?})",
+                    base * 2
+                );
             }
             runs.push(delays);
         }
@@ -536,7 +538,10 @@ mod tests {
             kube::Error::Api(Box::new(status))
         };
         let mut backoff = DefaultBackoff::default();
-        assert_eq!(retry_delay(&mut backoff, &status(429, 45)), Duration::from_secs(45));
+        assert_eq!(
+            retry_delay(&mut backoff, &status(429, 45)),
+            Duration::from_secs(45)
+        );
         assert!(retry_delay(&mut backoff, &status(429, 0)) < Duration::from_secs(10));
         assert_eq!(retry_delay(&mut backoff, &status(429, 100_000)), MAX_RETRY_AFTER);
         assert!(retry_delay(&mut backoff, &status(500, 45)) < Duration::from_secs(45));
