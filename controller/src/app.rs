@@ -89,6 +89,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
     info!(listen = %server.local(), admin = ?admin.local_addr(), version = env!("CARGO_PKG_VERSION"), "capstan started");
 
     let engines = core.engines(&settings, &background);
+    engines.register_check(&core.health);
     let gate_stop = CancellationToken::new();
     let gate_task = tokio::spawn(pausing.gate.clone().drive(
         core.hub.clone(),
@@ -459,6 +460,26 @@ struct Engines {
 }
 
 impl Engines {
+    /// Liveness: a running engine whose task ended (a panic) is a process that no longer works.
+    fn register_check(self: &Arc<Self>, health: &Health) {
+        let engines = Arc::downgrade(self);
+        health.liveness("engine", move || {
+            let Some(engines) = engines.upgrade() else {
+                return Check::pass("stopped");
+            };
+            let Ok(current) = engines.current.try_lock() else {
+                return Check::pass("being replaced");
+            };
+            match current.as_ref() {
+                Some((stop, task)) if task.is_finished() && !stop.is_cancelled() => {
+                    Check::fail("the engine's task ended unexpectedly")
+                }
+                Some(_) => Check::pass("running"),
+                None => Check::pass("not running"),
+            }
+        });
+    }
+
     async fn start(&self) {
         let mut current = self.current.lock().await;
         if current.is_none() {
