@@ -89,6 +89,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
     info!(listen = %server.local(), admin = ?admin.local_addr(), version = env!("CARGO_PKG_VERSION"), "capstan started");
 
     let engines = core.engines(&settings, &background);
+    engines.register_check(&core.health);
     let gate_stop = CancellationToken::new();
     let gate_task = tokio::spawn(pausing.gate.clone().drive(
         core.hub.clone(),
@@ -165,13 +166,14 @@ impl Core {
                 n => Check::pass(format!("{n} handler process(es) connected")),
             });
         let reachability = self.switch.reachability();
-        self.health.readiness("api-server", move || match reachability.outage() {
-            Some((since, why)) => Check::fail(format!(
-                "the API server does not answer (for {}s): {why}",
-                since.as_secs()
-            )),
-            None => Check::pass("the API server answers"),
-        });
+        self.health
+            .readiness("api-server", move || match reachability.outage() {
+                Some((since, why)) => Check::fail(format!(
+                    "the API server does not answer (for {}s): {why}",
+                    since.as_secs()
+                )),
+                None => Check::pass("the API server answers"),
+            });
         let metrics = crate::observability::metrics::global();
         let h = self.hub.clone();
         metrics.gauge_fn("capstan_handler_processes", move || h.connections() as f64);
@@ -260,7 +262,9 @@ async fn probe_reachability(switch: k8s::switch::Switchable, stop: CancellationT
             () = stop.cancelled() => return,
             () = tokio::time::sleep(REACHABILITY_PROBE) => {}
         }
-        let stale = reachability.idle_for().is_none_or(|idle| idle >= REACHABILITY_PROBE);
+        let stale = reachability
+            .idle_for()
+            .is_none_or(|idle| idle >= REACHABILITY_PROBE);
         if stale || !reachability.is_reachable() {
             tokio::select! {
                 () = stop.cancelled() => return,
@@ -395,7 +399,10 @@ async fn finish(
     if let Some(joined) = failed {
         let rest = async { while tasks.join_next().await.is_some() {} };
         if tokio::time::timeout(grace, rest).await.is_err() {
-            warn!(?grace, "the servers did not stop within the shutdown grace; aborting them");
+            warn!(
+                ?grace,
+                "the servers did not stop within the shutdown grace; aborting them"
+            );
             tasks.abort_all();
             while tasks.join_next().await.is_some() {}
         }
@@ -415,7 +422,10 @@ async fn finish(
         }
     };
     if tokio::time::timeout(grace, rest).await.is_err() {
-        warn!(?grace, "the servers did not stop within the shutdown grace; aborting them");
+        warn!(
+            ?grace,
+            "the servers did not stop within the shutdown grace; aborting them"
+        );
         tasks.abort_all();
     }
     info!("capstan stopped");
@@ -450,6 +460,26 @@ struct Engines {
 }
 
 impl Engines {
+    /// Liveness: a running engine whose task ended (a panic) is a process that no longer works.
+    fn register_check(self: &Arc<Self>, health: &Health) {
+        let engines = Arc::downgrade(self);
+        health.liveness("engine", move || {
+            let Some(engines) = engines.upgrade() else {
+                return Check::pass("stopped");
+            };
+            let Ok(current) = engines.current.try_lock() else {
+                return Check::pass("being replaced");
+            };
+            match current.as_ref() {
+                Some((stop, task)) if task.is_finished() && !stop.is_cancelled() => {
+                    Check::fail("the engine's task ended unexpectedly")
+                }
+                Some(_) => Check::pass("running"),
+                None => Check::pass("not running"),
+            }
+        });
+    }
+
     async fn start(&self) {
         let mut current = self.current.lock().await;
         if current.is_none() {

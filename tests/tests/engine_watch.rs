@@ -1,6 +1,7 @@
-//! End to end: a watch whose connection hangs silently is noticed, reported by `/healthz`
-//! while it is down, restarted, and catches up with what happened meanwhile; a write lost to
-//! an API outage is retried after a backoff without running the handler again.
+//! End to end: a watch whose connection hangs silently is noticed, reported by `/readyz` while
+//! the API server does not answer (`/healthz` stays alive: an outage is no reason to restart
+//! the pod), restarted, and catches up with what happened meanwhile; a write lost to an API
+//! outage is retried after a backoff without running the handler again.
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -13,16 +14,16 @@ use capstan_tests::{
 use kube::api::PostParams;
 use serde_json::json;
 
-async fn wait_health(c: &Controller, want: u16, what: &str) -> anyhow::Result<String> {
+async fn wait_health(c: &Controller, path: &str, want: u16, what: &str) -> anyhow::Result<String> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
     loop {
-        let (code, body) = c.admin_get("/healthz").await?;
+        let (code, body) = c.admin_get(path).await?;
         if code == want {
             return Ok(body);
         }
         anyhow::ensure!(
             tokio::time::Instant::now() < deadline,
-            "{what}: /healthz is {code}: {body}"
+            "{what}: {path} is {code}: {body}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -80,16 +81,22 @@ async fn a_silently_hung_watch_is_reported_restarted_and_catches_up() -> anyhow:
         }
     };
     handled("before").await?;
-    wait_health(&controller, 200, "healthy at first").await?;
+    wait_health(&controller, "/healthz", 200, "healthy at first").await?;
 
     proxy.freeze();
-    let body = wait_health(&controller, 503, "reported while hung").await?;
-    assert!(body.contains("watch/examples.v1.demo.capstan.dev"), "{body}");
+    let body = wait_health(&controller, "/readyz", 503, "reported while hung").await?;
+    assert!(body.contains("api-server"), "{body}");
+    let (code, body) = controller.admin_get("/healthz").await?;
+    assert_eq!(
+        code, 200,
+        "an unanswering API server is no liveness failure: {body}"
+    );
     api.create(&PostParams::default(), &create("during")?).await?;
 
     proxy.unfreeze();
     handled("during").await?;
-    wait_health(&controller, 200, "healthy again").await?;
+    wait_health(&controller, "/readyz", 200, "ready again").await?;
+    wait_health(&controller, "/healthz", 200, "healthy again").await?;
     assert!(controller.process.output().contains("watch went silent"));
 
     // The API goes away while a handler runs: its write fails, is retried after a backoff

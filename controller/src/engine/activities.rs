@@ -27,7 +27,9 @@
 //!   once the operator runs, while other processes may be serving — affects only its own
 //!   process: all of that process's registrations are withdrawn (as if it had left) and it
 //!   gets a `Notice` with `STARTUP_FAILED`; everything else carries on. Its stream stays open;
-//!   when the process connects again its startup handler runs again.
+//!   when the process connects again its startup handler runs again. Caveat: the engine's gate
+//!   is one for all processes, so while a late startup handler is still being retried no
+//!   *new* resource watch starts for anyone (running watches and dispatch go on).
 //! - **probe** handlers feed `/healthz`: each id's last result is shown as kopf's liveness
 //!   endpoint shows it, plus a `probe/<id>` liveness check. The HTTP endpoint answers from a
 //!   cache; a request that finds the cache older than 10 s wakes the prober, which re-runs
@@ -407,8 +409,14 @@ impl Activities {
                 work.attempt_timeout = Some(timeout);
                 work.param.clone_from(&reg.param);
                 // Dropping the invocation withdraws it, whether it waits for its process or runs.
-                let Ok(outcome) = tokio::time::timeout(timeout + LOGIN_SLACK, self.inner.hub.invoke(work)).await
-                else {
+                let answer = tokio::select! {
+                    answer = tokio::time::timeout(timeout + LOGIN_SLACK, self.inner.hub.invoke(work)) => answer,
+                    () = self.gone(&reg.id) => {
+                        problems.push(format!("{}: its process left", reg.id));
+                        continue;
+                    }
+                };
+                let Ok(outcome) = answer else {
                     problems.push(format!("{}: no answer within {timeout:?}", reg.id));
                     continue;
                 };

@@ -14,7 +14,9 @@ pub enum Error {
 /// The user agent of every API request, so audit logs show which writes are Capstan's.
 pub const USER_AGENT: &str = concat!("capstan/", env!("CARGO_PKG_VERSION"));
 
-/// Builds a client with Capstan's user agent.
+/// Builds a client with Capstan's user agent for terminal commands (`capstan freeze`): they
+/// make no watches, so every read is bounded by kube-rs's read timeout (the controller's
+/// clients are bounded per request instead, see [`crate::k8s::switch`]).
 ///
 /// # Errors
 /// [`Error::Config`] when neither a kubeconfig nor an in-cluster configuration works.
@@ -22,6 +24,7 @@ pub async fn connect() -> Result<Client, Error> {
     let mut config = kube::Config::infer()
         .await
         .map_err(|e| Error::Config(kube::Error::InferConfig(e)))?;
+    config.read_timeout = Some(super::switch::DEFAULT_REQUEST_TIMEOUT);
     config.headers.push((
         http::header::USER_AGENT,
         http::HeaderValue::from_static(USER_AGENT),

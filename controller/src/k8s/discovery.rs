@@ -259,6 +259,9 @@ async fn scan(client: &Client) -> Result<Vec<Served>, Error> {
         for v in &group.versions {
             let list = match client.list_api_group_resources(&v.group_version).await {
                 Ok(list) => list,
+                // The API server itself stopped answering: the whole scan is void, or every
+                // resource would look gone (and its watch be stopped) for the outage.
+                Err(e @ (kube::Error::HyperError(_) | kube::Error::Service(_))) => return Err(Error::Api(e)),
                 // An aggregated API that is down must not break resolution of everything else.
                 Err(e) => {
                     tracing::debug!(group_version = %v.group_version, error = %e, "skipping unavailable API");

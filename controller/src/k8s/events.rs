@@ -170,7 +170,10 @@ impl Events {
                     pending.events.pop_front();
                     let dropped = self.outbox.dropped.fetch_add(1, Ordering::Relaxed) + 1;
                     if dropped.is_power_of_two() {
-                        warn!(dropped, "the Event outbox is full; the oldest waiting Events were dropped");
+                        warn!(
+                            dropped,
+                            "the Event outbox is full; the oldest waiting Events were dropped"
+                        );
                     }
                 }
                 pending.events.push_back(event);
@@ -180,7 +183,8 @@ impl Events {
         if start {
             debug!("the API server did not take an Event; it is posted again when it answers");
             tokio::spawn(
-                retry(self.client.clone(), Arc::downgrade(&self.outbox)).instrument(info_span!("event-outbox")),
+                retry(self.client.clone(), Arc::downgrade(&self.outbox))
+                    .instrument(info_span!("event-outbox")),
             );
         }
     }
@@ -248,7 +252,11 @@ async fn retry(client: Client, outbox: Weak<Outbox>) {
         let Some(event) = next else {
             return;
         };
-        let namespace = event.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+        let namespace = event
+            .metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| "default".into());
         let api: Api<Event> = Api::namespaced(client.clone(), &namespace);
         let outcome = api.create(&PostParams::default(), &event).await;
         let retry_again = matches!(&outcome, Err(e) if reachability::is_unanswered(e));
@@ -262,7 +270,10 @@ async fn retry(client: Client, outbox: Weak<Outbox>) {
         match outcome {
             Ok(_) => {
                 if failures > 0 {
-                    info!(waited = failures, "the API server takes Events again; posting the waiting ones");
+                    info!(
+                        waited = failures,
+                        "the API server takes Events again; posting the waiting ones"
+                    );
                 }
                 failures = 0;
                 backoff = DefaultBackoff::default();
@@ -271,14 +282,19 @@ async fn retry(client: Client, outbox: Weak<Outbox>) {
                 failures = failures.saturating_add(1);
                 debug!(error = %e, "posting a waiting Event failed again");
             }
-            Err(e) => warn!(error = %e, reason = event.reason.as_deref().unwrap_or_default(), "the API server refused a waiting Event; it is dropped"),
+            Err(e) => {
+                warn!(error = %e, reason = event.reason.as_deref().unwrap_or_default(), "the API server refused a waiting Event; it is dropped")
+            }
         }
     }
 }
 
 /// Whether two Events say the same thing about the same object.
 fn same_event(a: &Event, b: &Event) -> bool {
-    a.involved_object == b.involved_object && a.reason == b.reason && a.message == b.message && a.type_ == b.type_
+    a.involved_object == b.involved_object
+        && a.reason == b.reason
+        && a.message == b.message
+        && a.type_ == b.type_
 }
 
 fn event_type(level: Level) -> &'static str {
@@ -326,7 +342,10 @@ mod tests {
             async move {
                 let n = a.fetch_add(1, Ordering::SeqCst);
                 let (status, body) = if req.method() != http::Method::POST {
-                    (StatusCode::NOT_FOUND, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","code":404}"#.to_owned())
+                    (
+                        StatusCode::NOT_FOUND,
+                        r#"{"kind":"Status","apiVersion":"v1","status":"Failure","code":404}"#.to_owned(),
+                    )
                 } else if n < failing {
                     (StatusCode::SERVICE_UNAVAILABLE, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"down","code":503}"#.to_owned())
                 } else {
@@ -369,11 +388,17 @@ mod tests {
         let (client, _, created) = flaky(3);
         let events = Events::new(client, "test".into());
         assert!(events.create(&posting("hello")).await.is_err());
-        assert!(events.create(&posting("hello")).await.is_err(), "a repeat is folded in");
+        assert!(
+            events.create(&posting("hello")).await.is_err(),
+            "a repeat is folded in"
+        );
         assert_eq!(events.waiting(), 1);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
         while created.load(Ordering::SeqCst) == 0 {
-            assert!(tokio::time::Instant::now() < deadline, "the waiting Event was never posted");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the waiting Event was never posted"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -390,7 +415,13 @@ mod tests {
         }
         assert_eq!(events.waiting(), OUTBOX_CAPACITY);
         assert_eq!(events.dropped(), 3);
-        let first = events.outbox.pending.lock().events.front().and_then(|e| e.message.clone());
+        let first = events
+            .outbox
+            .pending
+            .lock()
+            .events
+            .front()
+            .and_then(|e| e.message.clone());
         assert_eq!(first.as_deref(), Some("message 3"));
     }
 

@@ -75,6 +75,11 @@ impl Reachability {
         self.inner.lock().last.map(|t| t.elapsed())
     }
 
+    /// Whether the server answered a request at or after `since`.
+    pub fn answered_since(&self, since: Instant) -> bool {
+        self.inner.lock().answered.is_some_and(|t| t >= since)
+    }
+
     /// Whether the server answered a request within the last `within`.
     pub fn answered_within(&self, within: Duration) -> bool {
         self.inner.lock().answered.is_some_and(|t| t.elapsed() <= within)
@@ -85,7 +90,9 @@ impl Reachability {
 pub fn is_answer(status: http::StatusCode) -> bool {
     !matches!(
         status,
-        http::StatusCode::BAD_GATEWAY | http::StatusCode::SERVICE_UNAVAILABLE | http::StatusCode::GATEWAY_TIMEOUT
+        http::StatusCode::BAD_GATEWAY
+            | http::StatusCode::SERVICE_UNAVAILABLE
+            | http::StatusCode::GATEWAY_TIMEOUT
     )
 }
 

@@ -416,7 +416,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_that_gets_no_answer_times_out_and_marks_the_server_unreachable() {
         let switch = Switchable::new(config(), silent(), Duration::from_millis(200));
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let err = switch.client().list_core_api_versions().await.unwrap_err();
         assert!(err.to_string().contains("did not answer"), "{err}");
         assert!(started.elapsed() < Duration::from_secs(5));
@@ -435,7 +435,9 @@ mod tests {
 
     #[test]
     fn watches_are_told_apart() {
-        assert!(is_watch(&"/api/v1/pods?watch=true&resourceVersion=1".parse().unwrap()));
+        assert!(is_watch(
+            &"/api/v1/pods?watch=true&resourceVersion=1".parse().unwrap()
+        ));
         assert!(is_watch(&"/api/v1/pods?labelSelector=a&watch=1".parse().unwrap()));
         assert!(!is_watch(&"/api/v1/pods?limit=500".parse().unwrap()));
         assert!(!is_watch(&"/api/v1/pods".parse().unwrap()));

@@ -12,9 +12,10 @@
 //! [`Status`] tells liveness from readiness: a watch that is down because the API server does
 //! not answer (connection refused or reset, no answer in time, `429`, `5xx`) is an *outage*
 //! — readiness, recorded in the process-wide [`Reachability`] as well — while a watch the API
-//! server refuses with another status, or a watch loop that made no progress for twice the
-//! inactivity timeout (plus a minute), is a *problem* — liveness, because restarting the
-//! process is what helps then.
+//! server refuses with another status, a watch that cannot be started while the server
+//! answers other requests, or a watch loop that made no progress for twice the inactivity
+//! timeout (plus a minute), is a *problem* — liveness, because restarting the process is what
+//! helps then.
 //!
 //! # Recovery
 //!
@@ -213,11 +214,20 @@ impl Watch {
         retry_delay(&mut self.backoff, e)
     }
 
-    /// Marks the watch down because a request got no answer in time.
-    fn hung(&mut self, what: &str) -> Duration {
+    /// Marks the watch down because its request, sent at `sent`, got no answer in time: an
+    /// outage, unless the server answered other requests meanwhile — then this watch hangs
+    /// while the server answers, which liveness reports.
+    fn hung(&mut self, what: &str, sent: tokio::time::Instant) -> Duration {
         let why = format!("{what} (no answer within {:?})", self.settings.inactivity_timeout);
-        self.reachability.failed(why.clone());
-        self.status.set_down(why, true);
+        if self.reachability.answered_since(sent) {
+            self.status.set_down(
+                format!("{why} while the API server answers other requests"),
+                false,
+            );
+        } else {
+            self.reachability.failed(why.clone());
+            self.status.set_down(why, true);
+        }
         self.backoff.next().unwrap_or(MAX_DELAY)
     }
 
@@ -355,12 +365,13 @@ impl Watch {
         if let Some(f) = &self.field_selector {
             params = params.fields(f);
         }
+        let sent = tokio::time::Instant::now();
         let stream = tokio::select! {
             () = cancel.cancelled() => return None,
             s = tokio::time::timeout(self.settings.inactivity_timeout, self.api.watch(&params, rv)) => s,
         };
         let Ok(stream) = stream else {
-            let delay = self.hung("starting the watch hung");
+            let delay = self.hung("starting the watch hung", sent);
             warn!(timeout = ?self.settings.inactivity_timeout, retry_in = ?delay, "starting the watch hung; retrying");
             if sleep_or_cancel(delay, cancel).await {
                 return None;
@@ -515,10 +526,12 @@ mod tests {
             let mut backoff = DefaultBackoff::default();
             let delays: Vec<Duration> = (0..10).map(|_| backoff.next().unwrap()).collect();
             for (n, d) in delays.iter().enumerate() {
-                let base = Duration::from_millis(800)
-                    .saturating_mul(1 << n)
-                    .min(MAX_DELAY);
-                assert!(*d >= base && *d < base * 2, "delay {n}: {d:?} outside [{base:?}, {:?})", base * 2);
+                let base = Duration::from_millis(800).saturating_mul(1 << n).min(MAX_DELAY);
+                assert!(
+                    *d >= base && *d < base * 2,
+                    "delay {n}: {d:?} outside [{base:?}, {:?})",
+                    base * 2
+                );
             }
             runs.push(delays);
         }
@@ -536,7 +549,10 @@ mod tests {
             kube::Error::Api(Box::new(status))
         };
         let mut backoff = DefaultBackoff::default();
-        assert_eq!(retry_delay(&mut backoff, &status(429, 45)), Duration::from_secs(45));
+        assert_eq!(
+            retry_delay(&mut backoff, &status(429, 45)),
+            Duration::from_secs(45)
+        );
         assert!(retry_delay(&mut backoff, &status(429, 0)) < Duration::from_secs(10));
         assert_eq!(retry_delay(&mut backoff, &status(429, 100_000)), MAX_RETRY_AFTER);
         assert!(retry_delay(&mut backoff, &status(500, 45)) < Duration::from_secs(45));

@@ -1,9 +1,25 @@
 //! Liveness and readiness as a set of named checks that other components register.
 //!
 //! Checks are closures evaluated when a probe arrives, so no component has to push its state
-//! anywhere: the gRPC hub answers "is a handler process connected", watchers (later) answer
-//! "is my watch alive". The controller is live when every liveness check passes and ready when
-//! every readiness check passes.
+//! anywhere: the gRPC hub answers "is a handler process connected", watches answer "is my
+//! watch alive". The controller is live when every liveness check passes and ready when
+//! every readiness check (and every liveness check) passes.
+//!
+//! # Liveness and readiness
+//!
+//! The two answer different questions, and the kubelet acts differently on them: a failing
+//! liveness probe restarts the container, a failing readiness probe only marks the pod not
+//! ready. So:
+//!
+//! - **Liveness** (`/healthz`) says whether *this process* works: its watches are not refused
+//!   by the API server and their loops keep moving (`k8s::watch::Status::problem`), its probe
+//!   handlers answer. It never fails only because the API server is unreachable — a restart
+//!   does not bring a control plane back, and an outage would otherwise restart every operator
+//!   pod at once.
+//! - **Readiness** (`/readyz`) says whether the controller can do its work now: a handler
+//!   process is connected, the watches have listed, operator activities (login, startup) are
+//!   done, and the API server answers (`api-server`, fed by `k8s::reachability`). Each failing
+//!   check carries its reason.
 //!
 //! Probe handlers (kopf `on.probe`) add values rather than checks: `/healthz` shows each
 //! probe id with its last result, as kopf's liveness endpoint does. The provider of those

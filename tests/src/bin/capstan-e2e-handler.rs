@@ -468,6 +468,14 @@ async fn main() -> anyhow::Result<()> {
                     })
                     .backoff(Duration::from_secs(1));
             }
+            // A login handler that never answers, not even to its cancellation.
+            "login-hang" => {
+                registry.on_login("hanging_login", |_ctx: Context| async move {
+                    note("login called");
+                    std::future::pending::<()>().await;
+                    Ok::<_, HandlerError>(capstan_sdk::pb::Credentials::default())
+                });
+            }
             // A resource that does not exist when the handler process connects.
             "late" => {
                 registry.on_create("widgets.late.capstan.dev", "late_create", plain);
