@@ -252,6 +252,13 @@ impl Streams {
         self.recent.push_back((id, path, problem));
     }
 
+    fn latest(&self) -> (String, String) {
+        self.recent
+            .back()
+            .map(|(_, path, problem)| (path.clone(), problem.clone().unwrap_or_default()))
+            .unwrap_or_default()
+    }
+
     fn about(&self, id: u32) -> (String, String) {
         self.recent
             .iter()
@@ -743,10 +750,15 @@ impl Outbound {
                 if code == 0 {
                     debug!(last_stream = word(0).unwrap_or(0), "connection going away");
                 } else {
+                    // A connection error names no stream: the latest request explains it, if
+                    // anything does.
+                    let (path, problem) = streams.latest();
                     warn!(
                         last_stream = word(0).unwrap_or(0) & 0x7fff_ffff,
                         code = error_name(code),
                         debug = %debug_data,
+                        %path,
+                        reason = %problem,
                         "connection refused below the gRPC layer"
                     );
                 }
