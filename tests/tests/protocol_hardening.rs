@@ -615,3 +615,45 @@ async fn streams_refused_below_grpc_are_logged_with_their_reason() -> Result<()>
     }
     Ok(())
 }
+
+/// A result ack means "well formed and taken": a patch the API server refuses later is acked
+/// `accepted: true`, recorded as a failed attempt and retried, and the next invocation's
+/// `last_error` carries the server's message (as `proto/README.md` says).
+#[tokio::test]
+async fn acks_mean_taken_and_refused_patches_come_back_as_last_error() -> Result<()> {
+    let env = env_with_crd().await?;
+    let controller = Controller::start(&env, "capstan", &[]).await?;
+    let mut reg = registration("schema_fn", pb::HandlerKind::Create);
+    reg.backoff = Some(duration(1, 0));
+    let mut h = hello(vec![reg]);
+    h.capabilities.push(pb::Capability::ResultAck as i32);
+    let (mut client, _) = RawClient::connect(unix_channel(controller.socket.clone()).await?, h).await?;
+    create(&env, "schema", json!({"size": 1})).await?;
+    let first = next_invocation(&mut client, Duration::from_secs(60)).await?;
+    let invalid = pb::Patch {
+        r#type: pb::PatchType::Merge as i32,
+        target: pb::PatchTarget::Object as i32,
+        body: Some(pb::Json {
+            json: br#"{"spec":{"size":"not a number"}}"#.to_vec(),
+        }),
+    };
+    client
+        .send(success(&first.invocation_id, None, vec![invalid]))
+        .await?;
+    let ack = loop {
+        match client.recv_within(Duration::from_secs(30)).await? {
+            Out::ResultAck(ack) => break ack,
+            _ => continue,
+        }
+    };
+    assert!(ack.accepted, "a well-formed result is taken: {ack:?}");
+    let second = next_invocation(&mut client, Duration::from_secs(60))
+        .await
+        .with_context(|| format!("controller log:\n{}", controller.process.output()))?;
+    assert_eq!(second.attempt, 2);
+    let last = second.last_error.context("no last_error")?;
+    assert_eq!(last.reason, "PREVIOUS_ATTEMPT_FAILED");
+    assert!(last.summary.contains("rejected"), "{last:?}");
+    client.send(success(&second.invocation_id, None, vec![])).await?;
+    Ok(())
+}

@@ -979,7 +979,9 @@ mod tests {
         let tasks: Vec<_> = (0..3)
             .map(|i| {
                 let hub = hub.clone();
-                tokio::spawn(async move { hub.invoke(Work::new("p", &format!("k{i}"), Payload::Probe)).await })
+                tokio::spawn(
+                    async move { hub.invoke(Work::new("p", &format!("k{i}"), Payload::Probe)).await },
+                )
             })
             .collect();
         for _ in 0..20 {
@@ -1007,7 +1009,11 @@ mod tests {
             async move { hub.invoke(Work::new("p", "k", Payload::Probe)).await }
         });
         let inv = invocation_of(rx.recv().await.unwrap());
-        assert!(inv.invocation_id.starts_with(&format!("{}-", a.boot_id())), "{}", inv.invocation_id);
+        assert!(
+            inv.invocation_id.starts_with(&format!("{}-", a.boot_id())),
+            "{}",
+            inv.invocation_id
+        );
         task.abort();
     }
 
