@@ -812,7 +812,9 @@ mod tests {
     }
 
     /// Splits the server's view into frames and decodes every header block.
-    fn server_view(bytes: &[u8]) -> Vec<(u8, u32, Vec<(Vec<u8>, Vec<u8>)>)> {
+    type Fields = Vec<(Vec<u8>, Vec<u8>)>;
+
+    fn server_view(bytes: &[u8]) -> Vec<(u8, u32, Fields)> {
         assert_eq!(&bytes[..24], PREFACE);
         let mut rest = &bytes[24..];
         let mut decoder = loona_hpack::Decoder::new();

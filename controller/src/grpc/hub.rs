@@ -980,7 +980,7 @@ mod tests {
             .map(|i| {
                 let hub = hub.clone();
                 tokio::spawn(
-                    async move { hub.invoke(Work::new("p", &format!("k{i}"), Payload::Probe)).await },
+                    async move { hub.invoke(Work::new("p", format!("k{i}"), Payload::Probe)).await },
                 )
             })
             .collect();
