@@ -979,9 +979,7 @@ mod tests {
         let tasks: Vec<_> = (0..3)
             .map(|i| {
                 let hub = hub.clone();
-                tokio::spawn(
-                    async move { hub.invoke(Work::new("p", format!("k{i}"), Payload::Probe)).await },
-                )
+                tokio::spawn(async move { hub.invoke(Work::new("p", format!("k{i}"), Payload::Probe)).await })
             })
             .collect();
         for _ in 0..20 {
