@@ -61,12 +61,15 @@ use tracing::{debug, info, warn};
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// The size of a frame header.
 const FRAME_HEADER: usize = 9;
-/// The largest frame this layer writes, and the largest header-carrying frame it accepts: the
-/// HTTP/2 default `SETTINGS_MAX_FRAME_SIZE`, which the server keeps.
+/// The largest frame this layer writes: the HTTP/2 default `SETTINGS_MAX_FRAME_SIZE`, which
+/// every server accepts. Header frames up to what the server announces are accepted.
 const MAX_FRAME: usize = 16_384;
-/// The dynamic table size the server announces (the HTTP/2 default, which it keeps): the
-/// largest table the client's encoder may use.
+/// The HTTP/2 default dynamic table size: the largest table the client's encoder may use until
+/// the server announces another `SETTINGS_HEADER_TABLE_SIZE` (this layer follows the server's
+/// `SETTINGS` frames).
 const HEADER_TABLE_SIZE: usize = 4_096;
+/// The largest `SETTINGS_MAX_FRAME_SIZE` HTTP/2 allows.
+const LARGEST_FRAME: usize = 16_777_215;
 /// The largest header block accepted, encoded (all fragments) and decoded (names, values and
 /// HPACK's 32 bytes per field). Far above what a gRPC client sends; the server's own, smaller
 /// header-list limit still applies after this layer.
@@ -79,6 +82,7 @@ const LOCALHOST: &[u8] = b"localhost";
 /// HTTP/2 frame types used here.
 mod kind {
     pub const HEADERS: u8 = 0x1;
+    pub const SETTINGS: u8 = 0x4;
     pub const RST_STREAM: u8 = 0x3;
     pub const PUSH_PROMISE: u8 = 0x5;
     pub const GOAWAY: u8 = 0x7;
@@ -88,6 +92,7 @@ mod kind {
 /// HTTP/2 frame flags used here.
 mod flag {
     pub const END_STREAM: u8 = 0x1;
+    pub const ACK: u8 = 0x1;
     pub const END_HEADERS: u8 = 0x4;
     pub const PADDED: u8 = 0x8;
     pub const PRIORITY: u8 = 0x20;
@@ -226,6 +231,15 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
         let n = ready!(Pin::new(&mut this.inner).poll_write(cx, buf))?;
         this.outbound
             .observe(buf.get(..n).unwrap_or_default(), &mut this.streams);
+        // What the server announced bounds what the client may send; never below the defaults.
+        if let Some(size) = this.outbound.header_table_size.take() {
+            this.inbound
+                .decoder
+                .set_max_allowed_table_size(size.max(HEADER_TABLE_SIZE));
+        }
+        if let Some(size) = this.outbound.max_frame_size.take() {
+            this.inbound.max_frame = size.clamp(MAX_FRAME, LARGEST_FRAME);
+        }
         Poll::Ready(Ok(n))
     }
 
@@ -275,6 +289,8 @@ struct Inbound {
     /// A `HEADERS` frame waiting for its `CONTINUATION`s.
     open_block: Option<Block>,
     decoder: loona_hpack::Decoder<'static>,
+    /// The largest header frame accepted (the server's `SETTINGS_MAX_FRAME_SIZE`).
+    max_frame: usize,
     /// Frames complete after the preface; the handshake is over after the first.
     frames: u64,
     /// The connection did not start with the preface: passed through untouched, for the
@@ -324,6 +340,7 @@ impl Default for Inbound {
             state: InState::Preface { seen: 0 },
             open_block: None,
             decoder,
+            max_frame: MAX_FRAME,
             frames: 0,
             transparent: false,
             rewrites: 0,
@@ -422,7 +439,7 @@ impl Inbound {
         let header = FrameHeader::parse(raw);
         match header.kind {
             kind::HEADERS | kind::CONTINUATION => {
-                if header.length > MAX_FRAME {
+                if header.length > self.max_frame {
                     return Err(Refusal::Sequence(
                         "header frame larger than the maximum frame size",
                     ));
@@ -672,6 +689,10 @@ struct Outbound {
     /// The frame being skipped or collected.
     current: Option<(FrameHeader, usize)>,
     collected: Vec<u8>,
+    /// `SETTINGS_HEADER_TABLE_SIZE` the server announced, not yet applied.
+    header_table_size: Option<usize>,
+    /// `SETTINGS_MAX_FRAME_SIZE` the server announced, not yet applied.
+    max_frame_size: Option<usize>,
 }
 
 /// The most of a `GOAWAY`'s debug data that is logged.
@@ -703,7 +724,7 @@ impl Outbound {
                 Some((header, remaining)) => {
                     let n = (*remaining).min(bytes.len());
                     let (head, rest) = bytes.split_at(n);
-                    if matches!(header.kind, kind::RST_STREAM | kind::GOAWAY) {
+                    if matches!(header.kind, kind::RST_STREAM | kind::GOAWAY | kind::SETTINGS) {
                         let room = (8 + MAX_DEBUG_DATA).saturating_sub(self.collected.len());
                         self.collected
                             .extend_from_slice(head.get(..n.min(room)).unwrap_or_default());
@@ -728,6 +749,17 @@ impl Outbound {
                 .map(u32::from_be_bytes)
         };
         match header.kind {
+            kind::SETTINGS if header.flags & flag::ACK == 0 => {
+                for setting in self.collected.chunks_exact(6) {
+                    let &[a, b, c, d, e, f] = setting else { continue };
+                    let value = usize::try_from(u32::from_be_bytes([c, d, e, f])).unwrap_or(usize::MAX);
+                    match u16::from_be_bytes([a, b]) {
+                        0x1 => self.header_table_size = Some(value),
+                        0x5 => self.max_frame_size = Some(value),
+                        _ => {}
+                    }
+                }
+            }
             kind::RST_STREAM => {
                 let code = word(0).unwrap_or(0);
                 let (path, problem) = streams.about(header.stream);
@@ -940,6 +972,25 @@ mod tests {
         let mut input = PREFACE.to_vec();
         input.extend(frame(kind::CONTINUATION, flag::END_HEADERS, 1, &[0x82]));
         assert!(matches!(run(&input, 100), Err(Refusal::Sequence(_))));
+    }
+
+    #[test]
+    fn the_servers_settings_are_followed() {
+        let mut outbound = Outbound::default();
+        let mut streams = Streams::default();
+        let mut settings = Vec::new();
+        settings.extend_from_slice(&[0, 1, 0, 0, 0x20, 0]);
+        settings.extend_from_slice(&[0, 5, 0, 1, 0, 0]);
+        let bytes = frame(kind::SETTINGS, 0, 0, &settings);
+        // Written in pieces, as the server's writes come.
+        for chunk in bytes.chunks(4) {
+            outbound.observe(chunk, &mut streams);
+        }
+        assert_eq!(outbound.header_table_size, Some(8_192));
+        assert_eq!(outbound.max_frame_size, Some(65_536));
+        let mut ack = Outbound::default();
+        ack.observe(&frame(kind::SETTINGS, flag::ACK, 0, &[]), &mut streams);
+        assert_eq!(ack.header_table_size, None);
     }
 
     #[test]
