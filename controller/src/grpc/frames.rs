@@ -65,29 +65,29 @@ mod outbound;
 mod tests;
 
 /// The client connection preface (RFC 9113 §3.4).
-pub(super) const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// The size of a frame header.
-pub(super) const FRAME_HEADER: usize = 9;
+const FRAME_HEADER: usize = 9;
 /// The largest frame this layer writes: the HTTP/2 default `SETTINGS_MAX_FRAME_SIZE`, which
 /// every server accepts. Header frames up to what the server announces are accepted.
-pub(super) const MAX_FRAME: usize = 16_384;
+const MAX_FRAME: usize = 16_384;
 /// The HTTP/2 default dynamic table size: the largest table the client's encoder may use until
 /// the server announces another `SETTINGS_HEADER_TABLE_SIZE` (this layer follows the server's
 /// `SETTINGS` frames).
-pub(super) const HEADER_TABLE_SIZE: usize = 4_096;
+const HEADER_TABLE_SIZE: usize = 4_096;
 /// The largest `SETTINGS_MAX_FRAME_SIZE` HTTP/2 allows.
-pub(super) const LARGEST_FRAME: usize = 16_777_215;
+const LARGEST_FRAME: usize = 16_777_215;
 /// The largest header block accepted, encoded (all fragments) and decoded (names, values and
 /// HPACK's 32 bytes per field). Far above what a gRPC client sends; the server's own, smaller
 /// header-list limit still applies after this layer.
-pub(super) const MAX_BLOCK: usize = 256 * 1024;
+const MAX_BLOCK: usize = 256 * 1024;
 /// Request paths remembered per connection for the refusal log.
 const REMEMBERED_STREAMS: usize = 32;
 /// The authority put in place of one that is not valid.
-pub(super) const LOCALHOST: &[u8] = b"localhost";
+const LOCALHOST: &[u8] = b"localhost";
 
 /// HTTP/2 frame types used here.
-pub(super) mod kind {
+mod kind {
     pub const HEADERS: u8 = 0x1;
     pub const SETTINGS: u8 = 0x4;
     pub const RST_STREAM: u8 = 0x3;
@@ -97,7 +97,7 @@ pub(super) mod kind {
 }
 
 /// HTTP/2 frame flags used here.
-pub(super) mod flag {
+mod flag {
     pub const END_STREAM: u8 = 0x1;
     pub const ACK: u8 = 0x1;
     pub const END_HEADERS: u8 = 0x4;
@@ -261,26 +261,26 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
 
 /// What the connection's recent streams asked for, for the refusal log.
 #[derive(Default)]
-pub(super) struct Streams {
+struct Streams {
     recent: VecDeque<(u32, String, Option<String>)>,
 }
 
 impl Streams {
-    pub(super) fn remember(&mut self, id: u32, path: String, problem: Option<String>) {
+    fn remember(&mut self, id: u32, path: String, problem: Option<String>) {
         if self.recent.len() >= REMEMBERED_STREAMS {
             self.recent.pop_front();
         }
         self.recent.push_back((id, path, problem));
     }
 
-    pub(super) fn latest(&self) -> (String, String) {
+    fn latest(&self) -> (String, String) {
         self.recent
             .back()
             .map(|(_, path, problem)| (path.clone(), problem.clone().unwrap_or_default()))
             .unwrap_or_default()
     }
 
-    pub(super) fn about(&self, id: u32) -> (String, String) {
+    fn about(&self, id: u32) -> (String, String) {
         self.recent
             .iter()
             .rev()
@@ -290,17 +290,17 @@ impl Streams {
     }
 }
 
-#[derive(Clone, Copy)]
 /// The fixed 9-byte header of every HTTP/2 frame.
-pub(super) struct FrameHeader {
-    pub(super) length: usize,
-    pub(super) kind: u8,
-    pub(super) flags: u8,
-    pub(super) stream: u32,
+#[derive(Clone, Copy)]
+struct FrameHeader {
+    length: usize,
+    kind: u8,
+    flags: u8,
+    stream: u32,
 }
 
 impl FrameHeader {
-    pub(super) fn parse(b: &[u8; FRAME_HEADER]) -> Self {
+    fn parse(b: &[u8; FRAME_HEADER]) -> Self {
         Self {
             length: usize::from(b[0]) << 16 | usize::from(b[1]) << 8 | usize::from(b[2]),
             kind: b[3],
