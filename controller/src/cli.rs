@@ -599,6 +599,21 @@ mod tests {
         assert!(!s.peering.required);
         assert_eq!(s.peering.priority, 0);
         assert!(!s.election.enabled);
+        assert!(!s.connection.insecure_non_loopback);
+        assert_eq!(s.connection.preface_timeout, Duration::from_secs(10));
+    }
+
+    #[test]
+    fn the_transport_flags_map_onto_settings() {
+        let s = run(&[
+            "--listen",
+            "0.0.0.0:7000",
+            "--listen-insecure-non-loopback",
+            "--preface-timeout",
+            "3s",
+        ]);
+        assert!(s.connection.insecure_non_loopback);
+        assert_eq!(s.connection.preface_timeout, Duration::from_secs(3));
     }
 
     fn run(args: &[&str]) -> Settings {

@@ -529,3 +529,131 @@ async fn an_oversized_hello_is_resource_exhausted() -> Result<()> {
     );
     Ok(())
 }
+
+/// One HPACK "literal header field without indexing, new name" with short raw strings.
+fn literal(name: &str, value: &str, out: &mut Vec<u8>) {
+    out.push(0);
+    for s in [name, value] {
+        out.push(u8::try_from(s.len()).expect("short string"));
+        out.extend_from_slice(s.as_bytes());
+    }
+}
+
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8], out: &mut Vec<u8>) {
+    let len = u32::try_from(payload.len()).expect("small frame").to_be_bytes();
+    out.extend_from_slice(&len[1..]);
+    out.push(kind);
+    out.push(flags);
+    out.extend_from_slice(&stream.to_be_bytes());
+    out.extend_from_slice(payload);
+}
+
+/// Sends a request with one extra header over a raw HTTP/2 connection and waits until the
+/// server resets the stream or closes the connection.
+async fn refused_request(socket: &std::path::Path, extra: (&str, &str)) -> Result<()> {
+    let mut block = Vec::new();
+    literal(":method", "POST", &mut block);
+    literal(":scheme", "http", &mut block);
+    literal(":path", "/capstan.v1.RuntimeService/Connect", &mut block);
+    literal(":authority", "localhost", &mut block);
+    literal("content-type", "application/grpc", &mut block);
+    literal(extra.0, extra.1, &mut block);
+    let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    frame(0x4, 0, 0, &[], &mut bytes);
+    frame(0x1, 0x4 | 0x1, 1, &block, &mut bytes);
+    let mut raw = UnixStream::connect(socket).await?;
+    tokio::io::AsyncWriteExt::write_all(&mut raw, &bytes).await?;
+    let mut received = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = raw.read(&mut buf).await?;
+            if n == 0 {
+                return anyhow::Ok(());
+            }
+            received.extend_from_slice(&buf[..n]);
+            // A RST_STREAM (type 3) for stream 1, or a GOAWAY (type 7).
+            if received
+                .windows(9)
+                .any(|w| (w[3] == 0x3 && w[5..9] == [0, 0, 0, 1]) || w[3] == 0x7)
+            {
+                return Ok(());
+            }
+        }
+    })
+    .await
+    .map_err(|_| anyhow!("the malformed stream was neither reset nor closed"))?
+}
+
+/// Requests that the HTTP/2 layer refuses before any gRPC code runs (a stream error and a
+/// connection error) are logged with their reason.
+#[tokio::test]
+async fn streams_refused_below_grpc_are_logged_with_their_reason() -> Result<()> {
+    let env = TestEnv::start().await?;
+    let controller = Controller::start(&env, "capstan", &["--standalone"]).await?;
+    for (extra, reason) in [
+        (("connection", "close"), "connection-specific header"),
+        (("X-Upper", "1"), "uppercase header name"),
+    ] {
+        refused_request(&controller.socket, extra).await?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let log = controller.process.output();
+            if let Some(line) = log
+                .lines()
+                .find(|l| l.contains("refused below the gRPC layer") && l.contains(reason))
+            {
+                assert!(line.contains("PROTOCOL_ERROR"), "{line}");
+                assert!(line.contains("/capstan.v1.RuntimeService/Connect"), "{line}");
+                break;
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!("the refusal ({reason}) was not logged:\n{log}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok(())
+}
+
+/// A result ack means "well formed and taken": a patch the API server refuses later is acked
+/// `accepted: true`, recorded as a failed attempt and retried, and the next invocation's
+/// `last_error` carries the server's message (as `proto/README.md` says).
+#[tokio::test]
+async fn acks_mean_taken_and_refused_patches_come_back_as_last_error() -> Result<()> {
+    let env = env_with_crd().await?;
+    let controller = Controller::start(&env, "capstan", &[]).await?;
+    let mut reg = registration("schema_fn", pb::HandlerKind::Create);
+    reg.backoff = Some(duration(1, 0));
+    let mut h = hello(vec![reg]);
+    h.capabilities.push(pb::Capability::ResultAck as i32);
+    let (mut client, _) = RawClient::connect(unix_channel(controller.socket.clone()).await?, h).await?;
+    create(&env, "schema", json!({"size": 1})).await?;
+    let first = next_invocation(&mut client, Duration::from_secs(60)).await?;
+    let invalid = pb::Patch {
+        r#type: pb::PatchType::Merge as i32,
+        target: pb::PatchTarget::Object as i32,
+        body: Some(pb::Json {
+            json: br#"{"spec":{"size":"not a number"}}"#.to_vec(),
+        }),
+    };
+    client
+        .send(success(&first.invocation_id, None, vec![invalid]))
+        .await?;
+    let ack = loop {
+        match client.recv_within(Duration::from_secs(30)).await? {
+            Out::ResultAck(ack) => break ack,
+            _ => continue,
+        }
+    };
+    assert!(ack.accepted, "a well-formed result is taken: {ack:?}");
+    let second = next_invocation(&mut client, Duration::from_secs(60))
+        .await
+        .with_context(|| format!("controller log:\n{}", controller.process.output()))?;
+    assert_eq!(second.attempt, 2);
+    let last = second.last_error.context("no last_error")?;
+    assert_eq!(last.reason, "PREVIOUS_ATTEMPT_FAILED");
+    assert!(last.summary.contains("rejected"), "{last:?}");
+    client.send(success(&second.invocation_id, None, vec![])).await?;
+    Ok(())
+}

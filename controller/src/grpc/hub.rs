@@ -377,6 +377,12 @@ impl Hub {
         }
     }
 
+    /// How many pieces of work wait in the hub for a connection with room (at most
+    /// [`Settings::max_waiting`]; further callers wait before entering).
+    pub fn waiting(&self) -> usize {
+        self.inner.state.lock().waiters.values().map(VecDeque::len).sum()
+    }
+
     /// How many invocations are in flight in total.
     pub fn in_flight(&self) -> usize {
         self.inner.state.lock().in_flight.len()
@@ -536,8 +542,7 @@ impl Hub {
 
     /// Waits for room among the waiting work, then for a connection with room.
     async fn wait_and_acquire(&self, handler: &HandlerId) -> Grant {
-        // The semaphore is never closed; without a permit the work waits unbounded only
-        // if it were, which cannot happen.
+        // The semaphore is never closed, so a permit always comes.
         let permit = self.inner.waiting.clone().acquire_owned().await.ok();
         let grant = self.acquire(handler).await;
         drop(permit);
@@ -988,6 +993,51 @@ mod tests {
         assert_eq!(c.reason, pb::CancelReason::DeadlineExceeded as i32);
         assert_eq!(task.await.unwrap(), Outcome::TimedOut);
         assert_eq!(hub.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn waiting_work_is_bounded_and_the_rest_waits_outside() {
+        let hub = Hub::new(Settings {
+            max_waiting: 2,
+            ..Settings::default()
+        });
+        let tasks: Vec<_> = (0..3)
+            .map(|i| {
+                let hub = hub.clone();
+                tokio::spawn(async move { hub.invoke(Work::new("p", format!("k{i}"), Payload::Probe)).await })
+            })
+            .collect();
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(hub.waiting(), 2, "the third caller waits before entering the hub");
+        let (conn, mut rx) = attach(&hub, vec![reg("p", None)], 8);
+        for _ in 0..3 {
+            let inv = invocation_of(rx.recv().await.unwrap());
+            hub.complete(conn, &success(&inv.invocation_id)).unwrap();
+        }
+        for t in tasks {
+            assert_eq!(t.await.unwrap(), Outcome::success(None));
+        }
+        assert_eq!(hub.waiting(), 0);
+    }
+
+    #[tokio::test]
+    async fn invocation_ids_carry_the_boot_id() {
+        let (a, b) = (Hub::default(), Hub::default());
+        assert_ne!(a.boot_id(), b.boot_id());
+        let (_conn, mut rx) = attach(&a, vec![reg("p", None)], 8);
+        let task = tokio::spawn({
+            let hub = a.clone();
+            async move { hub.invoke(Work::new("p", "k", Payload::Probe)).await }
+        });
+        let inv = invocation_of(rx.recv().await.unwrap());
+        assert!(
+            inv.invocation_id.starts_with(&format!("{}-", a.boot_id())),
+            "{}",
+            inv.invocation_id
+        );
+        task.abort();
     }
 
     #[tokio::test]

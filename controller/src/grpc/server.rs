@@ -2,9 +2,9 @@
 //! (the default, shared with the handler container through an `emptyDir`) or loopback TCP.
 //!
 //! The socket is created with mode 0600 (the process umask is narrowed around `bind`, so it
-//! never exists with a wider mode) in a directory tightened to mode 0700 (created so, or
-//! tightened when it exists, belongs to this user and is not a shared sticky directory such as
-//! `/tmp`), so only the pod's own user can dial it. A socket file left at the path is removed
+//! never exists with a wider mode) in a directory with mode 0700: created so, or tightened when
+//! it exists and this process may change it (its owner, or root), unless it is a shared sticky
+//! directory such as `/tmp`. So only the pod's own user can dial it. A socket file left at the path is removed
 //! only when nothing answers on it: a live socket belongs to another controller, and starting
 //! is refused rather than taking it over. At exit the socket is removed only if it is still the
 //! one this process created.
@@ -307,8 +307,9 @@ fn bind_unix(path: &Path) -> Result<UnixListener, Error> {
     })
 }
 
-/// Creates the socket's directory with mode 0700, or tightens an existing one to 0700 when it
-/// belongs to this user and is not a shared (sticky) directory such as `/tmp`.
+/// Creates the socket's directory with mode 0700, or tightens an existing one to 0700 unless it
+/// is a shared (sticky) directory such as `/tmp`; a directory this process may not change is
+/// left as it is, with a warning.
 fn prepare_dir(dir: &Path) -> std::io::Result<()> {
     if !dir.exists() {
         std::fs::create_dir_all(dir)?;

@@ -122,16 +122,15 @@ fn escape_into(text: &str, out: &mut impl fmt::Write) -> fmt::Result {
     Ok(())
 }
 
-/// `text` with every control character escaped (for values logged through other paths).
-pub fn escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let _ = escape_into(text, &mut out);
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn escape(text: &str) -> String {
+        let mut out = String::new();
+        escape_into(text, &mut out).unwrap();
+        out
+    }
 
     #[test]
     fn control_characters_are_escaped() {
