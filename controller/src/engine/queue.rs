@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 use serde_json::Value;
 use tokio::{
     sync::{Semaphore, watch},
-    task::JoinHandle,
+    task::{JoinHandle, JoinSet},
 };
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
@@ -64,6 +64,16 @@ pub struct Context {
     pub max_losses: u32,
 }
 
+/// At most this many fire-and-forget event handler invocations of one resource run at once.
+pub const EVENT_DISPATCH_LIMIT: usize = 256;
+
+/// The running fire-and-forget event handler invocations of one resource: owned (aborted when
+/// the resource's watch stops) and bounded.
+struct EventDispatch {
+    permits: Arc<Semaphore>,
+    tasks: Mutex<JoinSet<()>>,
+}
+
 /// How long an object whose cycle panicked waits before it is processed again.
 pub const PANIC_RETRY: Duration = Duration::from_secs(5);
 
@@ -91,6 +101,7 @@ impl Drop for WorkerGuard<'_> {
 pub struct Queue {
     ctx: Arc<Context>,
     writer: Arc<Writer>,
+    events: Arc<EventDispatch>,
     slots: Arc<Mutex<HashMap<String, Slot>>>,
 }
 
@@ -131,6 +142,10 @@ impl Queue {
         Self {
             ctx: Arc::new(ctx),
             writer,
+            events: Arc::new(EventDispatch {
+                permits: Arc::new(Semaphore::new(EVENT_DISPATCH_LIMIT)),
+                tasks: Mutex::new(JoinSet::new()),
+            }),
             slots: Arc::new(Mutex::new(HashMap::new())),
         }
     }
@@ -147,12 +162,19 @@ impl Queue {
 
     /// Handles a watch event: calls the event handlers (fire and forget, as kopf) and queues
     /// the event for the object's change handlers.
-    pub fn observe(&self, event_type: EventType, body: Value) {
-        self.dispatch_event_handlers(event_type, &body);
+    ///
+    /// At most [`EVENT_DISPATCH_LIMIT`] event handler invocations of the resource run at once;
+    /// beyond that, this waits for one to end — backpressure on the watch instead of a task
+    /// and a body copy per event and handler piling up.
+    ///
+    /// # Cancel safety
+    /// Dropping the future before it returns drops the event (the watch is being stopped).
+    pub async fn observe(&self, event_type: EventType, body: Value) {
+        self.dispatch_event_handlers(event_type, &body).await;
         self.push(event_type, body);
     }
 
-    fn dispatch_event_handlers(&self, event_type: EventType, body: &Value) {
+    async fn dispatch_event_handlers(&self, event_type: EventType, body: &Value) {
         let handlers = self.ctx.handlers.borrow().clone();
         let subject = Subject {
             body,
@@ -167,6 +189,11 @@ impl Queue {
             .filter(fire_and_forget)
             .filter(|h| matching::prematch(h, subject))
         {
+            let permit = tokio::select! {
+                permit = self.events.permits.clone().acquire_owned() => permit,
+                () = self.ctx.cancel.cancelled() => return,
+            };
+            let Ok(permit) = permit else { return };
             let object = processing::object_ref(&self.ctx.resource, body);
             let key = format!("{}/{}/{}", object.uid, reg.id, object.resource_version);
             let mut work = Work::new(reg.id.0.clone(), key, Payload::Event { event_type });
@@ -176,8 +203,11 @@ impl Queue {
             work.cancel = self.ctx.cancel.child_token();
             let invoker = self.ctx.invoker.clone();
             let id = reg.id.clone();
-            tokio::spawn(
+            let mut tasks = self.events.tasks.lock();
+            while tasks.try_join_next().is_some() {}
+            tasks.spawn(
                 async move {
+                    let _permit = permit;
                     match invoker.invoke(work).await {
                         Outcome::Success { .. } | Outcome::Skipped => debug!("event handler succeeded"),
                         other => warn!(
@@ -262,8 +292,9 @@ impl Queue {
             .collect()
     }
 
-    /// Stops every timer (at shutdown).
+    /// Stops every timer and running event handler invocation (when the watch stops).
     pub fn stop_timers(&self) {
+        self.events.tasks.lock().abort_all();
         for slot in self.slots.lock().values_mut() {
             if let Some(t) = slot.timer.take() {
                 t.abort();
@@ -712,27 +743,26 @@ mod tests {
         Objects::new(kube::Client::new(service, "default"))
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_panicking_cycle_frees_its_slot_and_permit_and_the_object_is_processed_again() {
-        let resource = crate::model::ResolvedResource {
+    fn resource() -> crate::model::ResolvedResource {
+        crate::model::ResolvedResource {
             group: "demo.capstan.dev".into(),
             version: "v1".into(),
             plural: "examples".into(),
             kind: "Example".into(),
             namespaced: true,
             status_subresource: false,
-        };
-        let mut create = Registration::new("create_fn", HandlerKind::Create, None);
-        create.resource = Some(resource.clone());
-        let invoker = Arc::new(PanicsOnce::default());
-        let limit = Arc::new(Semaphore::new(1));
+        }
+    }
+
+    /// A queue of the example resource with `handlers`, calling `invoker`.
+    fn queue(invoker: Arc<dyn Invoker>, handlers: Vec<Registration>, limit: Arc<Semaphore>) -> Queue {
         let cancel = CancellationToken::new();
-        let (_handlers_tx, handlers) = watch::channel(Arc::new(vec![create]));
+        let (_handlers_tx, handlers) = watch::channel(Arc::new(handlers));
         let (_paused_tx, paused) = watch::channel(false);
         let (stopped, _stopped_rx) = tokio::sync::mpsc::unbounded_channel();
         let storage = Storage::annotations("capstan.dev");
         let daemons = super::super::daemons::Daemons::new(super::super::daemons::Context {
-            resource: resource.clone(),
+            resource: resource(),
             invoker: invoker.clone(),
             objects: objects(),
             rules: processing::rules(&storage, &[]),
@@ -740,20 +770,29 @@ mod tests {
             cancel: cancel.clone(),
             finalizer: storage.keys.finalizer.clone(),
         });
-        let queue = Queue::new(Context {
-            resource,
+        Queue::new(Context {
+            resource: resource(),
             handlers,
             storage,
-            invoker: invoker.clone(),
+            invoker,
             objects: objects(),
-            limit: limit.clone(),
+            limit,
             checkpoint_after: Duration::from_secs(1),
             daemons,
             paused,
             poster: super::super::posting::Poster::disabled(),
             cancel,
             max_losses: 3,
-        });
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_cycle_frees_its_slot_and_permit_and_the_object_is_processed_again() {
+        let mut create = Registration::new("create_fn", HandlerKind::Create, None);
+        create.resource = Some(resource());
+        let invoker = Arc::new(PanicsOnce::default());
+        let limit = Arc::new(Semaphore::new(1));
+        let queue = queue(invoker.clone(), vec![create], limit.clone());
         queue.push(EventType::Added, example("10"));
         let deadline = tokio::time::Instant::now() + PANIC_RETRY * 4;
         while invoker.calls.load(Ordering::SeqCst) < 2 {
@@ -777,6 +816,56 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Runs until its work is cancelled; counts the invocations.
+    #[derive(Default)]
+    struct Blocking {
+        calls: AtomicU32,
+    }
+
+    impl Invoker for Blocking {
+        fn invoke(&self, work: Work) -> BoxFuture<'static, Outcome> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                work.cancel.cancelled().await;
+                Outcome::Cancelled
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn event_handler_dispatch_is_bounded_and_waits_for_room() {
+        let mut event = Registration::new("event_fn", HandlerKind::Event, None);
+        event.resource = Some(resource());
+        event.errors = ErrorsMode::Ignored;
+        let invoker = Arc::new(Blocking::default());
+        let queue = queue(invoker.clone(), vec![event], Arc::new(Semaphore::new(4)));
+        let observer = {
+            let queue = queue.clone();
+            tokio::spawn(async move {
+                for n in 0..EVENT_DISPATCH_LIMIT + 5 {
+                    queue.observe(EventType::Modified, example(&n.to_string())).await;
+                }
+            })
+        };
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(
+            invoker.calls.load(Ordering::SeqCst) as usize,
+            EVENT_DISPATCH_LIMIT
+        );
+        assert!(!observer.is_finished(), "the watch waits for room");
+        assert_eq!(
+            queue.events.tasks.lock().len(),
+            EVENT_DISPATCH_LIMIT,
+            "every invocation is owned"
+        );
+        // Stopping the watch ends everything it owns.
+        queue.ctx.cancel.cancel();
+        queue.stop_timers();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(observer.is_finished());
+        assert_eq!(queue.events.permits.available_permits(), EVENT_DISPATCH_LIMIT);
     }
 
     #[test]
