@@ -5,10 +5,12 @@
 //! through the [`connection::Resolver`] the app supplies, and work arrives as `model::Work`.
 
 pub mod connection;
+pub mod control;
 pub mod convert;
 pub mod hub;
 pub mod server;
 
 pub use connection::Resolver;
+pub use control::Control;
 pub use hub::Hub;
 pub use server::{Listen, Server};

@@ -36,6 +36,7 @@ use super::{
     processing::{self, Invoker},
 };
 use crate::{
+    grpc::Control,
     k8s::objects::Objects,
     model::{
         CancelReason, DaemonOptions, HandlerId, HandlerKind, KindOptions, Outcome, Patch, Payload,
@@ -351,9 +352,15 @@ impl Lane<'_> {
         work.object = Some(processing::object_ref(&self.daemons.ctx.resource, &body));
         work.body = Some(body);
         work.param = self.reg.param.clone();
-        work.cancel = self.stop.clone();
-        work.cancel_reason_cell = Some(self.reason.clone());
         work
+    }
+
+    /// Stopped with the lane, for the reason the lane is stopped for.
+    fn control(&self) -> Control {
+        Control {
+            reason: self.reason.clone(),
+            ..Control::cancelled_by(self.stop.clone())
+        }
     }
 
     /// Sleeps; true when stopped first.
@@ -384,9 +391,12 @@ impl Lane<'_> {
                 None => WAIT_FOREVER,
             };
             work.cancel_grace = Some(grace);
-            work.updates = Some(updates_tx);
-            work.body_updates = Some(self.body.clone());
-            let invocation = self.daemons.ctx.invoker.invoke(work);
+            let control = Control {
+                updates: Some(updates_tx),
+                body_updates: Some(self.body.clone()),
+                ..self.control()
+            };
+            let invocation = self.daemons.ctx.invoker.invoke(work, control);
             tokio::pin!(invocation);
             // Progress patches are applied as they come and written one write at a time:
             // what arrives during a write is coalesced into the next one.
@@ -515,7 +525,7 @@ impl Lane<'_> {
                 format!("{}/{}/timer/{tick}", self.uid, self.reg.id),
             );
             work.attempt = attempt;
-            let outcome = self.daemons.ctx.invoker.invoke(work).await;
+            let outcome = self.daemons.ctx.invoker.invoke(work, self.control()).await;
             let retry_in = match outcome {
                 Outcome::Success { result, patches, .. } => {
                     self.daemons.write(self.uid, &self.reg.id, result, &patches).await;
@@ -572,9 +582,9 @@ mod tests {
     struct Chatty;
 
     impl Invoker for Chatty {
-        fn invoke(&self, work: Work) -> BoxFuture<'static, Outcome> {
+        fn invoke(&self, _work: Work, control: Control) -> BoxFuture<'static, Outcome> {
             Box::pin(async move {
-                if let Some(updates) = &work.updates {
+                if let Some(updates) = &control.updates {
                     for n in 0..BATCHES {
                         let patch = Patch {
                             patch_type: crate::model::PatchType::Merge,
@@ -584,7 +594,7 @@ mod tests {
                         let _ = updates.send(vec![patch]);
                     }
                 }
-                work.cancel.cancelled().await;
+                control.cancel.cancelled().await;
                 Outcome::Cancelled
             })
         }

@@ -35,23 +35,24 @@ use super::{
     matching::{self, Subject},
 };
 use crate::{
+    grpc::Control,
     model::{
-        CancelReason, ChangeReason, Diagnostic, EventType, HandlerId, HandlerKind, Outcome, Patch, PatchType,
-        Payload, Registration, ResolvedResource, ResourceRef, SubhandlerState, Work,
+        ChangeReason, Diagnostic, EventType, HandlerId, HandlerKind, Outcome, Patch, PatchType, Payload,
+        Registration, ResolvedResource, ResourceRef, SubhandlerState, Work,
     },
     persistence::{DiffBaseStorage, Keys, ProgressRecord, ProgressStorage, progress::object_at, time},
 };
 
 /// Calls handlers. The hub implements it; tests use fakes.
 pub trait Invoker: Send + Sync {
-    /// Runs one piece of work to its outcome.
-    fn invoke(&self, work: Work) -> BoxFuture<'static, Outcome>;
+    /// Runs one piece of work to its outcome, steered by `control`.
+    fn invoke(&self, work: Work, control: Control) -> BoxFuture<'static, Outcome>;
 }
 
 impl Invoker for crate::grpc::Hub {
-    fn invoke(&self, work: Work) -> BoxFuture<'static, Outcome> {
+    fn invoke(&self, work: Work, control: Control) -> BoxFuture<'static, Outcome> {
         let hub = self.clone();
-        Box::pin(async move { hub.invoke(work).await })
+        Box::pin(async move { hub.dispatch(work, control).await })
     }
 }
 
@@ -680,8 +681,6 @@ fn work(
     work.last_error = execution::last_error(record);
     work.report_losses = true;
     work.subhandlers = subhandlers;
-    work.cancel = input.cancel.child_token();
-    work.cancel_reason = CancelReason::RuntimeShutdown;
     work
 }
 

@@ -31,6 +31,7 @@ use super::{
     writing::{Writer, Written, patch_object},
 };
 use crate::{
+    grpc::Control,
     k8s::objects::Objects,
     model::{EventType, HandlerKind, Outcome, Payload, Registration, ResolvedResource, Work},
 };
@@ -200,7 +201,7 @@ impl Queue {
             work.object = Some(object);
             work.body = Some(body.clone());
             work.param = reg.param.clone();
-            work.cancel = self.ctx.cancel.child_token();
+            let control = Control::cancelled_by(self.ctx.cancel.child_token());
             let invoker = self.ctx.invoker.clone();
             let id = reg.id.clone();
             let mut tasks = self.events.tasks.lock();
@@ -208,7 +209,7 @@ impl Queue {
             tasks.spawn(
                 async move {
                     let _permit = permit;
-                    match invoker.invoke(work).await {
+                    match invoker.invoke(work, control).await {
                         Outcome::Success { .. } | Outcome::Skipped => debug!("event handler succeeded"),
                         other => warn!(
                             outcome = other.as_str(),
@@ -604,8 +605,8 @@ impl Queue {
             work.param = reg.param.clone();
             work.last_error = execution::last_error(&record);
             work.report_losses = true;
-            work.cancel = self.ctx.cancel.child_token();
-            let outcome = self.ctx.invoker.invoke(work).await;
+            let control = Control::cancelled_by(self.ctx.cancel.child_token());
+            let outcome = self.ctx.invoker.invoke(work, control).await;
             match execution::judge_with_guard(reg, &mut record, outcome, now, self.ctx.max_losses) {
                 execution::Verdict::Retry => {
                     info!(handler.id = %reg.id, error = record.message.as_deref().unwrap_or_default(), "event handler will be retried");
@@ -719,7 +720,7 @@ mod tests {
     }
 
     impl Invoker for PanicsOnce {
-        fn invoke(&self, _work: Work) -> BoxFuture<'static, Outcome> {
+        fn invoke(&self, _work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
             let call = self.calls.fetch_add(1, Ordering::SeqCst);
             Box::pin(async move {
                 assert!(call > 0, "injected panic in the first cycle");
@@ -825,10 +826,10 @@ mod tests {
     }
 
     impl Invoker for Blocking {
-        fn invoke(&self, work: Work) -> BoxFuture<'static, Outcome> {
+        fn invoke(&self, _work: Work, control: Control) -> BoxFuture<'static, Outcome> {
             self.calls.fetch_add(1, Ordering::SeqCst);
             Box::pin(async move {
-                work.cancel.cancelled().await;
+                control.cancel.cancelled().await;
                 Outcome::Cancelled
             })
         }

@@ -199,7 +199,8 @@ impl<'i, 'a> Cycle<'i, 'a> {
             children,
         );
         debug!(handler.id = %reg.id, attempt = work.attempt, "invoking");
-        let invocation = invoker.invoke(work);
+        let control = Control::cancelled_by(self.input.cancel.child_token());
+        let invocation = invoker.invoke(work, control);
         let unsaved = step.fetched.as_ref() != Some(record);
         let Some(checkpoint) = self
             .input
