@@ -91,7 +91,8 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_HANDSHAKE_TIMEOUT", value_parser = parse_duration, default_value = "10s")]
     pub handshake_timeout: Duration,
 
-    /// How long a cancelled invocation has to finish before it is abandoned.
+    /// How long a cancelled invocation has to finish before it is abandoned (daemons use their
+    /// own `cancellation_timeout`, and without one are waited for).
     #[arg(long, env = "CAPSTAN_CANCEL_GRACE", value_parser = parse_duration, default_value = "5s")]
     pub cancel_grace: Duration,
 
