@@ -69,7 +69,12 @@ async fn a_sole_handler_process_killed_on_every_attempt_trips_the_poison_pill_gu
             break;
         }
         if round == 2 {
-            // Through the progress records, the count also survives the controller.
+            // Through the progress records, the count also survives the controller: once the
+            // second loss is on the object, the controller is killed and started again.
+            s.wait("crashy", T, "the second loss recorded", |o| {
+                annotation(o, "capstan.dev/create_fn").is_some_and(|r| r.contains("\"lost\":2"))
+            })
+            .await?;
             s.controller.process.kill().await?;
             s.controller = Controller::start(&s.env, "capstan-restarted", &[]).await?;
         }
