@@ -102,7 +102,8 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_LISTEN_INSECURE_NON_LOOPBACK")]
     pub listen_insecure_non_loopback: bool,
 
-    /// How long a cancelled invocation has to finish before it is abandoned.
+    /// How long a cancelled invocation has to finish before it is abandoned (daemons use their
+    /// own `cancellation_timeout`, and without one are waited for).
     #[arg(long, env = "CAPSTAN_CANCEL_GRACE", value_parser = parse_duration, default_value = "5s")]
     pub cancel_grace: Duration,
 

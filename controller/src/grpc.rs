@@ -5,11 +5,13 @@
 //! through the [`connection::Resolver`] the app supplies, and work arrives as `model::Work`.
 
 pub mod connection;
+pub mod control;
 pub mod convert;
 pub mod frames;
 pub mod hub;
 pub mod server;
 
 pub use connection::Resolver;
+pub use control::Control;
 pub use hub::Hub;
 pub use server::{Listen, Server};

@@ -45,8 +45,15 @@ async fn a_silently_hung_watch_is_reported_restarted_and_catches_up() -> anyhow:
     let proxied = env.scratch().join("proxied.kubeconfig");
     std::fs::write(&proxied, kubeconfig.replace(&server, &proxy.addr.to_string()))?;
 
-    let mut controller =
-        Controller::start_with(&env, &proxied, "capstan", &["--watch-inactivity-timeout", "3s"]).await?;
+    // No checkpoint while the slow handler below runs: its final write is the one that meets
+    // the outage.
+    let mut controller = Controller::start_with(
+        &env,
+        &proxied,
+        "capstan",
+        &["--watch-inactivity-timeout", "3s", "--checkpoint-after", "60s"],
+    )
+    .await?;
     let calls = env.scratch().join("calls.log");
     let _handler = start_handler(
         &env,

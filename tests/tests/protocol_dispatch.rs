@@ -134,10 +134,11 @@ async fn a_long_invocation_is_cancelled_and_answers_cancelled() -> anyhow::Resul
     let server = TestServer::start().await?;
     let mut client = connect(&server).await?;
     let hub = server.hub.clone();
-    let mut work = create_work("uid-3/create_fn");
-    let stop = work.cancel.clone();
-    work.cancel_reason = capstan::model::CancelReason::ResourceDeleted;
-    let outcome = tokio::spawn(async move { hub.invoke(work).await });
+    let work = create_work("uid-3/create_fn");
+    let control = capstan::grpc::Control::default();
+    *control.reason.lock() = capstan::model::CancelReason::ResourceDeleted;
+    let stop = control.cancel.clone();
+    let outcome = tokio::spawn(async move { hub.dispatch(work, control).await });
     let inv = client.invocation().await?;
     stop.cancel();
     let Out::Cancel(cancel) = client.recv().await? else {

@@ -19,6 +19,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use serde_json::Value;
 use tokio::{
@@ -35,6 +36,7 @@ use super::{
     processing::{self, Invoker},
 };
 use crate::{
+    grpc::Control,
     k8s::objects::Objects,
     model::{
         CancelReason, DaemonOptions, HandlerId, HandlerKind, KindOptions, Outcome, Patch, Payload,
@@ -253,28 +255,54 @@ impl Daemons {
 
     /// Writes a daemon's or timer's result and patches over the object's latest body.
     async fn write(&self, uid: &str, id: &HandlerId, result: Option<Value>, patches: &[Patch]) {
-        let base = {
-            let objects = self.objects.lock();
-            let Some(object) = objects.get(uid) else { return };
-            object.body.borrow().clone()
-        };
-        let mut desired = base.clone();
-        if let Err(d) = processing::apply_patches(&mut desired, patches) {
-            warn!(problem = %d, "a patch from the handler does not apply; dropped");
-            return;
+        let mut staged = None;
+        self.stage(uid, &mut staged, patches, None);
+        if let Some(result) = result
+            && let Some(staged) = staged.as_mut()
+        {
+            processing::store_result(&mut staged.desired, &id.0, result);
         }
-        if let Some(result) = result {
-            processing::store_result(&mut desired, &id.0, result);
+        if let Some(staged) = staged {
+            self.write_staged(uid, staged).await;
         }
-        if desired == base {
+    }
+
+    /// Applies patches to the changes waiting to be written, which start from `after` (what
+    /// the write in flight will leave) or the object's latest body: however many patches
+    /// arrive while a write is in flight, one body is kept and one write follows.
+    fn stage(&self, uid: &str, staged: &mut Option<Staged>, patches: &[Patch], after: Option<&Value>) {
+        if staged.is_none() {
+            let base = match after {
+                Some(body) => body.clone(),
+                None => {
+                    let objects = self.objects.lock();
+                    let Some(object) = objects.get(uid) else { return };
+                    object.body.borrow().clone()
+                }
+            };
+            *staged = Some(Staged {
+                desired: base.clone(),
+                base,
+            });
+        }
+        let Some(staged) = staged.as_mut() else { return };
+        let mut scratch = staged.desired.clone();
+        match processing::apply_patches(&mut scratch, patches) {
+            Ok(()) => staged.desired = scratch,
+            Err(d) => warn!(problem = %d, "a patch from the handler does not apply; dropped"),
+        }
+    }
+
+    async fn write_staged(&self, uid: &str, staged: Staged) {
+        if staged.desired == staged.base {
             return;
         }
         match super::writing::patch_object(
             &self.ctx.objects,
             &self.ctx.resource,
             &self.ctx.finalizer,
-            &base,
-            &desired,
+            &staged.base,
+            &staged.desired,
         )
         .await
         {
@@ -285,6 +313,20 @@ impl Daemons {
             }
             Err(e) => warn!(error = %crate::error::chain(&e), "writing the handler's patch failed"),
         }
+    }
+}
+
+/// Changes of a daemon waiting to be written: the body they apply to, and the result.
+struct Staged {
+    base: Value,
+    desired: Value,
+}
+
+/// Awaits the write in flight, or never when there is none.
+async fn landed(flight: &mut Option<BoxFuture<'_, ()>>) {
+    match flight.as_mut() {
+        Some(f) => f.await,
+        None => std::future::pending().await,
     }
 }
 
@@ -310,9 +352,15 @@ impl Lane<'_> {
         work.object = Some(processing::object_ref(&self.daemons.ctx.resource, &body));
         work.body = Some(body);
         work.param = self.reg.param.clone();
-        work.cancel = self.stop.clone();
-        work.cancel_reason_cell = Some(self.reason.clone());
         work
+    }
+
+    /// Stopped with the lane, for the reason the lane is stopped for.
+    fn control(&self) -> Control {
+        Control {
+            reason: self.reason.clone(),
+            ..Control::cancelled_by(self.stop.clone())
+        }
     }
 
     /// Sleeps; true when stopped first.
@@ -343,16 +391,48 @@ impl Lane<'_> {
                 None => WAIT_FOREVER,
             };
             work.cancel_grace = Some(grace);
-            work.updates = Some(updates_tx);
-            work.body_updates = Some(self.body.clone());
-            let invocation = self.daemons.ctx.invoker.invoke(work);
+            let control = Control {
+                updates: Some(updates_tx),
+                body_updates: Some(self.body.clone()),
+                ..self.control()
+            };
+            let invocation = self.daemons.ctx.invoker.invoke(work, control);
             tokio::pin!(invocation);
+            // Progress patches are applied as they come and written one write at a time:
+            // what arrives during a write is coalesced into the next one.
+            let mut staged: Option<Staged> = None;
+            let mut flight: Option<BoxFuture<'_, ()>> = None;
+            let mut flying: Option<Value> = None;
             let outcome = loop {
+                if flight.is_none()
+                    && let Some(next) = staged.take()
+                {
+                    flying = Some(next.desired.clone());
+                    flight = Some(Box::pin(self.daemons.write_staged(self.uid, next)));
+                }
                 tokio::select! {
                     outcome = &mut invocation => break outcome,
-                    Some(patches) = updates_rx.recv() => self.daemons.write(self.uid, &self.reg.id, None, &patches).await,
+                    Some(patches) = updates_rx.recv() => {
+                        self.daemons.stage(self.uid, &mut staged, &patches, flying.as_ref());
+                        while let Ok(more) = updates_rx.try_recv() {
+                            self.daemons.stage(self.uid, &mut staged, &more, flying.as_ref());
+                        }
+                    }
+                    () = landed(&mut flight) => {
+                        flight = None;
+                        flying = None;
+                    }
                 }
             };
+            if let Some(f) = flight.take() {
+                f.await;
+            }
+            while let Ok(more) = updates_rx.try_recv() {
+                self.daemons.stage(self.uid, &mut staged, &more, None);
+            }
+            if let Some(rest) = staged.take() {
+                self.daemons.write_staged(self.uid, rest).await;
+            }
             let mut delay = opts.restart_backoff.unwrap_or(self.reg.backoff);
             match outcome {
                 Outcome::Success { result, patches, .. } => {
@@ -445,7 +525,7 @@ impl Lane<'_> {
                 format!("{}/{}/timer/{tick}", self.uid, self.reg.id),
             );
             work.attempt = attempt;
-            let outcome = self.daemons.ctx.invoker.invoke(work).await;
+            let outcome = self.daemons.ctx.invoker.invoke(work, self.control()).await;
             let retry_in = match outcome {
                 Outcome::Success { result, patches, .. } => {
                     self.daemons.write(self.uid, &self.reg.id, result, &patches).await;
@@ -477,5 +557,111 @@ impl Lane<'_> {
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use http_body_util::BodyExt;
+    use serde_json::json;
+
+    use super::*;
+    use crate::{k8s::objects::Objects, persistence::Keys};
+
+    const BATCHES: u32 = 200;
+
+    fn example() -> Value {
+        json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+               "metadata": {"name": "one", "namespace": "default", "uid": "u1", "resourceVersion": "10"},
+               "spec": {"size": 1}})
+    }
+
+    /// A daemon that sends many progress patches at once, then runs until stopped.
+    struct Chatty;
+
+    impl Invoker for Chatty {
+        fn invoke(&self, _work: Work, control: Control) -> BoxFuture<'static, Outcome> {
+            Box::pin(async move {
+                if let Some(updates) = &control.updates {
+                    for n in 0..BATCHES {
+                        let patch = Patch {
+                            patch_type: crate::model::PatchType::Merge,
+                            target: crate::model::PatchTarget::Object,
+                            body: json!({"metadata": {"annotations": {"progress": n.to_string()}}}),
+                        };
+                        let _ = updates.send(vec![patch]);
+                    }
+                }
+                control.cancel.cancelled().await;
+                Outcome::Cancelled
+            })
+        }
+    }
+
+    /// An API server whose PATCHes take 100 ms; keeps the last PATCH body.
+    fn slow_api(patches: Arc<AtomicU32>, last: Arc<Mutex<Value>>) -> Objects {
+        let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+            let patches = patches.clone();
+            let last = last.clone();
+            async move {
+                let body = req
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|b| b.to_bytes())
+                    .unwrap_or_default();
+                if let Ok(v) = serde_json::from_slice::<Value>(&body) {
+                    *last.lock() = v;
+                }
+                patches.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let reply = serde_json::to_vec(&example()).unwrap_or_default();
+                Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::from(reply)))
+            }
+        });
+        Objects::new(kube::Client::new(service, "default"))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn progress_patches_are_coalesced_while_a_write_is_in_flight() {
+        let patches = Arc::new(AtomicU32::new(0));
+        let last = Arc::new(Mutex::new(Value::Null));
+        let (stopped, _stopped_rx) = mpsc::unbounded_channel();
+        let cancel = CancellationToken::new();
+        let resource = ResolvedResource {
+            group: "demo.capstan.dev".into(),
+            version: "v1".into(),
+            plural: "examples".into(),
+            kind: "Example".into(),
+            namespaced: true,
+            status_subresource: false,
+        };
+        let daemons = Daemons::new(Context {
+            resource: resource.clone(),
+            invoker: Arc::new(Chatty),
+            objects: slow_api(patches.clone(), last.clone()),
+            rules: Rules {
+                prefix: "capstan.dev".into(),
+                diffbase_key: None,
+                extra_fields: Vec::new(),
+            },
+            stopped,
+            cancel: cancel.clone(),
+            finalizer: Keys::new("capstan.dev").finalizer,
+        });
+        let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
+        monitor.resource = Some(resource);
+        assert!(daemons.sync("u1", &example(), &[monitor], false));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while last.lock().pointer("/metadata/annotations/progress") != Some(&json!((BATCHES - 1).to_string()))
+        {
+            assert!(Instant::now() < deadline, "the last progress was not written");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let writes = patches.load(Ordering::SeqCst);
+        assert!(writes <= 3, "{BATCHES} progress patches took {writes} writes");
+        cancel.cancel();
     }
 }

@@ -7,11 +7,13 @@
 //! body: handler patches, results at `status.<id>`, progress records and — once the cause is
 //! done — the purge of those records and the new diff-base. The diff-base is the essence
 //! *after* the handlers' own patches, so a handler that labels its object does not cause an
-//! update of its own (kopf stores the essence before the patches and re-triggers). The caller (`engine::worker`)
-//! turns the difference between the original and the desired body into one PATCH (plus one
-//! `/status` PATCH where the status subresource requires it).
+//! update of its own (kopf stores the essence before the patches and re-triggers). The
+//! object's worker (`engine::queue`) hands the plan to `engine::writing`, which turns the
+//! difference between the original and the desired body into one PATCH (plus one `/status`
+//! PATCH where the status subresource requires it). The cycle's steps are in `cycle`.
 //!
-//! Nothing here talks to the API; handlers are reached through an [`Invoker`].
+//! Nothing here talks to the API; handlers are reached through an [`Invoker`], checkpoints
+//! are written through a [`Checkpoint`].
 
 use std::{
     collections::BTreeSet,
@@ -33,23 +35,24 @@ use super::{
     matching::{self, Subject},
 };
 use crate::{
+    grpc::Control,
     model::{
-        CancelReason, ChangeReason, Diagnostic, EventType, HandlerId, HandlerKind, Outcome, Patch, PatchType,
-        Payload, Registration, ResolvedResource, ResourceRef, SubhandlerState, Work,
+        ChangeReason, Diagnostic, EventType, HandlerId, HandlerKind, Outcome, Patch, PatchType, Payload,
+        Registration, ResolvedResource, ResourceRef, SubhandlerState, Work,
     },
     persistence::{DiffBaseStorage, Keys, ProgressRecord, ProgressStorage, progress::object_at, time},
 };
 
 /// Calls handlers. The hub implements it; tests use fakes.
 pub trait Invoker: Send + Sync {
-    /// Runs one piece of work to its outcome.
-    fn invoke(&self, work: Work) -> BoxFuture<'static, Outcome>;
+    /// Runs one piece of work to its outcome, steered by `control`.
+    fn invoke(&self, work: Work, control: Control) -> BoxFuture<'static, Outcome>;
 }
 
 impl Invoker for crate::grpc::Hub {
-    fn invoke(&self, work: Work) -> BoxFuture<'static, Outcome> {
+    fn invoke(&self, work: Work, control: Control) -> BoxFuture<'static, Outcome> {
         let hub = self.clone();
-        Box::pin(async move { hub.invoke(work).await })
+        Box::pin(async move { hub.dispatch(work, control).await })
     }
 }
 
@@ -221,352 +224,12 @@ pub fn has_finalizer(body: &Value, finalizer: &str) -> bool {
 /// Runs one cycle.
 pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
     let daemons_alive = input.daemons_alive;
-    let mut plan = cycle_inner(input, invoker).await;
+    let mut plan = cycle::run(input, invoker).await;
     if daemons_alive && plan.finalizer == FinalizerChange::Remove {
         debug!("daemons are still stopping; the finalizer stays for now");
         plan.finalizer = FinalizerChange::Keep;
     }
     plan
-}
-
-async fn cycle_inner(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
-    let mut cycle = match Cycle::begin(&input) {
-        Ok(cycle) => cycle,
-        Err(plan) => return plan,
-    };
-    let subject = Subject {
-        body: input.body,
-        old: cycle.old.as_ref(),
-        new: Some(&cycle.new),
-    };
-    let selected = matching::select(input.handlers, cycle.cause, cycle.initial, subject);
-    for reg in selected {
-        cycle.run(reg, invoker).await;
-    }
-    cycle.finish()
-}
-
-/// The state of one cycle while its handlers run, step by step: [`Cycle::begin`] decides the
-/// cause (or ends the cycle early), [`Cycle::run`] runs one handler, [`Cycle::finish`] folds
-/// the steps into the plan.
-struct Cycle<'i, 'a> {
-    input: &'i Input<'a>,
-    now: SystemTime,
-    rules: Rules,
-    cause: Cause,
-    reason: ChangeReason,
-    initial: bool,
-    /// The stored diff-base essence, and the current essence.
-    old: Option<Value>,
-    new: Value,
-    finalizer: FinalizerChange,
-    /// The body with the patches of the handlers that ran so far.
-    running: Value,
-    /// The body as last stored (the input, or what a checkpoint wrote).
-    base: Value,
-    steps: Vec<Step>,
-    interrupted: bool,
-    notes: Vec<(Level, String)>,
-}
-
-impl<'i, 'a> Cycle<'i, 'a> {
-    /// Decides the finalizer change and the cause; `Err` is the plan of a cycle that runs no
-    /// handler (gone, a finalizer to add first, nothing to handle).
-    fn begin(input: &'i Input<'a>) -> Result<Self, Plan> {
-        let body = input.body;
-        if input.event == EventType::Deleted {
-            return Err(Plan::idle(Cause::Gone, body, FinalizerChange::Keep));
-        }
-        let storage = input.storage;
-        let deleting = body
-            .pointer("/metadata/deletionTimestamp")
-            .is_some_and(|v| !v.is_null());
-        let present = has_finalizer(body, &storage.keys.finalizer);
-        let rules = rules(storage, input.handlers);
-        let new = rules.essence(body);
-        let old = storage.diffbase.fetch(body).map(|o| rules.essence(&o));
-        let body_only = Subject {
-            body,
-            old: None,
-            new: None,
-        };
-        let must_block = storage.finalizers
-            && input
-                .handlers
-                .iter()
-                .any(|h| h.requires_finalizer() && matching::prematch(h, body_only));
-        let mut finalizer = FinalizerChange::Keep;
-        if !deleting && must_block && !present {
-            return Err(Plan::idle(Cause::Noop, body, FinalizerChange::Add));
-        }
-        if !deleting && !must_block && present {
-            finalizer = FinalizerChange::Remove;
-        }
-        // As in kopf: an object that no change handler could ever match is invisible to the
-        // change machinery — no diff-base, no records, no writes (event-only operators, daemons).
-        let changing = input
-            .handlers
-            .iter()
-            .any(|h| h.kind.is_changing() && matching::prematch(h, body_only));
-        if !changing {
-            let finalizer = if deleting && present {
-                FinalizerChange::Remove
-            } else {
-                finalizer
-            };
-            return Err(Plan::idle(Cause::Noop, body, finalizer));
-        }
-        let initial = input.memory.noticed_by_listing && !input.memory.fully_handled_once;
-        let cause = causes::detect(Facts {
-            event: input.event,
-            deleting,
-            finalizer_present: present,
-            has_diffbase: old.is_some(),
-            changed: old.as_ref() != Some(&new),
-            initial,
-        });
-        let Some(reason) = cause.reason() else {
-            let mut plan = Plan::idle(cause, body, finalizer);
-            plan.done = cause == Cause::Noop;
-            return Err(plan);
-        };
-        Ok(Self {
-            input,
-            now: SystemTime::now(),
-            rules,
-            cause,
-            reason,
-            initial,
-            old,
-            new,
-            finalizer,
-            running: body.clone(),
-            base: body.clone(),
-            steps: Vec::new(),
-            interrupted: false,
-            notes: Vec::new(),
-        })
-    }
-
-    /// Runs one selected handler, unless it is finished, sleeping, out of limits, or the cycle
-    /// was interrupted; records the step.
-    async fn run(&mut self, reg: &Registration, invoker: &dyn Invoker) {
-        let storage = self.input.storage;
-        let body = self.input.body;
-        let now = self.now;
-        let purpose = causes::purpose(self.reason);
-        let fetched = storage
-            .progress
-            .fetch(&reg.id.0, body)
-            .filter(|r| r.purpose.as_deref() == Some(purpose));
-        let mut record = fetched
-            .clone()
-            .unwrap_or_else(|| ProgressRecord::started(now, purpose));
-        let mut step = Step {
-            registration: reg.clone(),
-            fetched,
-            before: record.clone(),
-            record: ProgressRecord::default(),
-            children: Vec::new(),
-            patched: false,
-            skipped: false,
-            delta: Value::Null,
-        };
-        if self.interrupted || record.finished() || record.sleeping(now) {
-            self.steps.push(step.with(record));
-            return;
-        }
-        if let Some(message) = execution::exhausted(reg, &record, now) {
-            warn!(handler.id = %reg.id, %message, "handler gives up");
-            record.stopped = Some(time::format(now));
-            record.failure = true;
-            record.message = Some(message);
-            self.steps.push(step.with(record));
-            return;
-        }
-        let outcome = self.invoke(reg, &record, &step, invoker).await;
-        if matches!(outcome, Outcome::Cancelled | Outcome::Abandoned) && self.input.cancel.is_cancelled() {
-            self.interrupted = true;
-            self.steps.push(step.with(record));
-            return;
-        }
-        let reported = subhandlers_of(&outcome);
-        if matches!(outcome, Outcome::Skipped) {
-            step.skipped = true;
-        }
-        let verdict = execution::judge_with_guard(reg, &mut record, outcome, now, self.input.max_losses);
-        record_children(storage, body, reg, &mut record, &mut step, reported, now);
-        self.apply(reg, verdict, &mut record, &mut step);
-        self.steps.push(step.with(record));
-    }
-
-    /// Invokes a handler; while it runs longer than the checkpoint time, writes what the
-    /// handlers before it finished and its own start (so that a crash of the controller does
-    /// not restart its `timeout` clock). A handler that answers within the checkpoint time
-    /// costs no write of its own.
-    async fn invoke(
-        &mut self,
-        reg: &Registration,
-        record: &ProgressRecord,
-        step: &Step,
-        invoker: &dyn Invoker,
-    ) -> Outcome {
-        let children = child_states(self.input.storage, reg, self.input.body, record);
-        let work = work(
-            self.input,
-            reg,
-            self.reason,
-            record,
-            &self.running,
-            self.old.as_ref(),
-            &self.new,
-            children,
-        );
-        debug!(handler.id = %reg.id, attempt = work.attempt, "invoking");
-        let invocation = invoker.invoke(work);
-        let unsaved = step.fetched.as_ref() != Some(record);
-        let Some(checkpoint) = self
-            .input
-            .checkpoint
-            .filter(|_| unsaved || !self.steps.is_empty())
-        else {
-            return invocation.await;
-        };
-        tokio::pin!(invocation);
-        tokio::select! {
-            outcome = &mut invocation => outcome,
-            () = tokio::time::sleep(self.input.checkpoint_after) => {
-                // The running handler's record as it is before its attempt ends: its start.
-                self.steps.push(step.clone().with(record.clone()));
-                self.checkpoint(checkpoint).await;
-                self.steps.pop();
-                invocation.await
-            }
-        }
-    }
-
-    /// Writes the progress of the steps so far.
-    async fn checkpoint(&mut self, checkpoint: &dyn Checkpoint) {
-        let partial = compose(
-            &self.base,
-            self.running.clone(),
-            &self.steps,
-            self.input,
-            self.cause,
-            &self.rules,
-            self.old.as_ref(),
-            FinalizerChange::Keep,
-            false,
-        );
-        if let Some(desired) = partial.desired {
-            debug!(
-                steps = self.steps.len(),
-                "a handler is still running; checkpointing the progress so far"
-            );
-            if let Some(stored) = checkpoint.save(&self.base, &desired).await {
-                self.base = stored;
-            }
-        }
-    }
-
-    /// Applies a verdict: a success's patches and results to the running body, and the notes
-    /// to report.
-    fn apply(&mut self, reg: &Registration, verdict: Verdict, record: &mut ProgressRecord, step: &mut Step) {
-        let storage = self.input.storage;
-        match verdict {
-            Verdict::Success { result, patches } => {
-                let mut scratch = self.running.clone();
-                match apply_patches(&mut scratch, &patches) {
-                    Ok(()) => {
-                        step.patched = !patches.is_empty()
-                            || result.is_some()
-                            || step.children.iter().any(|c| c.result.is_some());
-                        let before = std::mem::replace(&mut self.running, scratch);
-                        if let Some(result) = result {
-                            store_result(&mut self.running, &reg.id.0, result);
-                        }
-                        for child in &step.children {
-                            if let Some(result) = &child.result {
-                                store_result(&mut self.running, &child.id, result.clone());
-                            }
-                        }
-                        step.delta = merge_diff(&before, &self.running).unwrap_or(Value::Null);
-                        if children_unfinished(storage, self.input.body, record, &step.children) {
-                            reopen_for_children(record, &step.children, self.now);
-                        } else {
-                            info!(handler.id = %reg.id, "handler succeeded");
-                            // Debug: logged, not posted — one Event per handled change is the summary below.
-                            self.notes
-                                .push((Level::Debug, format!("Handler '{}' succeeded.", reg.id)));
-                        }
-                    }
-                    Err(d) => {
-                        warn!(handler.id = %reg.id, problem = %d, "handler patch does not apply");
-                        record.success = false;
-                        record.failure = true;
-                        record.message = Some(d.to_string());
-                    }
-                }
-            }
-            Verdict::Retry => {
-                let error = record.message.as_deref().unwrap_or_default();
-                let delayed = record.delayed.as_deref().unwrap_or_default();
-                info!(handler.id = %reg.id, error, delayed, "handler will be retried");
-                crate::observability::metrics::global()
-                    .inc("capstan_handler_retries_total", &[("handler", reg.id.0.as_str())]);
-                self.notes.push((
-                    Level::Error,
-                    format!("Handler '{}' failed temporarily: {error}", reg.id),
-                ));
-            }
-            Verdict::Failure => {
-                let error = record.message.as_deref().unwrap_or_default();
-                warn!(handler.id = %reg.id, error, "handler failed permanently");
-                self.notes.push((
-                    Level::Error,
-                    format!("Handler '{}' failed permanently: {error}", reg.id),
-                ));
-            }
-            Verdict::Unrecorded => {}
-        }
-    }
-
-    /// Folds the steps into the plan. An interrupted cycle (shutdown, pause) still records
-    /// what finished before it.
-    fn finish(mut self) -> Plan {
-        let mut plan = compose(
-            &self.base,
-            self.running,
-            &self.steps,
-            self.input,
-            self.cause,
-            &self.rules,
-            self.old.as_ref(),
-            self.finalizer,
-            true,
-        );
-        if plan.done && !self.steps.is_empty() {
-            let failed = self.steps.iter().filter(|s| s.record.failure).count();
-            let succeeded = self.steps.iter().filter(|s| s.record.success).count();
-            let what = match self.cause {
-                Cause::Create => "Creation",
-                Cause::Update => "Updating",
-                Cause::Delete => "Deletion",
-                _ => "Resuming",
-            };
-            self.notes.push((
-                Level::Info,
-                format!("{what} is processed: {succeeded} succeeded; {failed} failed."),
-            ));
-        }
-        plan.notes = self.notes;
-        plan.interrupted = self.interrupted;
-        if self.interrupted {
-            plan.done = false;
-            plan.wake_at = None;
-        }
-        plan
-    }
 }
 
 /// One handler's part in a cycle.
@@ -1018,10 +681,10 @@ fn work(
     work.last_error = execution::last_error(record);
     work.report_losses = true;
     work.subhandlers = subhandlers;
-    work.cancel = input.cancel.child_token();
-    work.cancel_reason = CancelReason::RuntimeShutdown;
     work
 }
+
+mod cycle;
 
 #[cfg(test)]
 mod tests;

@@ -22,19 +22,16 @@ use tokio::{
     task::JoinHandle,
 };
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, debug, error, info, info_span, warn};
+use tracing::{Instrument, debug, error, info_span, warn};
 
 use super::{
-    execution,
-    matching::{self, Subject},
     processing::{self, Input, Invoker, Memory, Storage},
-    writing::{Writer, Written, patch_object},
+    writing::{Writer, Written},
 };
 use crate::{
     k8s::objects::Objects,
-    model::{EventType, HandlerKind, Outcome, Payload, Registration, ResolvedResource, Work},
+    model::{EventType, Registration, ResolvedResource},
 };
-use crate::{model::ErrorsMode, persistence::ProgressRecord};
 
 /// Shared by all objects of one resource.
 pub struct Context {
@@ -91,6 +88,7 @@ impl Drop for WorkerGuard<'_> {
 pub struct Queue {
     ctx: Arc<Context>,
     writer: Arc<Writer>,
+    events: Arc<events::EventDispatch>,
     slots: Arc<Mutex<HashMap<String, Slot>>>,
 }
 
@@ -131,6 +129,7 @@ impl Queue {
         Self {
             ctx: Arc::new(ctx),
             writer,
+            events: Arc::new(events::EventDispatch::default()),
             slots: Arc::new(Mutex::new(HashMap::new())),
         }
     }
@@ -147,48 +146,16 @@ impl Queue {
 
     /// Handles a watch event: calls the event handlers (fire and forget, as kopf) and queues
     /// the event for the object's change handlers.
-    pub fn observe(&self, event_type: EventType, body: Value) {
-        self.dispatch_event_handlers(event_type, &body);
+    ///
+    /// At most [`EVENT_DISPATCH_LIMIT`] event handler invocations of the resource run at once;
+    /// beyond that, this waits for one to end — backpressure on the watch instead of a task
+    /// and a body copy per event and handler piling up.
+    ///
+    /// # Cancel safety
+    /// Dropping the future before it returns drops the event (the watch is being stopped).
+    pub async fn observe(&self, event_type: EventType, body: Value) {
+        self.dispatch_event_handlers(event_type, &body).await;
         self.push(event_type, body);
-    }
-
-    fn dispatch_event_handlers(&self, event_type: EventType, body: &Value) {
-        let handlers = self.ctx.handlers.borrow().clone();
-        let subject = Subject {
-            body,
-            old: None,
-            new: None,
-        };
-        // Event handlers that opted into retries run in the object's worker instead.
-        let fire_and_forget =
-            |h: &&Registration| h.kind == HandlerKind::Event && h.errors != ErrorsMode::Temporary;
-        for reg in handlers
-            .iter()
-            .filter(fire_and_forget)
-            .filter(|h| matching::prematch(h, subject))
-        {
-            let object = processing::object_ref(&self.ctx.resource, body);
-            let key = format!("{}/{}/{}", object.uid, reg.id, object.resource_version);
-            let mut work = Work::new(reg.id.0.clone(), key, Payload::Event { event_type });
-            work.object = Some(object);
-            work.body = Some(body.clone());
-            work.param = reg.param.clone();
-            work.cancel = self.ctx.cancel.child_token();
-            let invoker = self.ctx.invoker.clone();
-            let id = reg.id.clone();
-            tokio::spawn(
-                async move {
-                    match invoker.invoke(work).await {
-                        Outcome::Success { .. } | Outcome::Skipped => debug!("event handler succeeded"),
-                        other => warn!(
-                            outcome = other.as_str(),
-                            "event handler failed; not retried (as kopf)"
-                        ),
-                    }
-                }
-                .instrument(info_span!("event", handler.id = %id)),
-            );
-        }
     }
 
     /// Queues an event; starts the object's worker if it is idle.
@@ -262,8 +229,9 @@ impl Queue {
             .collect()
     }
 
-    /// Stops every timer (at shutdown).
+    /// Stops every timer and running event handler invocation (when the watch stops).
     pub fn stop_timers(&self) {
+        self.events.tasks.lock().abort_all();
         for slot in self.slots.lock().values_mut() {
             if let Some(t) = slot.timer.take() {
                 t.abort();
@@ -500,126 +468,6 @@ impl Queue {
         }
     }
 
-    /// Runs the event handlers that opted into retries (errors mode TEMPORARY): unlike
-    /// fire-and-forget event handlers, their failures are persisted as progress records (per
-    /// node in per-node mode) and retried with the latest body after the delay. Returns the
-    /// body as stored and when to retry next.
-    async fn retry_event_handlers(
-        &self,
-        event_type: EventType,
-        body: Value,
-        handlers: &[Registration],
-        echo: bool,
-    ) -> (Value, Option<SystemTime>) {
-        let subject = Subject {
-            body: &body,
-            old: None,
-            new: None,
-        };
-        let retried: Vec<&Registration> = handlers
-            .iter()
-            .filter(|h| h.kind == HandlerKind::Event && h.errors == ErrorsMode::Temporary)
-            .filter(|h| matching::prematch(h, subject))
-            .collect();
-        if retried.is_empty() {
-            return (body, None);
-        }
-        let storage = &self.ctx.storage;
-        let now = SystemTime::now();
-        let mut desired = body.clone();
-        let mut wake: Option<SystemTime> = None;
-        for reg in retried {
-            let fetched = storage
-                .progress
-                .fetch(&reg.id.0, &body)
-                .filter(|r| r.purpose.as_deref() == Some("event"));
-            let due = match &fetched {
-                None => !echo,
-                Some(r) => !r.finished() && !r.sleeping(now),
-            };
-            if !due {
-                if let Some(t) = fetched
-                    .as_ref()
-                    .filter(|r| !r.finished())
-                    .and_then(|r| r.delayed_until())
-                {
-                    wake = Some(wake.map_or(t, |w| w.min(t)));
-                }
-                continue;
-            }
-            let mut record = fetched
-                .clone()
-                .unwrap_or_else(|| ProgressRecord::started(now, "event"));
-            if let Some(message) = execution::exhausted(reg, &record, now) {
-                warn!(handler.id = %reg.id, %message, "event handler gives up");
-                storage.progress.purge(&reg.id.0, &mut desired);
-                continue;
-            }
-            let object = processing::object_ref(&self.ctx.resource, &body);
-            let mut work = Work::new(
-                reg.id.0.clone(),
-                format!(
-                    "{}/{}/event/{}",
-                    object.uid,
-                    reg.id,
-                    record.started.as_deref().unwrap_or_default()
-                ),
-                Payload::Event { event_type },
-            );
-            work.attempt = record.retries + 1;
-            work.started = record.started_at().unwrap_or(now);
-            work.object = Some(object);
-            work.body = Some(body.clone());
-            work.param = reg.param.clone();
-            work.last_error = execution::last_error(&record);
-            work.report_losses = true;
-            work.cancel = self.ctx.cancel.child_token();
-            let outcome = self.ctx.invoker.invoke(work).await;
-            match execution::judge_with_guard(reg, &mut record, outcome, now, self.ctx.max_losses) {
-                execution::Verdict::Retry => {
-                    info!(handler.id = %reg.id, error = record.message.as_deref().unwrap_or_default(), "event handler will be retried");
-                    if let Some(t) = record.delayed_until() {
-                        wake = Some(wake.map_or(t, |w| w.min(t)));
-                    }
-                    storage.progress.store(&reg.id.0, &record, &mut desired);
-                }
-                execution::Verdict::Unrecorded => {}
-                verdict => {
-                    if matches!(verdict, execution::Verdict::Failure) {
-                        warn!(handler.id = %reg.id, error = record.message.as_deref().unwrap_or_default(), "event handler failed permanently");
-                    }
-                    storage.progress.purge(&reg.id.0, &mut desired);
-                }
-            }
-        }
-        processing::mark_managed(storage, &mut desired);
-        if desired == body {
-            return (body, wake);
-        }
-        match patch_object(
-            &self.ctx.objects,
-            &self.ctx.resource,
-            &self.ctx.storage.keys.finalizer,
-            &body,
-            &desired,
-        )
-        .await
-        {
-            Ok(stored) => {
-                if let Some(uid) = uid_of(&stored)
-                    && let Some(slot) = self.slots.lock().get_mut(&uid)
-                {
-                    slot.written_rv = rv_of(&stored).max(slot.written_rv);
-                }
-                (stored, wake)
-            }
-            Err(e) => {
-                warn!(error = %crate::error::chain(&e), "recording event handler progress failed");
-                (body, wake)
-            }
-        }
-    }
-
     /// Re-runs a cycle for an object whose delay has passed (or whose daemons stopped), with
     /// its latest known body.
     pub fn wake(&self, uid: &str) {
@@ -671,144 +519,7 @@ impl Stored {
     }
 }
 
+mod events;
+
 #[cfg(test)]
-mod tests {
-    use std::sync::atomic::{AtomicU32, Ordering};
-
-    use futures::future::BoxFuture;
-    use serde_json::json;
-
-    use super::*;
-    use crate::model::{HandlerKind, Outcome, Work};
-
-    /// Panics in the first invocation (an injected bug), succeeds afterwards.
-    #[derive(Default)]
-    struct PanicsOnce {
-        calls: AtomicU32,
-    }
-
-    impl Invoker for PanicsOnce {
-        fn invoke(&self, _work: Work) -> BoxFuture<'static, Outcome> {
-            let call = self.calls.fetch_add(1, Ordering::SeqCst);
-            Box::pin(async move {
-                assert!(call > 0, "injected panic in the first cycle");
-                Outcome::success(None)
-            })
-        }
-    }
-
-    fn example(rv: &str) -> Value {
-        json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
-               "metadata": {"name": "one", "namespace": "default", "uid": "u1", "resourceVersion": rv},
-               "spec": {"size": 1}})
-    }
-
-    /// An API server that answers every request with the object.
-    fn objects() -> Objects {
-        let service = tower::service_fn(|_req: http::Request<kube::client::Body>| async {
-            let body = serde_json::to_vec(&example("20")).unwrap_or_default();
-            Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::from(body)))
-        });
-        Objects::new(kube::Client::new(service, "default"))
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_panicking_cycle_frees_its_slot_and_permit_and_the_object_is_processed_again() {
-        let resource = crate::model::ResolvedResource {
-            group: "demo.capstan.dev".into(),
-            version: "v1".into(),
-            plural: "examples".into(),
-            kind: "Example".into(),
-            namespaced: true,
-            status_subresource: false,
-        };
-        let mut create = Registration::new("create_fn", HandlerKind::Create, None);
-        create.resource = Some(resource.clone());
-        let invoker = Arc::new(PanicsOnce::default());
-        let limit = Arc::new(Semaphore::new(1));
-        let cancel = CancellationToken::new();
-        let (_handlers_tx, handlers) = watch::channel(Arc::new(vec![create]));
-        let (_paused_tx, paused) = watch::channel(false);
-        let (stopped, _stopped_rx) = tokio::sync::mpsc::unbounded_channel();
-        let storage = Storage::annotations("capstan.dev");
-        let daemons = super::super::daemons::Daemons::new(super::super::daemons::Context {
-            resource: resource.clone(),
-            invoker: invoker.clone(),
-            objects: objects(),
-            rules: processing::rules(&storage, &[]),
-            stopped,
-            cancel: cancel.clone(),
-            finalizer: storage.keys.finalizer.clone(),
-        });
-        let queue = Queue::new(Context {
-            resource,
-            handlers,
-            storage,
-            invoker: invoker.clone(),
-            objects: objects(),
-            limit: limit.clone(),
-            checkpoint_after: Duration::from_secs(1),
-            daemons,
-            paused,
-            poster: super::super::posting::Poster::disabled(),
-            cancel,
-            max_losses: 3,
-        });
-        queue.push(EventType::Added, example("10"));
-        let deadline = tokio::time::Instant::now() + PANIC_RETRY * 4;
-        while invoker.calls.load(Ordering::SeqCst) < 2 {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the object was not processed again"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        while queue.slots.lock().get("u1").is_some_and(|s| s.running) {
-            assert!(tokio::time::Instant::now() < deadline, "the worker never ended");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        assert_eq!(limit.available_permits(), 1, "the permit is back");
-        // The slot is usable: a new event starts a new worker.
-        queue.push(EventType::Modified, example("21"));
-        while invoker.calls.load(Ordering::SeqCst) < 3 {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "a later event was not processed"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    #[test]
-    fn stored_bodies_round_trip_and_are_smaller_than_their_text() {
-        let spec = json!({"replicas": 3, "image": "registry.example.com/team/app:1.2.3",
-                          "env": [{"name": "MODE", "value": "production"}]});
-        let essence = json!({"spec": spec, "metadata": {"labels": {"app": "web"}}});
-        let body = json!({
-            "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
-            "metadata": {"name": "web", "namespace": "default", "uid": "u-1", "resourceVersion": "42",
-                         "labels": {"app": "web"},
-                         "annotations": {"capstan.dev/last-handled-configuration": essence.to_string()}},
-            "spec": spec,
-        });
-        let stored = Stored::new(&body);
-        assert_eq!(stored.value(), body);
-        assert_eq!(stored.rv, Some(42));
-        let text = serde_json::to_vec(&body).unwrap_or_default();
-        assert!(
-            stored.packed.len() < text.len(),
-            "{} vs {}",
-            stored.packed.len(),
-            text.len()
-        );
-        let broken = Stored {
-            rv: None,
-            packed: Box::new([1, 2, 3]),
-        };
-        assert_eq!(
-            broken.value(),
-            Value::Null,
-            "corrupt data reads as nothing, no panic"
-        );
-    }
-}
+mod tests;

@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::convert;
+use super::{Control, convert};
 use crate::model::{
     CancelReason, Diagnostic, HandlerId, Outcome, Patch, Posting, Registration, ResourceRef, Work,
 };
@@ -485,7 +485,17 @@ impl Hub {
     /// Dropping the future withdraws the work: a waiting request leaves the queue, and an
     /// invocation in flight is cancelled on the handler side (`Cancel{SUPERSEDED}`) and its
     /// late result is ignored.
-    pub async fn invoke(&self, mut work: Work) -> Outcome {
+    pub async fn invoke(&self, work: Work) -> Outcome {
+        self.dispatch(work, Control::default()).await
+    }
+
+    /// Like [`Hub::invoke`], steered by `control`: cancelled by its token (with its reason),
+    /// patches of the running invocation sent to its `updates`, the object's newer bodies
+    /// taken from its `body_updates`.
+    ///
+    /// # Cancel safety
+    /// As [`Hub::invoke`].
+    pub async fn dispatch(&self, mut work: Work, control: Control) -> Outcome {
         let span = info_span!("invocation", handler.id = %work.handler_id, key = %work.idempotency_key);
         async move {
             let mut losses = 0u32;
@@ -493,10 +503,10 @@ impl Hub {
                 let grant = tokio::select! {
                     grant = self.wait_and_acquire(&work.handler_id) => grant,
                     // Withdrawn before it reached a handler: nothing to abandon.
-                    () = work.cancel.cancelled() => return Outcome::Cancelled,
+                    () = control.cancel.cancelled() => return Outcome::Cancelled,
                 };
                 let started = tokio::time::Instant::now();
-                match self.attempt(&work, grant).await {
+                match self.attempt(&work, &control, grant).await {
                     Delivery::Result(outcome) => {
                         let metrics = crate::observability::metrics::global();
                         let handler = work.handler_id.0.as_str();
@@ -549,7 +559,7 @@ impl Hub {
         grant
     }
 
-    async fn attempt(&self, work: &Work, grant: Grant) -> Delivery {
+    async fn attempt(&self, work: &Work, control: &Control, grant: Grant) -> Delivery {
         let invocation_id = format!("{}-{}-{}", self.inner.boot, grant.conn, self.next_id());
         // Durations are bounded where they come off the wire; a deadline that would overflow
         // the clock is no deadline at all.
@@ -572,7 +582,7 @@ impl Hub {
                     handler: work.handler_id.clone(),
                     object: work.object.clone(),
                     reply: reply_tx,
-                    updates: work.updates.clone(),
+                    updates: control.updates.clone(),
                 },
             );
         }
@@ -593,13 +603,13 @@ impl Hub {
                 guard.withdraw();
                 return Delivery::Lost;
             },
-            () = work.cancel.cancelled() => {
+            () = control.cancel.cancelled() => {
                 guard.withdraw();
                 return Delivery::Result(Outcome::Cancelled);
             }
         }
         let grace = work.cancel_grace.unwrap_or(self.inner.settings.cancel_grace);
-        let mut bodies = work.body_updates.clone().filter(|_| grant.object_updates);
+        let mut bodies = control.body_updates.clone().filter(|_| grant.object_updates);
         if let Some(b) = bodies.as_mut() {
             b.mark_unchanged();
         }
@@ -610,7 +620,7 @@ impl Hub {
                     return delivery.unwrap_or(Delivery::Lost);
                 }
                 () = sleep_until_opt(deadline) => break CancelReason::DeadlineExceeded,
-                () = work.cancel.cancelled() => break work.current_cancel_reason(),
+                () = control.cancel.cancelled() => break control.reason(),
                 changed = changed_opt(bodies.as_mut()) => {
                     if !changed {
                         bodies = None;

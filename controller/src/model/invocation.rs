@@ -4,16 +4,13 @@
 //! to `grpc::Hub`, and receives exactly one [`Outcome`]. The hub turns it into as many
 //! attempts on the wire as it takes (a dropped connection means a new attempt on the next
 //! connection); the retry policy across outcomes belongs to the caller, because kopf persists
-//! it on the object.
+//! it on the object. `Work` is data only: the runtime machinery that steers a running
+//! invocation (its cancellation, the channels of its patches and of newer bodies) is a
+//! `grpc::Control` next to it.
 
 use std::time::{Duration, SystemTime};
 
-use std::sync::Arc;
-
-use parking_lot::Mutex;
 use serde_json::Value;
-use tokio::sync::{mpsc, watch};
-use tokio_util::sync::CancellationToken;
 
 use super::{diagnostic::Diagnostic, handler::HandlerId, resource::ResourceRef};
 
@@ -179,21 +176,8 @@ pub struct Work {
     pub subhandlers: Vec<SubhandlerState>,
     /// The cause-specific payload.
     pub payload: Payload,
-    /// Cancelling this token sends `Cancel` to the handler (daemon stop, shutdown, superseded).
-    pub cancel: CancellationToken,
-    /// The reason sent with that `Cancel`.
-    pub cancel_reason: CancelReason,
-    /// When set, the reason is read from here at the moment of cancellation (daemons are
-    /// stopped for reasons not known when they start).
-    pub cancel_reason_cell: Option<Arc<Mutex<CancelReason>>>,
     /// How long a cancelled invocation has to finish before it is abandoned.
     pub cancel_grace: Option<Duration>,
-    /// Where patches sent by a running invocation (`InvocationUpdate`) go; `None` drops them
-    /// with a notice to the handler process.
-    pub updates: Option<mpsc::UnboundedSender<Vec<Patch>>>,
-    /// The object's latest bodies while the invocation runs (daemons); sent to handler
-    /// processes that support object updates.
-    pub body_updates: Option<watch::Receiver<Value>>,
     /// A lost connection ends the work with [`Outcome::Lost`] instead of a redelivery by the
     /// hub: the caller records the lost attempt in the object's progress record and delivers
     /// the next one itself, so that attempt numbers and the poison-pill guard survive the
@@ -216,21 +200,9 @@ impl Work {
             last_error: None,
             subhandlers: Vec::new(),
             payload,
-            cancel: CancellationToken::new(),
-            cancel_reason: CancelReason::RuntimeShutdown,
             cancel_grace: None,
-            updates: None,
-            body_updates: None,
-            cancel_reason_cell: None,
             report_losses: false,
         }
-    }
-
-    /// The reason to send with `Cancel` now.
-    pub fn current_cancel_reason(&self) -> CancelReason {
-        self.cancel_reason_cell
-            .as_ref()
-            .map_or(self.cancel_reason, |cell| *cell.lock())
     }
 }
 

@@ -30,7 +30,7 @@ impl Script {
 }
 
 impl Invoker for Script {
-    fn invoke(&self, work: Work) -> BoxFuture<'static, Outcome> {
+    fn invoke(&self, work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
         self.seen.lock().push(work);
         let answer = self.answers.lock().pop_front().unwrap_or(Outcome::success(None));
         Box::pin(async move { answer })
@@ -512,7 +512,7 @@ async fn objects_being_deleted_without_our_finalizer_are_free() {
 struct Slow(Duration);
 
 impl Invoker for Slow {
-    fn invoke(&self, _work: Work) -> BoxFuture<'static, Outcome> {
+    fn invoke(&self, _work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
         let delay = self.0;
         Box::pin(async move {
             tokio::time::sleep(delay).await;

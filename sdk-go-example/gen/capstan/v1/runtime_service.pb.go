@@ -726,8 +726,8 @@ type Limits struct {
 	PingTimeout *durationpb.Duration `protobuf:"bytes,3,opt,name=ping_timeout,json=pingTimeout,proto3" json:"ping_timeout,omitempty"`
 	// The effective process-wide cap on invocations in flight.
 	MaxInFlight uint32 `protobuf:"varint,4,opt,name=max_in_flight,json=maxInFlight,proto3" json:"max_in_flight,omitempty"`
-	// The grace period given to cancelled invocations when the handler has no cancellation
-	// timeout of its own (daemons).
+	// The grace period given to cancelled invocations other than daemons (a daemon's own
+	// cancellation timeout applies; a daemon without one is waited for as long as it runs).
 	CancelGracePeriod *durationpb.Duration `protobuf:"bytes,5,opt,name=cancel_grace_period,json=cancelGracePeriod,proto3" json:"cancel_grace_period,omitempty"`
 	unknownFields     protoimpl.UnknownFields
 	sizeCache         protoimpl.SizeCache

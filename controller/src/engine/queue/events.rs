@@ -1,0 +1,211 @@
+//! Event handlers of one resource's queue: the fire-and-forget ones (kopf's) are dispatched
+//! from the watch, bounded and owned; those that opted into retries (errors mode TEMPORARY)
+//! run in the object's worker, with their progress persisted like a change handler's.
+
+use std::{sync::Arc, time::SystemTime};
+
+use parking_lot::Mutex;
+use serde_json::Value;
+use tokio::{sync::Semaphore, task::JoinSet};
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use super::{Queue, rv_of, uid_of};
+use crate::{
+    engine::{
+        execution,
+        matching::{self, Subject},
+        processing,
+        writing::patch_object,
+    },
+    grpc::Control,
+    model::{ErrorsMode, EventType, HandlerKind, Outcome, Payload, Registration, Work},
+    persistence::ProgressRecord,
+};
+
+/// At most this many fire-and-forget event handler invocations of one resource run at once.
+pub const EVENT_DISPATCH_LIMIT: usize = 256;
+
+/// The running fire-and-forget event handler invocations of one resource: owned (aborted when
+/// the resource's watch stops) and bounded.
+pub(super) struct EventDispatch {
+    pub(super) permits: Arc<Semaphore>,
+    pub(super) tasks: Mutex<JoinSet<()>>,
+}
+
+impl Default for EventDispatch {
+    fn default() -> Self {
+        Self {
+            permits: Arc::new(Semaphore::new(EVENT_DISPATCH_LIMIT)),
+            tasks: Mutex::new(JoinSet::new()),
+        }
+    }
+}
+
+impl Queue {
+    pub(super) async fn dispatch_event_handlers(&self, event_type: EventType, body: &Value) {
+        let handlers = self.ctx.handlers.borrow().clone();
+        let subject = Subject {
+            body,
+            old: None,
+            new: None,
+        };
+        // Event handlers that opted into retries run in the object's worker instead.
+        let fire_and_forget =
+            |h: &&Registration| h.kind == HandlerKind::Event && h.errors != ErrorsMode::Temporary;
+        for reg in handlers
+            .iter()
+            .filter(fire_and_forget)
+            .filter(|h| matching::prematch(h, subject))
+        {
+            let permit = tokio::select! {
+                permit = self.events.permits.clone().acquire_owned() => permit,
+                () = self.ctx.cancel.cancelled() => return,
+            };
+            let Ok(permit) = permit else { return };
+            let object = processing::object_ref(&self.ctx.resource, body);
+            let key = format!("{}/{}/{}", object.uid, reg.id, object.resource_version);
+            let mut work = Work::new(reg.id.0.clone(), key, Payload::Event { event_type });
+            work.object = Some(object);
+            work.body = Some(body.clone());
+            work.param = reg.param.clone();
+            let control = Control::cancelled_by(self.ctx.cancel.child_token());
+            let invoker = self.ctx.invoker.clone();
+            let id = reg.id.clone();
+            let mut tasks = self.events.tasks.lock();
+            while tasks.try_join_next().is_some() {}
+            tasks.spawn(
+                async move {
+                    let _permit = permit;
+                    match invoker.invoke(work, control).await {
+                        Outcome::Success { .. } | Outcome::Skipped => debug!("event handler succeeded"),
+                        other => warn!(
+                            outcome = other.as_str(),
+                            "event handler failed; not retried (as kopf)"
+                        ),
+                    }
+                }
+                .instrument(info_span!("event", handler.id = %id)),
+            );
+        }
+    }
+
+    /// Runs the event handlers that opted into retries (errors mode TEMPORARY): unlike
+    /// fire-and-forget event handlers, their failures are persisted as progress records (per
+    /// node in per-node mode) and retried with the latest body after the delay. Returns the
+    /// body as stored and when to retry next.
+    pub(super) async fn retry_event_handlers(
+        &self,
+        event_type: EventType,
+        body: Value,
+        handlers: &[Registration],
+        echo: bool,
+    ) -> (Value, Option<SystemTime>) {
+        let subject = Subject {
+            body: &body,
+            old: None,
+            new: None,
+        };
+        let retried: Vec<&Registration> = handlers
+            .iter()
+            .filter(|h| h.kind == HandlerKind::Event && h.errors == ErrorsMode::Temporary)
+            .filter(|h| matching::prematch(h, subject))
+            .collect();
+        if retried.is_empty() {
+            return (body, None);
+        }
+        let storage = &self.ctx.storage;
+        let now = SystemTime::now();
+        let mut desired = body.clone();
+        let mut wake: Option<SystemTime> = None;
+        for reg in retried {
+            let fetched = storage
+                .progress
+                .fetch(&reg.id.0, &body)
+                .filter(|r| r.purpose.as_deref() == Some("event"));
+            let due = match &fetched {
+                None => !echo,
+                Some(r) => !r.finished() && !r.sleeping(now),
+            };
+            if !due {
+                if let Some(t) = fetched
+                    .as_ref()
+                    .filter(|r| !r.finished())
+                    .and_then(|r| r.delayed_until())
+                {
+                    wake = Some(wake.map_or(t, |w| w.min(t)));
+                }
+                continue;
+            }
+            let mut record = fetched
+                .clone()
+                .unwrap_or_else(|| ProgressRecord::started(now, "event"));
+            if let Some(message) = execution::exhausted(reg, &record, now) {
+                warn!(handler.id = %reg.id, %message, "event handler gives up");
+                storage.progress.purge(&reg.id.0, &mut desired);
+                continue;
+            }
+            let object = processing::object_ref(&self.ctx.resource, &body);
+            let mut work = Work::new(
+                reg.id.0.clone(),
+                format!(
+                    "{}/{}/event/{}",
+                    object.uid,
+                    reg.id,
+                    record.started.as_deref().unwrap_or_default()
+                ),
+                Payload::Event { event_type },
+            );
+            work.attempt = record.retries + 1;
+            work.started = record.started_at().unwrap_or(now);
+            work.object = Some(object);
+            work.body = Some(body.clone());
+            work.param = reg.param.clone();
+            work.last_error = execution::last_error(&record);
+            work.report_losses = true;
+            let control = Control::cancelled_by(self.ctx.cancel.child_token());
+            let outcome = self.ctx.invoker.invoke(work, control).await;
+            match execution::judge_with_guard(reg, &mut record, outcome, now, self.ctx.max_losses) {
+                execution::Verdict::Retry => {
+                    info!(handler.id = %reg.id, error = record.message.as_deref().unwrap_or_default(), "event handler will be retried");
+                    if let Some(t) = record.delayed_until() {
+                        wake = Some(wake.map_or(t, |w| w.min(t)));
+                    }
+                    storage.progress.store(&reg.id.0, &record, &mut desired);
+                }
+                execution::Verdict::Unrecorded => {}
+                verdict => {
+                    if matches!(verdict, execution::Verdict::Failure) {
+                        warn!(handler.id = %reg.id, error = record.message.as_deref().unwrap_or_default(), "event handler failed permanently");
+                    }
+                    storage.progress.purge(&reg.id.0, &mut desired);
+                }
+            }
+        }
+        processing::mark_managed(storage, &mut desired);
+        if desired == body {
+            return (body, wake);
+        }
+        match patch_object(
+            &self.ctx.objects,
+            &self.ctx.resource,
+            &self.ctx.storage.keys.finalizer,
+            &body,
+            &desired,
+        )
+        .await
+        {
+            Ok(stored) => {
+                if let Some(uid) = uid_of(&stored)
+                    && let Some(slot) = self.slots.lock().get_mut(&uid)
+                {
+                    slot.written_rv = rv_of(&stored).max(slot.written_rv);
+                }
+                (stored, wake)
+            }
+            Err(e) => {
+                warn!(error = %crate::error::chain(&e), "recording event handler progress failed");
+                (body, wake)
+            }
+        }
+    }
+}

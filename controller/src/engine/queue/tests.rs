@@ -1,0 +1,202 @@
+//! The object queues against fakes: a panicking cycle, bounded event dispatch, stored bodies,
+//! the merge diff and dropped fields.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use futures::future::BoxFuture;
+use serde_json::json;
+
+use super::{events::EVENT_DISPATCH_LIMIT, *};
+use crate::{
+    grpc::Control,
+    model::{ErrorsMode, HandlerKind, Outcome, Work},
+};
+
+/// Panics in the first invocation (an injected bug), succeeds afterwards.
+#[derive(Default)]
+struct PanicsOnce {
+    calls: AtomicU32,
+}
+
+impl Invoker for PanicsOnce {
+    fn invoke(&self, _work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async move {
+            assert!(call > 0, "injected panic in the first cycle");
+            Outcome::success(None)
+        })
+    }
+}
+
+fn example(rv: &str) -> Value {
+    json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+           "metadata": {"name": "one", "namespace": "default", "uid": "u1", "resourceVersion": rv},
+           "spec": {"size": 1}})
+}
+
+/// An API server that answers every request with the object.
+fn objects() -> Objects {
+    let service = tower::service_fn(|_req: http::Request<kube::client::Body>| async {
+        let body = serde_json::to_vec(&example("20")).unwrap_or_default();
+        Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::from(body)))
+    });
+    Objects::new(kube::Client::new(service, "default"))
+}
+
+fn resource() -> crate::model::ResolvedResource {
+    crate::model::ResolvedResource {
+        group: "demo.capstan.dev".into(),
+        version: "v1".into(),
+        plural: "examples".into(),
+        kind: "Example".into(),
+        namespaced: true,
+        status_subresource: false,
+    }
+}
+
+/// A queue of the example resource with `handlers`, calling `invoker`.
+fn queue(invoker: Arc<dyn Invoker>, handlers: Vec<Registration>, limit: Arc<Semaphore>) -> Queue {
+    let cancel = CancellationToken::new();
+    let (_handlers_tx, handlers) = watch::channel(Arc::new(handlers));
+    let (_paused_tx, paused) = watch::channel(false);
+    let (stopped, _stopped_rx) = tokio::sync::mpsc::unbounded_channel();
+    let storage = Storage::annotations("capstan.dev");
+    let daemons = super::super::daemons::Daemons::new(super::super::daemons::Context {
+        resource: resource(),
+        invoker: invoker.clone(),
+        objects: objects(),
+        rules: processing::rules(&storage, &[]),
+        stopped,
+        cancel: cancel.clone(),
+        finalizer: storage.keys.finalizer.clone(),
+    });
+    Queue::new(Context {
+        resource: resource(),
+        handlers,
+        storage,
+        invoker,
+        objects: objects(),
+        limit,
+        checkpoint_after: Duration::from_secs(1),
+        daemons,
+        paused,
+        poster: super::super::posting::Poster::disabled(),
+        cancel,
+        max_losses: 3,
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_cycle_frees_its_slot_and_permit_and_the_object_is_processed_again() {
+    let mut create = Registration::new("create_fn", HandlerKind::Create, None);
+    create.resource = Some(resource());
+    let invoker = Arc::new(PanicsOnce::default());
+    let limit = Arc::new(Semaphore::new(1));
+    let queue = queue(invoker.clone(), vec![create], limit.clone());
+    queue.push(EventType::Added, example("10"));
+    let deadline = tokio::time::Instant::now() + PANIC_RETRY * 4;
+    while invoker.calls.load(Ordering::SeqCst) < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the object was not processed again"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    while queue.slots.lock().get("u1").is_some_and(|s| s.running) {
+        assert!(tokio::time::Instant::now() < deadline, "the worker never ended");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(limit.available_permits(), 1, "the permit is back");
+    // The slot is usable: a new event starts a new worker.
+    queue.push(EventType::Modified, example("21"));
+    while invoker.calls.load(Ordering::SeqCst) < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a later event was not processed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Runs until its work is cancelled; counts the invocations.
+#[derive(Default)]
+struct Blocking {
+    calls: AtomicU32,
+}
+
+impl Invoker for Blocking {
+    fn invoke(&self, _work: Work, control: Control) -> BoxFuture<'static, Outcome> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async move {
+            control.cancel.cancelled().await;
+            Outcome::Cancelled
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn event_handler_dispatch_is_bounded_and_waits_for_room() {
+    let mut event = Registration::new("event_fn", HandlerKind::Event, None);
+    event.resource = Some(resource());
+    event.errors = ErrorsMode::Ignored;
+    let invoker = Arc::new(Blocking::default());
+    let queue = queue(invoker.clone(), vec![event], Arc::new(Semaphore::new(4)));
+    let observer = {
+        let queue = queue.clone();
+        tokio::spawn(async move {
+            for n in 0..EVENT_DISPATCH_LIMIT + 5 {
+                queue.observe(EventType::Modified, example(&n.to_string())).await;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        invoker.calls.load(Ordering::SeqCst) as usize,
+        EVENT_DISPATCH_LIMIT
+    );
+    assert!(!observer.is_finished(), "the watch waits for room");
+    assert_eq!(
+        queue.events.tasks.lock().len(),
+        EVENT_DISPATCH_LIMIT,
+        "every invocation is owned"
+    );
+    // Stopping the watch ends everything it owns.
+    queue.ctx.cancel.cancel();
+    queue.stop_timers();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(observer.is_finished());
+    assert_eq!(queue.events.permits.available_permits(), EVENT_DISPATCH_LIMIT);
+}
+
+#[test]
+fn stored_bodies_round_trip_and_are_smaller_than_their_text() {
+    let spec = json!({"replicas": 3, "image": "registry.example.com/team/app:1.2.3",
+                      "env": [{"name": "MODE", "value": "production"}]});
+    let essence = json!({"spec": spec, "metadata": {"labels": {"app": "web"}}});
+    let body = json!({
+        "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+        "metadata": {"name": "web", "namespace": "default", "uid": "u-1", "resourceVersion": "42",
+                     "labels": {"app": "web"},
+                     "annotations": {"capstan.dev/last-handled-configuration": essence.to_string()}},
+        "spec": spec,
+    });
+    let stored = Stored::new(&body);
+    assert_eq!(stored.value(), body);
+    assert_eq!(stored.rv, Some(42));
+    let text = serde_json::to_vec(&body).unwrap_or_default();
+    assert!(
+        stored.packed.len() < text.len(),
+        "{} vs {}",
+        stored.packed.len(),
+        text.len()
+    );
+    let broken = Stored {
+        rv: None,
+        packed: Box::new([1, 2, 3]),
+    };
+    assert_eq!(
+        broken.value(),
+        Value::Null,
+        "corrupt data reads as nothing, no panic"
+    );
+}
