@@ -603,7 +603,7 @@ impl Activities {
                     Verdict::Retry => {
                         let at = record.delayed_until().unwrap_or(started);
                         let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
-                        if Instant::now() + delay >= deadline {
+                        if Instant::now().checked_add(delay).is_none_or(|at| at >= deadline) {
                             warn!(handler.id = %reg.id, message = record.message.as_deref().unwrap_or_default(), "cleanup handler failed; no time left to retry");
                             return;
                         }

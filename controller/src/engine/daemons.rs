@@ -502,12 +502,20 @@ impl Lane<'_> {
             if took > interval {
                 warn!(took = ?took, interval = ?interval, "the timer handler is slower than its interval; ticks do not overlap");
             }
-            let next = if opts.sharp {
-                let periods = (start.elapsed().as_nanos() / interval.as_nanos()) as u32 + 1;
-                start + interval * periods
-            } else {
-                Instant::now() + interval
+            // Checked: the interval comes off the wire (bounded there); a slot past the clock's
+            // range falls back to one interval from now.
+            let sharp_slot = || {
+                let periods = start.elapsed().as_nanos() / interval.as_nanos() + 1;
+                let periods = u32::try_from(periods).ok()?;
+                start.checked_add(interval.checked_mul(periods)?)
             };
+            let after_one = || Instant::now().checked_add(interval);
+            let next = if opts.sharp {
+                sharp_slot().or_else(after_one)
+            } else {
+                after_one()
+            };
+            let Some(next) = next else { return };
             tokio::select! {
                 () = self.stop.cancelled() => return,
                 () = tokio::time::sleep_until(next) => {}

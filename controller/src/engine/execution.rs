@@ -172,7 +172,7 @@ pub fn retry(
         .and_then(|s| now.duration_since(s).ok())
         .unwrap_or_default();
     if let Some(timeout) = reg.timeout
-        && runtime + delay >= timeout
+        && runtime.saturating_add(delay) >= timeout
     {
         record.retries += 1;
         finish(
@@ -196,7 +196,8 @@ pub fn retry(
         return Verdict::Failure;
     }
     record.retries += 1;
-    record.delayed = Some(time::format(now + delay));
+    // The delay is bounded where it comes off the wire; a clock overflow still never panics.
+    record.delayed = Some(time::format(now.checked_add(delay).unwrap_or(now)));
     record.message = Some(message.to_owned());
     Verdict::Retry
 }
