@@ -474,15 +474,19 @@ impl Connection {
                     )));
                 }
                 _ = ping.tick(), if awaiting.is_none() => {
-                    nonce += 1;
-                    awaiting = Some((nonce, tokio::time::Instant::now()));
                     let ping = pb::ConnectResponse { message: Some(Out::Ping(pb::Ping {
-                        nonce,
+                        nonce: nonce + 1,
                         sent_time: Some(prost_types::Timestamp::from(std::time::SystemTime::now())),
                     })) };
-                    // A congested stream gets no ping: the pong deadline runs all the same.
-                    if let Err(mpsc::error::TrySendError::Closed(_)) = self.resp_tx.try_send(Ok(ping)) {
-                        break None;
+                    // A congested stream skips this ping: the pong deadline runs only for a ping
+                    // that was sent (a process that stopped reading meets the send deadline).
+                    match self.resp_tx.try_send(Ok(ping)) {
+                        Ok(()) => {
+                            nonce += 1;
+                            awaiting = Some((nonce, tokio::time::Instant::now()));
+                        }
+                        Err(mpsc::error::TrySendError::Full(_)) => {}
+                        Err(mpsc::error::TrySendError::Closed(_)) => break None,
                     }
                 }
             }

@@ -241,9 +241,30 @@ impl<'i, 'a> Cycle<'i, 'a> {
                 "a handler is still running; checkpointing the progress so far"
             );
             if let Some(stored) = checkpoint.save(&self.base, &desired).await {
-                self.base = stored;
+                self.checkpointed(desired, &stored);
             }
         }
+    }
+
+    /// After a checkpoint: what it wrote becomes the base of the next write, with the server's
+    /// `resourceVersion` and finalizer list. The final write then carries only this cycle's
+    /// changes since the checkpoint: whatever others wrote meanwhile (a user's edit of the spec,
+    /// another controller's status) stays, and an edit of the essence is still seen as a change
+    /// by the next cycle (the diff-base comes from what the handlers saw, not from the stored
+    /// body).
+    fn checkpointed(&mut self, mut written: Value, stored: &Value) {
+        let finalizers = |body: &Value| body.pointer("/metadata/finalizers").cloned();
+        let server = finalizers(stored);
+        if finalizers(&self.running) == finalizers(&self.base) {
+            set_metadata(&mut self.running, "finalizers", server.clone());
+        }
+        set_metadata(&mut written, "finalizers", server);
+        set_metadata(
+            &mut written,
+            "resourceVersion",
+            stored.pointer("/metadata/resourceVersion").cloned(),
+        );
+        self.base = written;
     }
 
     /// Applies a verdict: a success's patches and results to the running body, and the notes
@@ -343,5 +364,20 @@ impl<'i, 'a> Cycle<'i, 'a> {
             plan.wake_at = None;
         }
         plan
+    }
+}
+
+/// Sets (or, with `None`, removes) one field of a body's metadata.
+fn set_metadata(body: &mut Value, key: &str, value: Option<Value>) {
+    let Some(meta) = body.get_mut("metadata").and_then(Value::as_object_mut) else {
+        return;
+    };
+    match value {
+        Some(v) => {
+            meta.insert(key.to_owned(), v);
+        }
+        None => {
+            meta.remove(key);
+        }
     }
 }

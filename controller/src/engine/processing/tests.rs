@@ -532,7 +532,24 @@ impl Checkpoint for Saved {
     }
 }
 
-async fn run_with_checkpoint(invoker: &dyn Invoker, saved: &Saved) -> Plan {
+/// Stores what it is asked to write together with others' edits made meanwhile: a user's
+/// change of the spec, another controller's status and finalizer, a new resourceVersion.
+#[derive(Default)]
+struct EditedMeanwhile;
+
+impl Checkpoint for EditedMeanwhile {
+    fn save<'a>(&'a self, _base: &'a Value, desired: &'a Value) -> BoxFuture<'a, Option<Value>> {
+        let mut stored = desired.clone();
+        stored["spec"]["size"] = json!(7);
+        stored["spec"]["added"] = json!("by the user");
+        stored["status"] = json!({"other": "controller"});
+        stored["metadata"]["finalizers"] = json!(["other.example/keep"]);
+        stored["metadata"]["resourceVersion"] = json!("11");
+        Box::pin(async move { Some(stored) })
+    }
+}
+
+async fn run_with_checkpoint(invoker: &dyn Invoker, saved: &dyn Checkpoint) -> Plan {
     let storage = Storage::annotations("capstan.dev");
     let cancel = CancellationToken::new();
     let handlers = [reg("slow", HandlerKind::Create)];
@@ -581,4 +598,37 @@ async fn a_handler_answering_within_the_checkpoint_time_costs_no_checkpoint() {
     let plan = run_with_checkpoint(&Slow(Duration::from_millis(500)), &saved).await;
     assert!(saved.0.lock().is_empty());
     assert!(plan.done);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_write_after_a_checkpoint_keeps_what_others_wrote_meanwhile() {
+    let plan = run_with_checkpoint(&Slow(Duration::from_secs(5)), &EditedMeanwhile).await;
+    assert!(plan.done);
+    let desired = plan.desired.clone().unwrap_or_default();
+    let patch = merge_diff(&plan.base, &desired).unwrap_or_default();
+    assert!(
+        patch.get("spec").is_none(),
+        "the user's spec edit is not reverted: {patch}"
+    );
+    assert!(
+        patch.get("status").is_none(),
+        "others' status is not reverted: {patch}"
+    );
+    assert!(
+        patch.pointer("/metadata/finalizers").is_none(),
+        "others' finalizer is not reverted: {patch}"
+    );
+    assert_eq!(plan.base["metadata"]["resourceVersion"], "11");
+    // The checkpoint's progress record goes, and the diff-base is what the handler saw, so
+    // that the user's edit is a change for the next cycle.
+    assert_eq!(
+        patch.pointer("/metadata/annotations/capstan.dev~1slow"),
+        Some(&Value::Null),
+        "{patch}"
+    );
+    let diffbase = patch
+        .pointer("/metadata/annotations/capstan.dev~1last-handled-configuration")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    assert!(diffbase.contains(r#""size":1"#), "{diffbase}");
 }
