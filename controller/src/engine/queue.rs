@@ -147,12 +147,10 @@ impl Queue {
     /// Handles a watch event: calls the event handlers (fire and forget, as kopf) and queues
     /// the event for the object's change handlers.
     ///
-    /// At most [`EVENT_DISPATCH_LIMIT`] event handler invocations of the resource run at once;
-    /// beyond that, this waits for one to end — backpressure on the watch instead of a task
-    /// and a body copy per event and handler piling up.
-    ///
-    /// # Cancel safety
-    /// Dropping the future before it returns drops the event (the watch is being stopped).
+    /// At most [`EVENT_DISPATCH_LIMIT`] fire-and-forget event handler invocations of the
+    /// resource run at once; beyond that, the event is dropped for the handler (counted and
+    /// warned about) — never a task and a body copy per event and handler piling up, and
+    /// never a stalled watch when one handler's process is slow or away.
     pub async fn observe(&self, event_type: EventType, body: Value) {
         self.dispatch_event_handlers(event_type, &body).await;
         self.push(event_type, body);

@@ -20,6 +20,17 @@ use crate::{
     model::ResolvedResource,
 };
 
+/// Conflicts re-read the object at once this many times, then with a growing delay.
+const CONFLICTS_BEFORE_BACKOFF: u32 = 10;
+
+/// How often a dry run that the API server failed to answer is tried.
+const DRY_RUN_TRIES: u32 = 3;
+
+/// The delay before the `attempt`-th retry of a write: 1, 4, 9, 16, then 25 s.
+fn retry_delay(attempt: u32) -> Duration {
+    Duration::from_secs(u64::from(attempt.clamp(1, 5)).pow(2))
+}
+
 /// Writes the plans of one resource's objects.
 pub struct Writer {
     /// Reads and writes objects.
@@ -83,8 +94,16 @@ impl Writer {
                     debug!("object deleted meanwhile; dropped");
                     return Written::Gone;
                 }
-                Err(objects::Error::Conflict(message)) if attempts < 10 => {
+                Err(objects::Error::Conflict(message)) => {
                     debug!(%message, "conflict; re-reading the object");
+                    // An object that changes all the time: re-read, but not in a tight loop.
+                    if attempts >= CONFLICTS_BEFORE_BACKOFF {
+                        let delay = retry_delay(attempts - CONFLICTS_BEFORE_BACKOFF);
+                        tokio::select! {
+                            () = self.cancel.cancelled() => return Written::Failed,
+                            () = tokio::time::sleep(delay) => {}
+                        }
+                    }
                     let (ns, name) = identity(body);
                     match self.objects.get(&self.resource, &ns, &name).await {
                         Ok(fresh) => {
@@ -99,6 +118,7 @@ impl Writer {
                 }
                 Err(e) if let Some(message) = refusal(&e) => {
                     if plan.patched.is_empty() || isolated {
+                        self.change_finalizer_alone(&base, plan.finalizer).await;
                         return Written::Refused(message);
                     }
                     warn!(%message, "the API server rejected the handlers' patch; finding which handler's patch it was");
@@ -109,8 +129,7 @@ impl Writer {
                     if self.cancel.is_cancelled() {
                         return Written::Failed;
                     }
-                    let delay =
-                        Duration::from_secs(u64::from(attempts.min(5)).pow(2)).min(Duration::from_secs(30));
+                    let delay = retry_delay(attempts);
                     warn!(error = %crate::error::chain(&e), retry_in = ?delay, "writing the object failed; retrying");
                     tokio::select! {
                         () = self.cancel.cancelled() => return Written::Failed,
@@ -118,6 +137,18 @@ impl Writer {
                     }
                 }
             }
+        }
+    }
+
+    /// After a refused write: the finalizer change of the plan still happens on its own, so
+    /// that a finished deletion does not leave the object terminating and a new one keeps its
+    /// delete handlers due.
+    async fn change_finalizer_alone(&self, base: &Value, change: FinalizerChange) {
+        if change == FinalizerChange::Keep {
+            return;
+        }
+        if let Err(e) = self.write_once(base, None, change).await {
+            warn!(error = %crate::error::chain(&e), ?change, "the finalizer change alone failed too");
         }
     }
 
@@ -131,19 +162,39 @@ impl Writer {
         for p in &plan.patched {
             let mut candidate = body.clone();
             processing::accept(p, storage, &mut candidate);
-            match self.dry_run(base, &candidate).await {
+            match self.dry_run_patiently(base, &candidate).await {
                 Ok(()) => body = candidate,
                 Err(e) if let Some(reason) = refusal(&e) => {
                     warn!(handler.id = %p.registration.id, %reason, "the API server rejected this handler's patch");
                     processing::reject(p, storage, &reason, &mut body);
                 }
                 Err(e) => {
-                    warn!(handler.id = %p.registration.id, error = %crate::error::chain(&e), "could not validate this handler's patch");
-                    processing::reject(p, storage, message, &mut body);
+                    // Not the handler's fault: its patch is kept; if it was the refused one,
+                    // the write is refused again and reported as the cycle's.
+                    warn!(handler.id = %p.registration.id, error = %crate::error::chain(&e), refused = message, "could not validate this handler's patch; kept");
+                    body = candidate;
                 }
             }
         }
         body
+    }
+
+    /// A dry run, tried again a few times when the API server fails to answer it (only a
+    /// refusal is a verdict on the patch).
+    async fn dry_run_patiently(&self, base: &Value, candidate: &Value) -> Result<(), objects::Error> {
+        let mut tries = 0u32;
+        loop {
+            tries += 1;
+            match self.dry_run(base, candidate).await {
+                Err(e) if refusal(&e).is_none() && tries < DRY_RUN_TRIES => {
+                    tokio::select! {
+                        () = self.cancel.cancelled() => return Err(e),
+                        () = tokio::time::sleep(retry_delay(tries)) => {}
+                    }
+                }
+                result => return result,
+            }
+        }
     }
 
     async fn dry_run(&self, base: &Value, candidate: &Value) -> Result<(), objects::Error> {
@@ -484,6 +535,12 @@ mod tests {
         assert!(refusal(&api(429, "slow down")).is_none());
         assert!(refusal(&api(409, "conflict")).is_none());
         assert!(refusal(&api(403, "forbidden")).is_none());
+        // Admission may say otherwise later (a freeze window, a locked namespace): retried.
+        let webhook = r#"admission webhook "freeze.example.com" denied the request: frozen"#;
+        assert!(refusal(&api(400, webhook)).is_none());
+        assert!(matches!(api(400, webhook), objects::Error::Denied(_)));
+        let policy = "ValidatingAdmissionPolicy 'locked' with binding 'b' denied request: locked";
+        assert!(refusal(&api(422, policy)).is_none());
     }
 
     #[test]

@@ -40,9 +40,11 @@ pub struct Settings {
     /// After this many consecutive connection losses while the same work was in flight, the
     /// work fails permanently (poison-pill guard). Default 3.
     pub max_losses: u32,
-    /// Most pieces of work waiting in the hub for a connection with room. Further callers of
-    /// [`Hub::invoke`] wait, first come first served, before their work enters the hub: the
-    /// backpressure reaches the engine's queues instead of growing a list here. Default 10,000.
+    /// Most pieces of work of one handler waiting in the hub for a connection with room.
+    /// Further callers of [`Hub::invoke`] for that handler wait, first come first served,
+    /// before their work enters the hub: the backpressure reaches the engine's queues instead
+    /// of growing a list here, and one handler's backlog (its process away or slow, thousands
+    /// of daemons) never holds up another handler's work. Default 10,000.
     pub max_waiting: usize,
 }
 
@@ -68,8 +70,8 @@ struct Inner {
     ids: AtomicU64,
     /// Makes invocation ids unique across controller restarts: ids are `<boot>-<conn>-<n>`.
     boot: String,
-    /// Room for work waiting for dispatch ([`Settings::max_waiting`]).
-    waiting: Arc<tokio::sync::Semaphore>,
+    /// Room for each handler's work waiting for dispatch ([`Settings::max_waiting`]).
+    waiting: Mutex<HashMap<HandlerId, Arc<tokio::sync::Semaphore>>>,
     registrations: watch::Sender<Arc<Vec<Registration>>>,
     paused: watch::Sender<bool>,
     postings: tokio::sync::broadcast::Sender<Posting>,
@@ -149,7 +151,7 @@ impl Hub {
         Self {
             inner: Arc::new(Inner {
                 state: Mutex::new(State::default()),
-                waiting: Arc::new(tokio::sync::Semaphore::new(settings.max_waiting.max(1))),
+                waiting: Mutex::new(HashMap::new()),
                 settings,
                 ids: AtomicU64::new(1),
                 boot: boot_id(),
@@ -550,13 +552,28 @@ impl Hub {
         .await
     }
 
-    /// Waits for room among the waiting work, then for a connection with room.
+    /// Waits for room among the handler's waiting work, then for a connection with room.
     async fn wait_and_acquire(&self, handler: &HandlerId) -> Grant {
         // The semaphore is never closed, so a permit always comes.
-        let permit = self.inner.waiting.clone().acquire_owned().await.ok();
+        let permit = self.room_for(handler).acquire_owned().await.ok();
         let grant = self.acquire(handler).await;
         drop(permit);
         grant
+    }
+
+    /// The handler's room for waiting work. Rooms nobody uses are forgotten once there are
+    /// many, so handler ids that come and go do not accumulate.
+    fn room_for(&self, handler: &HandlerId) -> Arc<tokio::sync::Semaphore> {
+        const FORGET_IDLE_ABOVE: usize = 1024;
+        let mut rooms = self.inner.waiting.lock();
+        if rooms.len() > FORGET_IDLE_ABOVE {
+            rooms.retain(|_, room| Arc::strong_count(room) > 1);
+        }
+        let max = self.inner.settings.max_waiting.max(1);
+        rooms
+            .entry(handler.clone())
+            .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(max)))
+            .clone()
     }
 
     async fn attempt(&self, work: &Work, control: &Control, grant: Grant) -> Delivery {
@@ -1030,6 +1047,38 @@ mod tests {
             assert_eq!(t.await.unwrap(), Outcome::success(None));
         }
         assert_eq!(hub.waiting(), 0);
+    }
+
+    #[tokio::test]
+    async fn one_handlers_backlog_does_not_hold_up_another_handler() {
+        let hub = Hub::new(Settings {
+            max_waiting: 2,
+            ..Settings::default()
+        });
+        // "absent" has no process: its work waits, up to the bound, and more waits outside.
+        let _absent: Vec<_> = (0..5)
+            .map(|i| {
+                let hub = hub.clone();
+                tokio::spawn(async move {
+                    hub.invoke(Work::new("absent", format!("k{i}"), Payload::Probe))
+                        .await
+                })
+            })
+            .collect();
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        let (conn, mut rx) = attach(&hub, vec![reg("p", None)], 8);
+        let served = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.invoke(Work::new("p", "k", Payload::Probe)).await }
+        });
+        let inv = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("the other handler's work is dispatched")
+            .unwrap();
+        hub.complete(conn, &success(&inv.invocation_id)).unwrap();
+        assert_eq!(served.await.unwrap(), Outcome::success(None));
     }
 
     #[tokio::test]

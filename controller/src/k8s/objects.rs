@@ -30,6 +30,11 @@ pub enum Error {
     /// The controller's identity lacks a permission (403): fix the RBAC; retried meanwhile.
     #[error("not permitted (check the operator's RBAC): {0}")]
     Forbidden(String),
+    /// An admission webhook or policy denied the request, whatever status code it chose: its
+    /// verdict may depend on state that changes (a freeze window, a locked namespace), so the
+    /// write is retried, unlike content the API server itself finds invalid.
+    #[error("denied by admission: {0}")]
+    Denied(String),
     /// Anything else: retry later.
     #[error("the API server is unavailable or failed")]
     Unavailable(#[source] kube::Error),
@@ -38,6 +43,9 @@ pub enum Error {
 impl From<kube::Error> for Error {
     fn from(e: kube::Error) -> Self {
         match &e {
+            kube::Error::Api(status) if is_admission_denial(&status.message) => {
+                Self::Denied(status.message.clone())
+            }
             kube::Error::Api(status) => match status.code {
                 404 => Self::NotFound,
                 409 => Self::Conflict(status.message.clone()),
@@ -48,6 +56,13 @@ impl From<kube::Error> for Error {
             _ => Self::Unavailable(e),
         }
     }
+}
+
+/// Whether an API error's message is an admission webhook's or a validating admission
+/// policy's denial (the API server's wording for both).
+fn is_admission_denial(message: &str) -> bool {
+    (message.starts_with("admission webhook ") && message.contains(" denied the request"))
+        || (message.starts_with("ValidatingAdmissionPolicy ") && message.contains(" denied request"))
 }
 
 /// Access to objects through one client.

@@ -2,7 +2,10 @@
 //! from the watch, bounded and owned; those that opted into retries (errors mode TEMPORARY)
 //! run in the object's worker, with their progress persisted like a change handler's.
 
-use std::{sync::Arc, time::SystemTime};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant, SystemTime},
+};
 
 use parking_lot::Mutex;
 use serde_json::Value;
@@ -30,6 +33,8 @@ pub const EVENT_DISPATCH_LIMIT: usize = 256;
 pub(super) struct EventDispatch {
     pub(super) permits: Arc<Semaphore>,
     pub(super) tasks: Mutex<JoinSet<()>>,
+    /// Events dropped since the last warning, and when that was.
+    dropped: Mutex<(u64, Option<Instant>)>,
 }
 
 impl Default for EventDispatch {
@@ -37,6 +42,28 @@ impl Default for EventDispatch {
         Self {
             permits: Arc::new(Semaphore::new(EVENT_DISPATCH_LIMIT)),
             tasks: Mutex::new(JoinSet::new()),
+            dropped: Mutex::new((0, None)),
+        }
+    }
+}
+
+/// How often a resource warns about dropped events at most.
+const DROP_WARNING_INTERVAL: Duration = Duration::from_secs(10);
+
+impl EventDispatch {
+    /// Counts an event dropped for `handler` because its invocations were at the limit, and
+    /// warns at most every [`DROP_WARNING_INTERVAL`].
+    fn dropped(&self, handler: &str) {
+        let mut dropped = self.dropped.lock();
+        dropped.0 += 1;
+        if dropped.1.is_none_or(|t| t.elapsed() >= DROP_WARNING_INTERVAL) {
+            warn!(
+                handler.id = handler,
+                dropped = dropped.0,
+                limit = EVENT_DISPATCH_LIMIT,
+                "event handler invocations are at their limit; events dropped (not retried, as kopf)"
+            );
+            *dropped = (0, Some(Instant::now()));
         }
     }
 }
@@ -57,17 +84,20 @@ impl Queue {
             .filter(fire_and_forget)
             .filter(|h| matching::prematch(h, subject))
         {
-            let permit = tokio::select! {
-                permit = self.events.permits.clone().acquire_owned() => permit,
-                () = self.ctx.cancel.cancelled() => return,
+            // Fire and forget, as kopf: when the handler's invocations pile up (its process is
+            // slow or away), the event is dropped for it rather than stalling the watch, and
+            // with it every other handler of the resource.
+            let Ok(permit) = self.events.permits.clone().try_acquire_owned() else {
+                self.events.dropped(&reg.id.0);
+                continue;
             };
-            let Ok(permit) = permit else { return };
             let object = processing::object_ref(&self.ctx.resource, body);
             let key = format!("{}/{}/{}", object.uid, reg.id, object.resource_version);
             let mut work = Work::new(reg.id.0.clone(), key, Payload::Event { event_type });
             work.object = Some(object);
             work.body = Some(body.clone());
             work.param = reg.param.clone();
+            work.attempt_timeout = reg.timeout;
             let control = Control::cancelled_by(self.ctx.cancel.child_token());
             let invoker = self.ctx.invoker.clone();
             let id = reg.id.clone();
