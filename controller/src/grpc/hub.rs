@@ -1073,10 +1073,12 @@ mod tests {
             let hub = hub.clone();
             async move { hub.invoke(Work::new("p", "k", Payload::Probe)).await }
         });
-        let inv = tokio::time::timeout(Duration::from_secs(5), rx.recv())
-            .await
-            .expect("the other handler's work is dispatched")
-            .unwrap();
+        let inv = invocation_of(
+            tokio::time::timeout(Duration::from_secs(5), rx.recv())
+                .await
+                .expect("the other handler's work is dispatched")
+                .unwrap(),
+        );
         hub.complete(conn, &success(&inv.invocation_id)).unwrap();
         assert_eq!(served.await.unwrap(), Outcome::success(None));
     }
