@@ -1,0 +1,53 @@
+"""The example operator for `examples.demo.capstan.dev`, written as a kopf operator and run
+by Capstan: `python -m capstan run examples/operator.py`.
+
+It labels and greets new objects, follows `spec.field`, retries while `spec.fail_times` says
+so, fails for good on `spec.reject`, writes what a daemon sees, and says goodbye on deletion.
+"""
+
+import capstan.kopf as kopf
+
+RESOURCE = ("demo.capstan.dev", "v1", "examples")
+
+
+@kopf.on.startup()
+def startup_fn(logger, **_):
+    logger.info("example operator startup done")
+
+
+@kopf.on.create(*RESOURCE)
+def create_fn(name, spec, patch, retry, logger, **_):
+    if spec.get("reject"):
+        raise kopf.PermanentError(f"{name} is rejected by its spec")
+    if retry < spec.get("fail_times", 0):
+        raise kopf.TemporaryError(f"not ready yet (attempt {retry + 1} of {spec['fail_times']} failing)", delay=1)
+    patch.metadata.labels["demo.capstan.dev/handled-by"] = "python"
+    logger.info(f"creating {name} after {retry} retries")
+    return {"message": f"hello {name} from python", "retries": retry}
+
+
+@kopf.on.update(*RESOURCE)
+def update_fn(name, diff, patch, **_):
+    patch.status["changed"] = [".".join(item.field) for item in diff]
+    return {"message": f"updated {name} from python"}
+
+
+@kopf.on.field(*RESOURCE, field="spec.field")
+def field_fn(old, new, patch, **_):
+    patch.metadata.annotations["demo.capstan.dev/field"] = f"{old or 'none'}->{new}"
+
+
+@kopf.daemon(*RESOURCE, cancellation_timeout=10, annotations={"demo.capstan.dev/watch": kopf.PRESENT})
+async def monitor(stopped, spec, name, logger, **_):
+    seen = None
+    while not stopped:
+        if spec.get("field") != seen:
+            seen = spec.get("field")
+            logger.info(f"monitor of {name} sees {seen}")
+        await stopped.wait(0.2)
+    logger.info(f"monitor of {name} stopped: {stopped.reason.value}")
+
+
+@kopf.on.delete(*RESOURCE)
+def delete_fn(name, logger, **_):
+    logger.info(f"deleting {name}")
