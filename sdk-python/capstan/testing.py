@@ -89,6 +89,10 @@ class TestKit:
         for h in self.registry.handlers:
             if h.id == handler_id:
                 return h
+        # A nested function's id is its qualified name: its plain name finds it too.
+        by_name = [h for h in self.registry.handlers if getattr(h.fn, "__name__", None) == handler_id]
+        if len(by_name) == 1:
+            return by_name[0]
         known = ", ".join(h.id for h in self.registry.handlers) or "none"
         raise KeyError(f"no handler {handler_id!r} is registered (registered: {known})")
 
