@@ -1,0 +1,164 @@
+//! End to end with the Python SDK's example operator (`sdk-python/examples/operator.py`, a
+//! kopf operator file importing `capstan.kopf`), run by `python -m capstan run` with the
+//! pinned grpcio and protobuf: the real API server, the real `capstan` binary and the Python
+//! process, with the handlers' effects asserted on the objects — create, update and field
+//! handlers with results and patches, a retried temporary error, a permanent error, deletion,
+//! and a clean stop on SIGTERM.
+
+use std::{collections::HashMap, path::PathBuf, time::Duration};
+
+use anyhow::{Context as _, Result, bail};
+use capstan_tests::{
+    process::{Controller, Process},
+    scenario::{Scenario, annotation, label},
+    testenv::{TestEnv, repo_root},
+};
+use serde_json::json;
+
+const T: Duration = Duration::from_secs(90);
+
+/// The venv's python with the SDK's pinned dependencies: `$CAPSTAN_PYTHON_SDK_PYTHON` (set by
+/// `scripts/test.sh`), or what `sdk-python/scripts/venv.sh` creates.
+async fn sdk_python() -> Result<PathBuf> {
+    if let Ok(python) = std::env::var("CAPSTAN_PYTHON_SDK_PYTHON") {
+        return Ok(PathBuf::from(python));
+    }
+    let out = tokio::process::Command::new("bash")
+        .arg(repo_root().join("sdk-python/scripts/venv.sh"))
+        .output()
+        .await
+        .context("running sdk-python/scripts/venv.sh")?;
+    if !out.status.success() {
+        bail!(
+            "sdk-python/scripts/venv.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let stdout = String::from_utf8(out.stdout)?;
+    Ok(PathBuf::from(stdout.lines().last().unwrap_or_default().trim()))
+}
+
+/// Starts a testenv with the example CRD, `capstan run` and the Python operator connected.
+async fn start() -> Result<Scenario> {
+    let python = sdk_python().await?;
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let client = env.client().await?;
+    let mut controller = Controller::start(&env, "capstan", &["--shutdown-grace", "5s"]).await?;
+    let sdk = repo_root().join("sdk-python");
+    let vars = HashMap::from([
+        ("CAPSTAN_ENDPOINT".to_owned(), controller.endpoint()),
+        ("PYTHONPATH".to_owned(), sdk.display().to_string()),
+        ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
+    ]);
+    let args = [
+        "-m".to_owned(),
+        "capstan".to_owned(),
+        "run".to_owned(),
+        "--verbose".to_owned(),
+        sdk.join("examples/operator.py").display().to_string(),
+    ];
+    let mut operator = Process::spawn("python-operator", &python, &args, &vars, env.scratch())?;
+    controller
+        .process
+        .wait_for("handler process connected", T)
+        .await?;
+    operator
+        .wait_for("capstan: connected to the controller", T)
+        .await?;
+    let calls = env.scratch().join("calls.log");
+    Ok(Scenario {
+        env,
+        client,
+        controller,
+        handler: operator,
+        calls,
+        presets: String::new(),
+        namespace: "default".into(),
+    })
+}
+
+#[tokio::test]
+async fn python_operator_handles_changes_retries_and_errors() -> Result<()> {
+    let mut s = start().await?;
+    for handler in [
+        "startup_fn",
+        "create_fn",
+        "update_fn",
+        "field_fn/spec.field",
+        "monitor",
+        "delete_fn",
+    ] {
+        let line = format!("handler registered handler={handler}");
+        assert!(
+            s.handler.output().contains(&line),
+            "{handler} was not accepted:\n{}",
+            s.handler.output()
+        );
+    }
+    s.handler.wait_for("example operator startup done", T).await?;
+
+    // Create: a result in status, a label patch, the field handler on creation.
+    s.create("one", json!({"field": "a"})).await?;
+    let obj = s
+        .wait("one", T, "create and field handlers done", |o| {
+            label(o, "demo.capstan.dev/handled-by").is_some()
+                && o.pointer("/status/create_fn/message").is_some()
+                && annotation(o, "demo.capstan.dev/field").is_some()
+        })
+        .await?;
+    assert_eq!(label(&obj, "demo.capstan.dev/handled-by"), Some("python"));
+    assert_eq!(obj["status"]["create_fn"]["message"], "hello one from python");
+    assert_eq!(obj["status"]["create_fn"]["retries"], 0);
+    assert_eq!(annotation(&obj, "demo.capstan.dev/field"), Some("none->a"));
+
+    // Update: the diff reaches the handler; the field handler sees old and new.
+    s.patch("one", json!({"spec": {"field": "b"}})).await?;
+    let obj = s
+        .wait("one", T, "update and field handlers saw b", |o| {
+            annotation(o, "demo.capstan.dev/field") == Some("a->b")
+                && o.pointer("/status/update_fn/message").is_some()
+        })
+        .await?;
+    assert_eq!(obj["status"]["update_fn"]["message"], "updated one from python");
+    assert_eq!(obj["status"]["changed"], json!(["spec.field"]));
+
+    // A temporary error is retried after its delay, with kopf's `retry` counting up.
+    s.create("flaky", json!({"fail_times": 2})).await?;
+    let obj = s
+        .wait("flaky", T, "created after two temporary failures", |o| {
+            o.pointer("/status/create_fn/message").is_some()
+        })
+        .await?;
+    assert_eq!(obj["status"]["create_fn"]["retries"], 2);
+    let log = s.controller.process.output();
+    for attempt in 1..=2 {
+        let message = format!("not ready yet (attempt {attempt} of 2 failing)");
+        assert!(log.contains(&message), "no retry after {message:?}:\n{log}");
+    }
+
+    // A permanent error is not retried: the handler ran once and the object has no result.
+    s.create("bad", json!({"reject": true})).await?;
+    s.controller
+        .process
+        .wait_for("bad is rejected by its spec", T)
+        .await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let obj = s.get("bad").await?.context("bad disappeared")?;
+    assert!(obj.pointer("/status/create_fn").is_none(), "{obj}");
+    let failures = s.handler.output().matches("bad is rejected by its spec").count();
+    assert_eq!(failures, 1, "the permanent error was retried:\n{}", s.handler.output());
+
+    // Delete: the delete handler runs and the finalizer is released.
+    s.delete("one").await?;
+    s.wait_gone("one", T).await?;
+    s.handler.wait_for("deleting one", T).await?;
+
+    // SIGTERM: a clean stop.
+    let status = s.handler.terminate().await?;
+    assert!(status.success(), "the Python operator exited with {status}");
+    let output = s.handler.output();
+    assert!(output.contains("capstan: stopped"), "no clean stop:\n{output}");
+    assert!(!output.contains("Traceback"), "a traceback in the operator's log:\n{output}");
+    Ok(())
+}
