@@ -9,6 +9,7 @@ attempts for the next connection.
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import os
 import random
@@ -35,6 +36,10 @@ QUEUE_BOUND = 1024
 #: Bound of the per-object memos kept (kopf's memo); the oldest are forgotten first.
 MEMO_BOUND = 10000
 BACKOFF_MIN, BACKOFF_MAX = 0.2, 15.0
+#: How long running handlers have to finish on SIGTERM.
+STOP_GRACE = 10.0
+#: How long the controller has to end the stream after the handler process closed its side.
+CLOSE_TIMEOUT = 5.0
 _LEVELS = {
     logging.DEBUG: rs.LOG_LEVEL_DEBUG, logging.INFO: rs.LOG_LEVEL_INFO,
     logging.WARNING: rs.LOG_LEVEL_WARNING, logging.ERROR: rs.LOG_LEVEL_ERROR,
@@ -141,10 +146,16 @@ class Operator:
                     await self._session()
                 except ConnectionFatal:
                     raise
-                except (grpc.aio.AioRpcError, ConnectionError, OSError) as error:
-                    detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
-                    code = error.code().name if isinstance(error, grpc.aio.AioRpcError) else type(error).__name__
-                    log.warning("capstan: connection to %s lost: %s %s", self.endpoint, code, detail)
+                except grpc.aio.AioRpcError as error:
+                    if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        raise ConnectionFatal(f"the controller accepted none of the handlers: {error.details()}") from None
+                    if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise ConnectionFatal(f"the controller refused the handshake: {error.details()}") from None
+                    log.warning("capstan: connection to %s lost: %s %s", self.endpoint, error.code().name, error.details())
+                except (ConnectionError, OSError, asyncio.InvalidStateError) as error:
+                    log.warning("capstan: connection to %s lost: %s: %s", self.endpoint, type(error).__name__, error)
+                except Exception:  # an SDK bug must not end the process: reconnect and say so
+                    log.exception("capstan: the session with %s failed", self.endpoint)
                 if self.stop.is_set():
                     break
                 if time.monotonic() - started > 30:
@@ -168,7 +179,18 @@ class Operator:
             stopper = asyncio.create_task(self._stop_on_signal(session))
             try:
                 await session.queue.put(self.hello())
-                await self._reader(session)
+                reader = asyncio.create_task(self._reader(session))
+                try:
+                    await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+                    if not reader.done():
+                        # We said goodbye and closed our side: the controller ends the stream.
+                        await asyncio.wait({reader}, timeout=CLOSE_TIMEOUT)
+                    if reader.done():
+                        reader.result()
+                    elif writer.done():
+                        writer.result()
+                finally:
+                    reader.cancel()
             finally:
                 stopper.cancel()
                 session.closed = True
@@ -197,7 +219,7 @@ class Operator:
             running.stop.set(DaemonStoppingReason.OPERATOR_EXITING)
         tasks = [task for _, task in session.running.values()]
         if tasks:
-            await asyncio.wait(tasks, timeout=10)
+            await asyncio.wait(tasks, timeout=STOP_GRACE)
         await session.queue.put(None)
 
     async def _reader(self, session):
@@ -220,7 +242,7 @@ class Operator:
             elif which == "object_update":
                 entry = session.running.get(message.object_update.invocation_id)
                 if entry is not None and message.object_update.body.json:
-                    entry[0].body._replace(wire.json.loads(message.object_update.body.json))
+                    entry[0].body._replace(json.loads(message.object_update.body.json))
             elif which == "drain":
                 session.draining = True
                 log.info("capstan: the controller is draining (%s)", message.drain.reason)

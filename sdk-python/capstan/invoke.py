@@ -104,43 +104,50 @@ class Running:
         self.declared: List[Handler] = []
 
 
-class InvocationLogHandler(logging.Handler):
-    """Forwards the records of a handler's logger to the controller (and lets them propagate
-    to the process's own log)."""
+class _Router(logging.Handler):
+    """Forwards the records of handlers' loggers to the sink of the invocation that logged
+    them (the controller's LogRecord, or the test kit's list)."""
 
-    def __init__(self, sink):
+    def __init__(self):
         super().__init__(logging.DEBUG)
-        self._sink = sink
 
     def emit(self, record):
+        sink = getattr(record, "capstan_sink", None)
+        if sink is None:
+            return
         try:
-            self._sink(record.levelno, record.getMessage())
+            sink(record.levelno, record.getMessage())
         except Exception:  # a log sink must never break the handler
             self.handleError(record)
 
 
+_ROUTER = _Router()
+
+
 def _logger(call: Call, handler_id: str):
-    base = logging.getLogger(f"capstan.handlers.{handler_id}")
-    logger = logging.getLogger(f"capstan.handlers.{handler_id}.{call.invocation_id or id(call)}")
-    logger.handlers.clear()
-    if call.log_sink is not None:
-        logger.addHandler(InvocationLogHandler(call.log_sink))
-    logger.propagate = True
-    logger.setLevel(logging.DEBUG)
-    return _LoggerAdapter(logger, base)
+    logger = logging.getLogger(f"capstan.handlers.{handler_id}")
+    if _ROUTER not in logger.handlers:
+        logger.addHandler(_ROUTER)
+    if logger.level == logging.NOTSET or logger.level > logging.DEBUG:
+        logger.setLevel(logging.DEBUG)
+    return _LoggerAdapter(logger, call.log_sink)
 
 
 class _LoggerAdapter(logging.LoggerAdapter):
-    """The handler's `logger`: names the object in the local log, forwards to the controller,
-    and is dropped from logging's registry when the call ends."""
+    """The handler's `logger` (kopf's): logs locally and forwards to the controller."""
 
-    def __init__(self, logger, base):
-        super().__init__(logger, {})
-        self._base = base
+    def __init__(self, logger, sink):
+        super().__init__(logger, {"capstan_sink": sink})
+
+    def process(self, msg, kwargs):
+        kwargs["extra"] = {**self.extra, **(kwargs.get("extra") or {})}
+        return msg, kwargs
+
+    def isEnabledFor(self, level):
+        return True
 
     def close(self):
-        self.logger.handlers.clear()
-        logging.Logger.manager.loggerDict.pop(self.logger.name, None)
+        self.extra = {"capstan_sink": None}
 
 
 def kwargs_for(call: Call, handler: Handler, running: Running, logger, patch, retry, started):
