@@ -147,7 +147,12 @@ async fn python_operator_handles_changes_retries_and_errors() -> Result<()> {
     let obj = s.get("bad").await?.context("bad disappeared")?;
     assert!(obj.pointer("/status/create_fn").is_none(), "{obj}");
     let failures = s.handler.output().matches("bad is rejected by its spec").count();
-    assert_eq!(failures, 1, "the permanent error was retried:\n{}", s.handler.output());
+    assert_eq!(
+        failures,
+        1,
+        "the permanent error was retried:\n{}",
+        s.handler.output()
+    );
 
     // Delete: the delete handler runs and the finalizer is released.
     s.delete("one").await?;
@@ -159,6 +164,9 @@ async fn python_operator_handles_changes_retries_and_errors() -> Result<()> {
     assert!(status.success(), "the Python operator exited with {status}");
     let output = s.handler.output();
     assert!(output.contains("capstan: stopped"), "no clean stop:\n{output}");
-    assert!(!output.contains("Traceback"), "a traceback in the operator's log:\n{output}");
+    assert!(
+        !output.contains("Traceback"),
+        "a traceback in the operator's log:\n{output}"
+    );
     Ok(())
 }
