@@ -2,7 +2,9 @@
 by Capstan: `python -m capstan run examples/operator.py`.
 
 It labels and greets new objects, follows `spec.field`, retries while `spec.fail_times` says
-so, fails for good on `spec.reject`, writes what a daemon sees, and says goodbye on deletion.
+so, fails for good on `spec.reject`, sets up each of `spec.items` in a sub-handler of its own,
+runs a daemon and a timer for objects annotated `demo.capstan.dev/watch`, and says goodbye on
+deletion.
 """
 
 import capstan.kopf as kopf
@@ -26,6 +28,17 @@ def create_fn(name, spec, patch, retry, logger, **_):
     return {"message": f"hello {name} from python", "retries": retry}
 
 
+@kopf.on.create(*RESOURCE)
+def setup(spec, **_):
+    for item in spec.get("items", []):
+
+        @kopf.subhandler(id=f"item-{item}")
+        def setup_item(patch, retry, item=item, **_):
+            if item.startswith("slow") and retry < 1:
+                raise kopf.TemporaryError(f"{item} is not ready yet", delay=1)
+            patch.metadata.annotations[f"demo.capstan.dev/{item}"] = f"ready after {retry} retries"
+
+
 @kopf.on.update(*RESOURCE)
 def update_fn(name, diff, patch, **_):
     patch.status["changed"] = [".".join(item.field) for item in diff]
@@ -46,6 +59,11 @@ async def monitor(stopped, spec, name, logger, **_):
             logger.info(f"monitor of {name} sees {seen}")
         await stopped.wait(0.2)
     logger.info(f"monitor of {name} stopped: {stopped.reason.value}")
+
+
+@kopf.timer(*RESOURCE, interval=1, annotations={"demo.capstan.dev/watch": kopf.PRESENT})
+def tick(status, patch, **_):
+    patch.status["ticks"] = (status.get("ticks") or 0) + 1
 
 
 @kopf.on.delete(*RESOURCE)

@@ -2,8 +2,9 @@
 //! kopf operator file importing `capstan.kopf`), run by `python -m capstan run` with the
 //! pinned grpcio and protobuf: the real API server, the real `capstan` binary and the Python
 //! process, with the handlers' effects asserted on the objects — create, update and field
-//! handlers with results and patches, a retried temporary error, a permanent error, deletion,
-//! and a clean stop on SIGTERM.
+//! handlers with results and patches, sub-handlers (one retried on its own), a daemon that
+//! follows its object's live body and stops on deletion, a timer, a retried temporary error, a
+//! permanent error, deletion, and a clean stop on SIGTERM.
 
 use std::{collections::HashMap, path::PathBuf, time::Duration};
 
@@ -79,14 +80,16 @@ async fn start() -> Result<Scenario> {
 }
 
 #[tokio::test]
-async fn python_operator_handles_changes_retries_and_errors() -> Result<()> {
+async fn python_operator_handles_changes_subhandlers_a_daemon_a_timer_retries_and_errors() -> Result<()> {
     let mut s = start().await?;
     for handler in [
         "startup_fn",
         "create_fn",
         "update_fn",
         "field_fn/spec.field",
+        "setup",
         "monitor",
+        "tick",
         "delete_fn",
     ] {
         let line = format!("handler registered handler={handler}");
@@ -122,6 +125,43 @@ async fn python_operator_handles_changes_retries_and_errors() -> Result<()> {
         .await?;
     assert_eq!(obj["status"]["update_fn"]["message"], "updated one from python");
     assert_eq!(obj["status"]["changed"], json!(["spec.field"]));
+
+    // Sub-handlers, one retried on its own; a daemon that follows its object's live body; a
+    // timer.
+    s.create_with(
+        "two",
+        json!({"field": "a", "items": ["config", "slow-service"]}),
+        json!({"annotations": {"demo.capstan.dev/watch": "yes"}}),
+    )
+    .await?;
+    let obj = s
+        .wait("two", T, "sub-handlers done and the timer ticked", |o| {
+            annotation(o, "demo.capstan.dev/config").is_some()
+                && annotation(o, "demo.capstan.dev/slow-service").is_some()
+                && o.pointer("/status/ticks").is_some()
+        })
+        .await?;
+    assert_eq!(
+        annotation(&obj, "demo.capstan.dev/config"),
+        Some("ready after 0 retries")
+    );
+    assert_eq!(
+        annotation(&obj, "demo.capstan.dev/slow-service"),
+        Some("ready after 1 retries")
+    );
+    s.handler.wait_for("monitor of two sees a", T).await?;
+    s.patch("two", json!({"spec": {"field": "b"}})).await?;
+    s.handler.wait_for("monitor of two sees b", T).await?;
+    assert!(
+        !s.handler.output().contains("monitor of two stopped"),
+        "the daemon was restarted instead of following its object:\n{}",
+        s.handler.output()
+    );
+    s.delete("two").await?;
+    s.wait_gone("two", T).await?;
+    s.handler
+        .wait_for("monitor of two stopped: resource_deleted", T)
+        .await?;
 
     // A temporary error is retried after its delay, with kopf's `retry` counting up.
     s.create("flaky", json!({"fail_times": 2})).await?;
