@@ -18,7 +18,7 @@ import uuid
 
 import grpc
 
-from capstan import __version__, wire
+from capstan import __version__, events, wire
 from capstan.errors import ConnectionFatal
 from capstan.invoke import Running, run
 from capstan.registry import Registry
@@ -103,6 +103,19 @@ class Session:
         except asyncio.QueueFull:
             self.dropped_logs += 1
 
+    def event_sink(self, invocation_id):
+        levels = {"Normal": rs.LOG_LEVEL_INFO, "Warning": rs.LOG_LEVEL_WARNING}
+
+        def sink(record):
+            ref = record["object"]
+            message = rs.ConnectRequest(log=rs.LogRecord(
+                invocation_id=invocation_id, level=levels.get(record["type"], rs.LOG_LEVEL_ERROR),
+                message=record["message"], posting=rs.EVENT_POSTING_ALWAYS, reason=record["reason"],
+                object=wire.common.ResourceRef(**ref)))
+            self.loop.call_soon_threadsafe(self.send_nowait, message)
+
+        return sink
+
     def log_sink(self, invocation_id):
         def sink(levelno, message):
             record = rs.ConnectRequest(log=rs.LogRecord(invocation_id=invocation_id, level=_level(levelno), message=message))
@@ -175,6 +188,7 @@ class Operator:
         async with grpc.aio.insecure_channel(self.endpoint, options=options) as channel:
             call = rs_grpc.RuntimeServiceStub(channel).Connect()
             session = Session(self, call)
+            events._set_process_sink(session.event_sink(""))
             writer = asyncio.create_task(self._writer(session))
             stopper = asyncio.create_task(self._stop_on_signal(session))
             try:
@@ -193,6 +207,7 @@ class Operator:
                     reader.cancel()
             finally:
                 stopper.cancel()
+                events._set_process_sink(None)
                 session.closed = True
                 for running, task in list(session.running.values()):
                     running.cancelled = True
@@ -280,6 +295,7 @@ class Operator:
             return
         call = wire.call_of(message, handler)
         call.log_sink = session.log_sink(message.invocation_id)
+        call.event_sink = session.event_sink(message.invocation_id)
         uid = (call.body.get("metadata") or {}).get("uid") if isinstance(call.body, dict) else None
         call.memo = self.memos.of(uid)
         running = Running(call)

@@ -59,6 +59,7 @@ class Call:
     memo: Optional[Memo] = None
     subhandlers: Dict[str, SubState] = dataclasses.field(default_factory=dict)
     log_sink: Optional[Callable[[int, str], None]] = None
+    event_sink: Optional[Callable[[dict], None]] = None
     invocation_id: str = ""
 
 

@@ -8,7 +8,8 @@ registered handler with a body and get its outcome, result, patch, sub-handlers 
         out = kit.invoke("create_fn", {"metadata": {"name": "x"}, "spec": {"field": "a"}})
         assert out.status == "success" and out.patch["status"]["seen"] == "a"
 
-Handlers run through the same code as under the controller; only the wire is missing.
+Handlers run through the same code as under the controller; only the wire is missing. Events
+posted with `capstan.info/warn/exception/event` are in `Result.events`.
 """
 
 import asyncio
@@ -29,6 +30,7 @@ class Result:
 
     outcome: Outcome
     logs: List[Tuple[str, str]]
+    events: List[dict] = dataclasses.field(default_factory=list)
 
     @property
     def status(self):
@@ -97,7 +99,7 @@ class TestKit:
         raise KeyError(f"no handler {handler_id!r} is registered (registered: {known})")
 
     def _call(self, handler_id, body, *, reason=None, old=None, new=None, diff=None, attempt=1, event_type=None,
-              subhandlers=None, started=None, logs=None):
+              subhandlers=None, started=None, logs=None, events=None):
         handler = self.handler(handler_id)
         if reason is None and handler.kind in ("create", "update", "delete", "resume"):
             reason = handler.kind
@@ -113,6 +115,7 @@ class TestKit:
 
         return Call(handler=handler, body=dict(body or {}), attempt=attempt, reason=reason, old=old, new=new,
                     diff=diff, event_type=event_type, memo=self.memo, subhandlers=states, log_sink=sink,
+                    event_sink=events.append if events is not None else None,
                     started=started or datetime.datetime.now(datetime.timezone.utc), invocation_id="test")
 
     def invoke(self, handler_id, body=None, **call) -> Result:
@@ -123,10 +126,10 @@ class TestKit:
 
     async def ainvoke(self, handler_id, body=None, **call) -> Result:
         """`invoke()` for tests that already run an event loop."""
-        logs = []
-        running = Running(self._call(handler_id, body, logs=logs, **call))
+        logs, events = [], []
+        running = Running(self._call(handler_id, body, logs=logs, events=events, **call))
         outcome = await run(running)
-        return Result(outcome, logs)
+        return Result(outcome, logs, events)
 
     def daemon(self, handler_id, body=None) -> "DaemonRun":
         """Starts a daemon in a background loop; `stop()` asks it to stop and returns its
@@ -139,7 +142,8 @@ class DaemonRun:
 
     def __init__(self, kit: TestKit, handler_id, body):
         self.logs: List[Tuple[str, str]] = []
-        self._running = Running(kit._call(handler_id, body, logs=self.logs))
+        self.events: List[dict] = []
+        self._running = Running(kit._call(handler_id, body, logs=self.logs, events=self.events))
         self._result: Optional[Outcome] = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._main, daemon=True)
@@ -159,4 +163,4 @@ class DaemonRun:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"daemon {self._running.call.handler.id!r} did not stop within {timeout}s")
-        return Result(self._result, self.logs)
+        return Result(self._result, self.logs, self.events)

@@ -87,7 +87,8 @@ def test_the_whole_stream(socket_path):
     registry = Registry()
 
     @capstan.on.create("examples", registry=registry, id="create_fn")
-    def create_fn(name, patch, retry, **_):
+    def create_fn(name, body, patch, retry, **_):
+        capstan.info(body, reason="Seen", message=f"seen {name}")
         patch.status["seen"] = name
         return {"retry": retry}
 
@@ -122,6 +123,9 @@ def test_the_whole_stream(socket_path):
             await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
                 invocation_id="i1", handler_id="create_fn", attempt=2, body=_body("one", "a"),
                 change=inv.ResourceChange(reason=inv.CHANGE_REASON_CREATE))))
+            event = await _next(incoming, "log")
+            assert (event.invocation_id, event.reason, event.message, event.object.name) == ("i1", "Seen", "seen one", "one")
+            assert event.posting == rs.EVENT_POSTING_ALWAYS
             result = await _next(incoming, "result")
             assert result.invocation_id == "i1" and result.WhichOneof("outcome") == "success"
             assert json.loads(result.success.result.json) == {"retry": 1}

@@ -213,3 +213,20 @@ def test_adopt_sets_owner_name_namespace_labels():
     meta = child["metadata"]
     assert meta["ownerReferences"][0]["uid"] == "u-1" and meta["generateName"] == "one-"
     assert meta["namespace"] == "default" and meta["labels"] == {"a": "b"}
+
+
+def test_events_on_any_object_are_posted_through_the_invocation(registry):
+    other = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "default", "uid": "u-p"}}
+
+    @capstan.on.create("examples", registry=registry)
+    def fn(body, **_):
+        capstan.info(body, reason="Seen", message="seen it")
+        capstan.warn([other], reason="Odd", message="odd pod")
+        capstan.exception(body, reason="Failed", exc=ValueError("bad"))
+
+    out = TestKit(registry).invoke("fn", BODY)
+    assert [(e["type"], e["reason"], e["message"]) for e in out.events] == [
+        ("Normal", "Seen", "seen it"), ("Warning", "Odd", "odd pod"), ("Error", "Failed", "ValueError: bad")]
+    assert out.events[0]["object"] == {"group": "demo.capstan.dev", "version": "v1", "kind": "Example",
+                                       "namespace": "default", "name": "one", "uid": "u-1"}
+    assert out.events[1]["object"]["group"] == "" and out.events[1]["object"]["kind"] == "Pod"
