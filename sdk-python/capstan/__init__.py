@@ -18,6 +18,7 @@ from capstan.errors import (  # noqa: E402
     ErrorsMode, HandlerRetriesError, HandlerTimeoutError, PermanentError, RegistrationError, TemporaryError,
 )
 from capstan.events import event, exception, info, warn  # noqa: E402
+from capstan.filters import all_, any_, none_  # noqa: E402
 from capstan.invoke import register, subhandler  # noqa: E402
 from capstan.on import daemon, index, timer  # noqa: E402
 from capstan.owners import (  # noqa: E402
@@ -38,4 +39,5 @@ __all__ = [
     "SyncDaemonStopped", "DaemonStoppingReason", "ConnectionInfo", "PRESENT", "ABSENT", "Registry", "Resource",
     "default_registry", "adopt", "append_owner_reference", "remove_owner_reference", "build_owner_reference",
     "harmonize_naming", "adjust_namespace", "label", "event", "info", "warn", "exception",
+    "all_", "any_", "none_",
 ]

@@ -185,3 +185,43 @@ def test_no_accepted_handler_is_fatal(socket_path):
             await server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_losing_the_controller_mid_invocation_stops_the_daemon_and_reconnects(socket_path):
+    registry = Registry()
+    stopped_with = []
+
+    @capstan.daemon("examples", registry=registry, id="monitor")
+    def monitor(stopped, **_):
+        stopped.wait(T)
+        stopped_with.append(stopped.reason.value)
+
+    async def scenario():
+        server, fake = await _serve(socket_path)
+        stop = asyncio.Event()
+        runner = asyncio.create_task(Operator(registry, endpoint=f"unix://{socket_path}", stop=stop).run())
+        try:
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(registrations=_registration_status(hello))))
+            await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
+                invocation_id="d1", handler_id="monitor", attempt=1, body=_body("one", "a"), daemon=inv.DaemonStart())))
+            await outgoing.put(rs.ConnectResponse(ping=rs.Ping(nonce=1)))
+            await _next(incoming, "pong")
+            await outgoing.put(None)  # the stream breaks while the daemon runs
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            await _next(incoming, "hello")
+            for _ in range(int(T / 0.05)):
+                if stopped_with:
+                    break
+                await asyncio.sleep(0.05)
+            assert stopped_with == ["connection_lost"]
+            stop.set()
+            await _next(incoming, "goodbye")
+            await outgoing.put(None)
+            await asyncio.wait_for(runner, T)
+        finally:
+            runner.cancel()
+            await server.stop(0)
+
+    asyncio.run(scenario())

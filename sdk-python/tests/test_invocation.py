@@ -230,3 +230,15 @@ def test_events_on_any_object_are_posted_through_the_invocation(registry):
     assert out.events[0]["object"] == {"group": "demo.capstan.dev", "version": "v1", "kind": "Example",
                                        "namespace": "default", "name": "one", "uid": "u-1"}
     assert out.events[1]["object"]["group"] == "" and out.events[1]["object"]["kind"] == "Pod"
+
+
+def test_filter_combinators(registry):
+    big = lambda spec, **_: spec.get("size", 0) > 5  # noqa: E731
+    odd = lambda spec, **_: spec.get("size", 0) % 2 == 1  # noqa: E731
+
+    capstan.on.create("examples", registry=registry, id="all", when=capstan.all_([big, odd]))(lambda **_: 1)
+    capstan.on.create("examples", registry=registry, id="any", when=capstan.any_([big, odd]))(lambda **_: 1)
+    capstan.on.create("examples", registry=registry, id="none", when=capstan.none_([big, odd]))(lambda **_: 1)
+    kit = TestKit(registry)
+    body = {**BODY, "spec": {"size": 3}}
+    assert [kit.invoke(i, body).status for i in ("all", "any", "none")] == ["skipped", "success", "skipped"]

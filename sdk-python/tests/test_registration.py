@@ -163,7 +163,8 @@ def test_duplicate_ids_fail(registry):
 def test_kopf_module_exposes_kopfs_names_and_refuses_controller_settings():
     for name in ("on", "daemon", "timer", "index", "subhandler", "register", "TemporaryError", "PermanentError",
                  "HandlerTimeoutError", "ErrorsMode", "Diff", "Body", "Patch", "PRESENT", "ABSENT", "adopt",
-                 "ConnectionInfo", "Memo", "operator", "run", "DaemonStopped"):
+                 "ConnectionInfo", "Memo", "operator", "run", "DaemonStopped", "info", "warn", "exception",
+                 "event", "all_", "any_", "none_", "SyncDaemonStopperChecker"):
         assert hasattr(kopf, name), name
     with pytest.raises(capstan.RegistrationError, match="controller's flags"):
         kopf.OperatorSettings()
