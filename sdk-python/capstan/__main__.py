@@ -27,7 +27,7 @@ def main(argv=None):
     try:
         load(args.paths, args.modules)
     except RegistrationError as error:
-        logging.getLogger("capstan").error("capstan: %s", error)
+        logging.getLogger("capstan").error("%s", error)
         return 2
     run(endpoint=args.endpoint)
     return 0

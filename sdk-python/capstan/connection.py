@@ -164,17 +164,17 @@ class Operator:
                         raise ConnectionFatal(f"the controller accepted none of the handlers: {error.details()}") from None
                     if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         raise ConnectionFatal(f"the controller refused the handshake: {error.details()}") from None
-                    log.warning("capstan: connection to %s lost: %s %s", self.endpoint, error.code().name, error.details())
+                    log.warning("connection to %s lost: %s %s", self.endpoint, error.code().name, error.details())
                 except (ConnectionError, OSError, asyncio.InvalidStateError) as error:
-                    log.warning("capstan: connection to %s lost: %s: %s", self.endpoint, type(error).__name__, error)
+                    log.warning("connection to %s lost: %s: %s", self.endpoint, type(error).__name__, error)
                 except Exception:  # an SDK bug must not end the process: reconnect and say so
-                    log.exception("capstan: the session with %s failed", self.endpoint)
+                    log.exception("the session with %s failed", self.endpoint)
                 if self.stop.is_set():
                     break
                 if time.monotonic() - started > 30:
                     delay = BACKOFF_MIN
                 wait = random.uniform(0, delay)
-                log.info("capstan: reconnecting in %.1fs", wait)
+                log.info("reconnecting in %.1fs", wait)
                 try:
                     await asyncio.wait_for(self.stop.wait(), wait)
                 except asyncio.TimeoutError:
@@ -228,7 +228,7 @@ class Operator:
     async def _stop_on_signal(self, session):
         """On stop: goodbye, let running invocations end (they are told to stop), close."""
         await self.stop.wait()
-        log.info("capstan: stopping")
+        log.info("stopping")
         await session.queue.put(rs.ConnectRequest(goodbye=rs.Goodbye(reason="handler process stopping")))
         for running, _ in list(session.running.values()):
             running.stop.set(DaemonStoppingReason.OPERATOR_EXITING)
@@ -242,7 +242,7 @@ class Operator:
             message = await session.call.read()
             if message is grpc.aio.EOF:
                 if not self.stop.is_set():
-                    log.warning("capstan: the controller closed the stream")
+                    log.warning("the controller closed the stream")
                 return
             which = message.WhichOneof("message")
             if which == "ping":
@@ -260,15 +260,15 @@ class Operator:
                     entry[0].body._replace(json.loads(message.object_update.body.json))
             elif which == "drain":
                 session.draining = True
-                log.info("capstan: the controller is draining (%s)", message.drain.reason)
+                log.info("the controller is draining (%s)", message.drain.reason)
             elif which == "result_ack":
                 ack = message.result_ack
                 if not ack.accepted:
-                    log.error("capstan: the controller did not accept the result of %s: %s", ack.invocation_id,
+                    log.error("the controller did not accept the result of %s: %s", ack.invocation_id,
                               "; ".join(d.summary for d in ack.diagnostics))
             elif which == "notice":
                 for d in message.notice.diagnostics:
-                    log.warning("capstan: notice about %s: %s %s", message.notice.invocation_id or "the process", d.reason, d.summary)
+                    log.warning("notice about %s: %s %s", message.notice.invocation_id or "the process", d.reason, d.summary)
 
     def _welcome(self, welcome):
         rejected = 0
@@ -276,12 +276,12 @@ class Operator:
             if status.accepted:
                 resource = status.resource
                 what = f" resource={resource.plural}.{resource.version}.{resource.group}".replace("..", ".") if status.HasField("resource") else ""
-                log.info("capstan: handler registered handler=%s%s", status.handler_id, what)
+                log.info("handler registered handler=%s%s", status.handler_id, what)
             else:
                 rejected += 1
-                log.error("capstan: handler rejected handler=%s: %s", status.handler_id,
+                log.error("handler rejected handler=%s: %s", status.handler_id,
                           "; ".join(f"{d.reason}: {d.summary}" for d in status.diagnostics))
-        log.info("capstan: connected to the controller %s (connection %s, %d rejected)",
+        log.info("connected to the controller %s (connection %s, %d rejected)",
                  welcome.runtime.name, welcome.connection_id, rejected)
 
     def _start(self, session, message):
@@ -315,11 +315,11 @@ class Operator:
             return
         if call.reason == "delete" and outcome.status == "success" and uid:
             self.memos.forget(uid)
-        log.debug("capstan: handler=%s invocation=%s outcome=%s", call.handler.id, call.invocation_id, outcome.status)
+        log.debug("handler=%s invocation=%s outcome=%s", call.handler.id, call.invocation_id, outcome.status)
         try:
             result = wire.result(call.invocation_id, call.handler.id, outcome, time.monotonic() - started)
         except Exception as error:  # an unencodable result is the handler's error, not the process's
-            log.error("capstan: handler %r: its result could not be encoded: %s", call.handler.id, error)
+            log.error("handler %r: its result could not be encoded: %s", call.handler.id, error)
             result = inv.InvocationResult(invocation_id=call.invocation_id, permanent_error=inv.PermanentError(
                 diagnostics=[wire.common.Diagnostic(severity=wire.common.SEVERITY_ERROR,
                                                     summary=f"the result could not be encoded: {error}")]))
@@ -332,7 +332,7 @@ class Operator:
         running, task = entry
         running.stop.set(_CANCEL_REASONS.get(cancel.reason, DaemonStoppingReason.NONE))
         grace = cancel.grace_period.ToTimedelta().total_seconds() if cancel.HasField("grace_period") else 0.0
-        log.debug("capstan: cancel invocation=%s handler=%s grace=%.1fs", cancel.invocation_id, running.call.handler.id, grace)
+        log.debug("cancel invocation=%s handler=%s grace=%.1fs", cancel.invocation_id, running.call.handler.id, grace)
         running.cancelled = True
         if running.call.handler.is_async:
             session.loop.call_later(grace, _cancel_task, task)

@@ -42,7 +42,7 @@ def event(objs, *, type, reason, message=""):
     for obj in targets:
         record = {"type": type, "reason": reason, "message": message, "object": reference(obj)}
         if sink is None:
-            log.warning("capstan: not connected to the controller: the Event %s %r on %s was not posted",
+            log.warning("not connected to the controller: the Event %s %r on %s was not posted",
                         type, reason, record["object"]["name"])
             continue
         sink(record)

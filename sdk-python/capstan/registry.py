@@ -79,6 +79,16 @@ class Resource:
         parts = [p for p in (self.name, self.version, self.group) if p]
         return ".".join(parts)
 
+    @property
+    def plural(self):
+        """The name (the plural, in the `resource` kwarg of an invocation)."""
+        return self.name
+
+    @property
+    def api_version(self):
+        """`group/version`, or `version` for the core group."""
+        return f"{self.group}/{self.version}" if self.group else self.version
+
 
 def parse_resource(fn_name, args, group=None, version=None, kind=None, plural=None):
     """kopf's ways to name a resource: `('kopf.dev', 'v1', 'kopfexamples')`, a tuple of

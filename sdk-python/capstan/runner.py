@@ -40,9 +40,9 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
     try:
         asyncio.run(main())
     except ConnectionFatal as error:
-        log.error("capstan: %s", error)
+        log.error("%s", error)
         raise SystemExit(1) from None
-    log.info("capstan: stopped")
+    log.info("stopped")
 
 
 class _JsonFormatter(logging.Formatter):
