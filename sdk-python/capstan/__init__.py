@@ -29,7 +29,7 @@ from capstan.registry import Registry, Resource, default_registry  # noqa: E402
 from capstan.runner import configure_logging, operator, run  # noqa: E402
 from capstan.structs import (  # noqa: E402
     ABSENT, PRESENT, Body, ConnectionInfo, DaemonStopped, DaemonStoppingReason, Diff, DiffItem, DiffOperation, Memo,
-    Meta, Patch, SyncDaemonStopped,
+    Meta, Patch, Reason, SyncDaemonStopped,
 )
 
 __all__ = [
@@ -39,5 +39,5 @@ __all__ = [
     "SyncDaemonStopped", "DaemonStoppingReason", "ConnectionInfo", "PRESENT", "ABSENT", "Registry", "Resource",
     "default_registry", "adopt", "append_owner_reference", "remove_owner_reference", "build_owner_reference",
     "harmonize_naming", "adjust_namespace", "label", "event", "info", "warn", "exception",
-    "all_", "any_", "none_",
+    "all_", "any_", "none_", "Reason",
 ]

@@ -201,6 +201,18 @@ def _prune(value):
     return copy.deepcopy(value)
 
 
+class Reason(str, enum.Enum):
+    """Why a change handler is called (kopf's `reason`); compares equal to its string."""
+
+    CREATE = "create"
+    UPDATE = "update"
+    DELETE = "delete"
+    RESUME = "resume"
+
+    def __str__(self):
+        return self.value
+
+
 class DiffOperation(str, enum.Enum):
     """The kind of one difference (kopf's "add", "change", "remove")."""
 

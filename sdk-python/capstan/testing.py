@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from capstan.invoke import Call, Outcome, Running, SubState, run
 from capstan.registry import Registry, default_registry
-from capstan.structs import DaemonStoppingReason, Diff, DiffItem, DiffOperation, Memo
+from capstan.structs import DaemonStoppingReason, Diff, DiffItem, DiffOperation, Memo, Reason
 
 
 @dataclasses.dataclass
@@ -107,6 +107,8 @@ class TestKit:
             reason = "update"
         if diff is None:
             diff = diff_of(old, new)
+        if reason is not None:
+            reason = Reason(reason)
         states = {k: v if isinstance(v, SubState) else SubState(**v) for k, v in (subhandlers or {}).items()}
         level_names = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warning", logging.ERROR: "error"}
 

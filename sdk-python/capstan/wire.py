@@ -9,7 +9,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from capstan.errors import ErrorsMode
 from capstan.invoke import Call, Outcome, SubState
 from capstan.registry import Handler, Resource
-from capstan.structs import ABSENT, PRESENT, ConnectionInfo, Diff, DiffItem, DiffOperation
+from capstan.structs import ABSENT, PRESENT, ConnectionInfo, Diff, DiffItem, DiffOperation, Reason
 from capstan.v1 import common_pb2 as common
 from capstan.v1 import invocation_pb2 as inv
 from capstan.v1 import registration_pb2 as reg
@@ -28,8 +28,8 @@ _ERRORS = {
     ErrorsMode.IGNORED: reg.ERRORS_MODE_IGNORED,
 }
 _REASONS = {
-    inv.CHANGE_REASON_CREATE: "create", inv.CHANGE_REASON_UPDATE: "update",
-    inv.CHANGE_REASON_DELETE: "delete", inv.CHANGE_REASON_RESUME: "resume",
+    inv.CHANGE_REASON_CREATE: Reason.CREATE, inv.CHANGE_REASON_UPDATE: Reason.UPDATE,
+    inv.CHANGE_REASON_DELETE: Reason.DELETE, inv.CHANGE_REASON_RESUME: Reason.RESUME,
 }
 _OPS = {
     inv.DIFF_OPERATION_ADD: DiffOperation.ADD, inv.DIFF_OPERATION_CHANGE: DiffOperation.CHANGE,
