@@ -324,9 +324,11 @@ async def run(running: Running, executor=None) -> Outcome:
     patch = Patch()
     token = _current.set(running)
     try:
-        kwargs_all = kwargs_for(call, dataclasses.replace(handler, takes=None), running, logger, patch, retry, call.started)
-        if handler.sdk_filters and not _sdk_filters_pass(handler, kwargs_all):
-            return Outcome("skipped")
+        if handler.sdk_filters:
+            kwargs_all = kwargs_for(call, dataclasses.replace(handler, takes=None), running, logger, patch, retry,
+                                    call.started)
+            if not _sdk_filters_pass(handler, kwargs_all):
+                return Outcome("skipped")
         kwargs = kwargs_for(call, handler, running, logger, patch, retry, call.started)
         value = await _execute(handler, kwargs, executor)
         if handler.kind == "login":
@@ -377,9 +379,11 @@ async def _run_subhandlers(parent: Running, outcome: Outcome, logger, executor, 
         token = _current.set(child)
         patch = Patch()
         try:
-            kwargs_all = kwargs_for(child_call, dataclasses.replace(sub, takes=None), child, logger, patch, state.retries, child_call.started)
-            if sub.sdk_filters and not _sdk_filters_pass(sub, kwargs_all):
-                continue
+            if sub.sdk_filters:
+                kwargs_all = kwargs_for(child_call, dataclasses.replace(sub, takes=None), child, logger, patch,
+                                        state.retries, child_call.started)
+                if not _sdk_filters_pass(sub, kwargs_all):
+                    continue
             value = await _execute(sub, kwargs_for(child_call, sub, child, logger, patch, state.retries, child_call.started), executor)
             result = Outcome("success", result=_encode(value, "result", sub.id))
             obj, status = patch.as_documents()

@@ -8,6 +8,7 @@ into the `HandlerRegistration` that `Hello` carries.
 
 import asyncio
 import dataclasses
+import functools
 import datetime
 import inspect
 import json
@@ -156,7 +157,7 @@ class Handler:
     is_async: bool = False
     takes: Optional[frozenset] = None  # None: the handler takes **kwargs
 
-    @property
+    @functools.cached_property
     def sdk_filters(self):
         """Filters that only the SDK can evaluate: `when=` and callable conditions."""
         checks = []
