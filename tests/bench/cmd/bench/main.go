@@ -438,7 +438,13 @@ func (b *bencher) runB1B2(c controller, short string, cr *controllerResult) {
 			c.Name, n, run.TotalS, run.PerS, run.P50Ms, run.P99Ms, run.CPUS, run.HandlerCPUS, run.APIServerCPUS, run.DriverCPUS)
 		time.Sleep(b.o.steady)
 		if m, err := readMemory(r.main.pid()); err == nil {
-			cr.B2.Steady = append(cr.B2.Steady, memAt{Objects: total, Memory: m})
+			at := memAt{Objects: total, Memory: m}
+			if r.handler != nil {
+				if hm, err := readMemory(r.handler.pid()); err == nil {
+					at.Handler = &hm
+				}
+			}
+			cr.B2.Steady = append(cr.B2.Steady, at)
 		}
 	}
 	// Restart with every object present (all handled): the initial list's peak.
