@@ -3,18 +3,33 @@ by Capstan: `python -m capstan run examples/operator.py`.
 
 It labels and greets new objects, follows `spec.field`, retries while `spec.fail_times` says
 so, fails for good on `spec.reject`, sets up each of `spec.items` in a sub-handler of its own,
-runs a daemon and a timer for objects annotated `demo.capstan.dev/watch`, and says goodbye on
-deletion.
+runs a daemon and a timer for objects annotated `demo.capstan.dev/watch`, says goodbye on
+deletion, and reports how many objects it created to the controller's liveness probe.
 """
+
+import threading
 
 import capstan.kopf as kopf
 
 RESOURCE = ("demo.capstan.dev", "v1", "examples")
+_lock = threading.Lock()
+_created = {"count": 0}
 
 
 @kopf.on.startup()
 def startup_fn(logger, **_):
     logger.info("example operator startup done")
+
+
+@kopf.on.cleanup()
+async def cleanup_fn(logger, **_):
+    logger.info("example operator cleanup done")
+
+
+@kopf.on.probe(id="created")
+def created(**_):
+    with _lock:
+        return _created["count"]
 
 
 @kopf.on.create(*RESOURCE)
@@ -25,6 +40,8 @@ def create_fn(name, spec, patch, retry, logger, **_):
         raise kopf.TemporaryError(f"not ready yet (attempt {retry + 1} of {spec['fail_times']} failing)", delay=1)
     patch.metadata.labels["demo.capstan.dev/handled-by"] = "python"
     logger.info(f"creating {name} after {retry} retries")
+    with _lock:
+        _created["count"] += 1
     return {"message": f"hello {name} from python", "retries": retry}
 
 

@@ -4,7 +4,8 @@
 //! process, with the handlers' effects asserted on the objects — create, update and field
 //! handlers with results and patches, sub-handlers (one retried on its own), a daemon that
 //! follows its object's live body and stops on deletion, a timer, a retried temporary error, a
-//! permanent error, deletion, and a clean stop on SIGTERM.
+//! permanent error, deletion, the startup, probe and cleanup activities, and a clean stop on
+//! SIGTERM.
 
 use std::{collections::HashMap, path::PathBuf, time::Duration};
 
@@ -14,7 +15,8 @@ use capstan_tests::{
     scenario::{Scenario, annotation, label},
     testenv::{TestEnv, repo_root},
 };
-use serde_json::json;
+use serde_json::{Value, json};
+use tokio::time::Instant;
 
 const T: Duration = Duration::from_secs(90);
 
@@ -84,6 +86,8 @@ async fn python_operator_handles_changes_subhandlers_a_daemon_a_timer_retries_an
     let mut s = start().await?;
     for handler in [
         "startup_fn",
+        "cleanup_fn",
+        "created",
         "create_fn",
         "update_fn",
         "field_fn/spec.field",
@@ -114,6 +118,21 @@ async fn python_operator_handles_changes_subhandlers_a_daemon_a_timer_retries_an
     assert_eq!(obj["status"]["create_fn"]["message"], "hello one from python");
     assert_eq!(obj["status"]["create_fn"]["retries"], 0);
     assert_eq!(annotation(&obj, "demo.capstan.dev/field"), Some("none->a"));
+
+    // The probe's value is on the controller's liveness endpoint (refreshed periodically).
+    let deadline = Instant::now() + T;
+    loop {
+        let (_, body) = s.controller.admin_get("/healthz").await?;
+        let report: Value = serde_json::from_str(&body).unwrap_or_default();
+        if report["probes"]["created"].as_u64() >= Some(1) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no Python probe result in /healthz: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 
     // Update: the diff reaches the handler; the field handler sees old and new.
     s.patch("one", json!({"spec": {"field": "b"}})).await?;
@@ -198,6 +217,11 @@ async fn python_operator_handles_changes_subhandlers_a_daemon_a_timer_retries_an
     s.delete("one").await?;
     s.wait_gone("one", T).await?;
     s.handler.wait_for("deleting one", T).await?;
+
+    // The controller's shutdown runs the cleanup handler in the Python process.
+    let status = s.controller.process.terminate().await?;
+    assert!(status.success(), "the controller exited with {status}");
+    s.handler.wait_for("example operator cleanup done", T).await?;
 
     // SIGTERM: a clean stop.
     let status = s.handler.terminate().await?;
