@@ -277,6 +277,8 @@ class Operator:
                 resource = status.resource
                 what = f" resource={resource.plural}.{resource.version}.{resource.group}".replace("..", ".") if status.HasField("resource") else ""
                 log.info("handler registered handler=%s%s", status.handler_id, what)
+                for d in status.diagnostics:
+                    log.warning("handler %s: %s: %s", status.handler_id, d.reason, d.summary)
             else:
                 rejected += 1
                 log.error("handler rejected handler=%s: %s", status.handler_id,

@@ -7,7 +7,11 @@
 //! permanent error, deletion, the startup, probe and cleanup activities, and a clean stop on
 //! SIGTERM.
 
-use std::{collections::HashMap, path::PathBuf, time::Duration};
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use anyhow::{Context as _, Result, bail};
 use capstan_tests::{
@@ -232,5 +236,80 @@ async fn python_operator_handles_changes_subhandlers_a_daemon_a_timer_retries_an
         !output.contains("Traceback"),
         "a traceback in the operator's log:\n{output}"
     );
+    Ok(())
+}
+
+/// Starts `python -m capstan run FILE` against `endpoint`.
+fn spawn_operator(
+    python: &Path,
+    env: &TestEnv,
+    name: &str,
+    file: &Path,
+    endpoint: String,
+) -> Result<Process> {
+    let vars = HashMap::from([
+        ("CAPSTAN_ENDPOINT".to_owned(), endpoint),
+        (
+            "PYTHONPATH".to_owned(),
+            repo_root().join("sdk-python").display().to_string(),
+        ),
+        ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
+    ]);
+    let args = [
+        "-m".to_owned(),
+        "capstan".to_owned(),
+        "run".to_owned(),
+        file.display().to_string(),
+    ];
+    Process::spawn(name, python, &args, &vars, env.scratch())
+}
+
+#[tokio::test]
+async fn python_operator_names_handlers_with_problems_and_exits_when_none_is_accepted() -> Result<()> {
+    let python = sdk_python().await?;
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let controller = Controller::start(&env, "capstan", &[]).await?;
+    let good = "@capstan.on.create('examples.demo.capstan.dev')\ndef good(**_):\n    pass\n\n";
+    let unserved = "@capstan.on.create('nonexistents.demo.capstan.dev')\ndef unserved(**_):\n    pass\n";
+
+    // A handler for a resource that is not served is accepted (watched once it appears, as
+    // kopf does) and the controller's warning names it; the process runs.
+    let mixed = env.scratch().join("mixed.py");
+    std::fs::write(&mixed, format!("import capstan\n\n{good}{unserved}"))?;
+    let mut first = spawn_operator(&python, &env, "mixed", &mixed, controller.endpoint())?;
+    first.wait_for("connected to the controller", T).await?;
+    let output = first.output();
+    assert!(
+        output.contains("handler registered handler=good")
+            && output.contains("[WARNING ] capstan: handler unserved: "),
+        "{output}"
+    );
+    assert!(first.running(), "the operator stopped:\n{output}");
+
+    // A second process offering only the same handler id is refused (the id is taken), so
+    // no handler of it is accepted: it exits with a clear error instead of retrying.
+    let only_good = env.scratch().join("only_good.py");
+    std::fs::write(&only_good, format!("import capstan\n\n{good}"))?;
+    let mut second = spawn_operator(&python, &env, "only-good", &only_good, controller.endpoint())?;
+    let deadline = Instant::now() + T;
+    while second.running() {
+        assert!(
+            Instant::now() < deadline,
+            "the second operator kept running:\n{}",
+            second.output()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let status = second.terminate().await?;
+    let output = second.output();
+    assert_eq!(status.code(), Some(1), "{output}");
+    assert!(
+        output.contains("the controller accepted none of the handlers"),
+        "{output}"
+    );
+
+    let status = first.terminate().await?;
+    assert!(status.success(), "exited with {status}:\n{}", first.output());
     Ok(())
 }
