@@ -131,14 +131,20 @@ def _logger(call: Call, handler_id: str):
         logger.addHandler(_ROUTER)
     if logger.level == logging.NOTSET or logger.level > logging.DEBUG:
         logger.setLevel(logging.DEBUG)
-    return _LoggerAdapter(logger, call.log_sink)
+    meta = call.body.get("metadata") if isinstance(call.body, dict) else None
+    meta = meta if isinstance(meta, dict) else {}
+    name = meta.get("name") or ""
+    obj = f"{meta['namespace']}/{name}" if meta.get("namespace") else name
+    return _LoggerAdapter(logger, call.log_sink, obj, call.invocation_id)
 
 
 class _LoggerAdapter(logging.LoggerAdapter):
-    """The handler's `logger` (kopf's): logs locally and forwards to the controller."""
+    """The handler's `logger` (kopf's): logs locally, with the object and the invocation as
+    record attributes (`capstan_object`, `capstan_invocation`, shown by the runner's
+    formats), and forwards the message to the controller."""
 
-    def __init__(self, logger, sink):
-        super().__init__(logger, {"capstan_sink": sink})
+    def __init__(self, logger, sink, obj, invocation_id):
+        super().__init__(logger, {"capstan_sink": sink, "capstan_object": obj, "capstan_invocation": invocation_id})
 
     def process(self, msg, kwargs):
         kwargs["extra"] = {**self.extra, **(kwargs.get("extra") or {})}
@@ -148,7 +154,7 @@ class _LoggerAdapter(logging.LoggerAdapter):
         return True
 
     def close(self):
-        self.extra = {"capstan_sink": None}
+        self.extra = {**self.extra, "capstan_sink": None}
 
 
 def kwargs_for(call: Call, handler: Handler, running: Running, logger, patch, retry, started):

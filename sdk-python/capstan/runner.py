@@ -49,9 +49,24 @@ class _JsonFormatter(logging.Formatter):
     def format(self, record):
         data = {"time": self.formatTime(record), "level": record.levelname.lower(), "logger": record.name,
                 "message": record.getMessage()}
+        for attr, key in (("capstan_object", "object"), ("capstan_invocation", "invocation")):
+            if getattr(record, attr, None):
+                data[key] = getattr(record, attr)
         if record.exc_info:
             data["exception"] = self.formatException(record.exc_info)
         return json.dumps(data)
+
+
+class _TextFormatter(logging.Formatter):
+    """kopf's text formats, with the handler's object in brackets (as kopf shows it)."""
+
+    def format(self, record):
+        text = super().format(record)
+        obj = getattr(record, "capstan_object", None)
+        if obj:
+            prefix, sep, rest = text.partition("] ")
+            text = f"{prefix}{sep}[{obj}] {rest}" if sep else f"[{obj}] {text}"
+        return text
 
 
 FORMATS = {
@@ -68,7 +83,7 @@ def configure_logging(verbose=False, debug=False, quiet=False, log_format="full"
     if log_format == "json":
         handler.setFormatter(_JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter(FORMATS.get(log_format, FORMATS["full"])))
+        handler.setFormatter(_TextFormatter(FORMATS.get(log_format, FORMATS["full"])))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
