@@ -166,3 +166,64 @@ class DaemonRun:
         if self._thread.is_alive():
             raise TimeoutError(f"daemon {self._running.call.handler.id!r} did not stop within {timeout}s")
         return Result(self._result, self.logs, self.events)
+
+
+class OperatorRunner:
+    """Runs the operator in a background thread for a test, against a real controller (kopf's
+    `KopfRunner`): the handlers of `paths` and `modules` (or of `registry`) are served until
+    the `with` block ends, then stopped as on SIGTERM.
+
+        with OperatorRunner(["handlers.py"], endpoint=endpoint) as runner:
+            ...  # create objects, wait for the handlers' effects
+        assert runner.exception is None
+    """
+
+    def __init__(self, paths=(), *, modules=(), registry: Optional[Registry] = None, endpoint: Optional[str] = None,
+                 timeout: float = 30.0):
+        self.paths = list(paths)
+        self.modules = list(modules)
+        self.registry = registry
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.exception: Optional[BaseException] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._stop: Optional[asyncio.Event] = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="capstan-operator-runner", daemon=True)
+
+    def _main(self):
+        from capstan.runner import load, operator
+
+        async def main():
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            self._ready.set()
+            await operator(registry=self.registry, endpoint=self.endpoint, stop_flag=self._stop)
+
+        try:
+            if self.paths or self.modules:
+                load(self.paths, self.modules)
+            asyncio.run(main())
+        except BaseException as error:  # reported to the test through `exception`
+            self.exception = error
+        finally:
+            self._ready.set()
+
+    def __enter__(self):
+        self._thread.start()
+        if not self._ready.wait(self.timeout):
+            raise TimeoutError(f"the operator did not start within {self.timeout}s")
+        if self.exception is not None:
+            raise self.exception
+        return self
+
+    def __exit__(self, *exc):
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # the loop has already ended
+                pass
+        self._thread.join(self.timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the operator did not stop within {self.timeout}s")
+        return False

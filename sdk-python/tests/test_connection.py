@@ -4,6 +4,7 @@ follows ObjectUpdate and stops on Cancel, reconnection after the stream breaks, 
 on stop."""
 
 import asyncio
+import time
 import json
 import os
 import tempfile
@@ -225,3 +226,42 @@ def test_losing_the_controller_mid_invocation_stops_the_daemon_and_reconnects(so
             await server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_operator_runner_serves_until_the_block_ends(socket_path):
+    from capstan.testing import OperatorRunner
+
+    registry = Registry()
+    capstan.on.create("examples", registry=registry, id="create_fn")(lambda name, **_: {"hello": name})
+
+    async def serve_and_drive(started, finished):
+        server, fake = await _serve(socket_path)
+        started.set()
+        try:
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(registrations=_registration_status(hello))))
+            await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
+                invocation_id="i1", handler_id="create_fn", attempt=1, body=_body("one", "a"),
+                change=inv.ResourceChange(reason=inv.CHANGE_REASON_CREATE))))
+            result = await _next(incoming, "result")
+            finished.append(json.loads(result.success.result.json))
+            await _next(incoming, "goodbye")
+            await outgoing.put(None)
+        finally:
+            await server.stop(1)
+
+    import threading
+
+    started, finished = threading.Event(), []
+    server_thread = threading.Thread(target=lambda: asyncio.run(serve_and_drive(started, finished)))
+    server_thread.start()
+    assert started.wait(T)
+    with OperatorRunner(registry=registry, endpoint=f"unix://{socket_path}") as runner:
+        for _ in range(int(T / 0.05)):
+            if finished:
+                break
+            time.sleep(0.05)
+    server_thread.join(T)
+    assert runner.exception is None
+    assert finished == [{"hello": "one"}]
