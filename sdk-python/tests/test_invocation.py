@@ -242,3 +242,13 @@ def test_filter_combinators(registry):
     kit = TestKit(registry)
     body = {**BODY, "spec": {"size": 3}}
     assert [kit.invoke(i, body).status for i in ("all", "any", "none")] == ["skipped", "success", "skipped"]
+
+
+def test_unserialisable_patch_is_a_permanent_error_naming_the_handler(registry):
+    @capstan.on.create("examples", registry=registry, id="patcher")
+    def fn(patch, **_):
+        patch.status["when"] = object()
+
+    out = TestKit(registry).invoke("patcher", BODY)
+    assert out.status == "permanent" and "'patcher'" in out.message and "patch" in out.message
+    assert out.patch == {}
