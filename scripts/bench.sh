@@ -6,8 +6,9 @@
 #                                    non-zero when any workload fails to complete
 #
 # Builds what it needs: the API server (tests/testenv), `capstan` and the Rust SDK handler
-# (cargo, release), the Go SDK handler and the benchmark driver (Go, GOTOOLCHAIN=local), and a
-# Python venv with the pinned kopf (tests/bench/requirements.txt). Writes
+# (cargo, release), the Go SDK handler and the benchmark driver (Go, GOTOOLCHAIN=local), the
+# Python SDK's venv (sdk-python/scripts/venv.sh) for its handler, and a Python venv with the
+# pinned kopf (tests/bench/requirements.txt). Writes
 # tests/bench/results/latest.md and latest.json (--smoke: tests/bench/results/smoke/, not
 # committed; override either with BENCH_OUT=DIR). Every process it
 # starts is stopped on exit.
@@ -83,6 +84,19 @@ else
 	echo "bench: the Go SDK handler does not build; running without it" >&2
 fi
 
+step "Python SDK handler (sdk-python/scripts/venv.sh)"
+py_handler=''
+if sdk_python=$(bash sdk-python/scripts/venv.sh | tail -n1); then
+	py_handler="$bin/bench-python-handler"
+	cat >"$py_handler" <<-EOF
+		#!/bin/sh
+		PYTHONPATH='$root/sdk-python' exec '$sdk_python' -m capstan run --quiet '$root/tests/bench/pyhandler/handlers.py'
+	EOF
+	chmod +x "$py_handler"
+else
+	echo "bench: the Python SDK venv could not be set up; running without it" >&2
+fi
+
 step "kopf (Python venv)"
 python=${BENCH_PYTHON:-$(command -v python3.11 || command -v python3)}
 if [[ ! -x $venv/bin/python ]]; then
@@ -103,6 +117,9 @@ args=(
 )
 if [[ -n $go_handler ]]; then
 	args+=(--go-handler "$go_handler" --hop "$bin/bench-hop")
+fi
+if [[ -n $py_handler ]]; then
+	args+=(--python-handler "$py_handler")
 fi
 if $smoke; then
 	out=${BENCH_OUT:-$root/tests/bench/results/smoke}

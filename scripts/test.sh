@@ -2,7 +2,8 @@
 # Runs every check and test of Capstan: formatting, lints (Rust and protobuf), unit tests,
 # protocol tests over a real Unix socket, and end-to-end tests against a real kube-apiserver
 # (built from Go modules on first use). Needs Rust (cargo, rustfmt, clippy), Go, kubectl and
-# Python 3 (a venv with a pinned grpcio is created once, for the interoperability tests).
+# Python 3 (venvs with a pinned grpcio are created once, for the interoperability tests and
+# the Python SDK).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -37,6 +38,11 @@ export CAPSTAN_TESTENV_BIN
 step "stock grpcio client for the interoperability tests (tests/interop)"
 CAPSTAN_INTEROP_PYTHON=$(bash tests/interop/setup.sh | tail -n1)
 export CAPSTAN_INTEROP_PYTHON
+
+step "Python SDK: pinned venv, pytest (with the generated-code check)"
+CAPSTAN_PYTHON_SDK_PYTHON=$(bash sdk-python/scripts/venv.sh | tail -n1)
+export CAPSTAN_PYTHON_SDK_PYTHON
+(cd sdk-python && "$CAPSTAN_PYTHON_SDK_PYTHON" -m pytest -q tests)
 
 step "cargo test"
 cargo build --workspace --all-targets --locked

@@ -56,6 +56,7 @@ type options struct {
 	capstan     string
 	rustHandler string
 	goHandler   string
+	pyHandler   string
 	kopf        string
 	kopfOp      string
 	crd         string
@@ -97,6 +98,7 @@ func runBench(args []string) error {
 	fs.StringVar(&o.capstan, "capstan", "", "the capstan binary")
 	fs.StringVar(&o.rustHandler, "rust-handler", "", "capstan-e2e-handler (Rust SDK)")
 	fs.StringVar(&o.goHandler, "go-handler", "", "the Go SDK handler (optional)")
+	fs.StringVar(&o.pyHandler, "python-handler", "", "the Python SDK handler: an executable that runs python -m capstan run (optional)")
 	fs.StringVar(&o.kopf, "kopf", "", "the kopf executable (optional)")
 	fs.StringVar(&o.kopfOp, "kopf-operator", "", "kopf/operator.py")
 	fs.StringVar(&o.crd, "crd", "", "examples/crd.yaml")
@@ -174,6 +176,11 @@ func runBench(args []string) error {
 		ctrls = append(ctrls, c)
 	} else {
 		res.Notes = append(res.Notes, "The Go SDK handler was not built; its column is missing.")
+	}
+	if o.pyHandler != "" {
+		ctrls = append(ctrls, capstanController("capstan+python", o.capstan, o.pyHandler, kubeconfig, goHandlerEnv))
+	} else {
+		res.Notes = append(res.Notes, "The Python SDK venv was not set up; its column is missing.")
 	}
 	if o.kopf != "" {
 		ctrls = append(ctrls, kopfController(o.kopf, o.kopfOp, kubeconfig))
@@ -431,7 +438,13 @@ func (b *bencher) runB1B2(c controller, short string, cr *controllerResult) {
 			c.Name, n, run.TotalS, run.PerS, run.P50Ms, run.P99Ms, run.CPUS, run.HandlerCPUS, run.APIServerCPUS, run.DriverCPUS)
 		time.Sleep(b.o.steady)
 		if m, err := readMemory(r.main.pid()); err == nil {
-			cr.B2.Steady = append(cr.B2.Steady, memAt{Objects: total, Memory: m})
+			at := memAt{Objects: total, Memory: m}
+			if r.handler != nil {
+				if hm, err := readMemory(r.handler.pid()); err == nil {
+					at.Handler = &hm
+				}
+			}
+			cr.B2.Steady = append(cr.B2.Steady, at)
 		}
 	}
 	// Restart with every object present (all handled): the initial list's peak.
@@ -751,6 +764,9 @@ func (b *bencher) runHop() {
 	}
 	if b.o.goHandler != "" {
 		handlers = append(handlers, struct{ name, bin, env string }{"Go SDK (bench-go-handler)", b.o.goHandler, "BENCH_HANDLERS=create"})
+	}
+	if b.o.pyHandler != "" {
+		handlers = append(handlers, struct{ name, bin, env string }{"Python SDK (pyhandler, async)", b.o.pyHandler, "BENCH_HANDLERS=create"})
 	}
 	for _, h := range handlers {
 		say("B3: gRPC hop with the %s", h.name)

@@ -34,8 +34,11 @@ type b1Result struct {
 }
 
 type memAt struct {
-	Objects int     `json:"objects"`
-	Memory  memory  `json:"memory"`
+	Objects int    `json:"objects"`
+	Memory  memory `json:"memory"`
+	// Handler is the handler process's memory at the same moment (Capstan only): with the
+	// controller's, the pod's total.
+	Handler *memory `json:"handler,omitempty"`
 	Seconds float64 `json:"seconds,omitempty"`
 	ProbeS  float64 `json:"probe_s,omitempty"`
 }
@@ -266,6 +269,25 @@ func writeReport(dir string, r *results) error {
 			probe = fmt.Sprintf("%.2f", c.B2.Restart.ProbeS)
 		}
 		p("| %s | %s | %s | %s | %s |", c.Name, idle, strings.Join(steady, ", "), restart, probe)
+	}
+	p("")
+	p("The pod's total at objects (controller + handler process, VmRSS, MiB), next to kopf's single process:")
+	p("")
+	p("| controller | controller + handler = pod total @ objects (MiB) |")
+	p("|---|---|")
+	for _, c := range r.Controllers {
+		var totals []string
+		for _, s := range c.B2.Steady {
+			if s.Handler != nil {
+				totals = append(totals, fmt.Sprintf("%.1f + %.1f = %.1f @ %d", mib(s.Memory.RSSKiB), mib(s.Handler.RSSKiB),
+					mib(s.Memory.RSSKiB+s.Handler.RSSKiB), s.Objects))
+			} else {
+				totals = append(totals, fmt.Sprintf("%.1f @ %d", mib(s.Memory.RSSKiB), s.Objects))
+			}
+		}
+		if len(totals) > 0 {
+			p("| %s | %s |", c.Name, strings.Join(totals, ", "))
+		}
 	}
 	p("")
 

@@ -1,0 +1,345 @@
+"""The stream to the controller: `Hello`/`Welcome`, invocations run as tasks, `Cancel`,
+`ObjectUpdate` for daemons, `Ping`/`Pong`, `Drain`, `Goodbye`, and reconnection with jittered
+exponential backoff.
+
+One writer task owns the stream's send side; everything else puts messages on its bounded
+queue. Invocations of a broken stream are stopped, since the controller re-queues them as new
+attempts for the next connection.
+"""
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import random
+import time
+import uuid
+
+import grpc
+
+from capstan import __version__, events, wire
+from capstan.errors import ConnectionFatal
+from capstan.invoke import Running, run
+from capstan.registry import Registry
+from capstan.structs import DaemonStoppingReason, Memo
+from capstan.v1 import invocation_pb2 as inv
+from capstan.v1 import runtime_service_pb2 as rs
+from capstan.v1 import runtime_service_pb2_grpc as rs_grpc
+
+log = logging.getLogger("capstan")
+
+DEFAULT_ENDPOINT = "unix:///run/capstan/capstan.sock"
+MAX_MESSAGE = 16 * 1024 * 1024
+#: Bound of the outgoing queue: results wait for room, logs are dropped when it is full.
+QUEUE_BOUND = 1024
+#: Bound of the per-object memos kept (kopf's memo); the oldest are forgotten first.
+MEMO_BOUND = 10000
+BACKOFF_MIN, BACKOFF_MAX = 0.2, 15.0
+#: How long running handlers have to finish on SIGTERM.
+STOP_GRACE = 10.0
+#: How long the controller has to end the stream after the handler process closed its side.
+CLOSE_TIMEOUT = 5.0
+_LEVELS = {
+    logging.DEBUG: rs.LOG_LEVEL_DEBUG, logging.INFO: rs.LOG_LEVEL_INFO,
+    logging.WARNING: rs.LOG_LEVEL_WARNING, logging.ERROR: rs.LOG_LEVEL_ERROR,
+}
+_CANCEL_REASONS = {
+    inv.CANCEL_REASON_RESOURCE_DELETED: DaemonStoppingReason.RESOURCE_DELETED,
+    inv.CANCEL_REASON_FILTER_MISMATCH: DaemonStoppingReason.FILTERS_MISMATCH,
+    inv.CANCEL_REASON_DEADLINE_EXCEEDED: DaemonStoppingReason.DEADLINE_EXCEEDED,
+    inv.CANCEL_REASON_SUPERSEDED: DaemonStoppingReason.SUPERSEDED,
+    inv.CANCEL_REASON_RUNTIME_SHUTDOWN: DaemonStoppingReason.OPERATOR_EXITING,
+    inv.CANCEL_REASON_HANDLER_UNREGISTERED: DaemonStoppingReason.HANDLER_UNREGISTERED,
+    inv.CANCEL_REASON_PAUSED: DaemonStoppingReason.OPERATOR_PAUSING,
+}
+
+
+def _level(levelno):
+    for threshold in (logging.ERROR, logging.WARNING, logging.INFO):
+        if levelno >= threshold:
+            return _LEVELS[threshold]
+    return rs.LOG_LEVEL_DEBUG
+
+
+class Memos:
+    """kopf's memos: one per object (by uid), one for the operator's activities."""
+
+    def __init__(self, base=None):
+        self.operator = base if base is not None else Memo()
+        self._by_uid = {}
+
+    def of(self, uid):
+        if not uid:
+            return self.operator
+        memo = self._by_uid.get(uid)
+        if memo is None:
+            if len(self._by_uid) >= MEMO_BOUND:
+                self._by_uid.pop(next(iter(self._by_uid)))
+            memo = Memo(self.operator)
+            self._by_uid[uid] = memo
+        return memo
+
+    def forget(self, uid):
+        self._by_uid.pop(uid, None)
+
+
+class Session:
+    """One connection's state."""
+
+    def __init__(self, operator, call):
+        self.operator = operator
+        self.call = call
+        self.queue = asyncio.Queue(QUEUE_BOUND)
+        self.running = {}  # invocation id -> (Running, task)
+        self.draining = False
+        self.closed = False
+        self.dropped_logs = 0
+        self.loop = asyncio.get_running_loop()
+
+    def send_nowait(self, message):
+        try:
+            self.queue.put_nowait(message)
+        except asyncio.QueueFull:
+            self.dropped_logs += 1
+
+    def event_sink(self, invocation_id):
+        levels = {"Normal": rs.LOG_LEVEL_INFO, "Warning": rs.LOG_LEVEL_WARNING}
+
+        def sink(record):
+            ref = record["object"]
+            message = rs.ConnectRequest(log=rs.LogRecord(
+                invocation_id=invocation_id, level=levels.get(record["type"], rs.LOG_LEVEL_ERROR),
+                message=record["message"], posting=rs.EVENT_POSTING_ALWAYS, reason=record["reason"],
+                object=wire.common.ResourceRef(**ref)))
+            self.loop.call_soon_threadsafe(self.send_nowait, message)
+
+        return sink
+
+    def log_sink(self, invocation_id):
+        def sink(levelno, message):
+            record = rs.ConnectRequest(log=rs.LogRecord(invocation_id=invocation_id, level=_level(levelno), message=message))
+            self.loop.call_soon_threadsafe(self.send_nowait, record)
+
+        return sink
+
+
+class Operator:
+    """The handler process: its registry, and the reconnecting loop around sessions."""
+
+    def __init__(self, registry: Registry, endpoint=None, memo=None, max_in_flight=0, stop=None):
+        self.registry = registry
+        self.endpoint = endpoint or os.environ.get("CAPSTAN_ENDPOINT") or DEFAULT_ENDPOINT
+        self.memos = Memos(memo)
+        self.max_in_flight = max_in_flight
+        self.stop = stop or asyncio.Event()
+        self.instance_id = str(uuid.uuid4())
+        self.executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="capstan-handler")
+        self.by_id = {h.id: h for h in registry.handlers}
+
+    def hello(self):
+        return rs.ConnectRequest(hello=rs.Hello(
+            capabilities=[rs.CAPABILITY_RESULT_ACK, rs.CAPABILITY_SDK_FILTERS, rs.CAPABILITY_SUBHANDLERS,
+                          rs.CAPABILITY_OBJECT_UPDATES],
+            sdk=rs.SoftwareInfo(name="capstan-python", version=__version__, language="python"),
+            instance_id=self.instance_id,
+            handlers=[wire.registration(h) for h in self.registry.handlers],
+            max_in_flight=self.max_in_flight,
+        ))
+
+    async def run(self):
+        """Connects, serves, and reconnects with jittered backoff until `stop` is set."""
+        if not self.registry.handlers:
+            raise ConnectionFatal("no handlers are registered: nothing to serve")
+        delay = BACKOFF_MIN
+        try:
+            while not self.stop.is_set():
+                started = time.monotonic()
+                try:
+                    await self._session()
+                except ConnectionFatal:
+                    raise
+                except grpc.aio.AioRpcError as error:
+                    if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        raise ConnectionFatal(f"the controller accepted none of the handlers: {error.details()}") from None
+                    if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise ConnectionFatal(f"the controller refused the handshake: {error.details()}") from None
+                    log.warning("connection to %s lost: %s %s", self.endpoint, error.code().name, error.details())
+                except (ConnectionError, OSError, asyncio.InvalidStateError) as error:
+                    log.warning("connection to %s lost: %s: %s", self.endpoint, type(error).__name__, error)
+                except Exception:  # an SDK bug must not end the process: reconnect and say so
+                    log.exception("the session with %s failed", self.endpoint)
+                if self.stop.is_set():
+                    break
+                if time.monotonic() - started > 30:
+                    delay = BACKOFF_MIN
+                wait = random.uniform(0, delay)
+                log.info("reconnecting in %.1fs", wait)
+                try:
+                    await asyncio.wait_for(self.stop.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass
+                delay = min(delay * 2, BACKOFF_MAX)
+        finally:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _session(self):
+        options = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+        async with grpc.aio.insecure_channel(self.endpoint, options=options) as channel:
+            call = rs_grpc.RuntimeServiceStub(channel).Connect()
+            session = Session(self, call)
+            events._set_process_sink(session.event_sink(""))
+            writer = asyncio.create_task(self._writer(session))
+            stopper = asyncio.create_task(self._stop_on_signal(session))
+            try:
+                await session.queue.put(self.hello())
+                reader = asyncio.create_task(self._reader(session))
+                try:
+                    await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+                    if not reader.done():
+                        # We said goodbye and closed our side: the controller ends the stream.
+                        await asyncio.wait({reader}, timeout=CLOSE_TIMEOUT)
+                    if reader.done():
+                        reader.result()
+                    elif writer.done():
+                        writer.result()
+                finally:
+                    reader.cancel()
+            finally:
+                stopper.cancel()
+                events._set_process_sink(None)
+                session.closed = True
+                for running, task in list(session.running.values()):
+                    running.cancelled = True
+                    running.stop.set(DaemonStoppingReason.CONNECTION_LOST)
+                    task.cancel()
+                writer.cancel()
+                await asyncio.gather(writer, stopper, return_exceptions=True)
+                call.cancel()
+
+    async def _writer(self, session):
+        while True:
+            message = await session.queue.get()
+            if message is None:
+                await session.call.done_writing()
+                return
+            await session.call.write(message)
+
+    async def _stop_on_signal(self, session):
+        """On stop: goodbye, let running invocations end (they are told to stop), close."""
+        await self.stop.wait()
+        log.info("stopping")
+        await session.queue.put(rs.ConnectRequest(goodbye=rs.Goodbye(reason="handler process stopping")))
+        for running, _ in list(session.running.values()):
+            running.stop.set(DaemonStoppingReason.OPERATOR_EXITING)
+        tasks = [task for _, task in session.running.values()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=STOP_GRACE)
+        await session.queue.put(None)
+
+    async def _reader(self, session):
+        while True:
+            message = await session.call.read()
+            if message is grpc.aio.EOF:
+                if not self.stop.is_set():
+                    log.warning("the controller closed the stream")
+                return
+            which = message.WhichOneof("message")
+            if which == "ping":
+                in_flight = len(session.running)
+                await session.queue.put(rs.ConnectRequest(pong=rs.Pong(nonce=message.ping.nonce, in_flight=in_flight)))
+            elif which == "welcome":
+                self._welcome(message.welcome)
+            elif which == "invocation":
+                self._start(session, message.invocation)
+            elif which == "cancel":
+                self._cancel(session, message.cancel)
+            elif which == "object_update":
+                entry = session.running.get(message.object_update.invocation_id)
+                if entry is not None and message.object_update.body.json:
+                    entry[0].body._replace(json.loads(message.object_update.body.json))
+            elif which == "drain":
+                session.draining = True
+                log.info("the controller is draining (%s)", message.drain.reason)
+            elif which == "result_ack":
+                ack = message.result_ack
+                if not ack.accepted:
+                    log.error("the controller did not accept the result of %s: %s", ack.invocation_id,
+                              "; ".join(d.summary for d in ack.diagnostics))
+            elif which == "notice":
+                for d in message.notice.diagnostics:
+                    log.warning("notice about %s: %s %s", message.notice.invocation_id or "the process", d.reason, d.summary)
+
+    def _welcome(self, welcome):
+        rejected = 0
+        for status in welcome.registrations:
+            if status.accepted:
+                resource = status.resource
+                what = f" resource={resource.plural}.{resource.version}.{resource.group}".replace("..", ".") if status.HasField("resource") else ""
+                log.info("handler registered handler=%s%s", status.handler_id, what)
+                for d in status.diagnostics:
+                    log.warning("handler %s: %s: %s", status.handler_id, d.reason, d.summary)
+            else:
+                rejected += 1
+                log.error("handler rejected handler=%s: %s", status.handler_id,
+                          "; ".join(f"{d.reason}: {d.summary}" for d in status.diagnostics))
+        log.info("connected to the controller %s (connection %s, %d rejected)",
+                 welcome.runtime.name, welcome.connection_id, rejected)
+
+    def _start(self, session, message):
+        handler = self.by_id.get(message.handler_id)
+        if handler is None:
+            session.send_nowait(rs.ConnectRequest(result=inv.InvocationResult(
+                invocation_id=message.invocation_id,
+                permanent_error=inv.PermanentError(diagnostics=[wire.common.Diagnostic(
+                    severity=wire.common.SEVERITY_ERROR, reason="UNKNOWN_HANDLER",
+                    summary=f"no handler {message.handler_id!r} in this process")]))))
+            return
+        call = wire.call_of(message, handler)
+        call.log_sink = session.log_sink(message.invocation_id)
+        call.event_sink = session.event_sink(message.invocation_id)
+        uid = (call.body.get("metadata") or {}).get("uid") if isinstance(call.body, dict) else None
+        call.memo = self.memos.of(uid)
+        running = Running(call)
+        task = asyncio.create_task(self._invoke(session, running, uid))
+        session.running[message.invocation_id] = (running, task)
+
+    async def _invoke(self, session, running, uid):
+        call = running.call
+        started = time.monotonic()
+        try:
+            outcome = await run(running, self.executor)
+        except asyncio.CancelledError:
+            session.running.pop(call.invocation_id, None)
+            return
+        session.running.pop(call.invocation_id, None)
+        if session.closed:
+            return
+        if call.reason == "delete" and outcome.status == "success" and uid:
+            self.memos.forget(uid)
+        log.debug("handler=%s invocation=%s outcome=%s", call.handler.id, call.invocation_id, outcome.status)
+        try:
+            result = wire.result(call.invocation_id, call.handler.id, outcome, time.monotonic() - started)
+        except Exception as error:  # an unencodable result is the handler's error, not the process's
+            log.error("handler %r: its result could not be encoded: %s", call.handler.id, error)
+            result = inv.InvocationResult(invocation_id=call.invocation_id, permanent_error=inv.PermanentError(
+                diagnostics=[wire.common.Diagnostic(severity=wire.common.SEVERITY_ERROR,
+                                                    summary=f"the result could not be encoded: {error}")]))
+        await session.queue.put(rs.ConnectRequest(result=result))
+
+    def _cancel(self, session, cancel):
+        entry = session.running.get(cancel.invocation_id)
+        if entry is None:
+            return
+        running, task = entry
+        running.stop.set(_CANCEL_REASONS.get(cancel.reason, DaemonStoppingReason.NONE))
+        grace = cancel.grace_period.ToTimedelta().total_seconds() if cancel.HasField("grace_period") else 0.0
+        log.debug("cancel invocation=%s handler=%s grace=%.1fs", cancel.invocation_id, running.call.handler.id, grace)
+        running.cancelled = True
+        if running.call.handler.is_async:
+            session.loop.call_later(grace, _cancel_task, task)
+
+
+def _cancel_task(task):
+    if not task.done():
+        task.cancel()

@@ -1,0 +1,449 @@
+"""Runs one handler call, independent of the wire: builds kopf's kwargs from a `Call`, runs
+the handler (sync ones in a thread pool, async ones on the loop), runs the sub-handlers it
+declared, and classifies what happened into an `Outcome`.
+
+The connection and the test kit both go through `run()`, so that a handler behaves the same
+in tests as under the controller.
+"""
+
+import asyncio
+import contextvars
+import dataclasses
+import datetime
+import functools
+import inspect
+import json
+import logging
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+from capstan.errors import PermanentError, RegistrationError, TemporaryError
+from capstan.registry import Handler, build_handler
+from capstan.structs import (
+    Body, DaemonStopped, Diff, Memo, Patch, SyncDaemonStopped, _Stop,
+)
+
+#: The call being run in this context, for `capstan.subhandler` and `capstan.register`.
+_current: contextvars.ContextVar = contextvars.ContextVar("capstan_call", default=None)
+
+
+@dataclasses.dataclass
+class SubState:
+    """The persisted state of one sub-handler (from earlier attempts)."""
+
+    retries: int = 0
+    success: bool = False
+    failure: bool = False
+    delayed_until: Optional[datetime.datetime] = None
+    message: str = ""
+    started: Optional[datetime.datetime] = None
+
+
+@dataclasses.dataclass
+class Call:
+    """Everything a handler call needs, decoded from an invocation (or built by a test)."""
+
+    handler: Handler
+    body: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    resource: Any = None
+    attempt: int = 1
+    started: Optional[datetime.datetime] = None
+    reason: Optional[str] = None
+    old: Any = None
+    new: Any = None
+    diff: Diff = Diff()
+    event_type: Optional[str] = None
+    param: Any = None
+    memo: Optional[Memo] = None
+    subhandlers: Dict[str, SubState] = dataclasses.field(default_factory=dict)
+    log_sink: Optional[Callable[[int, str], None]] = None
+    event_sink: Optional[Callable[[dict], None]] = None
+    invocation_id: str = ""
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What happened to one call or sub-handler call."""
+
+    status: str  # success, temporary, permanent, unclassified, cancelled, skipped
+    result: Any = None
+    delay: Optional[float] = None
+    message: str = ""
+    error_type: str = ""
+    stack: str = ""
+    object_patch: Optional[dict] = None
+    status_patch: Optional[dict] = None
+    subhandlers: List["SubOutcome"] = dataclasses.field(default_factory=list)
+
+    @property
+    def patch(self):
+        """Both parts of the patch as one merge patch, for tests."""
+        merged = dict(self.object_patch or {})
+        if self.status_patch:
+            merged.update(self.status_patch)
+        return merged
+
+
+@dataclasses.dataclass
+class SubOutcome:
+    """A sub-handler's outcome, its id relative to the top-level handler."""
+
+    id: str
+    outcome: Outcome
+
+
+class Running:
+    """A running call's controls: its stop flag (daemons' `stopped`) and live body."""
+
+    def __init__(self, call: Call):
+        self.call = call
+        self.stop = _Stop()
+        self.body = Body(call.body)
+        self.cancelled = False
+        self.declared: List[Handler] = []
+
+
+class _Router(logging.Handler):
+    """Forwards the records of handlers' loggers to the sink of the invocation that logged
+    them (the controller's LogRecord, or the test kit's list)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+
+    def emit(self, record):
+        sink = getattr(record, "capstan_sink", None)
+        if sink is None:
+            return
+        try:
+            sink(record.levelno, record.getMessage())
+        except Exception:  # a log sink must never break the handler
+            self.handleError(record)
+
+
+_ROUTER = _Router()
+
+
+def _logger(call: Call, handler_id: str):
+    logger = logging.getLogger(f"capstan.handlers.{handler_id}")
+    if _ROUTER not in logger.handlers:
+        logger.addHandler(_ROUTER)
+    if logger.level == logging.NOTSET or logger.level > logging.DEBUG:
+        logger.setLevel(logging.DEBUG)
+    meta = call.body.get("metadata") if isinstance(call.body, dict) else None
+    meta = meta if isinstance(meta, dict) else {}
+    name = meta.get("name") or ""
+    obj = f"{meta['namespace']}/{name}" if meta.get("namespace") else name
+    return _LoggerAdapter(logger, call.log_sink, obj, call.invocation_id)
+
+
+class _LoggerAdapter(logging.LoggerAdapter):
+    """The handler's `logger` (kopf's): logs locally, with the object and the invocation as
+    record attributes (`capstan_object`, `capstan_invocation`, shown by the runner's
+    formats), and forwards the message to the controller."""
+
+    def __init__(self, logger, sink, obj, invocation_id):
+        super().__init__(logger, {"capstan_sink": sink, "capstan_object": obj, "capstan_invocation": invocation_id})
+
+    def process(self, msg, kwargs):
+        kwargs["extra"] = {**self.extra, **(kwargs.get("extra") or {})}
+        return msg, kwargs
+
+    def isEnabledFor(self, level):
+        return True
+
+    def close(self):
+        self.extra = {**self.extra, "capstan_sink": None}
+
+
+def kwargs_for(call: Call, handler: Handler, running: Running, logger, patch, retry, started):
+    """kopf's handler kwargs for this call."""
+    body = running.body
+    meta = body.metadata
+    now = datetime.datetime.now(datetime.timezone.utc)
+    started = started or now
+    values = {
+        "logger": logger,
+        "memo": call.memo if call.memo is not None else Memo(),
+        "param": handler.param if handler.param is not None else call.param,
+        "retry": retry,
+        "started": started,
+        "runtime": now - started,
+    }
+    if handler.kind not in ("startup", "cleanup", "login", "probe"):
+        values.update(
+            body=body, spec=body.spec, meta=meta, status=body.status, name=meta.name,
+            namespace=meta.namespace, uid=meta.uid, labels=meta.labels,
+            annotations=meta.annotations, patch=patch, resource=call.resource,
+        )
+    if handler.kind in ("create", "update", "delete", "resume", "field"):
+        values.update(reason=call.reason, diff=call.diff, old=call.old, new=call.new)
+        if handler.kind == "field":
+            values["value"] = call.new
+    if handler.kind == "event":
+        values.update(event={"type": call.event_type, "object": body._data}, type=call.event_type)
+    if handler.kind == "daemon":
+        values["stopped"] = DaemonStopped(running.stop) if handler.is_async else SyncDaemonStopped(running.stop)
+    if handler.takes is not None:
+        values = {k: v for k, v in values.items() if k in handler.takes}
+    return values
+
+
+def subhandler(*args, **options):
+    """kopf's `@kopf.subhandler(id=...)`: declares a sub-handler from inside a running
+    handler; it runs after its parent and is retried on its own."""
+    if args and callable(args[0]) and len(args) == 1 and not options:
+        return _declare(args[0], {})
+
+    def decorate(fn):
+        return _declare(fn, options)
+
+    return decorate
+
+
+def register(fn, **options):
+    """kopf's `kopf.register(fn, id=...)`: declares a sub-handler, as `subhandler`."""
+    return _declare(fn, options)
+
+
+_SUB_OPTIONS = {"id", "errors", "timeout", "retries", "backoff", "param", "labels", "annotations", "when", "field", "value"}
+
+
+def _declare(fn, options):
+    running = _current.get()
+    name = options.get("id") or getattr(fn, "__qualname__", repr(fn))
+    if running is None:
+        raise RegistrationError(f"sub-handler {name!r}: capstan.subhandler and capstan.register work only inside a running handler")
+    unknown = sorted(set(options) - _SUB_OPTIONS)
+    if unknown:
+        raise RegistrationError(f"sub-handler {name!r}: unknown option(s) {', '.join(unknown)}")
+    parent = running.call.handler
+    kind = parent.kind if parent.kind in ("create", "update", "delete", "resume", "field") else "create"
+    handler = build_handler(kind if kind != "field" else "update", fn, **options)
+    if any(h.id == handler.id for h in running.declared):
+        raise RegistrationError(f"sub-handler {handler.id!r} is declared twice in {parent.id!r}")
+    running.declared.append(handler)
+    return fn
+
+
+def _classify(error, handler_id) -> Outcome:
+    stack = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    kind = type(error).__name__
+    if isinstance(error, TemporaryError):
+        return Outcome("temporary", delay=error.delay, message=str(error) or kind, error_type=kind, stack=stack)
+    if isinstance(error, PermanentError):
+        return Outcome("permanent", message=str(error) or kind, error_type=kind, stack=stack)
+    return Outcome("unclassified", message=f"{kind}: {error}" if str(error) else kind, error_type=kind, stack=stack)
+
+
+def _encode(value, what, handler_id):
+    if value is None:
+        return None
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as error:
+        raise PermanentError(f"handler {handler_id!r} returned a {what} that is not JSON-serialisable: {error}") from None
+
+
+async def _execute(handler: Handler, kwargs, executor):
+    if handler.is_async:
+        return await handler.fn(**kwargs)
+    loop = asyncio.get_running_loop()
+    ctx = contextvars.copy_context()
+    func = functools.partial(ctx.run, handler.fn, **kwargs)
+    if handler.kind == "daemon":
+        return await _in_own_thread(loop, func, handler.id)
+    return await loop.run_in_executor(executor, func)
+
+
+def _in_own_thread(loop, func, name):
+    """Runs a sync daemon in a thread of its own, so that daemons never starve the pool."""
+    future = loop.create_future()
+
+    def target():
+        try:
+            value = func()
+        except BaseException as error:  # delivered to the awaiting coroutine
+            loop.call_soon_threadsafe(_settle, future, None, error)
+        else:
+            loop.call_soon_threadsafe(_settle, future, value, None)
+
+    threading.Thread(target=target, name=f"capstan-daemon-{name}", daemon=True).start()
+    return future
+
+
+def _settle(future, value, error):
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+def _sdk_filters_pass(handler: Handler, kwargs_all) -> bool:
+    for _, check in handler.sdk_filters:
+        if callable(check):
+            if not check(**_for(check, kwargs_all)):
+                return False
+            continue
+        what, key, cond = check
+        if what in ("labels", "annotations"):
+            source = kwargs_all["labels"] if what == "labels" else kwargs_all["annotations"]
+            if key not in source or not cond(source[key], **_for(cond, kwargs_all)):
+                return False
+        else:
+            value = {"value": kwargs_all.get("new"), "old": kwargs_all.get("old"), "new": kwargs_all.get("new")}[what]
+            if what == "value" and handler.field:
+                value = _at(kwargs_all["body"]._data, handler.field)
+            if not cond(value, **_for(cond, kwargs_all)):
+                return False
+    return True
+
+
+def _at(data, path):
+    for key in path.split("."):
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
+def _for(fn, kwargs_all):
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs_all
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs_all
+    names = {p.name for p in params}
+    return {k: v for k, v in kwargs_all.items() if k in names}
+
+
+async def run(running: Running, executor=None) -> Outcome:
+    """Runs the call's handler and its sub-handlers, and classifies the outcome."""
+    call = running.call
+    handler = call.handler
+    retry = max(call.attempt - 1, 0)
+    logger = _logger(call, handler.id)
+    patch = Patch()
+    token = _current.set(running)
+    try:
+        if handler.sdk_filters:
+            kwargs_all = kwargs_for(call, dataclasses.replace(handler, takes=None), running, logger, patch, retry,
+                                    call.started)
+            if not _sdk_filters_pass(handler, kwargs_all):
+                return Outcome("skipped")
+        kwargs = kwargs_for(call, handler, running, logger, patch, retry, call.started)
+        value = await _execute(handler, kwargs, executor)
+        if handler.kind == "login":
+            outcome = Outcome("success", result=value)
+        else:
+            outcome = Outcome("success", result=_encode(value, "result", handler.id))
+        obj, status = patch.as_documents()
+        outcome.object_patch = _encode(obj, "patch", handler.id)
+        outcome.status_patch = _encode(status, "patch", handler.id)
+        if running.declared:
+            await _run_subhandlers(running, outcome, logger, executor, prefix="")
+        return outcome
+    except asyncio.CancelledError:
+        if running.cancelled:
+            return Outcome("cancelled")
+        raise
+    except Exception as error:  # every handler failure becomes an outcome
+        if running.cancelled:
+            return Outcome("cancelled")
+        outcome = _classify(error, handler.id)
+        logger.log(logging.ERROR if outcome.status != "temporary" else logging.WARNING,
+                   "Handler %r failed: %s", handler.id, outcome.message)
+        return outcome
+    finally:
+        _current.reset(token)
+        logger.close()
+
+
+async def _run_subhandlers(parent: Running, outcome: Outcome, logger, executor, prefix):
+    """Runs the unfinished sub-handlers that `parent` declared; appends their outcomes and
+    patches to `outcome`."""
+    call = parent.call
+    now = datetime.datetime.now(datetime.timezone.utc)
+    for sub in list(parent.declared):
+        sub_id = prefix + sub.id
+        state = call.subhandlers.get(sub_id, SubState())
+        if state.success or state.failure:
+            continue
+        if state.delayed_until is not None and state.delayed_until > now:
+            continue
+        if sub.timeout is not None and state.started is not None and (now - state.started).total_seconds() > sub.timeout:
+            outcome.subhandlers.append(SubOutcome(sub_id, Outcome("permanent", message=f"timed out after {sub.timeout}s", error_type="HandlerTimeoutError")))
+            continue
+        child_call = dataclasses.replace(call, handler=sub, attempt=state.retries + 1, started=state.started or now)
+        child = Running(child_call)
+        child.body = parent.body
+        child.stop = parent.stop
+        token = _current.set(child)
+        patch = Patch()
+        try:
+            if sub.sdk_filters:
+                kwargs_all = kwargs_for(child_call, dataclasses.replace(sub, takes=None), child, logger, patch,
+                                        state.retries, child_call.started)
+                if not _sdk_filters_pass(sub, kwargs_all):
+                    continue
+            value = await _execute(sub, kwargs_for(child_call, sub, child, logger, patch, state.retries, child_call.started), executor)
+            result = Outcome("success", result=_encode(value, "result", sub.id))
+            obj, status = patch.as_documents()
+            _merge_into(outcome, _encode(obj, "patch", sub.id), _encode(status, "patch", sub.id))
+            if child.declared:
+                nested = Outcome("success")
+                await _run_subhandlers(child, nested, logger, executor, prefix=sub_id + "/")
+                outcome.subhandlers.extend(nested.subhandlers)
+                _merge_into(outcome, nested.object_patch, nested.status_patch)
+                if any(s.outcome.status not in ("success", "permanent") for s in nested.subhandlers):
+                    continue
+            outcome.subhandlers.append(SubOutcome(sub_id, result))
+        except asyncio.CancelledError:
+            if parent.cancelled:
+                return
+            raise
+        except Exception as error:  # a sub-handler's failure is its own outcome
+            if parent.cancelled:
+                return
+            failed = _classify(error, sub.id)
+            if failed.status == "unclassified" and sub.errors is not None:
+                mode = sub.errors.value
+                if mode == "ignored":
+                    failed = Outcome("success")
+                elif mode == "permanent":
+                    failed.status = "permanent"
+                else:
+                    failed.status = "temporary"
+                    failed.delay = sub.backoff if sub.backoff is not None else 60.0
+            if failed.status in ("temporary", "unclassified") and sub.retries is not None and state.retries + 1 >= sub.retries:
+                failed = Outcome("permanent", message=f"{failed.message} (after {state.retries + 1} attempts)", error_type=failed.error_type)
+            logger.error("Sub-handler %r failed: %s", sub_id, failed.message)
+            outcome.subhandlers.append(SubOutcome(sub_id, failed))
+        finally:
+            _current.reset(token)
+
+
+def _merge_into(outcome, obj, status):
+    for attr, part in (("object_patch", obj), ("status_patch", status)):
+        if not part:
+            continue
+        current = getattr(outcome, attr) or {}
+        setattr(outcome, attr, _merge(current, part))
+
+
+def _merge(base, patch):
+    out = dict(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def monotonic():
+    return time.monotonic()

@@ -1,0 +1,151 @@
+"""kopf's decorators: `capstan.on.create(...)`, `capstan.on.field(...)`, `capstan.daemon(...)`,
+`capstan.timer(...)`, and the activity handlers. Each returns the function unchanged, so
+that handlers remain plain functions for tests.
+
+Unknown options are not lost in `**kwargs`: they fail at decoration with the handler's name.
+Kinds that this controller does not run yet (index, validate, mutate) fail at decoration too.
+"""
+
+from capstan.errors import RegistrationError
+from capstan.registry import UNSUPPORTED_KINDS, _qualname, default_registry, parse_resource
+
+_COMMON = ("id", "errors", "retries", "backoff", "timeout", "param")
+_FILTERS = ("labels", "annotations", "when", "field", "value")
+
+
+def _decorator(kind, resource_args, options, *, allowed, kind_options=()):
+    registry = options.pop("registry", None) or default_registry
+    selector = {k: options.pop(k, None) for k in ("group", "version", "kind", "plural")}
+
+    def decorate(fn):
+        name = options.get("id") or _qualname(fn)
+        unknown = sorted(set(options) - set(allowed) - set(kind_options))
+        if unknown:
+            raise RegistrationError(
+                f"handler {name!r}: unknown option(s) {', '.join(unknown)} for capstan.{_title(kind)} "
+                f"(known: {', '.join(sorted(set(allowed) | set(kind_options) | set(selector)))})"
+            )
+        resource = None
+        if kind not in ("startup", "cleanup", "login", "probe"):
+            resource = parse_resource(name, resource_args, **selector)
+        elif resource_args or any(v is not None for v in selector.values()):
+            raise RegistrationError(f"handler {name!r}: {kind} handlers take no resource")
+        plain = {k: v for k, v in options.items() if k not in kind_options}
+        extra = {k: v for k, v in options.items() if k in kind_options and v is not None}
+        registry.register(kind, fn, resource=resource, options=extra, **plain)
+        return fn
+
+    return decorate
+
+
+def _title(kind):
+    return kind if kind in ("daemon", "timer") else f"on.{kind}"
+
+
+def resume(*resource, **options):
+    """kopf's on.resume: objects that existed when the operator started (`deleted=True` also
+    resumes objects being deleted)."""
+    return _decorator("resume", resource, options, allowed=_COMMON + _FILTERS + ("deleted",))
+
+
+def create(*resource, **options):
+    """kopf's on.create: an object seen for the first time."""
+    return _decorator("create", resource, options, allowed=_COMMON + _FILTERS)
+
+
+def update(*resource, **options):
+    """kopf's on.update: the object's essence changed (`old=`/`new=` filter the field)."""
+    return _decorator("update", resource, options, allowed=_COMMON + _FILTERS + ("old", "new"))
+
+
+def delete(*resource, **options):
+    """kopf's on.delete: the object is marked for deletion (`optional=True` never blocks it)."""
+    return _decorator("delete", resource, options, allowed=_COMMON + _FILTERS + ("optional",))
+
+
+def field(*resource, **options):
+    """kopf's on.field: one field's value changed, for any cause."""
+    return _decorator("field", resource, options, allowed=_COMMON + _FILTERS + ("old", "new"))
+
+
+def event(*resource, **options):
+    """kopf's on.event: every watch event; not persisted, not retried by default."""
+    return _decorator("event", resource, options, allowed=_COMMON + _FILTERS)
+
+
+def startup(**options):
+    """kopf's on.startup: once before the controller watches."""
+    return _decorator("startup", (), options, allowed=_COMMON)
+
+
+def cleanup(**options):
+    """kopf's on.cleanup: once when the controller stops."""
+    return _decorator("cleanup", (), options, allowed=_COMMON)
+
+
+def login(**options):
+    """kopf's on.login: returns a `ConnectionInfo` for the controller's API access."""
+    return _decorator("login", (), options, allowed=_COMMON)
+
+
+def probe(**options):
+    """kopf's on.probe: a value shown by the controller's liveness endpoint."""
+    return _decorator("probe", (), options, allowed=_COMMON)
+
+
+def _unsupported(kind):
+    def decorator(*resource, **options):
+        def decorate(fn):
+            raise RegistrationError(
+                f"handler {options.get('id') or _qualname(fn)!r}: {UNSUPPORTED_KINDS[kind]} "
+                "is not supported by this controller yet"
+            )
+
+        return decorate
+
+    decorator.__name__ = kind
+    decorator.__doc__ = f"kopf's {kind}: not supported by this controller yet; fails at decoration."
+    return decorator
+
+
+validate = _unsupported("validate")
+mutate = _unsupported("mutate")
+index = _unsupported("index")
+
+_DAEMON_OPTIONS = ("initial_delay", "cancellation_backoff", "cancellation_timeout",
+                   "cancellation_polling", "requires_finalizer")
+
+
+def daemon(*resource, **options):
+    """kopf's daemon: one long-running call per object for as long as it exists and
+    matches; it gets `stopped` (check it, or `wait()` on it) and sees the live body."""
+    polling = options.get("cancellation_polling")
+    if polling is not None:
+        options.pop("cancellation_polling")
+        return _reject(options, "cancellation_polling= is not supported: a sync daemon is never killed, it must "
+                       "return once `stopped` is set (check it or call stopped.wait())")
+    if options.get("requires_finalizer"):
+        options.pop("requires_finalizer")
+        return _reject(options, "requires_finalizer= is not supported: the controller stops daemons of deleted objects itself")
+    options.pop("requires_finalizer", None)
+    return _decorator("daemon", resource, options, allowed=_COMMON + _FILTERS, kind_options=_DAEMON_OPTIONS)
+
+
+def timer(*resource, **options):
+    """kopf's timer: a call every `interval` seconds per object (`initial_delay`, `idle`,
+    `sharp`)."""
+    if options.get("interval") is None:
+        return _reject(options, "capstan.timer needs interval=")
+    if options.get("requires_finalizer"):
+        options.pop("requires_finalizer")
+        return _reject(options, "requires_finalizer= is not supported: the controller stops timers of deleted objects itself")
+    options.pop("requires_finalizer", None)
+    return _decorator("timer", resource, options, allowed=_COMMON + _FILTERS,
+                      kind_options=("interval", "initial_delay", "idle", "sharp"))
+
+
+def _reject(options, message):
+    def decorate(fn):
+        raise RegistrationError(f"handler {options.get('id') or _qualname(fn)!r}: {message}")
+
+    return decorate

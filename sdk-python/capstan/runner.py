@@ -1,0 +1,109 @@
+"""Running an operator: the embeddable `operator()` coroutine, and `run()` for a process,
+which stops cleanly on SIGTERM and SIGINT (goodbye, running handlers told to stop)."""
+
+import asyncio
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import signal
+import sys
+
+from capstan.connection import Operator
+from capstan.errors import ConnectionFatal
+from capstan.registry import Registry, default_registry
+
+log = logging.getLogger("capstan")
+
+
+async def operator(*, registry: Registry = None, endpoint: str = None, memo=None, stop_flag: asyncio.Event = None,
+                   max_in_flight: int = 0):
+    """Serves the registered handlers until `stop_flag` is set (kopf's `kopf.operator()`):
+    dials `endpoint` (default `$CAPSTAN_ENDPOINT`, else the pod's socket) and reconnects with
+    backoff whenever the stream breaks."""
+    op = Operator(registry or default_registry, endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
+                  stop=stop_flag)
+    await op.run()
+
+
+def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_flight: int = 0):
+    """Runs `operator()` in a new event loop until SIGTERM or SIGINT (kopf's `kopf.run()`)."""
+
+    async def main():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await operator(registry=registry, endpoint=endpoint, memo=memo, stop_flag=stop, max_in_flight=max_in_flight)
+
+    try:
+        asyncio.run(main())
+    except ConnectionFatal as error:
+        log.error("%s", error)
+        raise SystemExit(1) from None
+    log.info("stopped")
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record):
+        data = {"time": self.formatTime(record), "level": record.levelname.lower(), "logger": record.name,
+                "message": record.getMessage()}
+        for attr, key in (("capstan_object", "object"), ("capstan_invocation", "invocation")):
+            if getattr(record, attr, None):
+                data[key] = getattr(record, attr)
+        if record.exc_info:
+            data["exception"] = self.formatException(record.exc_info)
+        return json.dumps(data)
+
+
+class _TextFormatter(logging.Formatter):
+    """kopf's text formats, with the handler's object in brackets (as kopf shows it)."""
+
+    def format(self, record):
+        text = super().format(record)
+        obj = getattr(record, "capstan_object", None)
+        if obj:
+            prefix, sep, rest = text.partition("] ")
+            text = f"{prefix}{sep}[{obj}] {rest}" if sep else f"[{obj}] {text}"
+        return text
+
+
+FORMATS = {
+    "plain": "%(asctime)s [%(levelname)-8s] %(message)s",
+    "full": "%(asctime)s [%(levelname)-8s] %(name)s: %(message)s",
+}
+
+
+def configure_logging(verbose=False, debug=False, quiet=False, log_format="full"):
+    """kopf's logging options: --verbose/--debug (DEBUG), --quiet (WARNING), INFO otherwise;
+    --log-format plain, full or json."""
+    level = logging.DEBUG if (verbose or debug) else logging.WARNING if quiet else logging.INFO
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(_TextFormatter(FORMATS.get(log_format, FORMATS["full"])))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    if not debug:
+        logging.getLogger("grpc").setLevel(logging.WARNING)
+
+
+def load(paths, modules):
+    """Imports the operator's files and modules (kopf run's arguments), registering their
+    handlers in the default registry."""
+    for path in paths:
+        name = os.path.splitext(os.path.basename(path))[0]
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise SystemExit(f"capstan: cannot load {path!r}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        directory = os.path.dirname(os.path.abspath(path))
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+        spec.loader.exec_module(module)
+    for name in modules:
+        importlib.import_module(name)

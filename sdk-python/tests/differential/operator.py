@@ -1,0 +1,46 @@
+"""One kopf operator file for the differential test (tests/tests/python_kopf_differential.rs):
+run once by real kopf (`kopf run`) and once by Capstan (`python -m capstan run`, with
+CAPSTAN_DIFFERENTIAL=capstan selecting `capstan.kopf`). Every call is appended to
+$DIFFERENTIAL_LOG as one JSON line with the kwargs the handler saw, so that the two runs can be
+compared call by call."""
+
+import json
+import os
+
+if os.environ.get("CAPSTAN_DIFFERENTIAL") == "capstan":
+    import capstan.kopf as kopf
+else:
+    import kopf
+
+RESOURCE = ("demo.capstan.dev", "v1", "examples")
+
+
+def record(handler, name, **seen):
+    with open(os.environ["DIFFERENTIAL_LOG"], "a") as log:
+        log.write(json.dumps({"handler": handler, "name": name, **seen}, sort_keys=True) + "\n")
+
+
+@kopf.on.create(*RESOURCE)
+def create_fn(name, spec, retry, patch, **_):
+    record("create_fn", name, retry=retry, field=spec.get("field"))
+    if retry < spec.get("fail_times", 0):
+        raise kopf.TemporaryError(f"{name} is not ready yet", delay=1)
+    patch.status["created"] = spec.get("field")
+    return {"message": f"hello {name}"}
+
+
+@kopf.on.update(*RESOURCE)
+def update_fn(name, old, new, diff, retry, **_):
+    record("update_fn", name, retry=retry, old=old.get("spec"), new=new.get("spec"),
+           diff=[[op, list(field), o, n] for op, field, o, n in diff])
+    return {"message": f"updated {name}"}
+
+
+@kopf.on.field(*RESOURCE, field="spec.field")
+def field_fn(name, old, new, reason, **_):
+    record("field_fn", name, old=old, new=new, reason=str(getattr(reason, "value", reason)))
+
+
+@kopf.on.delete(*RESOURCE)
+def delete_fn(name, retry, **_):
+    record("delete_fn", name, retry=retry)

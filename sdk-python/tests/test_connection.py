@@ -1,0 +1,267 @@
+"""The stream, against a fake controller served by grpcio on a real Unix socket: hello with
+the registrations, pong, an invocation answered with its result and patches, a daemon that
+follows ObjectUpdate and stops on Cancel, reconnection after the stream breaks, and goodbye
+on stop."""
+
+import asyncio
+import time
+import json
+import os
+import tempfile
+
+import grpc
+import pytest
+
+import capstan
+from capstan.connection import Operator
+from capstan.registry import Registry
+from capstan.v1 import common_pb2 as common
+from capstan.v1 import invocation_pb2 as inv
+from capstan.v1 import runtime_service_pb2 as rs
+from capstan.v1 import runtime_service_pb2_grpc as rs_grpc
+
+T = 20  # generous bound for every wait
+
+
+class FakeController(rs_grpc.RuntimeServiceServicer):
+    """Records what handler processes send; a test script drives what it answers."""
+
+    def __init__(self):
+        self.connections = asyncio.Queue()
+
+    async def Connect(self, request_iterator, context):
+        incoming = asyncio.Queue()
+        outgoing = asyncio.Queue()
+        await self.connections.put((incoming, outgoing, context))
+
+        async def pump():
+            async for message in request_iterator:
+                await incoming.put(message)
+            await incoming.put(None)
+
+        task = asyncio.create_task(pump())
+        try:
+            while True:
+                message = await outgoing.get()
+                if message is None:
+                    return
+                yield message
+        finally:
+            task.cancel()
+
+
+async def _next(queue, which):
+    """The next message of kind `which` from `queue`, skipping logs and pongs not asked for."""
+    while True:
+        message = await asyncio.wait_for(queue.get(), T)
+        if message is None:
+            raise AssertionError(f"the stream ended before a {which}")
+        if message.WhichOneof("message") == which:
+            return getattr(message, which)
+
+
+@pytest.fixture
+def socket_path():
+    with tempfile.TemporaryDirectory() as d:
+        yield os.path.join(d, "capstan.sock")
+
+
+async def _serve(path):
+    server = grpc.aio.server()
+    fake = FakeController()
+    rs_grpc.add_RuntimeServiceServicer_to_server(fake, server)
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    return server, fake
+
+
+def _registration_status(hello):
+    from capstan.v1 import registration_pb2 as reg
+    return [reg.RegistrationStatus(handler_id=h.handler_id, accepted=True) for h in hello.handlers]
+
+
+def _body(name, field):
+    return common.Json(json=json.dumps({"metadata": {"name": name, "uid": "u-" + name}, "spec": {"field": field}}).encode())
+
+
+def test_the_whole_stream(socket_path):
+    registry = Registry()
+
+    @capstan.on.create("examples", registry=registry, id="create_fn")
+    def create_fn(name, body, patch, retry, **_):
+        capstan.info(body, reason="Seen", message=f"seen {name}")
+        patch.status["seen"] = name
+        return {"retry": retry}
+
+    @capstan.daemon("examples", registry=registry, id="monitor")
+    async def monitor(stopped, spec, logger, **_):
+        seen = []
+        while not stopped:
+            if spec.get("field") not in seen:
+                seen.append(spec.get("field"))
+                logger.info(f"sees {spec.get('field')}")
+            await stopped.wait(0.05)
+        return {"seen": seen, "reason": stopped.reason.value}
+
+    async def scenario():
+        server, fake = await _serve(socket_path)
+        stop = asyncio.Event()
+        op = Operator(registry, endpoint=f"unix://{socket_path}", stop=stop)
+        runner = asyncio.create_task(op.run())
+        try:
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            assert [h.handler_id for h in hello.handlers] == ["create_fn", "monitor"]
+            assert hello.sdk.language == "python"
+            assert rs.CAPABILITY_OBJECT_UPDATES in hello.capabilities
+            await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(
+                connection_id="c1", runtime=rs.SoftwareInfo(name="fake"), capabilities=list(hello.capabilities),
+                registrations=_registration_status(hello))))
+
+            await outgoing.put(rs.ConnectResponse(ping=rs.Ping(nonce=42)))
+            assert (await _next(incoming, "pong")).nonce == 42
+
+            await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
+                invocation_id="i1", handler_id="create_fn", attempt=2, body=_body("one", "a"),
+                change=inv.ResourceChange(reason=inv.CHANGE_REASON_CREATE))))
+            event = await _next(incoming, "log")
+            assert (event.invocation_id, event.reason, event.message, event.object.name) == ("i1", "Seen", "seen one", "one")
+            assert event.posting == rs.EVENT_POSTING_ALWAYS
+            result = await _next(incoming, "result")
+            assert result.invocation_id == "i1" and result.WhichOneof("outcome") == "success"
+            assert json.loads(result.success.result.json) == {"retry": 1}
+            assert [(p.target, json.loads(p.body.json)) for p in result.patches] == [
+                (common.PATCH_TARGET_STATUS, {"status": {"seen": "one"}})]
+
+            await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
+                invocation_id="d1", handler_id="monitor", attempt=1, body=_body("one", "a"),
+                daemon=inv.DaemonStart())))
+            assert "sees a" in (await _next(incoming, "log")).message
+            await outgoing.put(rs.ConnectResponse(object_update=rs.ObjectUpdate(invocation_id="d1", body=_body("one", "b"))))
+            assert "sees b" in (await _next(incoming, "log")).message
+            await outgoing.put(rs.ConnectResponse(cancel=inv.Cancel(
+                invocation_id="d1", reason=inv.CANCEL_REASON_RESOURCE_DELETED)))
+            result = await _next(incoming, "result")
+            assert result.invocation_id == "d1" and result.WhichOneof("outcome") == "success"
+            assert json.loads(result.success.result.json) == {"seen": ["a", "b"], "reason": "resource_deleted"}
+
+            # The stream breaks: the process reconnects and says hello again.
+            await outgoing.put(None)
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(
+                connection_id="c2", registrations=_registration_status(hello))))
+
+            # Stop: goodbye, then the process closes its side and returns.
+            stop.set()
+            assert (await _next(incoming, "goodbye")).reason
+            assert await asyncio.wait_for(incoming.get(), T) is None
+            await outgoing.put(None)
+            await asyncio.wait_for(runner, T)
+        finally:
+            runner.cancel()
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_no_accepted_handler_is_fatal(socket_path):
+    registry = Registry()
+    capstan.on.create("examples", registry=registry)(lambda **_: None)
+
+    class Refusing(rs_grpc.RuntimeServiceServicer):
+        async def Connect(self, request_iterator, context):
+            async for _ in request_iterator:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no registration was accepted")
+
+    async def scenario():
+        server = grpc.aio.server()
+        rs_grpc.add_RuntimeServiceServicer_to_server(Refusing(), server)
+        server.add_insecure_port(f"unix://{socket_path}")
+        await server.start()
+        try:
+            with pytest.raises(capstan.errors.ConnectionFatal, match="accepted none"):
+                await asyncio.wait_for(Operator(registry, endpoint=f"unix://{socket_path}").run(), T)
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_losing_the_controller_mid_invocation_stops_the_daemon_and_reconnects(socket_path):
+    registry = Registry()
+    stopped_with = []
+
+    @capstan.daemon("examples", registry=registry, id="monitor")
+    def monitor(stopped, **_):
+        stopped.wait(T)
+        stopped_with.append(stopped.reason.value)
+
+    async def scenario():
+        server, fake = await _serve(socket_path)
+        stop = asyncio.Event()
+        runner = asyncio.create_task(Operator(registry, endpoint=f"unix://{socket_path}", stop=stop).run())
+        try:
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(registrations=_registration_status(hello))))
+            await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
+                invocation_id="d1", handler_id="monitor", attempt=1, body=_body("one", "a"), daemon=inv.DaemonStart())))
+            await outgoing.put(rs.ConnectResponse(ping=rs.Ping(nonce=1)))
+            await _next(incoming, "pong")
+            await outgoing.put(None)  # the stream breaks while the daemon runs
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            await _next(incoming, "hello")
+            for _ in range(int(T / 0.05)):
+                if stopped_with:
+                    break
+                await asyncio.sleep(0.05)
+            assert stopped_with == ["connection_lost"]
+            stop.set()
+            await _next(incoming, "goodbye")
+            await outgoing.put(None)
+            await asyncio.wait_for(runner, T)
+        finally:
+            runner.cancel()
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_operator_runner_serves_until_the_block_ends(socket_path):
+    from capstan.testing import OperatorRunner
+
+    registry = Registry()
+    capstan.on.create("examples", registry=registry, id="create_fn")(lambda name, **_: {"hello": name})
+
+    async def serve_and_drive(started, finished):
+        server, fake = await _serve(socket_path)
+        started.set()
+        try:
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(registrations=_registration_status(hello))))
+            await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
+                invocation_id="i1", handler_id="create_fn", attempt=1, body=_body("one", "a"),
+                change=inv.ResourceChange(reason=inv.CHANGE_REASON_CREATE))))
+            result = await _next(incoming, "result")
+            finished.append(json.loads(result.success.result.json))
+            await _next(incoming, "goodbye")
+            await outgoing.put(None)
+        finally:
+            await server.stop(1)
+
+    import threading
+
+    started, finished = threading.Event(), []
+    server_thread = threading.Thread(target=lambda: asyncio.run(serve_and_drive(started, finished)))
+    server_thread.start()
+    assert started.wait(T)
+    with OperatorRunner(registry=registry, endpoint=f"unix://{socket_path}") as runner:
+        for _ in range(int(T / 0.05)):
+            if finished:
+                break
+            time.sleep(0.05)
+    server_thread.join(T)
+    assert runner.exception is None
+    assert finished == [{"hello": "one"}]

@@ -1,0 +1,170 @@
+"""Registration: kopf's resource forms, options, kwargs checks and loud failures."""
+
+import pytest
+
+import capstan
+import capstan.kopf as kopf
+from capstan import wire
+from capstan.registry import Registry
+from capstan.v1 import registration_pb2 as reg
+
+
+@pytest.fixture
+def registry():
+    return Registry()
+
+
+@pytest.mark.parametrize("args,kw,expected", [
+    (("kopf.dev", "v1", "kopfexamples"), {}, ("kopf.dev", "v1", "kopfexamples")),
+    ((("kopf.dev", "v1", "kopfexamples"),), {}, ("kopf.dev", "v1", "kopfexamples")),
+    (("apps/v1", "deployments"), {}, ("apps", "v1", "deployments")),
+    (("v1", "pods"), {}, ("", "v1", "pods")),
+    (("kopf.dev", "kopfexamples"), {}, ("kopf.dev", "", "kopfexamples")),
+    (("kopfexamples.kopf.dev",), {}, ("", "", "kopfexamples.kopf.dev")),
+    (("KopfExample",), {}, ("", "", "KopfExample")),
+    ((), {"group": "kopf.dev", "version": "v1", "plural": "kopfexamples"}, ("kopf.dev", "v1", "kopfexamples")),
+    ((), {"kind": "KopfExample"}, ("", "", "KopfExample")),
+])
+def test_resources_as_kopf_accepts_them(registry, args, kw, expected):
+    @capstan.on.create(*args, registry=registry, **kw)
+    def fn(**_):
+        pass
+
+    r = registry.handlers[0].resource
+    assert (r.group, r.version, r.name) == expected
+
+
+def test_options_reach_the_registration(registry):
+    @capstan.on.update("examples", id="upd", registry=registry, errors=capstan.ErrorsMode.PERMANENT, retries=3,
+                       backoff=5, timeout=30, param={"p": 1}, labels={"a": "b", "c": capstan.PRESENT, "d": capstan.ABSENT},
+                       annotations={"x": "y"}, field="spec.size", old=1, new=capstan.PRESENT)
+    def fn(**_):
+        pass
+
+    msg = wire.registration(registry.handlers[0])
+    assert msg.handler_id == "upd" and msg.kind == reg.HANDLER_KIND_UPDATE
+    assert msg.resource.name == "examples"
+    assert msg.errors_mode == reg.ERRORS_MODE_PERMANENT and msg.retries == 3
+    assert msg.backoff.seconds == 5 and msg.timeout.seconds == 30
+    assert msg.param.json == b'{"p":1}'
+    assert msg.filters.labels["a"].equals == "b"
+    assert msg.filters.labels["c"].presence == reg.PRESENCE_PRESENT
+    assert msg.filters.labels["d"].presence == reg.PRESENCE_ABSENT
+    assert msg.filters.annotations["x"].equals == "y"
+    assert msg.filters.field == "spec.size"
+    assert msg.filters.old.equals.json == b"1"
+    assert msg.filters.new.presence == reg.PRESENCE_PRESENT
+    assert not msg.filters.sdk_when
+
+
+def test_field_handlers_get_kopfs_id_suffix(registry):
+    @capstan.on.field("examples", field="spec.field", registry=registry)
+    def field_fn(**_):
+        pass
+
+    assert registry.handlers[0].id.endswith("field_fn/spec.field")
+
+
+def test_daemon_timer_delete_resume_options(registry):
+    @capstan.daemon("examples", registry=registry, initial_delay=1, cancellation_backoff=2, cancellation_timeout=3)
+    async def d(stopped, **_):
+        pass
+
+    @capstan.timer("examples", registry=registry, interval=10, initial_delay=1, idle=5, sharp=True)
+    def t(**_):
+        pass
+
+    @capstan.on.delete("examples", registry=registry, optional=True)
+    def dl(**_):
+        pass
+
+    @capstan.on.resume("examples", registry=registry, deleted=True)
+    def rs(**_):
+        pass
+
+    d_, t_, dl_, rs_ = (wire.registration(h) for h in registry.handlers)
+    assert d_.daemon.initial_delay.seconds == 1 and d_.daemon.cancellation_backoff.seconds == 2
+    assert d_.daemon.cancellation_timeout.seconds == 3
+    assert t_.timer.interval.seconds == 10 and t_.timer.idle.seconds == 5 and t_.timer.sharp
+    assert dl_.delete.optional and rs_.resume.deleted
+
+
+def test_callable_filters_are_evaluated_by_the_sdk(registry):
+    @capstan.on.create("examples", registry=registry, when=lambda spec, **_: True, labels={"a": lambda v, **_: True})
+    def fn(**_):
+        pass
+
+    msg = wire.registration(registry.handlers[0])
+    assert msg.filters.sdk_when
+    assert "a" not in msg.filters.labels
+
+
+@pytest.mark.parametrize("decorator,what", [
+    (lambda: capstan.index("examples"), "in-memory indices"),
+    (lambda: capstan.on.validate("examples"), "validating admission"),
+    (lambda: capstan.on.mutate("examples"), "mutating admission"),
+])
+def test_unsupported_kinds_fail_at_registration(decorator, what):
+    with pytest.raises(capstan.RegistrationError, match=f"fn'.*{what}.*not supported by this controller yet"):
+        @decorator()
+        def fn(**_):
+            pass
+
+
+def test_unknown_option_names_the_handler(registry):
+    with pytest.raises(capstan.RegistrationError, match=r"handler '.*fn': unknown option\(s\) colour"):
+        @capstan.on.create("examples", registry=registry, colour="red")
+        def fn(**_):
+            pass
+
+
+def test_unknown_kwarg_names_the_handler(registry):
+    with pytest.raises(capstan.RegistrationError, match=r"handler '.*fn': unknown kwarg 'bodyy'"):
+        @capstan.on.create("examples", registry=registry)
+        def fn(bodyy):
+            pass
+
+
+def test_kwarg_of_another_kind_is_unknown(registry):
+    with pytest.raises(capstan.RegistrationError, match=r"unknown kwarg 'stopped' for create handlers"):
+        @capstan.on.create("examples", registry=registry)
+        def fn(stopped):
+            pass
+
+
+def test_settings_kwarg_fails_with_what_to_do(registry):
+    with pytest.raises(capstan.RegistrationError, match="settings.*controller"):
+        @capstan.on.startup(registry=registry)
+        def fn(settings, **_):
+            pass
+
+
+def test_bad_option_values(registry):
+    with pytest.raises(capstan.RegistrationError, match="retries="):
+        capstan.on.create("examples", registry=registry, retries=-1)(lambda **_: None)
+    with pytest.raises(capstan.RegistrationError, match="not JSON-serialisable"):
+        capstan.on.create("examples", registry=registry, param=object())(lambda **_: None)
+    with pytest.raises(capstan.RegistrationError, match="needs field="):
+        capstan.on.create("examples", registry=registry, value=1)(lambda **_: None)
+    with pytest.raises(capstan.RegistrationError, match="needs interval="):
+        capstan.timer("examples", registry=registry)(lambda **_: None)
+    with pytest.raises(capstan.RegistrationError, match="cancellation_polling"):
+        capstan.daemon("examples", registry=registry, cancellation_polling=5)(lambda **_: None)
+    with pytest.raises(capstan.RegistrationError, match="no resource given"):
+        capstan.on.create(registry=registry)(lambda **_: None)
+
+
+def test_duplicate_ids_fail(registry):
+    capstan.on.create("examples", registry=registry, id="x")(lambda **_: None)
+    with pytest.raises(capstan.RegistrationError, match="registered twice"):
+        capstan.on.create("examples", registry=registry, id="x")(lambda **_: None)
+
+
+def test_kopf_module_exposes_kopfs_names_and_refuses_controller_settings():
+    for name in ("on", "daemon", "timer", "index", "subhandler", "register", "TemporaryError", "PermanentError",
+                 "HandlerTimeoutError", "ErrorsMode", "Diff", "Body", "Patch", "PRESENT", "ABSENT", "adopt",
+                 "ConnectionInfo", "Memo", "operator", "run", "DaemonStopped", "info", "warn", "exception",
+                 "event", "all_", "any_", "none_", "SyncDaemonStopperChecker"):
+        assert hasattr(kopf, name), name
+    with pytest.raises(capstan.RegistrationError, match="controller's flags"):
+        kopf.OperatorSettings()

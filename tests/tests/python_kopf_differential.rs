@@ -1,0 +1,292 @@
+//! The differential test of the Python SDK's kopf compatibility: one kopf operator file
+//! (`sdk-python/tests/differential/operator.py`) runs once with real kopf (pinned from PyPI)
+//! and once with `capstan.kopf` on Capstan (`--persistence kopf`), against the same sequence
+//! of object changes on a real API server. The handler calls, the kwargs each call saw
+//! (retry, old, new, diff, reason) and the final object (handler results in status, the
+//! finalizer, no leftover progress) must be the same.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, bail};
+use capstan_tests::{
+    process::{Controller, Process},
+    testenv::{TestEnv, repo_root},
+};
+use kube::{
+    Api,
+    api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams},
+};
+use serde_json::{Value, json};
+use tokio::process::Command;
+
+/// The kopf release compared against (the one `tests/tests/kopf_migration.rs` installs).
+const KOPF_VERSION: &str = "1.45.2";
+const T: Duration = Duration::from_secs(90);
+
+/// The `kopf` executable of `$HOME/.cache/capstan/kopf-venv` with the pinned release,
+/// installed there once.
+async fn kopf_binary() -> Result<PathBuf> {
+    let home = std::env::var_os("HOME").context("HOME is not set; it locates the kopf virtualenv")?;
+    let venv = Path::new(&home).join(".cache/capstan/kopf-venv");
+    let kopf = venv.join("bin/kopf");
+    let version = Command::new(&kopf).arg("--version").output().await.ok();
+    let installed = version
+        .map(|out| {
+            String::from_utf8_lossy(&out.stdout)
+                .trim()
+                .ends_with(KOPF_VERSION)
+        })
+        .unwrap_or(false);
+    if installed {
+        return Ok(kopf);
+    }
+    let status = Command::new("python3")
+        .arg("-m")
+        .arg("venv")
+        .arg(&venv)
+        .status()
+        .await
+        .context("python3 -m venv")?;
+    if !status.success() {
+        bail!("python3 -m venv {} failed", venv.display());
+    }
+    let status = Command::new(venv.join("bin/python"))
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+        .arg(format!("kopf=={KOPF_VERSION}"))
+        .status()
+        .await
+        .context("pip install kopf")?;
+    if !status.success() {
+        bail!("pip install kopf=={KOPF_VERSION} failed (PyPI must be reachable)");
+    }
+    Ok(kopf)
+}
+
+/// The venv's python with the SDK's pinned dependencies (as in `python_sdk.rs`).
+async fn sdk_python() -> Result<PathBuf> {
+    if let Ok(python) = std::env::var("CAPSTAN_PYTHON_SDK_PYTHON") {
+        return Ok(PathBuf::from(python));
+    }
+    let out = Command::new("bash")
+        .arg(repo_root().join("sdk-python/scripts/venv.sh"))
+        .output()
+        .await
+        .context("running sdk-python/scripts/venv.sh")?;
+    if !out.status.success() {
+        bail!(
+            "sdk-python/scripts/venv.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let stdout = String::from_utf8(out.stdout)?;
+    Ok(PathBuf::from(stdout.lines().last().unwrap_or_default().trim()))
+}
+
+fn operator_file() -> PathBuf {
+    repo_root().join("sdk-python/tests/differential/operator.py")
+}
+
+/// The calls recorded so far, one JSON object per line.
+fn calls(log: &Path) -> Vec<Value> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+async fn wait_until(what: &str, log: &Path, mut done: impl FnMut(&[Value]) -> bool) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        if done(&calls(log)) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("{what} did not happen within {T:?}; calls: {:?}", calls(log));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn called(calls: &[Value], handler: &str) -> usize {
+    calls.iter().filter(|c| c["handler"] == handler).count()
+}
+
+/// Runs the sequence of changes against whichever operator is running and returns the
+/// calls and the object as it was before deletion.
+async fn sequence(env: &TestEnv, log: &Path) -> Result<(Vec<Value>, Value)> {
+    let api: Api<DynamicObject> = Api::namespaced_with(env.client().await?, "default", &example_resource());
+    let object: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "demo.capstan.dev/v1",
+        "kind": "Example",
+        "metadata": {"name": "diff"},
+        "spec": {"field": "a", "fail_times": 1},
+    }))?;
+    api.create(&PostParams::default(), &object).await?;
+    wait_until("create_fn succeeding after one retry", log, |c| {
+        called(c, "create_fn") >= 2
+    })
+    .await?;
+    wait_object(&api, "the create results", |o| {
+        o.pointer("/status/create_fn").is_some()
+    })
+    .await?;
+    api.patch(
+        "diff",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"field": "b"}})),
+    )
+    .await?;
+    wait_until("update_fn and field_fn for b", log, |c| {
+        called(c, "update_fn") >= 1 && called(c, "field_fn") >= 2
+    })
+    .await?;
+    let before = wait_object(&api, "the update results", |o| {
+        o.pointer("/status/update_fn").is_some() && !has_progress(o)
+    })
+    .await?;
+    api.delete("diff", &DeleteParams::default()).await?;
+    wait_until("delete_fn", log, |c| called(c, "delete_fn") >= 1).await?;
+    let deadline = tokio::time::Instant::now() + T;
+    while api.get_opt("diff").await?.is_some() {
+        if tokio::time::Instant::now() > deadline {
+            bail!("the object was not released for deletion within {T:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok((calls(log), before))
+}
+
+fn example_resource() -> kube::api::ApiResource {
+    kube::api::ApiResource {
+        group: "demo.capstan.dev".into(),
+        version: "v1".into(),
+        api_version: "demo.capstan.dev/v1".into(),
+        kind: "Example".into(),
+        plural: "examples".into(),
+    }
+}
+
+async fn wait_object(api: &Api<DynamicObject>, what: &str, done: impl Fn(&Value) -> bool) -> Result<Value> {
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        if let Some(obj) = api.get_opt("diff").await? {
+            let value = serde_json::to_value(&obj)?;
+            if done(&value) {
+                return Ok(value);
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!("{what} did not appear within {T:?}: {value}");
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Whether a per-handler progress record is left on the object (kopf's format).
+fn has_progress(obj: &Value) -> bool {
+    obj.pointer("/metadata/annotations")
+        .and_then(Value::as_object)
+        .is_some_and(|a| {
+            a.keys().any(|k| {
+                k.starts_with("kopf.zalando.org/") && k != "kopf.zalando.org/last-handled-configuration"
+            })
+        })
+}
+
+/// What must be equal between the two runs: the object's status and finalizers, and the
+/// absence of progress records.
+fn comparable(obj: &Value) -> Value {
+    json!({
+        "status": obj["status"],
+        "finalizers": obj.pointer("/metadata/finalizers").cloned().unwrap_or(Value::Null),
+        "progress_left": has_progress(obj),
+    })
+}
+
+#[tokio::test]
+async fn capstan_kopf_calls_handlers_as_kopf_does() -> Result<()> {
+    let kopf = kopf_binary().await?;
+    let python = sdk_python().await?;
+
+    // Real kopf.
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let kopf_log = env.scratch().join("kopf-calls.jsonl");
+    let vars = HashMap::from([
+        ("KUBECONFIG".to_owned(), env.kubeconfig.display().to_string()),
+        ("DIFFERENTIAL_LOG".to_owned(), kopf_log.display().to_string()),
+        ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
+    ]);
+    let args = ["run", "--standalone", "-n", "default"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .chain([operator_file().display().to_string()])
+        .collect::<Vec<_>>();
+    let mut kopf_process = Process::spawn("kopf", &kopf, &args, &vars, env.scratch())?;
+    let (kopf_calls, kopf_object) = sequence(&env, &kopf_log)
+        .await
+        .with_context(|| format!("kopf's log:\n{}", kopf_process.output()))?;
+    kopf_process.terminate().await?;
+    drop(env);
+
+    // capstan.kopf on Capstan.
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let capstan_log = env.scratch().join("capstan-calls.jsonl");
+    let controller = Controller::start(&env, "capstan", &["--persistence", "kopf"]).await?;
+    let vars = HashMap::from([
+        ("CAPSTAN_ENDPOINT".to_owned(), controller.endpoint()),
+        ("CAPSTAN_DIFFERENTIAL".to_owned(), "capstan".to_owned()),
+        ("DIFFERENTIAL_LOG".to_owned(), capstan_log.display().to_string()),
+        (
+            "PYTHONPATH".to_owned(),
+            repo_root().join("sdk-python").display().to_string(),
+        ),
+        ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
+    ]);
+    let args = ["-m", "capstan", "run"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .chain([operator_file().display().to_string()])
+        .collect::<Vec<_>>();
+    let mut operator = Process::spawn("capstan-kopf", &python, &args, &vars, env.scratch())?;
+    operator.wait_for("connected to the controller", T).await?;
+    let (capstan_calls, capstan_object) = sequence(&env, &capstan_log)
+        .await
+        .with_context(|| format!("the operator's log:\n{}", operator.output()))?;
+    operator.terminate().await?;
+
+    // The sequence compared is the one intended: a retried create, field handlers on creation
+    // and on update, one update, one delete.
+    let handlers: Vec<(&str, Option<u64>)> = kopf_calls
+        .iter()
+        .map(|c| (c["handler"].as_str().unwrap_or_default(), c["retry"].as_u64()))
+        .collect();
+    for expected in [
+        ("create_fn", Some(0)),
+        ("create_fn", Some(1)),
+        ("field_fn", None),
+        ("update_fn", Some(0)),
+        ("delete_fn", Some(0)),
+    ] {
+        assert!(
+            handlers.contains(&expected),
+            "kopf made no call {expected:?}: {kopf_calls:?}"
+        );
+    }
+    assert_eq!(
+        capstan_calls, kopf_calls,
+        "the handler calls differ (left: capstan.kopf, right: kopf)"
+    );
+    assert_eq!(
+        comparable(&capstan_object),
+        comparable(&kopf_object),
+        "the final objects differ (left: capstan.kopf, right: kopf)"
+    );
+    Ok(())
+}

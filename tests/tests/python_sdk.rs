@@ -1,0 +1,315 @@
+//! End to end with the Python SDK's example operator (`sdk-python/examples/operator.py`, a
+//! kopf operator file importing `capstan.kopf`), run by `python -m capstan run` with the
+//! pinned grpcio and protobuf: the real API server, the real `capstan` binary and the Python
+//! process, with the handlers' effects asserted on the objects — create, update and field
+//! handlers with results and patches, sub-handlers (one retried on its own), a daemon that
+//! follows its object's live body and stops on deletion, a timer, a retried temporary error, a
+//! permanent error, deletion, the startup, probe and cleanup activities, and a clean stop on
+//! SIGTERM.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, bail};
+use capstan_tests::{
+    process::{Controller, Process},
+    scenario::{Scenario, annotation, label},
+    testenv::{TestEnv, repo_root},
+};
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+const T: Duration = Duration::from_secs(90);
+
+/// The venv's python with the SDK's pinned dependencies: `$CAPSTAN_PYTHON_SDK_PYTHON` (set by
+/// `scripts/test.sh`), or what `sdk-python/scripts/venv.sh` creates.
+async fn sdk_python() -> Result<PathBuf> {
+    if let Ok(python) = std::env::var("CAPSTAN_PYTHON_SDK_PYTHON") {
+        return Ok(PathBuf::from(python));
+    }
+    let out = tokio::process::Command::new("bash")
+        .arg(repo_root().join("sdk-python/scripts/venv.sh"))
+        .output()
+        .await
+        .context("running sdk-python/scripts/venv.sh")?;
+    if !out.status.success() {
+        bail!(
+            "sdk-python/scripts/venv.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let stdout = String::from_utf8(out.stdout)?;
+    Ok(PathBuf::from(stdout.lines().last().unwrap_or_default().trim()))
+}
+
+/// Starts a testenv with the example CRD, `capstan run` and the Python operator connected.
+async fn start() -> Result<Scenario> {
+    let python = sdk_python().await?;
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let client = env.client().await?;
+    let mut controller = Controller::start(&env, "capstan", &["--shutdown-grace", "5s"]).await?;
+    let sdk = repo_root().join("sdk-python");
+    let vars = HashMap::from([
+        ("CAPSTAN_ENDPOINT".to_owned(), controller.endpoint()),
+        ("PYTHONPATH".to_owned(), sdk.display().to_string()),
+        ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
+    ]);
+    let args = [
+        "-m".to_owned(),
+        "capstan".to_owned(),
+        "run".to_owned(),
+        "--verbose".to_owned(),
+        sdk.join("examples/operator.py").display().to_string(),
+    ];
+    let mut operator = Process::spawn("python-operator", &python, &args, &vars, env.scratch())?;
+    controller
+        .process
+        .wait_for("handler process connected", T)
+        .await?;
+    operator
+        .wait_for("capstan: connected to the controller", T)
+        .await?;
+    let calls = env.scratch().join("calls.log");
+    Ok(Scenario {
+        env,
+        client,
+        controller,
+        handler: operator,
+        calls,
+        presets: String::new(),
+        namespace: "default".into(),
+    })
+}
+
+#[tokio::test]
+async fn python_operator_handles_changes_subhandlers_a_daemon_a_timer_retries_and_errors() -> Result<()> {
+    let mut s = start().await?;
+    for handler in [
+        "startup_fn",
+        "cleanup_fn",
+        "created",
+        "create_fn",
+        "update_fn",
+        "field_fn/spec.field",
+        "setup",
+        "monitor",
+        "tick",
+        "delete_fn",
+    ] {
+        let line = format!("handler registered handler={handler}");
+        assert!(
+            s.handler.output().contains(&line),
+            "{handler} was not accepted:\n{}",
+            s.handler.output()
+        );
+    }
+    s.handler.wait_for("example operator startup done", T).await?;
+
+    // Create: a result in status, a label patch, the field handler on creation.
+    s.create("one", json!({"field": "a"})).await?;
+    let obj = s
+        .wait("one", T, "create and field handlers done", |o| {
+            label(o, "demo.capstan.dev/handled-by").is_some()
+                && o.pointer("/status/create_fn/message").is_some()
+                && annotation(o, "demo.capstan.dev/field").is_some()
+        })
+        .await?;
+    assert_eq!(label(&obj, "demo.capstan.dev/handled-by"), Some("python"));
+    assert_eq!(obj["status"]["create_fn"]["message"], "hello one from python");
+    assert_eq!(obj["status"]["create_fn"]["retries"], 0);
+    assert_eq!(annotation(&obj, "demo.capstan.dev/field"), Some("none->a"));
+
+    // The probe's value is on the controller's liveness endpoint (refreshed periodically).
+    let deadline = Instant::now() + T;
+    loop {
+        let (_, body) = s.controller.admin_get("/healthz").await?;
+        let report: Value = serde_json::from_str(&body).unwrap_or_default();
+        if report["probes"]["created"].as_u64() >= Some(1) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no Python probe result in /healthz: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Update: the diff reaches the handler; the field handler sees old and new.
+    s.patch("one", json!({"spec": {"field": "b"}})).await?;
+    let obj = s
+        .wait("one", T, "update and field handlers saw b", |o| {
+            annotation(o, "demo.capstan.dev/field") == Some("a->b")
+                && o.pointer("/status/update_fn/message").is_some()
+        })
+        .await?;
+    assert_eq!(obj["status"]["update_fn"]["message"], "updated one from python");
+    assert_eq!(obj["status"]["changed"], json!(["spec.field"]));
+
+    // Sub-handlers, one retried on its own; a daemon that follows its object's live body; a
+    // timer.
+    s.create_with(
+        "two",
+        json!({"field": "a", "items": ["config", "slow-service"]}),
+        json!({"annotations": {"demo.capstan.dev/watch": "yes"}}),
+    )
+    .await?;
+    let obj = s
+        .wait("two", T, "sub-handlers done and the timer ticked", |o| {
+            annotation(o, "demo.capstan.dev/config").is_some()
+                && annotation(o, "demo.capstan.dev/slow-service").is_some()
+                && o.pointer("/status/ticks").is_some()
+        })
+        .await?;
+    assert_eq!(
+        annotation(&obj, "demo.capstan.dev/config"),
+        Some("ready after 0 retries")
+    );
+    assert_eq!(
+        annotation(&obj, "demo.capstan.dev/slow-service"),
+        Some("ready after 1 retries")
+    );
+    s.handler.wait_for("monitor of two sees a", T).await?;
+    s.patch("two", json!({"spec": {"field": "b"}})).await?;
+    s.handler.wait_for("monitor of two sees b", T).await?;
+    assert!(
+        !s.handler.output().contains("monitor of two stopped"),
+        "the daemon was restarted instead of following its object:\n{}",
+        s.handler.output()
+    );
+    s.delete("two").await?;
+    s.wait_gone("two", T).await?;
+    s.handler
+        .wait_for("monitor of two stopped: resource_deleted", T)
+        .await?;
+
+    // A temporary error is retried after its delay, with kopf's `retry` counting up.
+    s.create("flaky", json!({"fail_times": 2})).await?;
+    let obj = s
+        .wait("flaky", T, "created after two temporary failures", |o| {
+            o.pointer("/status/create_fn/message").is_some()
+        })
+        .await?;
+    assert_eq!(obj["status"]["create_fn"]["retries"], 2);
+    let log = s.controller.process.output();
+    for attempt in 1..=2 {
+        let message = format!("not ready yet (attempt {attempt} of 2 failing)");
+        assert!(log.contains(&message), "no retry after {message:?}:\n{log}");
+    }
+
+    // A permanent error is not retried: the handler ran once and the object has no result.
+    s.create("bad", json!({"reject": true})).await?;
+    s.controller
+        .process
+        .wait_for("bad is rejected by its spec", T)
+        .await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let obj = s.get("bad").await?.context("bad disappeared")?;
+    assert!(obj.pointer("/status/create_fn").is_none(), "{obj}");
+    let failures = s.handler.output().matches("bad is rejected by its spec").count();
+    assert_eq!(
+        failures,
+        1,
+        "the permanent error was retried:\n{}",
+        s.handler.output()
+    );
+
+    // Delete: the delete handler runs and the finalizer is released.
+    s.delete("one").await?;
+    s.wait_gone("one", T).await?;
+    s.handler.wait_for("deleting one", T).await?;
+
+    // The controller's shutdown runs the cleanup handler in the Python process.
+    let status = s.controller.process.terminate().await?;
+    assert!(status.success(), "the controller exited with {status}");
+    s.handler.wait_for("example operator cleanup done", T).await?;
+
+    // SIGTERM: a clean stop.
+    let status = s.handler.terminate().await?;
+    assert!(status.success(), "the Python operator exited with {status}");
+    let output = s.handler.output();
+    assert!(output.contains("capstan: stopped"), "no clean stop:\n{output}");
+    assert!(
+        !output.contains("Traceback"),
+        "a traceback in the operator's log:\n{output}"
+    );
+    Ok(())
+}
+
+/// Starts `python -m capstan run FILE` against `endpoint`.
+fn spawn_operator(
+    python: &Path,
+    env: &TestEnv,
+    name: &str,
+    file: &Path,
+    endpoint: String,
+) -> Result<Process> {
+    let vars = HashMap::from([
+        ("CAPSTAN_ENDPOINT".to_owned(), endpoint),
+        (
+            "PYTHONPATH".to_owned(),
+            repo_root().join("sdk-python").display().to_string(),
+        ),
+        ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
+    ]);
+    let args = [
+        "-m".to_owned(),
+        "capstan".to_owned(),
+        "run".to_owned(),
+        file.display().to_string(),
+    ];
+    Process::spawn(name, python, &args, &vars, env.scratch())
+}
+
+#[tokio::test]
+async fn python_operator_names_handlers_with_problems_and_exits_when_none_is_accepted() -> Result<()> {
+    let python = sdk_python().await?;
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let controller = Controller::start(&env, "capstan", &[]).await?;
+    let good = "@capstan.on.create('examples.demo.capstan.dev')\ndef good(**_):\n    pass\n\n";
+    let unserved = "@capstan.on.create('nonexistents.demo.capstan.dev')\ndef unserved(**_):\n    pass\n";
+
+    // A handler for a resource that is not served is accepted (watched once it appears, as
+    // kopf does) and the controller's warning names it; the process runs.
+    let mixed = env.scratch().join("mixed.py");
+    std::fs::write(&mixed, format!("import capstan\n\n{good}{unserved}"))?;
+    let mut first = spawn_operator(&python, &env, "mixed", &mixed, controller.endpoint())?;
+    first.wait_for("connected to the controller", T).await?;
+    let output = first.output();
+    assert!(
+        output.contains("handler registered handler=good")
+            && output.contains("[WARNING ] capstan: handler unserved: "),
+        "{output}"
+    );
+    assert!(first.running(), "the operator stopped:\n{output}");
+
+    // A second process offering only the same handler id is refused (the id is taken), so
+    // no handler of it is accepted: it exits with a clear error instead of retrying.
+    let only_good = env.scratch().join("only_good.py");
+    std::fs::write(&only_good, format!("import capstan\n\n{good}"))?;
+    let mut second = spawn_operator(&python, &env, "only-good", &only_good, controller.endpoint())?;
+    let deadline = Instant::now() + T;
+    while second.running() {
+        assert!(
+            Instant::now() < deadline,
+            "the second operator kept running:\n{}",
+            second.output()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let status = second.terminate().await?;
+    let output = second.output();
+    assert_eq!(status.code(), Some(1), "{output}");
+    assert!(
+        output.contains("the controller accepted none of the handlers"),
+        "{output}"
+    );
+
+    let status = first.terminate().await?;
+    assert!(status.success(), "exited with {status}:\n{}", first.output());
+    Ok(())
+}
