@@ -4,12 +4,12 @@
 
 use std::{
     sync::Arc,
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, SystemTime},
 };
 
 use parking_lot::Mutex;
 use serde_json::Value;
-use tokio::{sync::Semaphore, task::JoinSet};
+use tokio::{sync::Semaphore, task::JoinSet, time::Instant};
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::{Queue, rv_of, uid_of};
