@@ -110,9 +110,14 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
     {
         let metrics = crate::observability::metrics::global();
         let h = hub.clone();
-        metrics.gauge_fn("capstan_handler_processes", move || h.connections() as f64);
+        metrics.sample(
+            crate::observability::metrics::Sampled::HandlerProcesses,
+            move || i64::try_from(h.connections()).unwrap_or(i64::MAX),
+        );
         let paused = hub.paused();
-        metrics.gauge_fn("capstan_paused", move || if *paused.borrow() { 1.0 } else { 0.0 });
+        metrics.sample(crate::observability::metrics::Sampled::Paused, move || {
+            i64::from(*paused.borrow())
+        });
     }
 
     let gate = Gate::new();
@@ -145,9 +150,10 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
         let mut elector = Elector::new(election.clone(), identity, store, gate.clone());
         let status = elector.status();
         let leading = status.clone();
-        crate::observability::metrics::global().gauge_fn("capstan_leader", move || {
-            if leading.lock().leading { 1.0 } else { 0.0 }
-        });
+        crate::observability::metrics::global()
+            .sample(crate::observability::metrics::Sampled::Leader, move || {
+                i64::from(leading.lock().leading)
+            });
         health.readiness("leadership", move || Check::pass(status.lock().describe()));
         let stop = election_stop.clone();
         tokio::spawn(

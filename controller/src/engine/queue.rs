@@ -178,11 +178,7 @@ impl Queue {
             return;
         }
         if slot.pending.is_none() {
-            crate::observability::metrics::global().add(
-                "capstan_objects_pending",
-                &[("resource", &self.ctx.resource.plural)],
-                1.0,
-            );
+            crate::observability::metrics::global().pending(&self.ctx.resource.plural, 1);
         }
         slot.pending = Some((event_type, Stored::new(&body)));
         if !slot.running {
@@ -243,11 +239,7 @@ impl Queue {
                 let Some(slot) = slots.get_mut(&uid) else { return };
                 let taken = slot.pending.take();
                 if taken.is_some() {
-                    crate::observability::metrics::global().add(
-                        "capstan_objects_pending",
-                        &[("resource", &self.ctx.resource.plural)],
-                        -1.0,
-                    );
+                    crate::observability::metrics::global().pending(&self.ctx.resource.plural, -1);
                 }
                 match taken {
                     // Events that arrived while our own write was in flight may predate it.
@@ -720,7 +712,7 @@ async fn write_patch(
     let metrics = crate::observability::metrics::global();
     if let Some(status) = status {
         let status_patch = serde_json::json!({ "status": status });
-        metrics.inc("capstan_api_writes_total", &[("resource", &resource.plural)]);
+        metrics.api_write(&resource.plural);
         stored = Some(
             objects
                 .merge_patch(resource, ns, name, &status_patch, true)
@@ -728,7 +720,7 @@ async fn write_patch(
         );
     }
     if patch.as_object().is_some_and(|p| !p.is_empty()) {
-        metrics.inc("capstan_api_writes_total", &[("resource", &resource.plural)]);
+        metrics.api_write(&resource.plural);
         let result = objects.merge_patch(resource, ns, name, &patch, false).await?;
         if let Some(d) = desired {
             report_dropped_fields(&patch, &result, d);
