@@ -43,7 +43,7 @@ impl Rng {
     }
 
     /// The next number.
-    pub fn next(&mut self) -> u64 {
+    pub fn draw(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -55,13 +55,13 @@ impl Rng {
         if high <= low {
             low
         } else {
-            low + self.next() % (high - low)
+            low + self.draw() % (high - low)
         }
     }
 
     /// True with probability `percent`/100.
     pub fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
+        self.draw() % 100 < percent
     }
 }
 

@@ -91,7 +91,7 @@ async fn the_controller_killed_at_random_points_loses_no_cause_and_repeats_nothi
     let driver = tokio::spawn(workload(
         s.client.clone(),
         s.namespace.clone(),
-        Rng::new(rng.next()),
+        Rng::new(rng.draw()),
         stop.clone(),
         faults::size(24, 120),
     ));
@@ -139,7 +139,7 @@ async fn the_handler_process_killed_at_random_points_loses_no_cause_and_repeats_
     let driver = tokio::spawn(workload(
         s.client.clone(),
         s.namespace.clone(),
-        Rng::new(rng.next()),
+        Rng::new(rng.draw()),
         stop.clone(),
         faults::size(24, 120),
     ));

@@ -231,7 +231,7 @@ async fn arbitrary_message_sequences_are_answered_with_diagnostics_and_never_sta
         ..Config::default()
     });
     let handle = tokio::runtime::Handle::current();
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     let result = runner.run(&prop::collection::vec(message(), 1..10), |sequence| {
         tokio::task::block_in_place(|| handle.block_on(play(&server, sequence)))
     });
