@@ -111,6 +111,11 @@ async fn the_controller_killed_at_random_points_loses_no_cause_and_repeats_nothi
     }
     stop.store(true, Ordering::Relaxed);
     let planned = driver.await??;
+    println!(
+        "{} kills survived while {} objects were worked on",
+        crashes.len(),
+        planned.len()
+    );
     converged(&s, &planned, &crashes).await.with_context(|| {
         format!(
             "after {survived} controller kills, {} objects\ncontroller log tail:\n{}",
@@ -152,6 +157,11 @@ async fn the_handler_process_killed_at_random_points_loses_no_cause_and_repeats_
     }
     stop.store(true, Ordering::Relaxed);
     let planned = driver.await??;
+    println!(
+        "{} kills survived while {} objects were worked on",
+        crashes.len(),
+        planned.len()
+    );
     converged(&s, &planned, &crashes).await.with_context(|| {
         format!(
             "after {kills} handler process kills, {} objects\nhandler log tail:\n{}",
