@@ -45,5 +45,5 @@ export CAPSTAN_TEST_BINARY="$CARGO_TARGET_DIR/debug/capstan"
 started=$SECONDS
 cargo test --locked -p capstan --test fuzz_convert -- --nocapture
 # One test at a time: the kill loops and floods measure timing and memory.
-cargo test --locked -p capstan-tests --test 'faults_*' -- --nocapture --test-threads 1
+cargo test --locked --no-fail-fast -p capstan-tests --test 'faults_*' -- --nocapture --test-threads 1
 echo "scripts/faults.sh: done in $((SECONDS - started)) s"
