@@ -32,6 +32,7 @@ use crate::{
     observability::{
         admin::Admin,
         health::{Check, Health},
+        metrics::Sampled,
     },
     peering::{self, Gate, Peering, election::Elector, gate::Hooks},
 };
@@ -176,9 +177,11 @@ impl Core {
             });
         let metrics = crate::observability::metrics::global();
         let h = self.hub.clone();
-        metrics.gauge_fn("capstan_handler_processes", move || h.connections() as f64);
+        metrics.sample(Sampled::HandlerProcesses, move || {
+            i64::try_from(h.connections()).unwrap_or(i64::MAX)
+        });
         let paused = self.hub.paused();
-        metrics.gauge_fn("capstan_paused", move || if *paused.borrow() { 1.0 } else { 0.0 });
+        metrics.sample(Sampled::Paused, move || i64::from(*paused.borrow()));
     }
 
     fn engines(&self, settings: &Settings, background: &Background) -> Arc<Engines> {
@@ -316,9 +319,8 @@ impl Pausing {
             let mut elector = Elector::new(election.clone(), identity, store, gate.clone());
             let status = elector.status();
             let leading = status.clone();
-            crate::observability::metrics::global().gauge_fn("capstan_leader", move || {
-                if leading.lock().leading { 1.0 } else { 0.0 }
-            });
+            crate::observability::metrics::global()
+                .sample(Sampled::Leader, move || i64::from(leading.lock().leading));
             core.health
                 .readiness("leadership", move || Check::pass(status.lock().describe()));
             let stop = election_stop.clone();

@@ -49,6 +49,22 @@ pub enum Command {
     Crds,
     /// Print the version and the protocol version.
     Version,
+    /// Check a running controller through its admin endpoint: /healthz and /readyz answer
+    /// 200 and a handler process is connected (the chart's `helm test`). Keeps trying until
+    /// the timeout; exits non-zero saying what failed.
+    Check(CheckArgs),
+}
+
+/// Flags of `capstan check`.
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// The controller's admin endpoint, http://HOST:PORT.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub admin: crate::check::Admin,
+
+    /// How long to keep trying before failing (e.g. 60s).
+    #[arg(long, value_parser = parse_duration, default_value = "60s")]
+    pub timeout: Duration,
 }
 
 /// Flags of `capstan run`.

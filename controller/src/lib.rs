@@ -23,10 +23,14 @@
 //! engine (like daemons later) can follow the gate's `paused` receiver without importing the
 //! reasons behind it.
 //!
+//! `check` (the `capstan check` command) stands apart: it speaks HTTP to a running
+//! controller's admin endpoint and imports nothing of the crate.
+//!
 //! `grpc` never imports `k8s`: resources are resolved through the [`grpc::Resolver`] that the
 //! app supplies, and work crosses as [`model::Work`] and [`model::Outcome`].
 
 pub mod app;
+pub mod check;
 pub mod cli;
 pub mod config;
 pub mod engine;

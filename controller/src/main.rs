@@ -21,6 +21,11 @@ fn main() -> ExitCode {
             );
             ExitCode::SUCCESS
         }
+        Command::Check(args) => terminal(async move {
+            capstan::check::run(&args.admin, args.timeout)
+                .await
+                .map_err(Into::into)
+        }),
         Command::Crds => {
             print!("{}", capstan::peering::commands::CRDS);
             ExitCode::SUCCESS

@@ -15,6 +15,10 @@ use crate::testenv::{TestEnv, rand_suffix, repo_root};
 
 static HELM: OnceCell<PathBuf> = OnceCell::const_new();
 
+/// The Kubernetes version `helm template` and `helm lint` render for: the testenv's. Without
+/// it helm assumes 1.20, below the chart's `kubeVersion` (native sidecars need 1.29).
+pub const KUBE_VERSION: &str = "1.35.0";
+
 /// The chart's directory.
 pub fn chart_dir() -> PathBuf {
     repo_root().join("charts/capstan")
@@ -110,6 +114,8 @@ impl Render<'_> {
             chart_dir().to_string_lossy().into_owned(),
             "--namespace".to_owned(),
             self.namespace.to_owned(),
+            "--kube-version".to_owned(),
+            KUBE_VERSION.to_owned(),
         ];
         for v in &self.values {
             args.push("--values".into());

@@ -130,6 +130,11 @@ impl TestEnv {
         })
     }
 
+    /// The API server's process id, while it runs (to freeze it with SIGSTOP).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
     /// A kube client with the admin credentials.
     pub async fn client(&self) -> Result<Client> {
         let kubeconfig = Kubeconfig::read_from(&self.kubeconfig)?;

@@ -21,11 +21,18 @@ use serde_json::{Value, json};
 
 const T: Duration = Duration::from_secs(30);
 
-/// The values that make the chart watch the example resource.
-const EXAMPLE_RESOURCE: [&str; 2] = [
+/// The handler image, which every install must name.
+const HANDLER_IMAGE: &str = "handler.image.repository=ghcr.io/capstan-dev/capstan-example";
+
+/// The values that make the chart run the demo operator for the example resource.
+const EXAMPLE_RESOURCE: [&str; 3] = [
     "rbac.resources[0].apiGroup=demo.capstan.dev",
     "rbac.resources[0].resources={examples}",
+    HANDLER_IMAGE,
 ];
+
+/// The standard path of in-cluster API credentials.
+const TOKEN_PATH: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
 fn ci_file(prefix: &str) -> Result<PathBuf> {
     ci_values_files()?
@@ -37,7 +44,16 @@ fn ci_file(prefix: &str) -> Result<PathBuf> {
 #[tokio::test]
 async fn lint_passes_strictly_with_the_defaults_and_every_ci_values_file() -> Result<()> {
     let chart = helm::chart_dir().to_string_lossy().into_owned();
-    let out = helm::run(&["lint", "--strict", &chart]).await?;
+    let out = helm::run(&[
+        "lint",
+        "--strict",
+        &chart,
+        "--kube-version",
+        helm::KUBE_VERSION,
+        "--set",
+        HANDLER_IMAGE,
+    ])
+    .await?;
     ensure!(
         out.success,
         "helm lint --strict failed:\n{}{}",
@@ -45,10 +61,19 @@ async fn lint_passes_strictly_with_the_defaults_and_every_ci_values_file() -> Re
         out.stderr
     );
     let files = ci_values_files()?;
-    ensure!(files.len() >= 6, "expected the CI values matrix, found {files:?}");
+    ensure!(files.len() >= 7, "expected the CI values matrix, found {files:?}");
     for file in files {
         let values = file.to_string_lossy();
-        let out = helm::run(&["lint", "--strict", &chart, "--values", &values]).await?;
+        let out = helm::run(&[
+            "lint",
+            "--strict",
+            &chart,
+            "--kube-version",
+            helm::KUBE_VERSION,
+            "--values",
+            &values,
+        ])
+        .await?;
         ensure!(
             out.success,
             "helm lint --strict with {values} failed:\n{}{}",
@@ -229,12 +254,32 @@ async fn invalid_values_fail_with_a_message_that_says_what_to_change() -> Result
             &["metrics.serviceMonitor.enabled=true"],
             "metrics.serviceMonitor.enabled=true needs metrics.enabled=true",
         ),
+        (
+            &["capstan.persistencePrefix=kopf.zalando.org"],
+            "capstan.persistencePrefix=kopf.zalando.org without capstan.persistence=kopf keeps Capstan's own \
+             key formats and finalizer under kopf's prefix: kopf's progress records would not be recognised and \
+             kopf's finalizers (kopf.zalando.org/KopfFinalizerMarker) would stay on the objects.",
+        ),
+        (
+            &["capstan.persistence=zalando"],
+            "at '/capstan/persistence': value must be one of 'capstan', 'kopf'",
+        ),
+        (
+            &[
+                "handler.rbac.rules[0].apiGroups={}",
+                "handler.rbac.rules[0].resources={configmaps}",
+                "handler.rbac.rules[0].verbs={get}",
+            ],
+            "handler.rbac.rules needs handler.apiAccess=true",
+        ),
     ];
     for (set, expected) in cases {
+        let mut set = set.to_vec();
+        set.push(HANDLER_IMAGE);
         let out = Render {
             release: "bad",
             namespace: "ops",
-            set: set.to_vec(),
+            set: set.clone(),
             ..Render::default()
         }
         .outcome()
@@ -246,16 +291,46 @@ async fn invalid_values_fail_with_a_message_that_says_what_to_change() -> Result
             out.stderr
         );
     }
+    // Without a handler image nothing renders, and the message says what to set.
+    let out = Render {
+        release: "bad",
+        namespace: "ops",
+        ..Render::default()
+    }
+    .outcome()
+    .await?;
+    ensure!(
+        !out.success
+            && out.stderr.contains(
+                "handler.image.repository is required: the image of your operator, which runs in the handler \
+                 container."
+            ),
+        "rendered without a handler image:\n{}",
+        out.stderr
+    );
     // The safe variants of the refused combinations render.
     for set in [
         &["replicas=2", "leaderElection.enabled=true"][..],
         &["mode=daemonset", "finalizers=enabled"][..],
         &["mode=daemonset", "daemonset.nodeCleanup=false"][..],
+        &["capstan.persistence=kopf"][..],
+        &[
+            "capstan.persistence=kopf",
+            "capstan.persistencePrefix=kopf.zalando.org",
+        ][..],
+        &[
+            "handler.apiAccess=true",
+            "handler.rbac.rules[0].apiGroups={}",
+            "handler.rbac.rules[0].resources={configmaps}",
+            "handler.rbac.rules[0].verbs={get}",
+        ][..],
     ] {
+        let mut set = set.to_vec();
+        set.push(HANDLER_IMAGE);
         Render {
             release: "good",
             namespace: "ops",
-            set: set.to_vec(),
+            set,
             ..Render::default()
         }
         .manifests()
@@ -378,6 +453,76 @@ fn check_ci_objects(stem: &str, ns: &str, objs: &[Value]) -> Result<()> {
     ensure!(
         pod["securityContext"]["runAsNonRoot"] == true,
         "{stem}: non-root pod"
+    );
+    // The API token: never automounted, projected into the capstan container only; the
+    // handler container has its own identity's token only with handler.apiAccess.
+    ensure!(
+        pod["automountServiceAccountToken"] == false,
+        "{stem}: the pod must not automount the controller's token"
+    );
+    let mount_at = |c: &Value, path: &str| -> Option<String> {
+        c["volumeMounts"].as_array().and_then(|m| {
+            m.iter()
+                .find(|m| m["mountPath"] == path)
+                .and_then(|m| m["name"].as_str().map(str::to_owned))
+        })
+    };
+    let volume = |name: &str| -> Option<&Value> {
+        pod["volumes"]
+            .as_array()
+            .and_then(|v| v.iter().find(|v| v["name"] == name))
+    };
+    let capstan_token = mount_at(capstan, TOKEN_PATH).context("no API token in the capstan container")?;
+    let projected = volume(&capstan_token)
+        .and_then(|v| v["projected"]["sources"].as_array())
+        .context("the capstan token volume is not projected")?;
+    ensure!(
+        projected
+            .iter()
+            .any(|s| s["serviceAccountToken"]["path"] == "token")
+            && projected
+                .iter()
+                .any(|s| s["configMap"]["name"] == "kube-root-ca.crt")
+            && projected
+                .iter()
+                .any(|s| s["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"] == "metadata.namespace"),
+        "{stem}: the projected volume holds token, ca.crt and namespace: {projected:?}"
+    );
+    match mount_at(handler, TOKEN_PATH) {
+        None => ensure!(
+            !stem.starts_with("07"),
+            "{stem}: the handler's own token is missing"
+        ),
+        Some(name) => {
+            ensure!(
+                stem.starts_with("07"),
+                "{stem}: the handler container gets an API token"
+            );
+            ensure!(
+                name != capstan_token,
+                "{stem}: the handler gets the controller's token"
+            );
+            let secret = volume(&name).and_then(|v| v["secret"]["secretName"].as_str());
+            let token = objs
+                .iter()
+                .find(|o| o["kind"] == "Secret" && o["metadata"]["name"].as_str() == secret)
+                .context("the handler's token Secret")?;
+            ensure!(token["type"] == "kubernetes.io/service-account-token");
+            ensure!(
+                token["metadata"]["annotations"]["kubernetes.io/service-account.name"]
+                    != workload["spec"]["template"]["spec"]["serviceAccountName"],
+                "{stem}: the handler's token is of its own ServiceAccount"
+            );
+        }
+    }
+    let policies = find(objs, "NetworkPolicy");
+    ensure!(policies.len() == 1, "{stem}: a NetworkPolicy by default");
+    let ingress = policies[0]["spec"]["ingress"]
+        .as_array()
+        .context("NetworkPolicy ingress rules")?;
+    ensure!(
+        ingress.len() == 1 && ingress[0]["ports"] == json!([{"port": "admin", "protocol": "TCP"}]),
+        "{stem}: only the admin port is reachable: {ingress:?}"
     );
     ensure!(
         capstan["livenessProbe"]["httpGet"]["path"] == "/healthz",
@@ -529,10 +674,58 @@ fn check_ci_objects(stem: &str, ns: &str, objs: &[Value]) -> Result<()> {
             ensure!(has_rule("capstanpeerings", "patch") && !has_rule("clustercapstanpeerings", "patch"));
             ensure!(has_rule("configmaps", "create"), "{stem}: extra rules");
         }
+        "07" => {
+            ensure!(lookup(&cenv, "CAPSTAN_PERSISTENCE") == Some("kopf"));
+            ensure!(
+                lookup(&cenv, "CAPSTAN_PERSISTENCE_PREFIX").is_none(),
+                "{stem}: kopf's prefix comes with --persistence kopf"
+            );
+            let handler_role = cluster_roles
+                .iter()
+                .find(|r| {
+                    r["metadata"]["name"]
+                        .as_str()
+                        .is_some_and(|n| n.ends_with("-handler"))
+                })
+                .context("the handler's ClusterRole")?;
+            ensure!(handler_role["rules"][0]["resources"] == json!(["configmaps"]));
+            let operator_rules: Vec<&Value> = cluster_roles
+                .iter()
+                .filter(|r| {
+                    !r["metadata"]["name"]
+                        .as_str()
+                        .is_some_and(|n| n.ends_with("-handler"))
+                })
+                .flat_map(|r| r["rules"].as_array().into_iter().flatten())
+                .collect();
+            ensure!(
+                !operator_rules
+                    .iter()
+                    .any(|r| r["resources"] == json!(["configmaps"])),
+                "{stem}: the handler's rules are not the controller's"
+            );
+            let from = &find(objs, "NetworkPolicy")[0]["spec"]["ingress"][0]["from"];
+            ensure!(
+                from.as_array().is_some_and(|f| f.len() == 2)
+                    && from[1]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                        == "monitoring",
+                "{stem}: networkPolicy.adminFrom: {from}"
+            );
+        }
         _ => {}
     }
     if stem.starts_with("06") {
-        ensure!(find(objs, "Service").len() == 1, "{stem}: the metrics Service");
+        let services = find(objs, "Service");
+        ensure!(
+            services
+                .iter()
+                .filter(|s| s["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.ends_with("-metrics")))
+                .count()
+                == 1,
+            "{stem}: the metrics Service"
+        );
         ensure!(
             find(objs, "ServiceMonitor").len() == 1,
             "{stem}: the ServiceMonitor"
@@ -873,7 +1066,7 @@ async fn the_chart_configures_capstan_with_the_variables_and_crds_of_the_binary(
             release: "ci",
             namespace: "ops",
             values: vec![file],
-            set: vec!["crds.enabled=true"],
+            set: vec!["crds.enabled=true", "capstan.persistencePrefix=example.com"],
             ..Render::default()
         });
     }
@@ -919,6 +1112,8 @@ async fn the_chart_configures_capstan_with_the_variables_and_crds_of_the_binary(
         "CAPSTAN_NAMESPACES",
         "CAPSTAN_NODE_NAME",
         "CAPSTAN_FINALIZERS",
+        "CAPSTAN_PERSISTENCE",
+        "CAPSTAN_PERSISTENCE_PREFIX",
     ] {
         ensure!(set.contains(name), "no values file exercises {name}");
     }
@@ -1083,6 +1278,225 @@ async fn the_rbac_for_leader_election_and_peering_is_enough_to_lead_and_peer() -
         .await?;
     every_request_was_made_as_and_allowed(&s.env, &user)?;
     s.handler.terminate().await?;
+    s.controller.process.terminate().await?;
+    s.env.stop().await
+}
+
+#[tokio::test]
+async fn the_handler_gets_its_own_identity_and_none_of_the_controllers_rights() -> Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let ns = "capstan-system";
+    ensure_namespace(&env, ns).await?;
+    ensure_namespace(&env, "apps").await?;
+    let render = |extra: &'static [&'static str]| {
+        let mut set = EXAMPLE_RESOURCE.to_vec();
+        set.extend_from_slice(extra);
+        Render {
+            release: "ops",
+            namespace: ns,
+            set,
+            show_only: vec![
+                "templates/serviceaccount.yaml",
+                "templates/rbac.yaml",
+                "templates/handler-rbac.yaml",
+            ],
+            ..Render::default()
+        }
+    };
+    // By default there is no identity for the handler at all: nothing to render.
+    let out = render(&[]).outcome().await?;
+    ensure!(
+        !out.success
+            && out
+                .stderr
+                .contains("could not find template templates/handler-rbac.yaml"),
+        "handler-rbac.yaml renders objects by default:\n{}{}",
+        out.stdout,
+        out.stderr
+    );
+    let manifests = render(&[
+        "handler.apiAccess=true",
+        "handler.rbac.rules[0].apiGroups={}",
+        "handler.rbac.rules[0].resources={configmaps}",
+        "handler.rbac.rules[0].verbs={get,create}",
+    ])
+    .manifests()
+    .await?;
+    env.apply(&manifests).await?;
+    let secret = env
+        .kubectl_ok(&[
+            "get",
+            "secret",
+            "-n",
+            ns,
+            "ops-capstan-handler-token",
+            "-o",
+            "json",
+        ])
+        .await?;
+    let secret: Value = serde_json::from_str(&secret)?;
+    ensure!(
+        secret["type"] == "kubernetes.io/service-account-token"
+            && secret["metadata"]["annotations"]["kubernetes.io/service-account.name"]
+                == "ops-capstan-handler",
+        "the handler's token Secret: {secret}"
+    );
+
+    let handler_user = format!("system:serviceaccount:{ns}:ops-capstan-handler");
+    let handler = impersonating_kubeconfig(&env, &handler_user).await?;
+    permissions_are(
+        &env,
+        &handler,
+        &handler_user,
+        &[
+            ("get", "configmaps", true),
+            ("create", "configmaps", true),
+            ("delete", "configmaps", false),
+            ("list", "examples.demo.capstan.dev", false),
+            ("patch", "examples.demo.capstan.dev", false),
+            ("patch", "examples.demo.capstan.dev/status", false),
+            ("create", "events", false),
+            ("list", "secrets", false),
+        ],
+    )
+    .await?;
+    let controller_user = format!("system:serviceaccount:{ns}:ops-capstan");
+    let controller = impersonating_kubeconfig(&env, &controller_user).await?;
+    permissions_are(
+        &env,
+        &controller,
+        &controller_user,
+        &[
+            ("patch", "examples.demo.capstan.dev", true),
+            ("get", "configmaps", false),
+            ("create", "configmaps", false),
+        ],
+    )
+    .await?;
+    env.stop().await
+}
+
+#[tokio::test]
+async fn the_pod_mounts_the_api_token_into_the_capstan_container_only() -> Result<()> {
+    for extra in [&[][..], &["nativeSidecar=false"][..], &["mode=daemonset"][..]] {
+        let mut set = EXAMPLE_RESOURCE.to_vec();
+        set.extend_from_slice(extra);
+        let out = Render {
+            release: "ops",
+            namespace: "ops",
+            set,
+            show_only: vec![if extra.contains(&"mode=daemonset") {
+                "templates/daemonset.yaml"
+            } else {
+                "templates/deployment.yaml"
+            }],
+            ..Render::default()
+        }
+        .manifests()
+        .await?;
+        ensure!(
+            out.contains("automountServiceAccountToken: false"),
+            "{extra:?}: the pod automounts the token:\n{out}"
+        );
+        ensure!(
+            out.matches(TOKEN_PATH).count() == 1,
+            "{extra:?}: exactly one container (capstan) mounts the API token:\n{out}"
+        );
+        // The mount sits in the capstan container, before the handler container starts.
+        let capstan = out.find("- name: capstan\n").context("the capstan container")?;
+        let handler = out.find("- name: handler\n").context("the handler container")?;
+        let token = out.find(TOKEN_PATH).context("the token mount")?;
+        ensure!(
+            (capstan < token && (token < handler || handler < capstan)),
+            "{extra:?}: the token is mounted into the handler container:\n{out}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_chart_requires_kubernetes_1_29_for_native_sidecars() -> Result<()> {
+    let chart = helm::chart_dir().to_string_lossy().into_owned();
+    let old = helm::run(&[
+        "template",
+        "x",
+        &chart,
+        "--set",
+        HANDLER_IMAGE,
+        "--kube-version",
+        "1.28.9",
+    ])
+    .await?;
+    ensure!(
+        !old.success && old.stderr.contains("kubeVersion"),
+        "the chart installs on 1.28:\n{}",
+        old.stderr
+    );
+    let new = helm::run(&[
+        "template",
+        "x",
+        &chart,
+        "--set",
+        HANDLER_IMAGE,
+        "--kube-version",
+        "1.29.0",
+    ])
+    .await?;
+    ensure!(new.success, "the chart refuses 1.29:\n{}", new.stderr);
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_helm_test_hook_checks_health_and_a_connected_handler_process() -> Result<()> {
+    // The hook: a Service and a Pod running `capstan check` in the capstan image, reachable
+    // through the NetworkPolicy.
+    let out = Render {
+        release: "ops",
+        namespace: "ops",
+        set: EXAMPLE_RESOURCE.to_vec(),
+        show_only: vec!["templates/tests/check.yaml", "templates/networkpolicy.yaml"],
+        ..Render::default()
+    }
+    .manifests()
+    .await?;
+    ensure!(out.matches("helm.sh/hook: test").count() == 2, "{out}");
+    ensure!(
+        out.contains("image: \"ghcr.io/capstan-dev/capstan:0.1.0\"")
+            && out.contains("- check\n")
+            && out.contains("\"http://ops-capstan-check.ops.svc:8080\""),
+        "the test pod runs `capstan check` in the capstan image:\n{out}"
+    );
+    ensure!(
+        out.contains("app.kubernetes.io/component: helm-test") && out.contains("kind: NetworkPolicy"),
+        "the NetworkPolicy lets the test pod in:\n{out}"
+    );
+
+    // `capstan check` against a real controller: passes with a handler process connected,
+    // fails saying so without one.
+    let mut s = Scenario::start("create", &[]).await?;
+    let bin = capstan_tests::process::capstan_binary().await?;
+    let admin = format!("http://{}", s.controller.admin);
+    let check = |timeout: &'static str| {
+        let mut cmd = tokio::process::Command::new(&bin);
+        cmd.args(["check", "--admin", &admin, "--timeout", timeout]);
+        cmd
+    };
+    let passed = check("60s").output().await?;
+    ensure!(
+        passed.status.success(),
+        "capstan check failed with a handler connected:\n{}",
+        String::from_utf8_lossy(&passed.stderr)
+    );
+    let report = String::from_utf8_lossy(&passed.stdout);
+    ensure!(report.contains("handler processes connected: 1"), "{report}");
+    s.handler.kill().await?;
+    let failed = check("3s").output().await?;
+    let stderr = String::from_utf8_lossy(&failed.stderr);
+    ensure!(
+        !failed.status.success() && stderr.contains("no handler process is connected"),
+        "capstan check passed without a handler process:\n{stderr}"
+    );
     s.controller.process.terminate().await?;
     s.env.stop().await
 }

@@ -134,6 +134,15 @@ says what to change. Rendered by templates/validate.yaml.
 {{- if and (eq .Values.mode "deployment") (eq $type "RollingUpdate") (not .Values.leaderElection.enabled) -}}
 {{- fail "\n\nupdateStrategy.type=RollingUpdate without leader election runs the old and the new operator at the same time during an update, and both would handle the same objects. Set leaderElection.enabled=true, or leave updateStrategy empty (Recreate)." -}}
 {{- end -}}
+{{- if not .Values.handler.image.repository -}}
+{{- fail "\n\nhandler.image.repository is required: the image of your operator, which runs in the handler container. For the demo operator, set handler.image.repository=ghcr.io/capstan-dev/capstan-example." -}}
+{{- end -}}
+{{- if and (eq (trimSuffix "/" .Values.capstan.persistencePrefix) "kopf.zalando.org") (ne .Values.capstan.persistence "kopf") -}}
+{{- fail "\n\ncapstan.persistencePrefix=kopf.zalando.org without capstan.persistence=kopf keeps Capstan's own key formats and finalizer under kopf's prefix: kopf's progress records would not be recognised and kopf's finalizers (kopf.zalando.org/KopfFinalizerMarker) would stay on the objects. To take over from kopf, set capstan.persistence=kopf (it uses kopf's prefix) and leave capstan.persistencePrefix empty." -}}
+{{- end -}}
+{{- if and .Values.handler.rbac.rules (not .Values.handler.apiAccess) -}}
+{{- fail "\n\nhandler.rbac.rules needs handler.apiAccess=true: without it the handler container has no API token to use them. Set handler.apiAccess=true, or remove handler.rbac.rules." -}}
+{{- end -}}
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) -}}
 {{- fail "\n\nmetrics.serviceMonitor.enabled=true needs metrics.enabled=true (the ServiceMonitor scrapes the metrics Service)." -}}
 {{- end -}}
@@ -158,8 +167,12 @@ The environment of the capstan container: how the chart configures `capstan run`
   value: {{ .Values.capstan.logLevel | quote }}
 - name: CAPSTAN_LOG_FORMAT
   value: {{ .Values.capstan.logFormat | quote }}
+- name: CAPSTAN_PERSISTENCE
+  value: {{ .Values.capstan.persistence | quote }}
+{{- with .Values.capstan.persistencePrefix }}
 - name: CAPSTAN_PERSISTENCE_PREFIX
-  value: {{ .Values.capstan.persistencePrefix | quote }}
+  value: {{ . | quote }}
+{{- end }}
 {{- with include "capstan.watchNamespaces" . }}
 - name: CAPSTAN_NAMESPACES
   value: {{ . | quote }}
@@ -270,6 +283,9 @@ The capstan container. As a native sidecar (an initContainer) it carries
   volumeMounts:
     - name: capstan-socket
       mountPath: /run/capstan
+    - name: capstan-api-access
+      mountPath: /var/run/secrets/kubernetes.io/serviceaccount
+      readOnly: true
 {{- end -}}
 
 {{/*
@@ -308,6 +324,11 @@ The handler container: the user's operator, dialing the capstan socket.
   volumeMounts:
     - name: capstan-socket
       mountPath: /run/capstan
+    {{- if .Values.handler.apiAccess }}
+    - name: handler-api-access
+      mountPath: /var/run/secrets/kubernetes.io/serviceaccount
+      readOnly: true
+    {{- end }}
     {{- with .Values.handler.volumeMounts }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -330,7 +351,8 @@ metadata:
   {{- end }}
 spec:
   serviceAccountName: {{ include "capstan.serviceAccountName" . }}
-  automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountToken }}
+  # The API token is projected into the capstan container only (volume capstan-api-access).
+  automountServiceAccountToken: false
   terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
   {{- with .Values.priorityClassName }}
   priorityClassName: {{ . }}
@@ -358,6 +380,30 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: 1Mi
+    # What automounting would give every container, for the capstan container only.
+    - name: capstan-api-access
+      projected:
+        sources:
+          - serviceAccountToken:
+              path: token
+              expirationSeconds: 3607
+          - configMap:
+              name: kube-root-ca.crt
+              items:
+                - key: ca.crt
+                  path: ca.crt
+          - downwardAPI:
+              items:
+                - path: namespace
+                  fieldRef:
+                    apiVersion: v1
+                    fieldPath: metadata.namespace
+    {{- if .Values.handler.apiAccess }}
+    # The handler's own identity (token, ca.crt and namespace, filled in by the cluster).
+    - name: handler-api-access
+      secret:
+        secretName: {{ include "capstan.handlerTokenSecret" . }}
+    {{- end }}
     {{- with .Values.volumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -403,4 +449,27 @@ The rules of the operator's ClusterRole or Role: (list root peering-resource).
 {{- with $root.Values.rbac.extraRules }}
 {{ toYaml . }}
 {{- end }}
+{{- end -}}
+
+{{/*
+The handler container's own ServiceAccount (with handler.apiAccess).
+*/}}
+{{- define "capstan.handlerServiceAccountName" -}}
+{{- printf "%s-handler" (include "capstan.fullname" .) -}}
+{{- end -}}
+
+{{/*
+The Secret holding the token of the handler's ServiceAccount.
+*/}}
+{{- define "capstan.handlerTokenSecret" -}}
+{{- printf "%s-handler-token" (include "capstan.fullname" .) -}}
+{{- end -}}
+
+{{/*
+The labels of the helm test pod: the release and a component of its own, so that the
+workload's selector labels never match it.
+*/}}
+{{- define "capstan.testLabels" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: helm-test
 {{- end -}}

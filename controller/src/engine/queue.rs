@@ -178,11 +178,7 @@ impl Queue {
             return;
         }
         if slot.pending.is_none() {
-            crate::observability::metrics::global().add(
-                "capstan_objects_pending",
-                &[("resource", &self.ctx.resource.plural)],
-                1.0,
-            );
+            crate::observability::metrics::global().pending(&self.ctx.resource.plural, 1);
         }
         slot.pending = Some((event_type, Stored::new(&body)));
         if !slot.running {
@@ -258,11 +254,7 @@ impl Queue {
                 let Some(slot) = slots.get_mut(&uid) else { return };
                 let taken = slot.pending.take();
                 if taken.is_some() {
-                    crate::observability::metrics::global().add(
-                        "capstan_objects_pending",
-                        &[("resource", &self.ctx.resource.plural)],
-                        -1.0,
-                    );
+                    crate::observability::metrics::global().pending(&self.ctx.resource.plural, -1);
                 }
                 match taken {
                     // Events that arrived while our own write was in flight may predate it.

@@ -281,7 +281,7 @@ async fn write_patch(
     let metrics = crate::observability::metrics::global();
     if let Some(status) = status {
         let status_patch = serde_json::json!({ "status": status });
-        metrics.inc("capstan_api_writes_total", &[("resource", &resource.plural)]);
+        metrics.api_write(&resource.plural);
         stored = Some(
             objects
                 .merge_patch(resource, ns, name, &status_patch, true)
@@ -289,7 +289,7 @@ async fn write_patch(
         );
     }
     if patch.as_object().is_some_and(|p| !p.is_empty()) {
-        metrics.inc("capstan_api_writes_total", &[("resource", &resource.plural)]);
+        metrics.api_write(&resource.plural);
         let result = objects.merge_patch(resource, ns, name, &patch, false).await?;
         if let Some(d) = desired {
             report_dropped_fields(&patch, &result, d);

@@ -510,16 +510,10 @@ impl Hub {
                 let started = tokio::time::Instant::now();
                 match self.attempt(&work, &control, grant).await {
                     Delivery::Result(outcome) => {
-                        let metrics = crate::observability::metrics::global();
-                        let handler = work.handler_id.0.as_str();
-                        metrics.observe(
-                            "capstan_handler_duration_seconds",
-                            &[("handler", handler)],
+                        crate::observability::metrics::global().invocation(
+                            work.handler_id.0.as_str(),
+                            outcome.as_str(),
                             started.elapsed(),
-                        );
-                        metrics.inc(
-                            "capstan_handler_invocations_total",
-                            &[("handler", handler), ("outcome", outcome.as_str())],
                         );
                         return outcome;
                     }

@@ -85,7 +85,7 @@ fn route<B>(health: &Health, req: &Request<B>) -> Response<Full<Bytes>> {
             let mut response = Response::new(Full::new(Bytes::from(super::metrics::global().render())));
             response.headers_mut().insert(
                 http::header::CONTENT_TYPE,
-                http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                http::HeaderValue::from_static(super::metrics::CONTENT_TYPE),
             );
             response
         }

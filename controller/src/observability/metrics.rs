@@ -1,87 +1,205 @@
 //! Prometheus metrics, served at `/metrics` on the admin endpoint.
 //!
-//! A handful of families, written in the Prometheus text format by hand (no dependency): per
-//! handler, invocations by outcome, invocation durations (histogram) and retries; per
-//! resource, objects waiting for processing and API writes; and gauges evaluated when scraped
-//! (connected handler processes, paused, leadership). One process-wide registry, because
-//! metrics are observed from many layers and carry no behaviour.
+//! Typed families of `prometheus-client`: per handler, invocations by outcome, invocation
+//! durations (histogram) and retries; per resource, objects waiting for processing and API
+//! writes; and gauges sampled when scraped (connected handler processes, paused, leadership).
+//! Every family is registered once, when the registry is built, and recorded through a method
+//! of [`Metrics`]: a metric cannot be recorded without being rendered, and the encoder escapes
+//! every label value (handler ids come from handler processes and may hold any character), so
+//! the page cannot be malformed. Updates touch only the family they record (a read lock on
+//! its label map and an atomic), never one lock shared by all. One process-wide registry,
+//! because metrics are observed from many layers (`grpc`, `engine`, `app`) and carry no
+//! behaviour; `observability::admin` serves [`Metrics::render`].
 
 use std::{
-    collections::BTreeMap,
-    fmt::Write as _,
+    fmt,
     sync::{Arc, OnceLock},
     time::Duration,
 };
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric as _},
+    metrics::{
+        MetricType, counter::Counter, family::Family, gauge::ConstGauge, gauge::Gauge, histogram::Histogram,
+    },
+    registry::Registry,
+};
+
+/// The `Content-Type` of [`Metrics::render`]: the Prometheus text format 0.0.4.
+pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
 
 /// Bucket bounds of the duration histogram, in seconds.
 const BUCKETS: [f64; 12] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0,
 ];
 
-type Labels = Vec<(&'static str, String)>;
-type GaugeFn = Arc<dyn Fn() -> f64 + Send + Sync>;
-
-#[derive(Default)]
-struct Histogram {
-    counts: [u64; BUCKETS.len()],
-    sum: f64,
-    count: u64,
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HandlerLabels {
+    handler: String,
 }
 
-/// The registry.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    handler: String,
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResourceLabels {
+    resource: String,
+}
+
+/// A gauge whose value is read from the controller's state at every scrape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Sampled {
+    /// `capstan_handler_processes`: connected handler processes.
+    HandlerProcesses,
+    /// `capstan_paused`: 1 while dispatch is paused (frozen, standby, draining).
+    Paused,
+    /// `capstan_leader`: 1 while this replica holds the leader-election lease; rendered only
+    /// once leader election samples it.
+    Leader,
+}
+
+impl Sampled {
+    const ALL: [Sampled; 3] = [Sampled::HandlerProcesses, Sampled::Paused, Sampled::Leader];
+
+    fn name(self) -> &'static str {
+        match self {
+            Sampled::HandlerProcesses => "capstan_handler_processes",
+            Sampled::Paused => "capstan_paused",
+            Sampled::Leader => "capstan_leader",
+        }
+    }
+
+    fn help(self) -> &'static str {
+        match self {
+            Sampled::HandlerProcesses => "Connected handler processes.",
+            Sampled::Paused => "1 while dispatch is paused (frozen, standby, draining).",
+            Sampled::Leader => {
+                "1 while this replica holds the leader-election lease (only with --leader-election)."
+            }
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Sampled::HandlerProcesses => 0,
+            Sampled::Paused => 1,
+            Sampled::Leader => 2,
+        }
+    }
+}
+
+type SampleFn = Arc<dyn Fn() -> i64 + Send + Sync>;
+
+/// The sampled gauges: a function per gauge, called at every scrape; a gauge without a
+/// function is not rendered.
 #[derive(Default)]
+struct Samplers {
+    functions: RwLock<[Option<SampleFn>; 3]>,
+}
+
+impl fmt::Debug for Samplers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Samplers").finish_non_exhaustive()
+    }
+}
+
+impl Collector for Samplers {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
+        // Sample outside the encoder so that a slow sampler holds no lock of the registry.
+        let values: Vec<(Sampled, i64)> = {
+            let functions = self.functions.read();
+            Sampled::ALL
+                .iter()
+                .filter_map(|g| functions[g.index()].clone().map(|f| (*g, f)))
+                .collect::<Vec<_>>()
+        }
+        .into_iter()
+        .map(|(g, f)| (g, f()))
+        .collect();
+        for (gauge, value) in values {
+            let metric = encoder.encode_descriptor(gauge.name(), gauge.help(), None, MetricType::Gauge)?;
+            ConstGauge::new(value).encode(metric)?;
+        }
+        Ok(())
+    }
+}
+
+/// The registry and its typed families.
 pub struct Metrics {
-    counters: Mutex<BTreeMap<(&'static str, Labels), u64>>,
-    gauges: Mutex<BTreeMap<(&'static str, Labels), f64>>,
-    histograms: Mutex<BTreeMap<(&'static str, Labels), Histogram>>,
-    functions: RwLock<BTreeMap<&'static str, GaugeFn>>,
+    registry: Registry,
+    invocations: Family<OutcomeLabels, Counter>,
+    durations: Family<HandlerLabels, Histogram>,
+    retries: Family<HandlerLabels, Counter>,
+    pending: Family<ResourceLabels, Gauge>,
+    writes: Family<ResourceLabels, Counter>,
+    events_dropped: Family<HandlerLabels, Counter>,
+    samplers: Arc<Samplers>,
 }
 
-/// Help texts and types of every family.
-const FAMILIES: [(&str, &str, &str); 8] = [
-    (
-        "capstan_handler_invocations_total",
-        "counter",
-        "Handler invocations by handler and outcome.",
-    ),
-    (
-        "capstan_handler_duration_seconds",
-        "histogram",
-        "Time from dispatch to result, by handler.",
-    ),
-    (
-        "capstan_handler_retries_total",
-        "counter",
-        "Failed attempts scheduled for a retry, by handler.",
-    ),
-    (
-        "capstan_objects_pending",
-        "gauge",
-        "Objects with an event waiting for processing, by resource.",
-    ),
-    (
-        "capstan_api_writes_total",
-        "counter",
-        "PATCH requests sent for handled changes, by resource.",
-    ),
-    (
-        "capstan_handler_processes",
-        "gauge",
-        "Connected handler processes.",
-    ),
-    (
-        "capstan_paused",
-        "gauge",
-        "1 while dispatch is paused (frozen, standby, draining).",
-    ),
-    (
-        "capstan_leader",
-        "gauge",
-        "1 while this replica holds the leader-election lease (only with --leader-election).",
-    ),
-];
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let invocations = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "capstan_handler_invocations",
+            "Handler invocations by handler and outcome.",
+            invocations.clone(),
+        );
+        let durations =
+            Family::<HandlerLabels, Histogram>::new_with_constructor(histogram as fn() -> Histogram);
+        registry.register(
+            "capstan_handler_duration_seconds",
+            "Time from dispatch to result, by handler.",
+            durations.clone(),
+        );
+        let retries = Family::<HandlerLabels, Counter>::default();
+        registry.register(
+            "capstan_handler_retries",
+            "Failed attempts scheduled for a retry, by handler.",
+            retries.clone(),
+        );
+        let pending = Family::<ResourceLabels, Gauge>::default();
+        registry.register(
+            "capstan_objects_pending",
+            "Objects with an event waiting for processing, by resource.",
+            pending.clone(),
+        );
+        let writes = Family::<ResourceLabels, Counter>::default();
+        registry.register(
+            "capstan_api_writes",
+            "PATCH requests sent for handled changes, by resource.",
+            writes.clone(),
+        );
+        let events_dropped = Family::<HandlerLabels, Counter>::default();
+        registry.register(
+            "capstan_events_dropped",
+            "Watch events not passed to a fire-and-forget event handler because its invocations were at their limit, by handler.",
+            events_dropped.clone(),
+        );
+        let samplers = Arc::new(Samplers::default());
+        registry.register_collector(Box::new(samplers.clone()));
+        Self {
+            registry,
+            invocations,
+            durations,
+            retries,
+            pending,
+            writes,
+            events_dropped,
+            samplers,
+        }
+    }
+}
+
+fn histogram() -> Histogram {
+    Histogram::new(BUCKETS)
+}
 
 /// The process-wide registry.
 pub fn global() -> &'static Metrics {
@@ -90,93 +208,70 @@ pub fn global() -> &'static Metrics {
 }
 
 impl Metrics {
-    /// Adds one to a counter.
-    pub fn inc(&self, name: &'static str, labels: &[(&'static str, &str)]) {
-        *self.counters.lock().entry((name, owned(labels))).or_default() += 1;
+    /// Records the result of one handler invocation: its outcome (`capstan_handler_invocations_total`)
+    /// and the time from dispatch to result (`capstan_handler_duration_seconds`).
+    pub fn invocation(&self, handler: &str, outcome: &str, duration: Duration) {
+        self.durations
+            .get_or_create(&HandlerLabels {
+                handler: handler.to_owned(),
+            })
+            .observe(duration.as_secs_f64());
+        self.invocations
+            .get_or_create(&OutcomeLabels {
+                handler: handler.to_owned(),
+                outcome: outcome.to_owned(),
+            })
+            .inc();
     }
 
-    /// Adds `delta` to a gauge.
-    pub fn add(&self, name: &'static str, labels: &[(&'static str, &str)], delta: f64) {
-        *self.gauges.lock().entry((name, owned(labels))).or_default() += delta;
+    /// Counts a failed attempt scheduled for a retry (`capstan_handler_retries_total`).
+    pub fn retry(&self, handler: &str) {
+        self.retries
+            .get_or_create(&HandlerLabels {
+                handler: handler.to_owned(),
+            })
+            .inc();
     }
 
-    /// Records a duration.
-    pub fn observe(&self, name: &'static str, labels: &[(&'static str, &str)], value: Duration) {
-        let secs = value.as_secs_f64();
-        let mut histograms = self.histograms.lock();
-        let h = histograms.entry((name, owned(labels))).or_default();
-        for (i, bound) in BUCKETS.iter().enumerate() {
-            if secs <= *bound {
-                h.counts[i] += 1;
-            }
-        }
-        h.sum += secs;
-        h.count += 1;
+    /// Adds `delta` (+1 or -1) to the objects waiting for processing (`capstan_objects_pending`).
+    pub fn pending(&self, resource: &str, delta: i64) {
+        self.pending
+            .get_or_create(&ResourceLabels {
+                resource: resource.to_owned(),
+            })
+            .inc_by(delta);
     }
 
-    /// Registers (or replaces) a gauge evaluated at every scrape.
-    pub fn gauge_fn(&self, name: &'static str, f: impl Fn() -> f64 + Send + Sync + 'static) {
-        self.functions.write().insert(name, Arc::new(f));
+    /// Counts one PATCH request for a handled change (`capstan_api_writes_total`).
+    pub fn api_write(&self, resource: &str) {
+        self.writes
+            .get_or_create(&ResourceLabels {
+                resource: resource.to_owned(),
+            })
+            .inc();
     }
 
-    /// The Prometheus text exposition of every family.
+    /// Counts a watch event not passed to a fire-and-forget event handler because its
+    /// invocations were at their limit (`capstan_events_dropped_total`).
+    pub fn event_dropped(&self, handler: &str) {
+        self.events_dropped
+            .get_or_create(&HandlerLabels {
+                handler: handler.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Registers (or replaces) the function a sampled gauge is read from at every scrape.
+    pub fn sample(&self, gauge: Sampled, f: impl Fn() -> i64 + Send + Sync + 'static) {
+        self.samplers.functions.write()[gauge.index()] = Some(Arc::new(f));
+    }
+
+    /// The Prometheus text exposition (format 0.0.4, [`CONTENT_TYPE`]) of every family.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let counters = self.counters.lock();
-        let gauges = self.gauges.lock();
-        let histograms = self.histograms.lock();
-        let functions = self.functions.read();
-        for (family, kind, help) in FAMILIES {
-            let _ = writeln!(out, "# HELP {family} {help}\n# TYPE {family} {kind}");
-            for ((name, labels), value) in counters.iter().filter(|((n, _), _)| *n == family) {
-                let _ = writeln!(out, "{name}{} {value}", render_labels(labels, None));
-            }
-            for ((name, labels), value) in gauges.iter().filter(|((n, _), _)| *n == family) {
-                let _ = writeln!(out, "{name}{} {value}", render_labels(labels, None));
-            }
-            for ((name, labels), h) in histograms.iter().filter(|((n, _), _)| *n == family) {
-                for (i, bound) in BUCKETS.iter().enumerate() {
-                    let le = format!("{bound}");
-                    let _ = writeln!(
-                        out,
-                        "{name}_bucket{} {}",
-                        render_labels(labels, Some(&le)),
-                        h.counts[i]
-                    );
-                }
-                let _ = writeln!(
-                    out,
-                    "{name}_bucket{} {}",
-                    render_labels(labels, Some("+Inf")),
-                    h.count
-                );
-                let _ = writeln!(out, "{name}_sum{} {}", render_labels(labels, None), h.sum);
-                let _ = writeln!(out, "{name}_count{} {}", render_labels(labels, None), h.count);
-            }
-            if let Some(f) = functions.get(family) {
-                let _ = writeln!(out, "{family} {}", f());
-            }
-        }
+        // Writing into a String cannot fail; an encoder error would only truncate the page.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
         out
-    }
-}
-
-fn owned(labels: &[(&'static str, &str)]) -> Labels {
-    labels.iter().map(|(k, v)| (*k, (*v).to_owned())).collect()
-}
-
-fn render_labels(labels: &Labels, le: Option<&str>) -> String {
-    let mut parts: Vec<String> = labels
-        .iter()
-        .map(|(k, v)| format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"")))
-        .collect();
-    if let Some(le) = le {
-        parts.push(format!("le=\"{le}\""));
-    }
-    if parts.is_empty() {
-        String::new()
-    } else {
-        format!("{{{}}}", parts.join(","))
     }
 }
 
@@ -187,27 +282,16 @@ mod tests {
     #[test]
     fn renders_the_text_format() {
         let m = Metrics::default();
-        m.inc(
-            "capstan_handler_invocations_total",
-            &[("handler", "create_fn"), ("outcome", "success")],
-        );
-        m.inc(
-            "capstan_handler_invocations_total",
-            &[("handler", "create_fn"), ("outcome", "success")],
-        );
-        m.observe(
-            "capstan_handler_duration_seconds",
-            &[("handler", "create_fn")],
-            Duration::from_millis(3),
-        );
-        m.gauge_fn("capstan_handler_processes", || 2.0);
+        m.invocation("create_fn", "success", Duration::from_millis(3));
+        m.invocation("create_fn", "success", Duration::from_millis(3));
+        m.sample(Sampled::HandlerProcesses, || 2);
         let text = m.render();
         assert!(
             text.contains("capstan_handler_invocations_total{handler=\"create_fn\",outcome=\"success\"} 2"),
             "{text}"
         );
         assert!(
-            text.contains("capstan_handler_duration_seconds_bucket{handler=\"create_fn\",le=\"0.005\"} 1"),
+            text.contains("capstan_handler_duration_seconds_bucket{handler=\"create_fn\",le=\"0.005\"} 2"),
             "{text}"
         );
         assert!(
@@ -215,10 +299,177 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("capstan_handler_duration_seconds_count{handler=\"create_fn\"} 1"),
+            text.contains("capstan_handler_duration_seconds_count{handler=\"create_fn\"} 2"),
             "{text}"
         );
-        assert!(text.contains("capstan_handler_processes 2"), "{text}");
+        assert!(text.lines().any(|l| l == "capstan_handler_processes 2"), "{text}");
         assert!(text.contains("# TYPE capstan_handler_duration_seconds histogram"));
+        assert!(
+            text.contains("# TYPE capstan_handler_invocations_total counter"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("capstan_leader"),
+            "not sampled, not rendered: {text}"
+        );
+    }
+
+    #[test]
+    fn every_recorded_family_is_rendered() {
+        let m = Metrics::default();
+        m.invocation("h", "success", Duration::from_millis(1));
+        m.retry("h");
+        m.pending("examples", 1);
+        m.pending("examples", 1);
+        m.pending("examples", -1);
+        m.api_write("examples");
+        m.event_dropped("h");
+        m.sample(Sampled::Paused, || 0);
+        m.sample(Sampled::Leader, || 1);
+        let text = m.render();
+        for sample in [
+            "capstan_handler_invocations_total{handler=\"h\",outcome=\"success\"} 1",
+            "capstan_handler_duration_seconds_count{handler=\"h\"} 1",
+            "capstan_handler_retries_total{handler=\"h\"} 1",
+            "capstan_objects_pending{resource=\"examples\"} 1",
+            "capstan_api_writes_total{resource=\"examples\"} 1",
+            "capstan_events_dropped_total{handler=\"h\"} 1",
+            "capstan_paused 0",
+            "capstan_leader 1",
+        ] {
+            assert!(text.lines().any(|l| l == sample), "{sample} missing:\n{text}");
+        }
+        exposition_tests::check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    }
+
+    #[test]
+    fn updates_from_many_threads_are_all_counted() {
+        let m = Arc::new(Metrics::default());
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let m = m.clone();
+                std::thread::spawn(move || {
+                    for i in 0..1000 {
+                        m.retry(&format!("h{}", (t + i) % 4));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("a recording thread panicked");
+        }
+        let text = m.render();
+        let total: u64 = text
+            .lines()
+            .filter(|l| l.starts_with("capstan_handler_retries_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum();
+        assert_eq!(total, 8000, "{text}");
+    }
+}
+
+#[cfg(test)]
+mod exposition_tests {
+    use super::*;
+
+    /// Checks the Prometheus text format line by line: comments, then samples of the form
+    /// `name{label="value",…} number`, with label values escaped (`\\`, `\"`, `\n` only) and
+    /// every sample belonging to a family declared by a `# TYPE` line.
+    pub(super) fn check_exposition(text: &str) -> Result<(), String> {
+        let mut families: Vec<String> = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            let fail = |why: &str| Err(format!("line {}: {why}: {line:?}", n + 1));
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let mut parts = rest.split(' ');
+                let (Some(name), Some(kind), None) = (parts.next(), parts.next(), parts.next()) else {
+                    return fail("malformed TYPE");
+                };
+                if !["counter", "gauge", "histogram", "untyped", "summary"].contains(&kind) {
+                    return fail("unknown type");
+                }
+                families.push(name.to_owned());
+                continue;
+            }
+            if line.starts_with("# HELP ") || line == "# EOF" {
+                continue;
+            }
+            if line.starts_with('#') {
+                return fail("unexpected comment");
+            }
+            let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+            let name = &line[..name_end];
+            let name_ok = !name.is_empty()
+                && name.chars().enumerate().all(|(i, c)| {
+                    c.is_ascii_alphabetic() || c == '_' || c == ':' || (i > 0 && c.is_ascii_digit())
+                });
+            if !name_ok {
+                return fail("bad metric name");
+            }
+            if !families.iter().any(|f| {
+                name == f
+                    || ["_bucket", "_sum", "_count", "_total"]
+                        .iter()
+                        .any(|s| name.strip_suffix(s) == Some(f.as_str()))
+            }) {
+                return fail("sample of an undeclared family");
+            }
+            let mut rest = &line[name_end..];
+            if let Some(labels) = rest.strip_prefix('{') {
+                let mut chars = labels.char_indices().peekable();
+                loop {
+                    let key: String = chars
+                        .by_ref()
+                        .take_while(|(_, c)| *c != '=')
+                        .map(|(_, c)| c)
+                        .collect();
+                    if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                        return fail("bad label name");
+                    }
+                    if chars.next().map(|(_, c)| c) != Some('"') {
+                        return fail("label value not quoted");
+                    }
+                    loop {
+                        match chars.next().map(|(_, c)| c) {
+                            Some('\\') => match chars.next().map(|(_, c)| c) {
+                                Some('\\' | '"' | 'n') => {}
+                                _ => return fail("bad escape in a label value"),
+                            },
+                            Some('"') => break,
+                            Some(_) => {}
+                            None => return fail("unterminated label value"),
+                        }
+                    }
+                    match chars.next() {
+                        Some((_, ',')) => {}
+                        Some((i, '}')) => {
+                            rest = &labels[i + 1..];
+                            break;
+                        }
+                        _ => return fail("bad label separator"),
+                    }
+                }
+            }
+            let Some(value) = rest.strip_prefix(' ') else {
+                return fail("no value");
+            };
+            let value = value.split(' ').next().unwrap_or_default();
+            if value.parse::<f64>().is_err() && !["+Inf", "-Inf", "NaN"].contains(&value) {
+                return fail("bad value");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_handler_id_with_quotes_backslashes_and_newlines_renders_a_valid_page() {
+        let m = Metrics::default();
+        let id = "evil\"id\\with\nnewline} 1\nfake_metric 2";
+        m.invocation(id, "success", Duration::from_millis(3));
+        m.retry(id);
+        m.pending(id, 1);
+        m.api_write(id);
+        let text = m.render();
+        check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        assert!(!text.lines().any(|l| l.starts_with("fake_metric")), "{text}");
     }
 }

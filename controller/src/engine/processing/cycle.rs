@@ -310,8 +310,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
                 let error = record.message.as_deref().unwrap_or_default();
                 let delayed = record.delayed.as_deref().unwrap_or_default();
                 info!(handler.id = %reg.id, error, delayed, "handler will be retried");
-                crate::observability::metrics::global()
-                    .inc("capstan_handler_retries_total", &[("handler", reg.id.0.as_str())]);
+                crate::observability::metrics::global().retry(reg.id.0.as_str());
                 self.notes.push((
                     Level::Error,
                     format!("Handler '{}' failed temporarily: {error}", reg.id),

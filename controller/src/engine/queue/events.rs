@@ -54,6 +54,7 @@ impl EventDispatch {
     /// Counts an event dropped for `handler` because its invocations were at the limit, and
     /// warns at most every [`DROP_WARNING_INTERVAL`].
     fn dropped(&self, handler: &str) {
+        crate::observability::metrics::global().event_dropped(handler);
         let mut dropped = self.dropped.lock();
         dropped.0 += 1;
         if dropped.1.is_none_or(|t| t.elapsed() >= DROP_WARNING_INTERVAL) {
