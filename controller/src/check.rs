@@ -107,8 +107,7 @@ async fn attempt(admin: &Admin) -> Result<Vec<String>, String> {
     for path in ["/healthz", "/readyz"] {
         let (code, body) = get(admin, path).await?;
         if code != 200 {
-            let detail: Vec<&str> = body.lines().filter(|l| !l.trim().is_empty()).take(10).collect();
-            return Err(format!("{path} answered {code}: {}", detail.join("; ")));
+            return Err(format!("{path} answered {code}: {}", failing_checks(&body)));
         }
     }
     let (code, body) = get(admin, "/metrics").await?;
@@ -128,6 +127,35 @@ async fn attempt(admin: &Admin) -> Result<Vec<String>, String> {
         format!("{admin}/readyz: ok"),
         format!("handler processes connected: {processes}"),
     ])
+}
+
+/// What a health page says fails: the message of each failing check of its JSON report, or
+/// the start of the body when it is no such report.
+fn failing_checks(body: &str) -> String {
+    let report: Option<serde_json::Value> = serde_json::from_str(body).ok();
+    let failing: Vec<String> = report
+        .as_ref()
+        .and_then(|r| r.get("checks"))
+        .and_then(serde_json::Value::as_object)
+        .map(|checks| {
+            checks
+                .iter()
+                .filter(|(_, c)| c.get("ok").and_then(serde_json::Value::as_bool) == Some(false))
+                .map(|(name, c)| {
+                    let message = c
+                        .get("message")
+                        .and_then(serde_json::Value::as_str)
+                        .unwrap_or("failed");
+                    format!("{name}: {message}")
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    if failing.is_empty() {
+        body.chars().take(500).collect()
+    } else {
+        failing.join("; ")
+    }
 }
 
 /// GETs `path` over HTTP/1.1 and returns the status code and body.
@@ -172,6 +200,18 @@ async fn get(admin: &Admin, path: &str) -> Result<(u16, String), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failing_report_names_its_failing_checks() {
+        let body = r#"{"ok": false, "checks": {
+            "activities": {"ok": true, "message": "done"},
+            "handler-processes": {"ok": false, "message": "no handler process is connected"}}}"#;
+        assert_eq!(
+            failing_checks(body),
+            "handler-processes: no handler process is connected"
+        );
+        assert_eq!(failing_checks("plain text"), "plain text");
+    }
 
     #[test]
     fn admin_addresses_parse() {
