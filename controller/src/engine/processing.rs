@@ -125,6 +125,11 @@ pub struct Input<'a> {
     /// After this many consecutive attempts lost with their handler process, a handler fails
     /// for good (the poison-pill guard).
     pub max_losses: u32,
+    /// The resource's handlers as they change: a handler withdrawn while the cycle waits for
+    /// it (its process left) interrupts the cycle, which runs again with the handlers then
+    /// registered — instead of waiting for a process that may never come back. `None`: the
+    /// handlers never change.
+    pub registered: Option<tokio::sync::watch::Receiver<std::sync::Arc<Vec<Registration>>>>,
 }
 
 /// A change to our finalizer.

@@ -394,6 +394,7 @@ impl Queue {
                 checkpoint_after: self.ctx.checkpoint_after,
                 daemons_alive,
                 max_losses: self.ctx.max_losses,
+                registered: Some(self.ctx.handlers.clone()),
             },
             self.ctx.invoker.as_ref(),
         )

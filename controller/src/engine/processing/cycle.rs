@@ -3,6 +3,11 @@
 //! plan ([`Cycle::finish`]). `engine::processing` holds what the steps share: the plan, the
 //! composition of the desired body, and the progress bookkeeping.
 
+use std::sync::{
+    Arc,
+    atomic::{AtomicBool, Ordering},
+};
+
 use super::*;
 
 pub(super) async fn run(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
@@ -160,7 +165,13 @@ impl<'i, 'a> Cycle<'i, 'a> {
             self.steps.push(step.with(record));
             return;
         }
-        let outcome = self.invoke(reg, &record, &step, invoker).await;
+        let (outcome, withdrawn) = self.invoke(reg, &record, &step, invoker).await;
+        if withdrawn {
+            info!(handler.id = %reg.id, "handler withdrawn while the cycle waited for it; the object is processed again with the handlers registered now");
+            self.interrupted = true;
+            self.steps.push(step.with(record));
+            return;
+        }
         if matches!(outcome, Outcome::Cancelled | Outcome::Abandoned) && self.input.cancel.is_cancelled() {
             self.interrupted = true;
             self.steps.push(step.with(record));
@@ -186,7 +197,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
         record: &ProgressRecord,
         step: &Step,
         invoker: &dyn Invoker,
-    ) -> Outcome {
+    ) -> (Outcome, bool) {
         let children = child_states(self.input.storage, reg, self.input.body, record);
         let work = work(
             self.input,
@@ -199,8 +210,27 @@ impl<'i, 'a> Cycle<'i, 'a> {
             children,
         );
         debug!(handler.id = %reg.id, attempt = work.attempt, "invoking");
-        let control = Control::cancelled_by(self.input.cancel.child_token());
-        let invocation = invoker.invoke(work, control);
+        let token = self.input.cancel.child_token();
+        let withdrawn = Arc::new(AtomicBool::new(false));
+        let invocation = withdrawable(
+            invoker.invoke(work, Control::cancelled_by(token.clone())),
+            token,
+            self.input.registered.clone(),
+            reg.id.clone(),
+            withdrawn.clone(),
+        );
+        let outcome = self.checkpointed_invocation(invocation, record, step).await;
+        (outcome, withdrawn.load(Ordering::Relaxed))
+    }
+
+    /// Awaits an invocation, checkpointing the progress so far if it runs past the checkpoint
+    /// time.
+    async fn checkpointed_invocation(
+        &mut self,
+        invocation: impl Future<Output = Outcome>,
+        record: &ProgressRecord,
+        step: &Step,
+    ) -> Outcome {
         let unsaved = step.fetched.as_ref() != Some(record);
         let Some(checkpoint) = self
             .input
@@ -377,6 +407,37 @@ fn set_metadata(body: &mut Value, key: &str, value: Option<Value>) {
         }
         None => {
             meta.remove(key);
+        }
+    }
+}
+
+/// An invocation that is cancelled when its handler is withdrawn from the resource's handlers
+/// (its process left) before it ends; `withdrawn` then says so.
+async fn withdrawable(
+    invocation: BoxFuture<'static, Outcome>,
+    token: CancellationToken,
+    registered: Option<tokio::sync::watch::Receiver<Arc<Vec<Registration>>>>,
+    id: HandlerId,
+    withdrawn: Arc<AtomicBool>,
+) -> Outcome {
+    let Some(mut registered) = registered else {
+        return invocation.await;
+    };
+    tokio::pin!(invocation);
+    tokio::select! {
+        biased;
+        outcome = &mut invocation => outcome,
+        // Also when the sender is gone (the resource's watch stops).
+        () = async {
+            // The guard of the watched value is dropped before the branch runs.
+            let _ = registered.wait_for(|handlers| !handlers.iter().any(|h| h.id == id)).await.map(drop);
+        } => {
+            token.cancel();
+            // Work already in flight ends as it ends (a process that left loses it, and the
+            // loss is recorded); only work that was still waiting is withdrawn.
+            let outcome = invocation.await;
+            withdrawn.store(outcome == Outcome::Cancelled, Ordering::Relaxed);
+            outcome
         }
     }
 }

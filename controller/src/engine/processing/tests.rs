@@ -82,6 +82,7 @@ async fn run(
             checkpoint_after: Duration::from_secs(1),
             daemons_alive: false,
             max_losses: 3,
+            registered: None,
         },
         script,
     )
@@ -566,6 +567,7 @@ async fn run_with_checkpoint(invoker: &dyn Invoker, saved: &dyn Checkpoint) -> P
             checkpoint_after: Duration::from_secs(1),
             daemons_alive: false,
             max_losses: 3,
+            registered: None,
         },
         invoker,
     )
@@ -631,4 +633,59 @@ async fn the_write_after_a_checkpoint_keeps_what_others_wrote_meanwhile() {
         .and_then(Value::as_str)
         .unwrap_or_default();
     assert!(diffbase.contains(r#""size":1"#), "{diffbase}");
+}
+
+/// Waits, as the hub does for a handler that no connected process owns, until cancelled.
+struct Unowned;
+
+impl Invoker for Unowned {
+    fn invoke(&self, _work: Work, control: Control) -> BoxFuture<'static, Outcome> {
+        Box::pin(async move {
+            control.cancel.cancelled().await;
+            Outcome::Cancelled
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_handler_withdrawn_while_the_cycle_waits_for_it_interrupts_the_cycle() {
+    let storage = Storage::annotations("capstan.dev");
+    let cancel = CancellationToken::new();
+    let handlers = vec![
+        reg("left", HandlerKind::Create),
+        reg("stays", HandlerKind::Create),
+    ];
+    let (registered, rx) = tokio::sync::watch::channel(std::sync::Arc::new(handlers.clone()));
+    let withdraw = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        registered.send_replace(std::sync::Arc::new(vec![reg("stays", HandlerKind::Create)]));
+        registered
+    });
+    let plan = tokio::time::timeout(
+        Duration::from_secs(10),
+        cycle(
+            Input {
+                body: &body(),
+                event: EventType::Added,
+                resource: &resource(),
+                handlers: &handlers,
+                memory: Memory::default(),
+                storage: &storage,
+                cancel: &cancel,
+                checkpoint: None,
+                checkpoint_after: Duration::from_secs(1),
+                daemons_alive: false,
+                max_losses: 3,
+                registered: Some(rx),
+            },
+            &Unowned,
+        ),
+    )
+    .await
+    .expect("the cycle does not wait for a process that left");
+    assert!(
+        !plan.done,
+        "the cause is not done without the withdrawn handler's verdict"
+    );
+    let _ = withdraw.await;
 }
