@@ -254,6 +254,9 @@ impl Background {
 /// How often the API server is asked whether it answers when no other request told.
 const REACHABILITY_PROBE: Duration = Duration::from_secs(10);
 
+/// How long the reachability probe waits for the server's version.
+const REACHABILITY_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Keeps the API server's reachability fresh: when no request finished for a while (only
 /// long-running watches, or nothing at all to do) or the last one got no answer, asks for the
 /// server's version.
@@ -269,10 +272,16 @@ async fn probe_reachability(switch: k8s::switch::Switchable, stop: CancellationT
             .idle_for()
             .is_none_or(|idle| idle >= REACHABILITY_PROBE);
         if stale || !reachability.is_reachable() {
+            // A hung server is known as such after the probe's own short deadline, not only
+            // after the requests' timeout.
             tokio::select! {
                 () = stop.cancelled() => return,
-                answer = client.apiserver_version() => if let Err(e) = answer {
-                    debug!(error = %e, "the API server does not answer");
+                answer = tokio::time::timeout(REACHABILITY_PROBE_TIMEOUT, client.apiserver_version()) => match answer {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => debug!(error = %e, "the API server does not answer"),
+                    Err(_) => reachability.failed(format!(
+                        "no answer to a version request within {REACHABILITY_PROBE_TIMEOUT:?}"
+                    )),
                 },
             }
         }

@@ -34,7 +34,7 @@ use tokio::{
     sync::{Semaphore, mpsc, watch},
     task::JoinSet,
 };
-use tokio_util::sync::CancellationToken;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::{
@@ -119,7 +119,14 @@ pub struct Engine {
     discovery: Option<(Arc<Discovery>, watch::Receiver<crds::Snapshot>)>,
     /// Every watched resource's queue, for cleanups across objects (departed nodes).
     queues: nodes::Queues,
+    /// The workers of stopped queues that may still run: a new watch of the same resource
+    /// waits for them before it processes anything.
+    retired: parking_lot::Mutex<Vec<(ResolvedResource, TaskTracker)>>,
 }
+
+/// How long a new watch of a resource waits for the workers of its stopped predecessor (their
+/// invocations get `Cancel` and a grace period; their writes have the request timeout).
+const RETIRED_WORKERS_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// One watched resource.
 struct Watched {
@@ -140,6 +147,7 @@ impl Engine {
             invoker,
             objects,
             queues: nodes::Queues::default(),
+            retired: parking_lot::Mutex::new(Vec::new()),
             settings,
             health,
             activities: None,
@@ -331,6 +339,14 @@ impl Engine {
         w.cancel.cancel();
         self.queues.lock().retain(|(_, q)| !q.same(&w.queue));
         w.queue.stop_timers();
+        let workers = w.queue.workers();
+        workers.close();
+        let mut retired = self.retired.lock();
+        retired.retain(|(_, t)| !t.is_empty());
+        if !workers.is_empty() {
+            retired.push((w.queue.resource().clone(), workers));
+        }
+        drop(retired);
         for check in &w.checks {
             self.health.remove(check);
         }
@@ -415,6 +431,15 @@ impl Engine {
             Some(names) if resource.namespaced => names.into_iter().map(Some).collect(),
             _ => vec![None],
         };
+        let predecessors: Vec<TaskTracker> = {
+            let mut retired = self.retired.lock();
+            let (same, other): (Vec<_>, Vec<_>) = retired
+                .drain(..)
+                .partition(|(r, t)| r == resource && !t.is_empty());
+            *retired = other;
+            same.into_iter().map(|(_, t)| t).collect()
+        };
+        let predecessors_done = Arc::new(tokio::sync::OnceCell::new());
         let served = self.settings.namespaces.clone();
         let selectors = common_selectors(&handlers);
         let (label_selector, field_selector) = selectors.clone();
@@ -454,7 +479,20 @@ impl Engine {
             );
             let (tx, mut rx) = mpsc::channel::<k8s_watch::Event>(1024);
             let span = info_span!("watch", resource = %resource, namespace = scope.as_deref().unwrap_or("*"));
-            tasks.spawn(w.run(tx, cancel.clone()).instrument(span.clone()));
+            let run = w.run(tx, cancel.clone());
+            let predecessors = predecessors.clone();
+            let predecessors_done = predecessors_done.clone();
+            tasks.spawn(
+                async move {
+                    // One worker per object, and no stale listing: the workers of the watch
+                    // this one replaces finish (and write) before this one lists.
+                    predecessors_done
+                        .get_or_init(|| wait_for_retired(predecessors))
+                        .await;
+                    run.await;
+                }
+                .instrument(span.clone()),
+            );
             let q = queue.clone();
             let stop = cancel.clone();
             let served = served.clone();
@@ -487,6 +525,17 @@ impl Engine {
             queue,
             checks,
         }
+    }
+}
+
+/// Waits, within [`RETIRED_WORKERS_WAIT`], for the workers of stopped queues.
+async fn wait_for_retired(workers: Vec<TaskTracker>) {
+    if workers.is_empty() {
+        return;
+    }
+    let all = futures::future::join_all(workers.iter().map(TaskTracker::wait));
+    if tokio::time::timeout(RETIRED_WORKERS_WAIT, all).await.is_err() {
+        warn!(wait = ?RETIRED_WORKERS_WAIT, "workers of the resource's previous watch are still running; going on");
     }
 }
 

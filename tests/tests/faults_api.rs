@@ -117,6 +117,7 @@ async fn refused_reset_delayed_and_half_closed_connections_are_survived() -> Res
 
     let rounds = faults::size(1, 5);
     let outage = Duration::from_secs(8);
+    let frozen_outage = Duration::from_secs(25);
     let mut injected = 0;
     let mut names = Vec::new();
     let mut always_ready = Vec::new();
@@ -141,6 +142,13 @@ async fn refused_reset_delayed_and_half_closed_connections_are_survived() -> Res
             injected += 1;
             // The object changes while the controller cannot reach the API server.
             s.create(&name, json!({})).await?;
+            // A frozen connection is known only by a deadline: the controller probes an idle
+            // API server every 10 s and gives the probe 5 s.
+            let outage = if fault == Fault::Frozen {
+                frozen_outage
+            } else {
+                outage
+            };
             let (not_ready, unhealthy) = watch_health(&s, outage).await;
             proxy.set(Fault::None);
             if !unhealthy.is_empty() {

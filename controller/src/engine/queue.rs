@@ -21,7 +21,7 @@ use tokio::{
     sync::{Semaphore, watch},
     task::JoinHandle,
 };
-use tokio_util::sync::CancellationToken;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument, debug, error, info_span, warn};
 
 use super::{
@@ -90,6 +90,8 @@ pub struct Queue {
     writer: Arc<Writer>,
     events: Arc<events::EventDispatch>,
     slots: Arc<Mutex<HashMap<String, Slot>>>,
+    /// The objects' workers: owned, so that a queue that is stopped can be waited for.
+    workers: TaskTracker,
 }
 
 #[derive(Default)]
@@ -127,6 +129,7 @@ impl Queue {
             cancel: ctx.cancel.clone(),
         });
         Self {
+            workers: TaskTracker::new(),
             ctx: Arc::new(ctx),
             writer,
             events: Arc::new(events::EventDispatch::default()),
@@ -184,7 +187,7 @@ impl Queue {
         if !slot.running {
             slot.running = true;
             let queue = self.clone();
-            tokio::spawn(async move { queue.work(uid).await });
+            self.workers.spawn(async move { queue.work(uid).await });
         }
     }
 
@@ -206,6 +209,18 @@ impl Queue {
         for body in bodies {
             self.push(EventType::Modified, body);
         }
+    }
+
+    /// The queue's workers, to wait for once the queue is stopped: a new queue of the same
+    /// resource must not process an object while a worker of this one still does (its cycle
+    /// may still be waiting for an invocation's end or writing).
+    pub fn workers(&self) -> TaskTracker {
+        self.workers.clone()
+    }
+
+    /// The queue's resource.
+    pub fn resource(&self) -> &ResolvedResource {
+        &self.ctx.resource
     }
 
     /// Whether both handles are the same queue.
