@@ -294,3 +294,29 @@ pub fn start_handler(env: &TestEnv, name: &str, endpoint: &str, vars: &[(&str, &
     env_vars.entry("RUST_LOG".into()).or_insert_with(|| "info".into());
     Process::spawn(name, &bin, &[], &env_vars, env.scratch())
 }
+
+/// The python of a virtualenv with pinned dependencies: `$var` when set (as `scripts/test.sh`
+/// does), or else the path that `script` (relative to the repository root) prints on its last
+/// line after creating the venv. The Python SDK's and the grpcio interop venvs are found the
+/// same way.
+pub async fn venv_python(var: &str, script: &str) -> Result<PathBuf> {
+    if let Ok(python) = std::env::var(var) {
+        return Ok(PathBuf::from(python));
+    }
+    let out = Command::new("bash")
+        .arg(repo_root().join(script))
+        .output()
+        .await
+        .with_context(|| format!("running {script}"))?;
+    if !out.status.success() {
+        bail!("{script} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let stdout = String::from_utf8(out.stdout)?;
+    Ok(PathBuf::from(stdout.lines().last().unwrap_or_default().trim()))
+}
+
+/// The Python SDK's venv python (`$CAPSTAN_PYTHON_SDK_PYTHON`, or what
+/// `sdk-python/scripts/venv.sh` creates).
+pub async fn sdk_python() -> Result<PathBuf> {
+    venv_python("CAPSTAN_PYTHON_SDK_PYTHON", "sdk-python/scripts/venv.sh").await
+}

@@ -10,15 +10,17 @@
 //! itself); [`Proxy::refuse`] makes the API server unreachable (the port is closed and open
 //! connections are cut) until [`Proxy::accept`].
 
-use std::{net::SocketAddr, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpListener, TcpStream, tcp::OwnedReadHalf, tcp::OwnedWriteHalf},
     sync::watch,
     task::JoinHandle,
 };
+
+use crate::testenv::TestEnv;
 
 /// A fault the proxy injects.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -49,6 +51,24 @@ pub struct Proxy {
 }
 
 impl Proxy {
+    /// Starts a proxy in front of `env`'s API server and writes a copy of its kubeconfig that
+    /// talks through the proxy; returns the proxy and that kubeconfig's path. Every test that
+    /// cuts the controller off from the API server sets itself up this way, so the kubeconfig
+    /// rewrite lives here once.
+    pub async fn in_front_of(env: &TestEnv) -> Result<(Self, PathBuf)> {
+        let kubeconfig = std::fs::read_to_string(&env.kubeconfig)?;
+        let server = kubeconfig
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("server: https://"))
+            .context("no server in the kubeconfig")?
+            .to_owned();
+        let upstream: SocketAddr = server.parse()?;
+        let proxy = Self::start(upstream).await?;
+        let proxied = env.scratch().join("proxied.kubeconfig");
+        std::fs::write(&proxied, kubeconfig.replace(&server, &proxy.addr.to_string()))?;
+        Ok((proxy, proxied))
+    }
+
     /// Starts a proxy to `upstream` on a free loopback port.
     pub async fn start(upstream: SocketAddr) -> Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;

@@ -79,6 +79,36 @@ impl Scenario {
         })
     }
 
+    /// Wraps a controller and an SDK's operator process (in place of the e2e handler process)
+    /// on `env` into a scenario in `default`, once the controller saw the process connect and
+    /// the process logged its connection, each within `timeout`. The SDK example tests (Go,
+    /// Python) start their operators differently but join them to a scenario this one way.
+    pub async fn with_operator(
+        env: TestEnv,
+        mut controller: Controller,
+        mut operator: Process,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let client = env.client().await?;
+        controller
+            .process
+            .wait_for("handler process connected", timeout)
+            .await?;
+        operator
+            .wait_for("capstan: connected to the controller", timeout)
+            .await?;
+        let calls = env.scratch().join("calls.log");
+        Ok(Self {
+            env,
+            client,
+            controller,
+            handler: operator,
+            calls,
+            presets: String::new(),
+            namespace: "default".into(),
+        })
+    }
+
     /// The example API in the test namespace.
     pub fn api(&self) -> Api<DynamicObject> {
         examples(&self.client, &self.namespace)
@@ -177,6 +207,19 @@ impl Scenario {
                 let name = parts.next()?.to_owned();
                 let attempt = parts.next()?.parse().ok()?;
                 Some((id, name, attempt))
+            })
+            .collect()
+    }
+
+    /// The handler process's notes of `kind` in the call log (lines like `lost <handler>
+    /// <object> <attempt> <reason>` beside the calls), each as its words after `kind`.
+    pub fn notes(&self, kind: &str) -> Vec<Vec<String>> {
+        std::fs::read_to_string(&self.calls)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let mut words = l.split_whitespace();
+                (words.next() == Some(kind)).then(|| words.map(str::to_owned).collect())
             })
             .collect()
     }

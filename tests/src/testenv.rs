@@ -11,12 +11,12 @@ use std::{
 use anyhow::{Context as _, Result, anyhow, bail};
 use kube::{
     Api, Client,
-    api::{DynamicObject, Patch, PatchParams},
+    api::{DynamicObject, Patch, PatchParams, PostParams},
     config::{KubeConfigOptions, Kubeconfig},
     core::GroupVersionKind,
     discovery::ApiResource,
 };
-use serde_json::Value;
+use serde_json::{Value, json};
 use tokio::{
     io::{AsyncBufReadExt, BufReader},
     process::{Child, Command},
@@ -232,6 +232,20 @@ pub fn examples(client: &Client, namespace: &str) -> Api<DynamicObject> {
         "examples",
     );
     Api::namespaced_with(client.clone(), namespace, &ar)
+}
+
+/// Creates the example object `name` with `spec` in `default`, as a user would. For tests that
+/// drive a controller without a [`Scenario`](crate::scenario::Scenario) (whose `create` does
+/// the same in its own namespace), so that they share one spelling of an Example.
+pub async fn create_example(env: &TestEnv, name: &str, spec: Value) -> Result<()> {
+    let obj: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+        "metadata": {"name": name, "namespace": "default"}, "spec": spec
+    }))?;
+    examples(&env.client().await?, "default")
+        .create(&PostParams::default(), &obj)
+        .await?;
+    Ok(())
 }
 
 /// Server-side applies an object through a dynamic API.

@@ -10,23 +10,11 @@ use anyhow::{Context as _, Result, bail, ensure};
 use capstan_tests::{
     process::{Controller, Process, start_handler},
     scenario::tail,
-    testenv::{TestEnv, examples},
+    testenv::{TestEnv, create_example},
 };
-use kube::api::{DynamicObject, PostParams};
 use serde_json::{Value, json};
 
 const T: Duration = Duration::from_secs(60);
-
-async fn create(env: &TestEnv, name: &str) -> Result<()> {
-    let obj: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
-        "metadata": {"name": name, "namespace": "default"}, "spec": {}
-    }))?;
-    examples(&env.client().await?, "default")
-        .create(&PostParams::default(), &obj)
-        .await?;
-    Ok(())
-}
 
 fn lines(path: &std::path::Path) -> Vec<String> {
     std::fs::read_to_string(path)
@@ -65,7 +53,7 @@ fn position(all: &[String], line: &str) -> Option<usize> {
 async fn a_startup_handler_failing_then_succeeding_gates_all_processing_and_runs_once() -> Result<()> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
-    create(&env, "early").await?;
+    create_example(&env, "early", json!({})).await?;
     let mut controller = Controller::start(&env, "capstan", &[]).await?;
     let calls = env.scratch().join("calls.log");
     let log = calls.to_string_lossy().into_owned();
@@ -106,7 +94,7 @@ async fn a_startup_handler_failing_then_succeeding_gates_all_processing_and_runs
     // A reconnecting handler process does not run startup again.
     handler.kill().await?;
     handler = start_handler(&env, "handler", &controller.endpoint(), &vars)?;
-    create(&env, "later").await?;
+    create_example(&env, "later", json!({})).await?;
     wait_line(&calls, "create_fn later 1", &controller, &handler).await?;
     let attempts = lines(&calls)
         .iter()
@@ -128,7 +116,7 @@ async fn a_startup_handler_failing_then_succeeding_gates_all_processing_and_runs
 async fn a_permanently_failing_startup_handler_stops_the_controller_with_an_error() -> Result<()> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
-    create(&env, "untouched").await?;
+    create_example(&env, "untouched", json!({})).await?;
     let mut controller = Controller::start(&env, "capstan", &[]).await?;
     let calls = env.scratch().join("calls.log");
     let log = calls.to_string_lossy().into_owned();
@@ -181,7 +169,7 @@ async fn cleanup_handlers_run_on_sigterm_and_the_controller_exits_0() -> Result<
         .process
         .wait_for("handler process connected", T)
         .await?;
-    create(&env, "one").await?;
+    create_example(&env, "one", json!({})).await?;
     wait_line(&calls, "create_fn one 1", &controller, &handler).await?;
     ensure!(!lines(&calls).iter().any(|l| l == "cleanup ran"));
     let status = controller.process.terminate().await?;
@@ -292,7 +280,7 @@ async fn login_credentials_are_used_for_the_api_and_bad_ones_are_retried() -> Re
             ("E2E_LOGIN_BAD_FIRST", "1"),
         ],
     )?;
-    create(&env, "who").await?;
+    create_example(&env, "who", json!({})).await?;
     wait_line(&calls, "create_fn who 1", &controller, &handler).await?;
     let all = lines(&calls);
     ensure!(

@@ -178,15 +178,11 @@ async fn a_timer_ticks_on_its_interval_with_the_latest_body() -> anyhow::Result<
 
 /// The start times of `handler`'s ticks on `object` (ms), from the handler's `tick-at` notes.
 fn tick_starts(s: &Scenario, handler: &str, object: &str) -> Vec<u128> {
-    std::fs::read_to_string(&s.calls)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| {
-            let parts: Vec<&str> = l.split_whitespace().collect();
-            match parts.as_slice() {
-                ["tick-at", h, o, ms] if *h == handler && *o == object => ms.parse().ok(),
-                _ => None,
-            }
+    s.notes("tick-at")
+        .into_iter()
+        .filter_map(|words| match words.as_slice() {
+            [h, o, ms] if h == handler && o == object => ms.parse().ok(),
+            _ => None,
         })
         .collect()
 }

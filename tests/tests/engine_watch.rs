@@ -3,7 +3,7 @@
 //! the pod), restarted, and catches up with what happened meanwhile; a write lost to an API
 //! outage is retried after a backoff without running the handler again.
 
-use std::{net::SocketAddr, time::Duration};
+use std::time::Duration;
 
 use capstan_tests::{
     process::{Controller, start_handler},
@@ -34,16 +34,7 @@ async fn a_silently_hung_watch_is_reported_restarted_and_catches_up() -> anyhow:
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
     let client = env.client().await?;
-    let kubeconfig = std::fs::read_to_string(&env.kubeconfig)?;
-    let server = kubeconfig
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("server: https://"))
-        .ok_or_else(|| anyhow::anyhow!("no server in the kubeconfig"))?
-        .to_owned();
-    let upstream: SocketAddr = server.parse()?;
-    let proxy = Proxy::start(upstream).await?;
-    let proxied = env.scratch().join("proxied.kubeconfig");
-    std::fs::write(&proxied, kubeconfig.replace(&server, &proxy.addr.to_string()))?;
+    let (proxy, proxied) = Proxy::in_front_of(&env).await?;
 
     // No checkpoint while the slow handler below runs: its final write is the one that meets
     // the outage.

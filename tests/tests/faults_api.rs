@@ -5,7 +5,7 @@
 //! `/readyz` while `/healthz` stays healthy (an unreachable API server must not get the
 //! controller restarted).
 
-use std::{net::SocketAddr, time::Duration};
+use std::time::Duration;
 
 use anyhow::{Context as _, Result, ensure};
 use capstan_tests::{
@@ -103,16 +103,7 @@ async fn a_frozen_api_server_shows_on_readyz_only_and_nothing_is_done_twice() ->
 async fn refused_reset_delayed_and_half_closed_connections_are_survived() -> Result<()> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
-    let kubeconfig = std::fs::read_to_string(&env.kubeconfig)?;
-    let server = kubeconfig
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("server: https://"))
-        .context("no server in the kubeconfig")?
-        .to_owned();
-    let upstream: SocketAddr = server.parse()?;
-    let proxy = Proxy::start(upstream).await?;
-    let proxied = env.scratch().join("proxied.kubeconfig");
-    std::fs::write(&proxied, kubeconfig.replace(&server, &proxy.addr.to_string()))?;
+    let (proxy, proxied) = Proxy::in_front_of(&env).await?;
     let s = Scenario::attach(env, &proxied, "create", &[], "default").await?;
 
     let rounds = faults::size(1, 5);

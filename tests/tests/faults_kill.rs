@@ -26,6 +26,7 @@ use capstan_tests::{
 };
 use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
+use tokio::task::JoinHandle;
 
 /// What the workload did to one object.
 #[derive(Clone, Debug)]
@@ -87,14 +88,7 @@ async fn the_controller_killed_at_random_points_loses_no_cause_and_repeats_nothi
     let args = ["--checkpoint-after", "300ms"];
     let mut s = Scenario::start("create3,update,delete", &args).await?;
     let mut rng = Rng::from_env("controller kill loop");
-    let stop = Arc::new(AtomicBool::new(false));
-    let driver = tokio::spawn(workload(
-        s.client.clone(),
-        s.namespace.clone(),
-        Rng::new(rng.draw()),
-        stop.clone(),
-        faults::size(24, 120),
-    ));
+    let driver = Driver::start(&s, &mut rng);
     let mut crashes = Vec::new();
     let mut survived = 0;
     for k in 0..kills {
@@ -109,13 +103,7 @@ async fn the_controller_killed_at_random_points_loses_no_cause_and_repeats_nothi
             .with_context(|| format!("restart {} after a kill", k + 1))?;
         survived += 1;
     }
-    stop.store(true, Ordering::Relaxed);
-    let planned = driver.await??;
-    println!(
-        "{} kills survived while {} objects were worked on",
-        crashes.len(),
-        planned.len()
-    );
+    let planned = driver.finish(&crashes).await?;
     converged(&s, &planned, &crashes).await.with_context(|| {
         format!(
             "after {survived} controller kills, {} objects\ncontroller log tail:\n{}",
@@ -140,14 +128,7 @@ async fn the_handler_process_killed_at_random_points_loses_no_cause_and_repeats_
     let args = ["--checkpoint-after", "300ms", "--max-losses", "100000"];
     let mut s = Scenario::start("create3,update,delete", &args).await?;
     let mut rng = Rng::from_env("handler kill loop");
-    let stop = Arc::new(AtomicBool::new(false));
-    let driver = tokio::spawn(workload(
-        s.client.clone(),
-        s.namespace.clone(),
-        Rng::new(rng.draw()),
-        stop.clone(),
-        faults::size(24, 120),
-    ));
+    let driver = Driver::start(&s, &mut rng);
     let mut crashes = Vec::new();
     for _ in 0..kills {
         tokio::time::sleep(Duration::from_millis(rng.range(200, 1200))).await;
@@ -155,13 +136,7 @@ async fn the_handler_process_killed_at_random_points_loses_no_cause_and_repeats_
         crashes.push(s.calls().len());
         s.restart_handler().await?;
     }
-    stop.store(true, Ordering::Relaxed);
-    let planned = driver.await??;
-    println!(
-        "{} kills survived while {} objects were worked on",
-        crashes.len(),
-        planned.len()
-    );
+    let planned = driver.finish(&crashes).await?;
     converged(&s, &planned, &crashes).await.with_context(|| {
         format!(
             "after {kills} handler process kills, {} objects\nhandler log tail:\n{}",
@@ -175,6 +150,39 @@ async fn the_handler_process_killed_at_random_points_loses_no_cause_and_repeats_
         s.calls().len()
     );
     Ok(())
+}
+
+/// The [`workload`] running in the background during a kill loop.
+struct Driver {
+    stop: Arc<AtomicBool>,
+    task: JoinHandle<Result<Vec<Planned>>>,
+}
+
+impl Driver {
+    /// Starts the workload with its own client and a random stream drawn from `rng`.
+    fn start(s: &Scenario, rng: &mut Rng) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn(workload(
+            s.client.clone(),
+            s.namespace.clone(),
+            Rng::new(rng.draw()),
+            stop.clone(),
+            faults::size(24, 120),
+        ));
+        Self { stop, task }
+    }
+
+    /// Stops the workload once the kills (`crashes`) are over; returns what it did.
+    async fn finish(self, crashes: &[usize]) -> Result<Vec<Planned>> {
+        self.stop.store(true, Ordering::Relaxed);
+        let planned = self.task.await??;
+        println!(
+            "{} kills survived while {} objects were worked on",
+            crashes.len(),
+            planned.len()
+        );
+        Ok(planned)
+    }
 }
 
 /// Creates, updates and deletes objects until `stop` (or `limit` objects), at random

@@ -59,28 +59,11 @@ async fn build_go_operator(dir: &Path) -> Result<PathBuf> {
 async fn start() -> Result<Scenario> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
-    let client = env.client().await?;
     let binary = build_go_operator(env.scratch()).await?;
-    let mut controller = Controller::start(&env, "capstan", &["--shutdown-grace", "5s"]).await?;
+    let controller = Controller::start(&env, "capstan", &["--shutdown-grace", "5s"]).await?;
     let vars = HashMap::from([("CAPSTAN_ENDPOINT".to_owned(), controller.endpoint())]);
-    let mut operator = Process::spawn("go-operator", &binary, &[], &vars, env.scratch())?;
-    controller
-        .process
-        .wait_for("handler process connected", T)
-        .await?;
-    operator
-        .wait_for("capstan: connected to the controller", T)
-        .await?;
-    let calls = env.scratch().join("calls.log");
-    Ok(Scenario {
-        env,
-        client,
-        controller,
-        handler: operator,
-        calls,
-        presets: String::new(),
-        namespace: "default".into(),
-    })
+    let operator = Process::spawn("go-operator", &binary, &[], &vars, env.scratch())?;
+    Scenario::with_operator(env, controller, operator, T).await
 }
 
 #[tokio::test]

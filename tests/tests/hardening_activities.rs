@@ -10,24 +10,12 @@ use anyhow::{Context as _, Result, bail, ensure};
 use capstan_tests::{
     process::{Controller, Process, start_handler},
     scenario::tail,
-    testenv::{TestEnv, examples},
+    testenv::{TestEnv, create_example},
 };
-use kube::api::{DynamicObject, PostParams};
 use serde_json::json;
 use tokio::time::Instant;
 
 const T: Duration = Duration::from_secs(60);
-
-async fn create(env: &TestEnv, name: &str) -> Result<()> {
-    let obj: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
-        "metadata": {"name": name, "namespace": "default"}, "spec": {}
-    }))?;
-    examples(&env.client().await?, "default")
-        .create(&PostParams::default(), &obj)
-        .await?;
-    Ok(())
-}
 
 fn has_line(path: &std::path::Path, line: &str) -> bool {
     std::fs::read_to_string(path)
@@ -112,12 +100,12 @@ async fn a_late_startup_failure_withdraws_only_its_own_process_while_others_serv
     let calls = env.scratch().join("calls.log");
     let log = calls.to_string_lossy().into_owned();
     let mut serving = handler(&env, "serving", &controller, "create", &log)?;
-    create(&env, "one").await?;
+    create_example(&env, "one", json!({})).await?;
     wait_line(&calls, "create_fn one 1", &controller).await?;
 
     let mut late = handler(&env, "late", &controller, "startup-permanent", &log)?;
     late_failure_is_confined(&mut controller, &mut late).await?;
-    create(&env, "two").await?;
+    create_example(&env, "two", json!({})).await?;
     wait_line(&calls, "create_fn two 1", &controller).await?;
     wait_admin(&controller, "/readyz", 200, T).await?;
 
@@ -136,7 +124,7 @@ async fn a_late_startup_failure_with_nothing_else_happening_never_hangs_the_cont
     let calls = env.scratch().join("calls.log");
     let log = calls.to_string_lossy().into_owned();
     let mut first = handler(&env, "first", &controller, "create", &log)?;
-    create(&env, "one").await?;
+    create_example(&env, "one", json!({})).await?;
     wait_line(&calls, "create_fn one 1", &controller).await?;
     first.kill().await?;
     controller
@@ -148,7 +136,7 @@ async fn a_late_startup_failure_with_nothing_else_happening_never_hangs_the_cont
     late_failure_is_confined(&mut controller, &mut late).await?;
     // Another process is served as usual.
     let mut next = handler(&env, "next", &controller, "create", &log)?;
-    create(&env, "two").await?;
+    create_example(&env, "two", json!({})).await?;
     wait_line(&calls, "create_fn two 1", &controller).await?;
 
     let status = controller.process.terminate().await?;
@@ -163,7 +151,7 @@ async fn a_login_handler_that_never_answers_is_reported_and_its_process_leaving_
 -> Result<()> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
-    create(&env, "waiting").await?;
+    create_example(&env, "waiting", json!({})).await?;
     let mut controller = Controller::start(&env, "capstan", &[]).await?;
     let calls = env.scratch().join("calls.log");
     let log = calls.to_string_lossy().into_owned();

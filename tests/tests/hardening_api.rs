@@ -3,84 +3,47 @@
 //! stays alive (`/healthz`) but not ready (`/readyz`, with the reason), and both recover; an
 //! Event whose posting failed during the outage is posted once the server is back.
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::time::Duration;
 
 use anyhow::{Result, bail, ensure};
 use capstan_tests::{
-    process::{Controller, Process, start_handler},
     proxy::Proxy,
-    scenario::{annotation, tail},
-    testenv::{TestEnv, examples},
+    scenario::{Scenario, annotation, tail},
+    testenv::TestEnv,
 };
 use k8s_openapi::api::core::v1::Event;
-use kube::{
-    Api,
-    api::{DynamicObject, ListParams, PostParams},
-};
-use serde_json::{Value, json};
+use kube::{Api, api::ListParams};
+use serde_json::json;
 use tokio::time::Instant;
 
-/// A testenv, a proxy in front of it, a controller that talks through the proxy and a handler
-/// process with `presets`.
+/// A scenario whose controller talks to the API server through a proxy.
 struct Proxied {
-    env: TestEnv,
+    s: Scenario,
     proxy: Proxy,
-    controller: Controller,
-    handler: Process,
-    calls: PathBuf,
+}
+
+impl std::ops::Deref for Proxied {
+    type Target = Scenario;
+
+    fn deref(&self) -> &Scenario {
+        &self.s
+    }
 }
 
 impl Proxied {
+    /// A testenv, a proxy in front of it, a controller that talks through the proxy and a
+    /// handler process with `presets`.
     async fn start(presets: &str, args: &[&str]) -> Result<Self> {
         let env = TestEnv::start().await?;
         env.apply_example_crd().await?;
-        let kubeconfig = std::fs::read_to_string(&env.kubeconfig)?;
-        let server = kubeconfig
-            .lines()
-            .find_map(|l| l.trim().strip_prefix("server: https://"))
-            .ok_or_else(|| anyhow::anyhow!("no server in the kubeconfig"))?
-            .to_owned();
-        let upstream: SocketAddr = server.parse()?;
-        let proxy = Proxy::start(upstream).await?;
-        let proxied = env.scratch().join("proxied.kubeconfig");
-        std::fs::write(&proxied, kubeconfig.replace(&server, &proxy.addr.to_string()))?;
-        let mut controller = Controller::start_with(&env, &proxied, "capstan", args).await?;
-        let calls = env.scratch().join("calls.log");
-        let handler = start_handler(
-            &env,
-            "handler",
-            &controller.endpoint(),
-            &[("E2E_HANDLERS", presets), ("E2E_LOG", &calls.to_string_lossy())],
-        )?;
-        controller
-            .process
-            .wait_for("handler process connected", Duration::from_secs(60))
-            .await?;
-        Ok(Self {
-            env,
-            proxy,
-            controller,
-            handler,
-            calls,
-        })
-    }
-
-    async fn api(&self) -> Result<Api<DynamicObject>> {
-        Ok(examples(&self.env.client().await?, "default"))
-    }
-
-    async fn create(&self, name: &str, spec: Value) -> Result<()> {
-        let obj: DynamicObject = serde_json::from_value(json!({
-            "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
-            "metadata": {"name": name, "namespace": "default"}, "spec": spec
-        }))?;
-        self.api().await?.create(&PostParams::default(), &obj).await?;
-        Ok(())
+        let (proxy, proxied) = Proxy::in_front_of(&env).await?;
+        let s = Scenario::attach(env, &proxied, presets, args, "default").await?;
+        Ok(Self { s, proxy })
     }
 
     /// Waits until `name`'s change was handled (its diff-base is written).
     async fn handled(&self, name: &str, within: Duration) -> Result<()> {
-        let api = self.api().await?;
+        let api = self.api();
         let deadline = Instant::now() + within;
         loop {
             let o = serde_json::to_value(api.get(name).await?)?;

@@ -23,17 +23,11 @@ fn handled(o: &Value) -> bool {
 
 /// The `lost` notes of the handler process: (attempt, last error reason) per call.
 fn losses(s: &Scenario, name: &str) -> Vec<(u32, String)> {
-    std::fs::read_to_string(&s.calls)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| {
-            let parts: Vec<&str> = l.split_whitespace().collect();
-            match parts.as_slice() {
-                ["lost", _, n, attempt, reason] if *n == name => {
-                    Some((attempt.parse().ok()?, (*reason).to_owned()))
-                }
-                _ => None,
-            }
+    s.notes("lost")
+        .into_iter()
+        .filter_map(|words| match words.as_slice() {
+            [_, n, attempt, reason] if n == name => Some((attempt.parse().ok()?, reason.clone())),
+            _ => None,
         })
         .collect()
 }

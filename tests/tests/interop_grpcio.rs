@@ -7,41 +7,19 @@
 //! controller's HTTP/2 frame layer (`grpc::frames`) honest. It also checks that the handler's
 //! log record with a newline stays one line in the controller's text log.
 
-use std::{collections::HashMap, path::PathBuf, time::Duration};
+use std::{collections::HashMap, time::Duration};
 
 use anyhow::{Context as _, Result, bail};
 use capstan_tests::{
-    process::{Controller, Process},
-    testenv::{TestEnv, examples, repo_root},
+    process::{Controller, Process, venv_python},
+    testenv::{TestEnv, create_example, examples, repo_root},
 };
-use kube::api::PostParams;
 use serde_json::json;
-
-/// The venv's python with the pinned grpcio: `$CAPSTAN_INTEROP_PYTHON` (set by
-/// `scripts/test.sh`), or what `tests/interop/setup.sh` creates.
-async fn interop_python() -> Result<PathBuf> {
-    if let Ok(python) = std::env::var("CAPSTAN_INTEROP_PYTHON") {
-        return Ok(PathBuf::from(python));
-    }
-    let out = tokio::process::Command::new("bash")
-        .arg(repo_root().join("tests/interop/setup.sh"))
-        .output()
-        .await
-        .context("running tests/interop/setup.sh")?;
-    if !out.status.success() {
-        bail!(
-            "tests/interop/setup.sh failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let stdout = String::from_utf8(out.stdout)?;
-    let python = stdout.lines().last().unwrap_or_default().trim();
-    Ok(PathBuf::from(python))
-}
 
 #[tokio::test]
 async fn stock_grpcio_handles_an_object_over_the_unix_socket() -> Result<()> {
-    let python = interop_python().await?;
+    // The venv's python with the pinned grpcio.
+    let python = venv_python("CAPSTAN_INTEROP_PYTHON", "tests/interop/setup.sh").await?;
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
     let controller = Controller::start(&env, "capstan", &[]).await?;
@@ -58,13 +36,7 @@ async fn stock_grpcio_handles_an_object_over_the_unix_socket() -> Result<()> {
         .with_context(|| format!("controller log:\n{}", controller.process.output()))?;
 
     let client = env.client().await?;
-    let obj = serde_json::from_value(json!({
-        "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
-        "metadata": {"name": "one", "namespace": "default"}, "spec": {"size": 1}
-    }))?;
-    examples(&client, "default")
-        .create(&PostParams::default(), &obj)
-        .await?;
+    create_example(&env, "one", json!({"size": 1})).await?;
     handler
         .wait_for("INVOCATION grpcio_create one 1", Duration::from_secs(60))
         .await?;

@@ -13,9 +13,8 @@ use anyhow::{Result, bail, ensure};
 use capstan_tests::{
     process::{Controller, Process, capstan_binary, start_handler},
     scenario::tail,
-    testenv::{TestEnv, examples, repo_root},
+    testenv::{TestEnv, create_example, examples, repo_root},
 };
-use kube::api::{DynamicObject, PostParams};
 use serde_json::{Value, json};
 
 const PAUSED: &str = "pausing: no new handler invocations";
@@ -158,18 +157,6 @@ async fn peers(env: &TestEnv) -> Result<Value> {
     Ok(serde_json::from_str(&status)?)
 }
 
-async fn create(env: &TestEnv, name: &str, spec: Value) -> Result<()> {
-    let client = env.client().await?;
-    let obj: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
-        "metadata": {"name": name, "namespace": "default"}, "spec": spec
-    }))?;
-    examples(&client, "default")
-        .create(&PostParams::default(), &obj)
-        .await?;
-    Ok(())
-}
-
 /// Whether the object's change was recorded as handled (diff-base written).
 async fn handled(env: &TestEnv, name: &str) -> Result<bool> {
     let client = env.client().await?;
@@ -201,7 +188,7 @@ async fn capstan(env: &TestEnv, args: &[&str]) -> Result<String> {
 async fn a_dev_operator_freezes_a_normal_one_until_it_exits() -> Result<()> {
     let env = env_with_crds(true).await?;
     let normal = Operator::start(&env, "normal", &[]).await?;
-    create(&env, "before", json!({})).await?;
+    create_example(&env, "before", json!({})).await?;
     normal.wait_call("before", Duration::from_secs(30)).await?;
 
     let dev = Operator::start(&env, "dev", &["--dev"]).await?;
@@ -213,7 +200,7 @@ async fn a_dev_operator_freezes_a_normal_one_until_it_exits() -> Result<()> {
         "the normal operator does not say in whose favour it pauses"
     );
 
-    create(&env, "during", json!({})).await?;
+    create_example(&env, "during", json!({})).await?;
     dev.wait_call("during", Duration::from_secs(30)).await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     ensure!(normal.count("during") == 0, "a frozen operator invoked a handler");
@@ -232,7 +219,7 @@ async fn a_dev_operator_freezes_a_normal_one_until_it_exits() -> Result<()> {
 
     dev.stop().await?;
     normal.wait_log(RESUMED, 1, Duration::from_secs(20)).await?;
-    create(&env, "after", json!({})).await?;
+    create_example(&env, "after", json!({})).await?;
     normal.wait_call("after", Duration::from_secs(30)).await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     ensure!(
@@ -254,7 +241,7 @@ async fn an_operator_of_one_namespace_is_frozen_by_its_namespaces_peering_only()
     let op = Operator::start(&env, "op", &["--namespace", "default"]).await?;
     // A cluster-wide freeze is for cluster-wide operators.
     capstan(&env, &["freeze", "-A", "--lifetime", "30", "--priority", "100"]).await?;
-    create(&env, "free", json!({})).await?;
+    create_example(&env, "free", json!({})).await?;
     op.wait_call("free", Duration::from_secs(30)).await?;
     ensure!(
         !op.log().contains(PAUSED),
@@ -271,7 +258,7 @@ async fn an_operator_of_one_namespace_is_frozen_by_its_namespaces_peering_only()
         "freeze said: {out}"
     );
     op.wait_log(PAUSED, 1, Duration::from_secs(20)).await?;
-    create(&env, "held", json!({})).await?;
+    create_example(&env, "held", json!({})).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     ensure!(op.count("held") == 0, "a frozen operator invoked a handler");
     capstan(&env, &["resume", "-n", "default"]).await?;
@@ -292,7 +279,7 @@ async fn a_crashed_dev_operator_freezes_others_only_until_its_lifetime_expires()
     dev.controller.process.kill().await?;
     let killed = tokio::time::Instant::now();
     dev.handler.kill().await?;
-    create(&env, "orphaned", json!({})).await?;
+    create_example(&env, "orphaned", json!({})).await?;
     normal.wait_log(RESUMED, 1, Duration::from_secs(30)).await?;
     let took = killed.elapsed();
     ensure!(
@@ -307,7 +294,7 @@ async fn a_crashed_dev_operator_freezes_others_only_until_its_lifetime_expires()
 async fn capstan_freeze_pauses_and_capstan_resume_resumes() -> Result<()> {
     let env = env_with_crds(true).await?;
     let op = Operator::start_with_handlers(&env, "op", "create,daemon", &[]).await?;
-    create(&env, "watched", json!({})).await?;
+    create_example(&env, "watched", json!({})).await?;
     op.wait_line("monitor watched ", 1, Duration::from_secs(30))
         .await?;
 
@@ -344,7 +331,7 @@ async fn capstan_freeze_pauses_and_capstan_resume_resumes() -> Result<()> {
         Duration::from_secs(20),
     )
     .await?;
-    create(&env, "frozen", json!({})).await?;
+    create_example(&env, "frozen", json!({})).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     ensure!(op.count("frozen") == 0, "a frozen operator invoked a handler");
 
@@ -444,7 +431,7 @@ async fn replicas_elect_one_leader_and_a_standby_takes_over_after_a_crash() -> R
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    create(&env, "one", json!({})).await?;
+    create_example(&env, "one", json!({})).await?;
     a.wait_call("one", Duration::from_secs(30)).await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while !handled(&env, "one").await? {
@@ -455,7 +442,7 @@ async fn replicas_elect_one_leader_and_a_standby_takes_over_after_a_crash() -> R
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // A change in progress when the leader dies: the standby must complete it.
-    create(&env, "slow", json!({"sleep": {"create_fn": 5}})).await?;
+    create_example(&env, "slow", json!({"sleep": {"create_fn": 5}})).await?;
     a.wait_call("slow", Duration::from_secs(30)).await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     ensure!(
@@ -466,7 +453,7 @@ async fn replicas_elect_one_leader_and_a_standby_takes_over_after_a_crash() -> R
     a.controller.process.kill().await?;
     let killed = tokio::time::Instant::now();
     a.handler.kill().await?;
-    create(&env, "leaderless", json!({})).await?;
+    create_example(&env, "leaderless", json!({})).await?;
 
     b.wait_log("became the leader", 1, Duration::from_secs(15))
         .await?;
@@ -536,7 +523,7 @@ async fn a_leader_that_exits_cleanly_hands_over_at_once() -> Result<()> {
         took < Duration::from_secs(8),
         "handover after a clean exit took {took:?}"
     );
-    create(&env, "handover", json!({})).await?;
+    create_example(&env, "handover", json!({})).await?;
     b.wait_call("handover", Duration::from_secs(30)).await?;
     b.stop().await?;
     env.stop().await

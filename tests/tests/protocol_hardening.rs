@@ -12,10 +12,9 @@ use capstan_proto::pb::{self, connect_request::Message as In, connect_response::
 use capstan_tests::{
     grpc::{RawClient, hello, registration, success, unix_channel},
     process::{Controller, Process, capstan_binary, free_port},
-    testenv::{TestEnv, examples},
+    testenv::{TestEnv, create_example},
 };
 use hyper_util::rt::TokioIo;
-use kube::api::PostParams;
 use serde_json::json;
 use tokio::{io::AsyncReadExt as _, net::UnixStream};
 use tonic::Code;
@@ -24,18 +23,6 @@ async fn env_with_crd() -> Result<TestEnv> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
     Ok(env)
-}
-
-async fn create(env: &TestEnv, name: &str, spec: serde_json::Value) -> Result<()> {
-    let client = env.client().await?;
-    let obj = serde_json::from_value(json!({
-        "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
-        "metadata": {"name": name, "namespace": "default"}, "spec": spec
-    }))?;
-    examples(&client, "default")
-        .create(&PostParams::default(), &obj)
-        .await?;
-    Ok(())
 }
 
 fn duration(seconds: i64, nanos: i32) -> prost_types::Duration {
@@ -111,7 +98,7 @@ async fn extreme_durations_are_bad_durations_and_nothing_panics() -> Result<()> 
     }
     assert!(status_of(&welcome, "good").accepted);
 
-    create(&env, "one", json!({"size": 1})).await?;
+    create_example(&env, "one", json!({"size": 1})).await?;
     let first = next_invocation(&mut client, Duration::from_secs(60)).await?;
     assert_eq!(first.handler_id, "good");
     client
@@ -177,7 +164,7 @@ async fn a_process_that_stops_reading_is_dropped_and_its_work_redelivered() -> R
     let names: BTreeSet<String> = (0..30).map(|i| format!("big-{i}")).collect();
     let filler = "x".repeat(30_000);
     for name in &names {
-        create(&env, name, json!({"filler": filler})).await?;
+        create_example(&env, name, json!({"filler": filler})).await?;
     }
     // Another process gets the handler as soon as the stalled one is gone.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
@@ -291,7 +278,7 @@ async fn invocation_ids_differ_across_controller_restarts() -> Result<()> {
             )]),
         )
         .await?;
-        create(&env, name, json!({"size": 1})).await?;
+        create_example(&env, name, json!({"size": 1})).await?;
         let invocation = next_invocation(&mut client, Duration::from_secs(60)).await?;
         client
             .send(success(&invocation.invocation_id, None, vec![]))
@@ -628,7 +615,7 @@ async fn acks_mean_taken_and_refused_patches_come_back_as_last_error() -> Result
     let mut h = hello(vec![reg]);
     h.capabilities.push(pb::Capability::ResultAck as i32);
     let (mut client, _) = RawClient::connect(unix_channel(controller.socket.clone()).await?, h).await?;
-    create(&env, "schema", json!({"size": 1})).await?;
+    create_example(&env, "schema", json!({"size": 1})).await?;
     let first = next_invocation(&mut client, Duration::from_secs(60)).await?;
     let invalid = pb::Patch {
         r#type: pb::PatchType::Merge as i32,

@@ -13,7 +13,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use capstan_tests::{
-    process::{Controller, Process},
+    process::{Controller, Process, sdk_python},
     testenv::{TestEnv, repo_root},
 };
 use kube::{
@@ -64,26 +64,6 @@ async fn kopf_binary() -> Result<PathBuf> {
         bail!("pip install kopf=={KOPF_VERSION} failed (PyPI must be reachable)");
     }
     Ok(kopf)
-}
-
-/// The venv's python with the SDK's pinned dependencies (as in `python_sdk.rs`).
-async fn sdk_python() -> Result<PathBuf> {
-    if let Ok(python) = std::env::var("CAPSTAN_PYTHON_SDK_PYTHON") {
-        return Ok(PathBuf::from(python));
-    }
-    let out = Command::new("bash")
-        .arg(repo_root().join("sdk-python/scripts/venv.sh"))
-        .output()
-        .await
-        .context("running sdk-python/scripts/venv.sh")?;
-    if !out.status.success() {
-        bail!(
-            "sdk-python/scripts/venv.sh failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let stdout = String::from_utf8(out.stdout)?;
-    Ok(PathBuf::from(stdout.lines().last().unwrap_or_default().trim()))
 }
 
 fn operator_file() -> PathBuf {

@@ -7,15 +7,11 @@
 //! permanent error, deletion, the startup, probe and cleanup activities, and a clean stop on
 //! SIGTERM.
 
-use std::{
-    collections::HashMap,
-    path::{Path, PathBuf},
-    time::Duration,
-};
+use std::{collections::HashMap, path::Path, time::Duration};
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 use capstan_tests::{
-    process::{Controller, Process},
+    process::{Controller, Process, sdk_python},
     scenario::{Scenario, annotation, label},
     testenv::{TestEnv, repo_root},
 };
@@ -24,34 +20,12 @@ use tokio::time::Instant;
 
 const T: Duration = Duration::from_secs(90);
 
-/// The venv's python with the SDK's pinned dependencies: `$CAPSTAN_PYTHON_SDK_PYTHON` (set by
-/// `scripts/test.sh`), or what `sdk-python/scripts/venv.sh` creates.
-async fn sdk_python() -> Result<PathBuf> {
-    if let Ok(python) = std::env::var("CAPSTAN_PYTHON_SDK_PYTHON") {
-        return Ok(PathBuf::from(python));
-    }
-    let out = tokio::process::Command::new("bash")
-        .arg(repo_root().join("sdk-python/scripts/venv.sh"))
-        .output()
-        .await
-        .context("running sdk-python/scripts/venv.sh")?;
-    if !out.status.success() {
-        bail!(
-            "sdk-python/scripts/venv.sh failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let stdout = String::from_utf8(out.stdout)?;
-    Ok(PathBuf::from(stdout.lines().last().unwrap_or_default().trim()))
-}
-
 /// Starts a testenv with the example CRD, `capstan run` and the Python operator connected.
 async fn start() -> Result<Scenario> {
     let python = sdk_python().await?;
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
-    let client = env.client().await?;
-    let mut controller = Controller::start(&env, "capstan", &["--shutdown-grace", "5s"]).await?;
+    let controller = Controller::start(&env, "capstan", &["--shutdown-grace", "5s"]).await?;
     let sdk = repo_root().join("sdk-python");
     let vars = HashMap::from([
         ("CAPSTAN_ENDPOINT".to_owned(), controller.endpoint()),
@@ -65,24 +39,8 @@ async fn start() -> Result<Scenario> {
         "--verbose".to_owned(),
         sdk.join("examples/operator.py").display().to_string(),
     ];
-    let mut operator = Process::spawn("python-operator", &python, &args, &vars, env.scratch())?;
-    controller
-        .process
-        .wait_for("handler process connected", T)
-        .await?;
-    operator
-        .wait_for("capstan: connected to the controller", T)
-        .await?;
-    let calls = env.scratch().join("calls.log");
-    Ok(Scenario {
-        env,
-        client,
-        controller,
-        handler: operator,
-        calls,
-        presets: String::new(),
-        namespace: "default".into(),
-    })
+    let operator = Process::spawn("python-operator", &python, &args, &vars, env.scratch())?;
+    Scenario::with_operator(env, controller, operator, T).await
 }
 
 #[tokio::test]
