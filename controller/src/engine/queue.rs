@@ -458,6 +458,11 @@ impl Queue {
             Written::Failed => {}
             Written::Refused(_) => slot.last_body = Some(Stored::new(&plan.base)),
         }
+        // A cycle interrupted by a handler's withdrawal (not by a stop) runs again at once,
+        // with the handlers registered now.
+        if plan.interrupted && !self.ctx.cancel.is_cancelled() {
+            slot.rerun = true;
+        }
         if let Some(t) = slot.timer.take() {
             t.abort();
         }

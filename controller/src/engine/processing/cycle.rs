@@ -153,6 +153,11 @@ impl<'i, 'a> Cycle<'i, 'a> {
             skipped: false,
             delta: Value::Null,
         };
+        // After an interruption, a handler that has no record yet gets none: nothing of it is
+        // known, and thousands of fresh records could outgrow the object's annotations.
+        if self.interrupted && step.fetched.is_none() {
+            return;
+        }
         if self.interrupted || record.finished() || record.sleeping(now) {
             self.steps.push(step.with(record));
             return;

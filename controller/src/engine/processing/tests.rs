@@ -687,5 +687,49 @@ async fn a_handler_withdrawn_while_the_cycle_waits_for_it_interrupts_the_cycle()
         !plan.done,
         "the cause is not done without the withdrawn handler's verdict"
     );
+    assert!(
+        plan.interrupted,
+        "the cycle runs again with the handlers registered then"
+    );
+    let _ = withdraw.await;
+}
+
+#[tokio::test]
+async fn after_an_interruption_handlers_without_a_record_get_none() {
+    let storage = Storage::annotations("capstan.dev");
+    let cancel = CancellationToken::new();
+    let mut handlers = vec![reg("left", HandlerKind::Create)];
+    handlers.extend((0..50).map(|i| reg(&format!("later_{i}"), HandlerKind::Create)));
+    let (registered, rx) = tokio::sync::watch::channel(std::sync::Arc::new(handlers.clone()));
+    let withdraw = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        registered.send_replace(std::sync::Arc::new(Vec::new()));
+        registered
+    });
+    let plan = cycle(
+        Input {
+            body: &body(),
+            event: EventType::Added,
+            resource: &resource(),
+            handlers: &handlers,
+            memory: Memory::default(),
+            storage: &storage,
+            cancel: &cancel,
+            checkpoint: None,
+            checkpoint_after: Duration::from_secs(1),
+            daemons_alive: false,
+            max_losses: 3,
+            registered: Some(rx),
+        },
+        &Unowned,
+    )
+    .await;
+    let desired = plan.desired.clone().unwrap_or_default();
+    let annotations = desired
+        .pointer("/metadata/annotations")
+        .and_then(Value::as_object)
+        .map(|a| a.keys().filter(|k| k.contains("later_")).count())
+        .unwrap_or_default();
+    assert_eq!(annotations, 0, "{desired}");
     let _ = withdraw.await;
 }
