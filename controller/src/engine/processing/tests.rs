@@ -647,63 +647,15 @@ impl Invoker for Unowned {
     }
 }
 
-#[tokio::test]
-async fn a_handler_withdrawn_while_the_cycle_waits_for_it_interrupts_the_cycle() {
+/// Runs a create cycle of `handlers` with an [`Unowned`] invoker, while the registered
+/// handlers become `remaining` 50 ms after it starts (their process left).
+async fn run_withdrawing(handlers: Vec<Registration>, remaining: Vec<Registration>) -> Plan {
     let storage = Storage::annotations("capstan.dev");
     let cancel = CancellationToken::new();
-    let handlers = vec![
-        reg("left", HandlerKind::Create),
-        reg("stays", HandlerKind::Create),
-    ];
     let (registered, rx) = tokio::sync::watch::channel(std::sync::Arc::new(handlers.clone()));
     let withdraw = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        registered.send_replace(std::sync::Arc::new(vec![reg("stays", HandlerKind::Create)]));
-        registered
-    });
-    let plan = tokio::time::timeout(
-        Duration::from_secs(10),
-        cycle(
-            Input {
-                body: &body(),
-                event: EventType::Added,
-                resource: &resource(),
-                handlers: &handlers,
-                memory: Memory::default(),
-                storage: &storage,
-                cancel: &cancel,
-                checkpoint: None,
-                checkpoint_after: Duration::from_secs(1),
-                daemons_alive: false,
-                max_losses: 3,
-                registered: Some(rx),
-            },
-            &Unowned,
-        ),
-    )
-    .await
-    .expect("the cycle does not wait for a process that left");
-    assert!(
-        !plan.done,
-        "the cause is not done without the withdrawn handler's verdict"
-    );
-    assert!(
-        plan.interrupted,
-        "the cycle runs again with the handlers registered then"
-    );
-    let _ = withdraw.await;
-}
-
-#[tokio::test]
-async fn after_an_interruption_handlers_without_a_record_get_none() {
-    let storage = Storage::annotations("capstan.dev");
-    let cancel = CancellationToken::new();
-    let mut handlers = vec![reg("left", HandlerKind::Create)];
-    handlers.extend((0..50).map(|i| reg(&format!("later_{i}"), HandlerKind::Create)));
-    let (registered, rx) = tokio::sync::watch::channel(std::sync::Arc::new(handlers.clone()));
-    let withdraw = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        registered.send_replace(std::sync::Arc::new(Vec::new()));
+        registered.send_replace(std::sync::Arc::new(remaining));
         registered
     });
     let plan = cycle(
@@ -724,6 +676,37 @@ async fn after_an_interruption_handlers_without_a_record_get_none() {
         &Unowned,
     )
     .await;
+    let _ = withdraw.await;
+    plan
+}
+
+#[tokio::test]
+async fn a_handler_withdrawn_while_the_cycle_waits_for_it_interrupts_the_cycle() {
+    let handlers = vec![
+        reg("left", HandlerKind::Create),
+        reg("stays", HandlerKind::Create),
+    ];
+    let plan = tokio::time::timeout(
+        Duration::from_secs(10),
+        run_withdrawing(handlers, vec![reg("stays", HandlerKind::Create)]),
+    )
+    .await
+    .expect("the cycle does not wait for a process that left");
+    assert!(
+        !plan.done,
+        "the cause is not done without the withdrawn handler's verdict"
+    );
+    assert!(
+        plan.interrupted,
+        "the cycle runs again with the handlers registered then"
+    );
+}
+
+#[tokio::test]
+async fn after_an_interruption_handlers_without_a_record_get_none() {
+    let mut handlers = vec![reg("left", HandlerKind::Create)];
+    handlers.extend((0..50).map(|i| reg(&format!("later_{i}"), HandlerKind::Create)));
+    let plan = run_withdrawing(handlers, Vec::new()).await;
     let desired = plan.desired.clone().unwrap_or_default();
     let annotations = desired
         .pointer("/metadata/annotations")
@@ -731,5 +714,4 @@ async fn after_an_interruption_handlers_without_a_record_get_none() {
         .map(|a| a.keys().filter(|k| k.contains("later_")).count())
         .unwrap_or_default();
     assert_eq!(annotations, 0, "{desired}");
-    let _ = withdraw.await;
 }
