@@ -301,8 +301,8 @@ def _resolve(future):
         future.set_result(True)
 
 
-class DaemonStopped:
-    """The `stopped` flag of an async daemon: `if stopped`, `await stopped.wait(timeout)`."""
+class _StoppedFlag:
+    """What the sync and async `stopped` flags share: truthiness, `is_set()`, `reason`."""
 
     def __init__(self, stop: _Stop):
         self._stop = stop
@@ -316,6 +316,10 @@ class DaemonStopped:
     @property
     def reason(self):
         return self._stop.reason
+
+
+class DaemonStopped(_StoppedFlag):
+    """The `stopped` flag of an async daemon: `if stopped`, `await stopped.wait(timeout)`."""
 
     async def wait(self, timeout=None):
         """Waits until the daemon is asked to stop or `timeout` seconds pass; returns whether
@@ -337,21 +341,8 @@ class DaemonStopped:
             self._stop._waiters.remove(entry)
 
 
-class SyncDaemonStopped:
+class SyncDaemonStopped(_StoppedFlag):
     """The `stopped` flag of a sync daemon: `if stopped`, `stopped.wait(timeout)`."""
-
-    def __init__(self, stop: _Stop):
-        self._stop = stop
-
-    def __bool__(self):
-        return self._stop.is_set()
-
-    def is_set(self):
-        return self._stop.is_set()
-
-    @property
-    def reason(self):
-        return self._stop.reason
 
     def wait(self, timeout=None):
         """Blocks until the daemon is asked to stop or `timeout` seconds pass; returns whether
