@@ -453,6 +453,12 @@ impl Queue {
             Written::Gone => {
                 slot.gone = true;
                 slot.pending = None;
+                if let Some(t) = slot.timer.take() {
+                    t.abort();
+                }
+                drop(slots);
+                // Its DELETED event may have been among the dropped ones.
+                self.ctx.daemons.forget(uid);
                 return;
             }
             Written::Failed => {}

@@ -89,6 +89,14 @@ impl Writer {
         loop {
             attempts += 1;
             match self.write_once(&base, desired.as_ref(), plan.finalizer).await {
+                // The last finalizer of a deleting object went: the API server deleted it, and
+                // answered with the object as it was, at the version this write was based on.
+                // Events of that version still to come predate the write; none may run a
+                // handler again.
+                Ok(stored) if released(&stored) => {
+                    debug!("the object's last finalizer was removed; it is gone");
+                    return Written::Gone;
+                }
                 Ok(stored) => return Written::Stored(stored),
                 Err(objects::Error::NotFound) => {
                     debug!("object deleted meanwhile; dropped");
@@ -315,6 +323,19 @@ impl processing::Checkpoint for Writer {
             }
         })
     }
+}
+
+/// Whether a stored body is of an object the API server deleted: marked for deletion, with no
+/// finalizer left to wait for.
+fn released(stored: &Value) -> bool {
+    let deleting = stored
+        .pointer("/metadata/deletionTimestamp")
+        .is_some_and(|v| !v.is_null());
+    let finalizers = stored
+        .pointer("/metadata/finalizers")
+        .and_then(Value::as_array)
+        .is_some_and(|f| !f.is_empty());
+    deleting && !finalizers
 }
 
 /// Makes the patch's finalizer list what `change` says about ours, whatever the handlers'

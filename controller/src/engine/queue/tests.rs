@@ -36,9 +36,14 @@ fn example(rv: &str) -> Value {
 
 /// An API server that answers every request with the object.
 fn objects() -> Objects {
-    let service = tower::service_fn(|_req: http::Request<kube::client::Body>| async {
-        let body = serde_json::to_vec(&example("20")).unwrap_or_default();
-        Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::from(body)))
+    answering(example("20"))
+}
+
+/// An API server that answers every request with `body`.
+fn answering(body: Value) -> Objects {
+    let service = tower::service_fn(move |_req: http::Request<kube::client::Body>| {
+        let body = serde_json::to_vec(&body).unwrap_or_default();
+        async move { Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::from(body))) }
     });
     Objects::new(kube::Client::new(service, "default"))
 }
@@ -56,6 +61,16 @@ fn resource() -> crate::model::ResolvedResource {
 
 /// A queue of the example resource with `handlers`, calling `invoker`.
 fn queue(invoker: Arc<dyn Invoker>, handlers: Vec<Registration>, limit: Arc<Semaphore>) -> Queue {
+    queue_of(invoker, handlers, limit, objects())
+}
+
+/// As [`queue`], against the API server `objects`.
+fn queue_of(
+    invoker: Arc<dyn Invoker>,
+    handlers: Vec<Registration>,
+    limit: Arc<Semaphore>,
+    objects: Objects,
+) -> Queue {
     let cancel = CancellationToken::new();
     let (_handlers_tx, handlers) = watch::channel(Arc::new(handlers));
     let (_paused_tx, paused) = watch::channel(false);
@@ -64,7 +79,7 @@ fn queue(invoker: Arc<dyn Invoker>, handlers: Vec<Registration>, limit: Arc<Sema
     let daemons = super::super::daemons::Daemons::new(super::super::daemons::Context {
         resource: resource(),
         invoker: invoker.clone(),
-        objects: objects(),
+        objects: objects.clone(),
         rules: processing::rules(&storage, &[]),
         stopped,
         cancel: cancel.clone(),
@@ -75,7 +90,7 @@ fn queue(invoker: Arc<dyn Invoker>, handlers: Vec<Registration>, limit: Arc<Sema
         handlers,
         storage,
         invoker,
-        objects: objects(),
+        objects,
         limit,
         checkpoint_after: Duration::from_secs(1),
         daemons,
@@ -116,6 +131,56 @@ async fn a_panicking_cycle_frees_its_slot_and_permit_and_the_object_is_processed
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Succeeds after a second; counts the invocations.
+#[derive(Default)]
+struct Slow {
+    calls: AtomicU32,
+}
+
+impl Invoker for Slow {
+    fn invoke(&self, _work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            Outcome::success(None)
+        })
+    }
+}
+
+/// When our finalizer's removal lets the API server delete the object, the PATCH answers with
+/// the object at the resourceVersion the write was based on (nothing newer was stored). An
+/// event of that version still queued (the late echo of an earlier write) predates the write:
+/// it must not run the finished delete handlers again.
+#[tokio::test(start_paused = true)]
+async fn an_event_of_the_version_a_finished_deletion_wrote_over_runs_no_handler_again() {
+    let mut delete = Registration::new("delete_fn", HandlerKind::Delete, None);
+    delete.resource = Some(resource());
+    let deleting = |finalizers: Value| {
+        let mut body = example("10");
+        body["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        body["metadata"]["finalizers"] = finalizers;
+        body
+    };
+    let invoker = Arc::new(Slow::default());
+    let objects = answering(deleting(json!([])));
+    let queue = queue_of(
+        invoker.clone(),
+        vec![delete],
+        Arc::new(Semaphore::new(1)),
+        objects,
+    );
+    queue.push(EventType::Modified, deleting(json!(["capstan.dev/finalizer"])));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(invoker.calls.load(Ordering::SeqCst), 1);
+    queue.push(EventType::Modified, deleting(json!(["capstan.dev/finalizer"])));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        invoker.calls.load(Ordering::SeqCst),
+        1,
+        "the delete handler ran again for an event its own finished write had superseded"
+    );
 }
 
 /// Runs until its work is cancelled; counts the invocations.
