@@ -178,8 +178,9 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_FINALIZERS", value_enum, default_value_t = Finalizers::Auto)]
     pub finalizers: Finalizers,
 
-    /// In per-node mode, remove a deleted Node's annotations (and finalizers) from all watched
-    /// objects; one live operator (the one on the lowest node name) does it.
+    /// In per-node mode, remove a deleted Node's annotations (and finalizers) from every object
+    /// of the watched resources (listed whole, whatever the watch's selectors); one live
+    /// operator (the one on the lowest node name) does it.
     #[arg(long, env = "CAPSTAN_NODE_CLEANUP", default_value_t = true, action = clap::ArgAction::Set)]
     pub node_cleanup: bool,
 

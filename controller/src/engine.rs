@@ -337,7 +337,7 @@ impl Engine {
 
     fn stop(&self, w: Watched) {
         w.cancel.cancel();
-        self.queues.lock().retain(|(_, q)| !q.same(&w.queue));
+        self.queues.lock().retain(|(_, _, q)| !q.same(&w.queue));
         w.queue.stop_timers();
         let workers = w.queue.workers();
         workers.close();
@@ -444,7 +444,7 @@ impl Engine {
         let selectors = common_selectors(&handlers);
         let (label_selector, field_selector) = selectors.clone();
         let mut checks = Vec::new();
-        for scope in scopes {
+        for scope in scopes.clone() {
             let status = k8s_watch::Status::default();
             let name = match &scope {
                 Some(ns) => format!("watch/{resource}/{ns}"),
@@ -517,7 +517,7 @@ impl Engine {
             );
         }
         info!(%resource, handlers = handlers.len(), "watching");
-        self.queues.lock().push((resource.clone(), queue.clone()));
+        self.queues.lock().push((resource.clone(), scopes, queue.clone()));
         Watched {
             handlers: handlers_tx,
             selectors,

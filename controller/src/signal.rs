@@ -1,5 +1,7 @@
 //! Turns SIGTERM and SIGINT into the cancellation of the root token, which starts a graceful
-//! shutdown. A second signal while shutting down exits at once.
+//! shutdown. A second signal while shutting down exits at once (code 130), without releasing
+//! the leader Lease: cycles may still be writing, and a standby must not run beside them; it
+//! takes over when the lease expires.
 
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;

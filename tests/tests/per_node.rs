@@ -267,6 +267,63 @@ async fn event_handlers_are_retried_and_departed_nodes_are_cleaned_up() -> anyho
     Ok(())
 }
 
+/// A departed node's finalizer is removed even from objects no live operator watches: with
+/// node-local handlers whose field selector the API server applies (the CRD makes
+/// `spec.nodeName` selectable), node-a's watch never sees node-b's objects, yet the cleanup
+/// must find them, or they hang in deletion for ever.
+#[tokio::test]
+async fn a_departed_nodes_state_is_removed_from_objects_no_live_operator_watches() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let crd = std::fs::read_to_string(capstan_tests::testenv::repo_root().join("examples/crd.yaml"))?
+        .replace(
+            "                fail_times:",
+            "                nodeName:\n                  type: string\n                fail_times:",
+        )
+        .replace(
+            "      subresources:\n",
+            "      selectableFields:\n        - jsonPath: .spec.nodeName\n      subresources:\n",
+        );
+    env.apply_crd(&crd, "examples.demo.capstan.dev").await?;
+    create_nodes(&env, &["node-a", "node-b"]).await?;
+    let flags = ["--finalizers", "true", "--node-cleanup-delay", "2s"];
+    let preset = "node-local-delete";
+    let a = node_with(&env, "node-a", preset, &[("E2E_NODE", "node-a")], &flags).await?;
+    let mut b = node_with(&env, "node-b", preset, &[("E2E_NODE", "node-b")], &flags).await?;
+    create_example(&env, "x", json!({}), json!({"nodeName": "node-b"})).await?;
+    wait(&env, "x", "node-b handled it", &[&a, &b], |o| {
+        diffbases(o) == ["node-b.capstan.dev/last-handled-configuration"]
+            && o.pointer("/metadata/finalizers")
+                .is_some_and(|f| f == &json!(["node-b.capstan.dev/finalizer"]))
+    })
+    .await?;
+    b.controller.process.kill().await?;
+    env.kubectl_ok(&["delete", "node", "node-b", "--wait=false"])
+        .await?;
+    wait(&env, "x", "node-b's state removed", &[&a, &b], |o| {
+        let annotations = o
+            .pointer("/metadata/annotations")
+            .and_then(Value::as_object)
+            .is_some_and(|m| m.keys().any(|k| k.starts_with("node-b.capstan.dev/")));
+        let finalizers = o
+            .pointer("/metadata/finalizers")
+            .and_then(Value::as_array)
+            .is_some_and(|f| !f.is_empty());
+        !annotations && !finalizers
+    })
+    .await?;
+    env.kubectl_ok(&[
+        "delete",
+        "examples.demo.capstan.dev",
+        "x",
+        "-n",
+        "default",
+        "--timeout=30s",
+    ])
+    .await?;
+    assert_eq!(a.count("local_fn", "x"), 0, "node-a's handlers never ran for x");
+    Ok(())
+}
+
 #[tokio::test]
 async fn the_status_storage_keeps_per_node_state_out_of_the_annotations() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;

@@ -7,8 +7,10 @@
 //! cleans at once; the next [`CANDIDATES`]` - 1` follow after the fallback delay each and
 //! clean only what is still left, which covers a lowest node that runs no operator (a
 //! DaemonSet with a node selector) or one that crashes halfway. Cleaning removes the departed
-//! node's annotations, status stanza and finalizer from every object this operator watches;
-//! objects whose cached body carries nothing of that node cost no request.
+//! node's annotations, status stanza and finalizer from every object of the resources this
+//! operator watches — listed whole, page by page, because the watch itself may see only this
+//! node's objects (a field selector on `spec.nodeName`); objects that carry nothing of that
+//! node cost no request.
 
 use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
@@ -49,8 +51,12 @@ pub struct Settings {
     pub status_field: String,
 }
 
-/// The queues of all watched resources, so the cleanup can reach every known object.
-pub type Queues = Arc<Mutex<Vec<(ResolvedResource, Queue)>>>;
+/// The watched resources: each with the scopes it is watched in (`None`: all namespaces) and
+/// its queue, so the cleanup can reach every object of them.
+pub type Queues = Arc<Mutex<Vec<(ResolvedResource, Vec<Option<String>>, Queue)>>>;
+
+/// Objects per page when the cleanup lists a resource.
+const PAGE: u32 = 500;
 
 /// The Node resource.
 pub fn nodes_resource() -> ResolvedResource {
@@ -155,29 +161,68 @@ impl Sweep {
             info!("the deleted node is back; keeping its state");
             return;
         }
-        let targets: Vec<(ResolvedResource, Vec<Value>)> = self
-            .queues
-            .lock()
-            .iter()
-            .map(|(r, q)| (r.clone(), q.bodies()))
-            .collect();
+        let targets: Vec<(ResolvedResource, Vec<Option<String>>, Queue)> = self.queues.lock().clone();
         let mut cleaned = 0usize;
-        for (resource, bodies) in targets {
-            for body in bodies {
-                // The cached body tells which objects carry anything of the node.
-                if removal(&body, &self.prefix, &self.stanza) == (None, None) {
-                    continue;
+        for (resource, scopes, queue) in targets {
+            // The watch may see only some of the objects (a field selector the API server
+            // applies, such as `spec.nodeName`): the departed node's objects are listed whole.
+            let mut unlisted = false;
+            for scope in scopes {
+                match self.sweep_listed(&resource, scope.as_deref()).await {
+                    Ok(n) => cleaned += n,
+                    Err(e) => {
+                        warn!(%resource, namespace = scope.as_deref().unwrap_or("*"), error = %crate::error::chain(&e), "listing the objects to clean failed; cleaning the watched ones only");
+                        unlisted = true;
+                    }
                 }
-                match clean(&self.objects, &resource, &body, &self.prefix, &self.stanza).await {
-                    Ok(true) => cleaned += 1,
-                    Ok(false) => {}
-                    Err(e) => warn!(error = %crate::error::chain(&e), "cleaning up an object failed"),
-                }
+            }
+            if unlisted {
+                cleaned += self.sweep(&resource, queue.bodies()).await;
             }
         }
         if self.delay.is_zero() || cleaned > 0 {
             info!(node = %self.node, objects = cleaned, "cleaned up after the deleted node");
         }
+    }
+}
+
+impl Sweep {
+    /// Cleans every object of `resource` in `scope`, listed page by page without selectors.
+    async fn sweep_listed(
+        &self,
+        resource: &ResolvedResource,
+        scope: Option<&str>,
+    ) -> Result<usize, kube::Error> {
+        let api = self.objects.api(resource, scope);
+        let mut params = kube::api::ListParams::default().limit(PAGE);
+        let mut cleaned = 0;
+        loop {
+            let page = api.list(&params).await?;
+            let next = page.metadata.continue_.clone().filter(|c| !c.is_empty());
+            let bodies = page.items.into_iter().map(objects::to_value).collect();
+            cleaned += self.sweep(resource, bodies).await;
+            match next {
+                Some(token) => params = params.continue_token(&token),
+                None => return Ok(cleaned),
+            }
+        }
+    }
+
+    /// Cleans those of `bodies` that carry anything of the node; returns how many.
+    async fn sweep(&self, resource: &ResolvedResource, bodies: Vec<Value>) -> usize {
+        let mut cleaned = 0;
+        for body in bodies {
+            // The listed (or cached) body tells which objects carry anything of the node.
+            if removal(&body, &self.prefix, &self.stanza) == (None, None) {
+                continue;
+            }
+            match clean(&self.objects, resource, &body, &self.prefix, &self.stanza).await {
+                Ok(true) => cleaned += 1,
+                Ok(false) => {}
+                Err(e) => warn!(error = %crate::error::chain(&e), "cleaning up an object failed"),
+            }
+        }
+        cleaned
     }
 }
 

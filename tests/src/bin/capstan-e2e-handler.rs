@@ -392,6 +392,18 @@ async fn main() -> anyhow::Result<()> {
                     .field_selector(format!("spec.nodeName={node}"))
                     .label_selector("!e2e/skip");
             }
+            // Node-local work with cleanup: a create and a delete handler, both only for objects
+            // whose `spec.nodeName` is `E2E_NODE` (the watch filters on the server when the
+            // CRD makes the field selectable).
+            "node-local-delete" => {
+                let node = std::env::var("E2E_NODE").unwrap_or_default();
+                registry
+                    .on_create(RESOURCE, "local_fn", plain)
+                    .field_selector(format!("spec.nodeName={node}"));
+                registry
+                    .on_delete(RESOURCE, "local_delete", plain)
+                    .field_selector(format!("spec.nodeName={node}"));
+            }
             "event-retry" => {
                 registry
                     .on_event(RESOURCE, "event_retry", plain)
