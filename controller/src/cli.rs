@@ -178,6 +178,13 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_FINALIZERS", value_enum, default_value_t = Finalizers::Auto)]
     pub finalizers: Finalizers,
 
+    /// In per-node mode, how the node's storage prefix is laid out: `{prefix}` (the persistence
+    /// prefix) and `{node}` (the node name as a DNS label) or `{node_short}` (its first
+    /// dot-separated part), e.g. `{prefix}.{node_short}` to take over a kopf operator's
+    /// `example.com.node-1` annotations.
+    #[arg(long, env = "CAPSTAN_NODE_PREFIX_TEMPLATE", default_value = crate::persistence::node::DEFAULT_TEMPLATE, value_parser = parse_node_prefix_template)]
+    pub node_prefix_template: String,
+
     /// In per-node mode, remove a deleted Node's annotations (and finalizers) from every object
     /// of the watched resources (listed whole, whatever the watch's selectors); one live
     /// operator (the one on the lowest node name) does it.
@@ -328,6 +335,10 @@ pub struct RunArgs {
 }
 
 /// Validates one `--namespace` pattern at parse time.
+fn parse_node_prefix_template(s: &str) -> Result<String, String> {
+    crate::persistence::node::check_template(s).map(|()| s.to_owned())
+}
+
 fn parse_namespace_pattern(s: &str) -> Result<String, String> {
     Namespaces::parse(&[s.to_owned()])
         .map(|_| s.to_owned())
@@ -485,6 +496,7 @@ impl RunArgs {
         settings.engine.node = self.node().map(|name| crate::engine::nodes::Settings {
             name,
             base_prefix: self.persistence_prefix.clone(),
+            prefix_template: self.node_prefix_template.clone(),
             cleanup: self.node_cleanup,
             fallback_delay: self.node_cleanup_delay,
             status_field: self.status_field.clone(),
@@ -541,7 +553,11 @@ impl RunArgs {
     fn storage(&self) -> Storage {
         let node = self.node();
         let prefix = match &node {
-            Some(node) => crate::persistence::node::prefix(node, &self.persistence_prefix),
+            Some(node) => crate::persistence::node::prefix_with(
+                &self.node_prefix_template,
+                node,
+                &self.persistence_prefix,
+            ),
             None => self.persistence_prefix.clone(),
         };
         let status_field = match &node {

@@ -324,6 +324,69 @@ async fn a_departed_nodes_state_is_removed_from_objects_no_live_operator_watches
     Ok(())
 }
 
+/// A kopf operator that laid out its per-node prefixes by hand as `<domain>.<node's first
+/// label>` (kopf's own records under them) is taken over with a prefix template: what it
+/// handled is not handled again, later changes are.
+#[tokio::test]
+async fn a_prefix_template_takes_over_objects_of_a_hand_built_per_node_layout() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let api = examples(&env.client().await?, "default");
+    let seeded: kube::api::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+        "metadata": {"name": "seeded", "namespace": "default", "annotations": {
+            "example.com.node-a/last-handled-configuration": "{\"spec\":{\"field\":\"x\"}}\n",
+            "example.com.node-a/kopf-managed": "yes",
+        }},
+        "spec": {"field": "x"},
+    }))?;
+    api.create(&PostParams::default(), &seeded).await?;
+    let layout = [
+        "--persistence",
+        "kopf",
+        "--persistence-prefix",
+        "example.com",
+        "--node-prefix-template",
+        "{prefix}.{node_short}",
+    ];
+    let a = node_with(
+        &env,
+        "node-a.eu-west-1.compute.internal",
+        "create,update",
+        &[],
+        &layout,
+    )
+    .await?;
+    create_example(&env, "fresh", json!({}), json!({"field": "x"})).await?;
+    wait(&env, "fresh", "handled under the template's prefix", &[&a], |o| {
+        diffbases(o) == ["example.com.node-a/last-handled-configuration"]
+    })
+    .await?;
+    assert_eq!(a.count("create_fn", "fresh"), 1);
+    assert_eq!(
+        a.count("create_fn", "seeded"),
+        0,
+        "what kopf handled is not created again"
+    );
+    assert_eq!(a.count("update_fn", "seeded"), 0, "nor seen as changed");
+    api.patch(
+        "seeded",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(json!({"spec": {"field": "y"}})),
+    )
+    .await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(45);
+    while a.count("update_fn", "seeded") < 1 {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the change of a taken-over object was not handled:\n{}",
+            tail(&a.controller.process.output(), 20)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn the_status_storage_keeps_per_node_state_out_of_the_annotations() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;

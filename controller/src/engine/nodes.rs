@@ -43,6 +43,8 @@ pub struct Settings {
     pub name: String,
     /// The persistence prefix the node prefixes derive from.
     pub base_prefix: String,
+    /// How a node's prefix is laid out (`persistence::node::prefix_with`).
+    pub prefix_template: String,
     /// Clean up after deleted nodes.
     pub cleanup: bool,
     /// How long each further cleanup candidate waits after the one before it.
@@ -119,7 +121,7 @@ pub async fn run(settings: Settings, objects: Objects, queues: Queues, cancel: C
         }
         let sweep = Sweep {
             node: name.clone(),
-            prefix: node::prefix(&name, &settings.base_prefix),
+            prefix: node::prefix_with(&settings.prefix_template, &name, &settings.base_prefix),
             stanza: format!("{}-{}", settings.status_field, node::label(&name)),
             delay: settings.fallback_delay * u32::try_from(rank).unwrap_or(u32::MAX),
             objects: objects.clone(),

@@ -1,7 +1,9 @@
 //! Per-node identity: the storage prefix of an operator running on one node of a DaemonSet.
 //!
 //! Every node's operator keeps its own progress, diff-base and finalizer on the same objects,
-//! so its prefix carries the node's name: `<node>.<prefix>`. Node names may be long or contain
+//! so its prefix carries the node's name: `<node>.<prefix>` by default, or another layout from a
+//! template (`{prefix}.{node_short}` takes over objects of kopf operators that built their
+//! per-node prefixes by hand that way). Node names may be long or contain
 //! characters that annotation keys do not allow; they are normalised to a DNS label
 //! (lowercase letters, digits, `-`) and, whenever the name had to be changed or shortened,
 //! given a stable hash suffix of the original name, so two different nodes never share a
@@ -16,6 +18,65 @@ use blake2::{
 
 /// The longest label used for a node name; leaves room under 63 for long base prefixes.
 pub const NODE_LABEL_LIMIT: usize = 40;
+
+/// The default layout of a per-node prefix: `<node>.<prefix>`.
+pub const DEFAULT_TEMPLATE: &str = "{node}.{prefix}";
+
+/// Checks a per-node prefix layout: `{prefix}` (the persistence prefix) and `{node}` (the node
+/// name as a DNS label) or `{node_short}` (its first dot-separated part as a label), joined by
+/// lowercase letters, digits, `-` and `.` — for example `{prefix}.{node_short}`, the layout
+/// kopf operators built by hand (`example.com.node-1`).
+///
+/// # Errors
+/// A message saying what is wrong with the template.
+pub fn check_template(template: &str) -> Result<(), String> {
+    if !template.contains("{prefix}") {
+        return Err("the node prefix template needs {prefix}".into());
+    }
+    if !template.contains("{node}") && !template.contains("{node_short}") {
+        return Err("the node prefix template needs {node} or {node_short}".into());
+    }
+    let rest = template
+        .replace("{prefix}", "")
+        .replace("{node_short}", "")
+        .replace("{node}", "");
+    if let Some(c) = rest
+        .chars()
+        .find(|c| !matches!(c, 'a'..='z' | '0'..='9' | '-' | '.'))
+    {
+        return Err(format!(
+            "the node prefix template may join its placeholders only with lowercase letters, digits, '-' and '.', not {c:?}"
+        ));
+    }
+    Ok(())
+}
+
+/// The per-node prefix for `node` under `base` laid out by `template` (see [`check_template`]);
+/// the node's part is shortened (with a stable hash) when the result would exceed
+/// Kubernetes' limits.
+pub fn prefix_with(template: &str, node: &str, base: &str) -> String {
+    if template == DEFAULT_TEMPLATE {
+        return prefix(node, base);
+    }
+    let short = node.split('.').next().unwrap_or(node);
+    let render = |node_label: &str, short_label: &str| {
+        template
+            .replace("{prefix}", base)
+            .replace("{node_short}", short_label)
+            .replace("{node}", node_label)
+    };
+    let (full, short_label) = (label(node), label(short));
+    let rendered = render(&full, &short_label);
+    if rendered.len() <= 253 {
+        return rendered;
+    }
+    let fixed = render("", "").len();
+    let budget = 253usize.saturating_sub(fixed).max(8);
+    render(
+        &shorten(node, &full, budget),
+        &shorten(short, &short_label, budget),
+    )
+}
 
 /// The per-node prefix for `node` under `base` (e.g. `node-1.capstan.dev`).
 pub fn prefix(node: &str, base: &str) -> String {
@@ -112,6 +173,42 @@ mod tests {
             let key = keys.v2_key(&"handler/with/a/long/id".repeat(5));
             assert!(key.split_once('/').is_some_and(|(_, n)| n.len() <= 63), "{key}");
             assert!(keys.finalizer.split_once('/').is_some_and(|(_, n)| n.len() <= 63));
+        }
+    }
+
+    #[test]
+    fn templates_lay_out_the_prefix_as_asked() {
+        assert_eq!(
+            prefix_with(DEFAULT_TEMPLATE, "node-1", "capstan.dev"),
+            "node-1.capstan.dev"
+        );
+        assert_eq!(
+            prefix_with(
+                "{prefix}.{node_short}",
+                "node-1.eu-west-1.compute.internal",
+                "example.com"
+            ),
+            "example.com.node-1"
+        );
+        assert_eq!(
+            prefix_with("{prefix}.{node}", "node-1", "example.com"),
+            "example.com.node-1"
+        );
+        let long = prefix_with("{prefix}.{node}", &"n".repeat(300), "example.com");
+        assert!(long.len() <= 253 && long.starts_with("example.com."), "{long}");
+        for l in long.split('.') {
+            assert!(valid_label(l), "{long}");
+        }
+        assert!(check_template("{prefix}.{node_short}").is_ok());
+        assert!(check_template("my-op-{node}.{prefix}").is_ok());
+        for bad in [
+            "{node}",
+            "{prefix}",
+            "{node}/{prefix}",
+            "{node}_{prefix}",
+            "{NODE}.{prefix}",
+        ] {
+            assert!(check_template(bad).is_err(), "{bad}");
         }
     }
 
