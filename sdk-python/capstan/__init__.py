@@ -26,7 +26,7 @@ from capstan.owners import (  # noqa: E402
     remove_owner_reference,
 )
 from capstan.registry import Registry, Resource, default_registry  # noqa: E402
-from capstan.runner import configure_logging, operator, run  # noqa: E402
+from capstan.runner import configure_logging, operator, run, set_max_in_flight  # noqa: E402
 from capstan.structs import (  # noqa: E402
     ABSENT, PRESENT, Body, ConnectionInfo, DaemonStopped, DaemonStoppingReason, Diff, DiffItem, DiffOperation, Memo,
     Meta, Patch, Reason, SyncDaemonStopped,
@@ -34,6 +34,7 @@ from capstan.structs import (  # noqa: E402
 
 __all__ = [
     "on", "daemon", "timer", "index", "subhandler", "register", "operator", "run", "configure_logging",
+    "set_max_in_flight",
     "TemporaryError", "PermanentError", "HandlerTimeoutError", "HandlerRetriesError", "ErrorsMode",
     "RegistrationError", "Body", "Meta", "Patch", "Diff", "DiffItem", "DiffOperation", "Memo", "DaemonStopped",
     "SyncDaemonStopped", "DaemonStoppingReason", "ConnectionInfo", "PRESENT", "ABSENT", "Registry", "Resource",

@@ -136,6 +136,22 @@ class Operator:
         self.instance_id = str(uuid.uuid4())
         self.executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="capstan-handler")
         self.by_id = {h.id: h for h in registry.handlers}
+        self.flow = {}  # handler id ("" for the process) -> the cap set with set_max_in_flight
+        self.session = None
+
+    def set_max_in_flight(self, limit, handler=None):
+        """Changes how many invocations the controller sends this process at once — or, with
+        `handler` (an id), that handler — now and after reconnects; 0 pauses dispatch until a
+        later call raises the cap. Safe to call from any thread, handlers included."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit < 2**32:
+            raise ValueError(f"max_in_flight must be a non-negative integer, got {limit!r}")
+        if handler is not None and handler not in self.by_id:
+            raise ValueError(f"no handler {handler!r} is registered (known: {', '.join(sorted(self.by_id))})")
+        self.flow[handler or ""] = limit
+        session = self.session
+        if session is not None and not session.closed:
+            message = rs.ConnectRequest(flow_control=rs.FlowControl(handler_id=handler or "", max_in_flight=limit))
+            asyncio.run_coroutine_threadsafe(session.queue.put(message), session.loop)
 
     def hello(self):
         return rs.ConnectRequest(hello=rs.Hello(
@@ -191,8 +207,14 @@ class Operator:
             events._set_process_sink(session.event_sink(""))
             writer = asyncio.create_task(self._writer(session))
             stopper = asyncio.create_task(self._stop_on_signal(session))
+            self.session = session
             try:
                 await session.queue.put(self.hello())
+                # Caps set with set_max_in_flight hold on every connection (0, a pause, has no
+                # place in the hello).
+                for handler_id, limit in list(self.flow.items()):
+                    await session.queue.put(rs.ConnectRequest(
+                        flow_control=rs.FlowControl(handler_id=handler_id, max_in_flight=limit)))
                 reader = asyncio.create_task(self._reader(session))
                 try:
                     await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
@@ -209,6 +231,7 @@ class Operator:
                 stopper.cancel()
                 events._set_process_sink(None)
                 session.closed = True
+                self.session = None
                 for running, task in list(session.running.values()):
                     running.cancelled = True
                     running.stop.set(DaemonStoppingReason.CONNECTION_LOST)

@@ -9,7 +9,8 @@ Kinds that this controller does not run yet (index, validate, mutate) fail at de
 from capstan.errors import RegistrationError
 from capstan.registry import UNSUPPORTED_KINDS, _qualname, default_registry, parse_resource
 
-_COMMON = ("id", "errors", "retries", "backoff", "timeout", "param")
+# `max_in_flight` is Capstan's own: at most this many calls of the handler at once.
+_COMMON = ("id", "errors", "retries", "backoff", "timeout", "param", "max_in_flight")
 _FILTERS = ("labels", "annotations", "when", "field", "value")
 
 

@@ -144,6 +144,7 @@ class Handler:
     backoff: Optional[float] = None
     timeout: Optional[float] = None
     param: Any = None
+    max_in_flight: Optional[int] = None
     labels: Optional[Dict[str, Any]] = None
     annotations: Optional[Dict[str, Any]] = None
     field: Optional[str] = None
@@ -234,11 +235,12 @@ class Registry:
 
     def register(self, kind, fn, *, id=None, resource=None, errors=None, retries=None, backoff=None,
                  timeout=None, param=None, labels=None, annotations=None, field=None, value=None,
-                 old=None, new=None, when=None, optional=None, deleted=None, options=None):
+                 old=None, new=None, when=None, optional=None, deleted=None, options=None, max_in_flight=None):
         handler = build_handler(kind, fn, id=id, resource=resource, errors=errors, retries=retries,
                                 backoff=backoff, timeout=timeout, param=param, labels=labels,
                                 annotations=annotations, field=field, value=value, old=old, new=new,
-                                when=when, optional=optional, deleted=deleted, options=options)
+                                when=when, optional=optional, deleted=deleted, options=options,
+                                max_in_flight=max_in_flight)
         for other in self.handlers:
             if other.id == handler.id and other.resource == handler.resource:
                 raise RegistrationError(f"handler {handler.id!r} is registered twice for {handler.resource or 'the operator'}; give one of them another id=")
@@ -248,7 +250,7 @@ class Registry:
 
 def build_handler(kind, fn, *, id=None, resource=None, errors=None, retries=None, backoff=None,
                   timeout=None, param=None, labels=None, annotations=None, field=None, value=None,
-                  old=None, new=None, when=None, optional=None, deleted=None, options=None):
+                  old=None, new=None, when=None, optional=None, deleted=None, options=None, max_in_flight=None):
     """Checks one handler's options and signature and returns its `Handler`."""
     if not callable(fn):
         raise RegistrationError(f"a {kind} handler must be callable, got {fn!r}")
@@ -271,6 +273,8 @@ def build_handler(kind, fn, *, id=None, resource=None, errors=None, retries=None
         raise RegistrationError(f"handler {handler_id!r}: errors= must be an ErrorsMode, got {errors!r}")
     if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
         raise RegistrationError(f"handler {handler_id!r}: retries= must be a non-negative integer, got {retries!r}")
+    if max_in_flight is not None and not _count(max_in_flight):
+        raise RegistrationError(f"handler {handler_id!r}: max_in_flight= must be a non-negative integer, got {max_in_flight!r}")
     backoff = _seconds(handler_id, "backoff", backoff)
     timeout = _seconds(handler_id, "timeout", timeout)
     _check_json(handler_id, "param", param)
@@ -299,12 +303,17 @@ def build_handler(kind, fn, *, id=None, resource=None, errors=None, retries=None
     takes = _signature(fn, kind, handler_id)
     return Handler(
         fn=fn, kind=kind, id=handler_id, resource=resource, errors=errors, retries=retries,
-        backoff=backoff, timeout=timeout, param=param, labels=labels, annotations=annotations,
-        field=field_path, value=value, old=old, new=new, when=when, optional=bool(optional),
+        backoff=backoff, timeout=timeout, param=param, max_in_flight=max_in_flight, labels=labels,
+        annotations=annotations, field=field_path, value=value, old=old, new=new, when=when, optional=bool(optional),
         deleted=bool(deleted), options=dict(options or {}),
         is_async=asyncio.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn),
         takes=takes,
     )
+
+
+def _count(value):
+    """Whether `value` is a non-negative integer (and not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32
 
 
 #: The operator's default registry (kopf's default registry).

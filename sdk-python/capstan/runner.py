@@ -24,7 +24,24 @@ async def operator(*, registry: Registry = None, endpoint: str = None, memo=None
     backoff whenever the stream breaks."""
     op = Operator(registry or default_registry, endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
                   stop=stop_flag)
-    await op.run()
+    _running.append(op)
+    try:
+        await op.run()
+    finally:
+        _running.remove(op)
+
+
+#: The operators running in this process (`operator()` calls in progress).
+_running = []
+
+
+def set_max_in_flight(limit: int, handler: str = None):
+    """Flow control: how many invocations the controller sends this process at once (or, with
+    `handler`, that handler's id); 0 pauses dispatch until a later call raises the cap. It holds
+    across reconnects. Callable from handlers, sync or async."""
+    if len(_running) != 1:
+        raise RuntimeError(f"set_max_in_flight needs exactly one running operator, found {len(_running)}")
+    _running[0].set_max_in_flight(limit, handler)
 
 
 def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_flight: int = 0):

@@ -102,6 +102,8 @@ def registration(handler: Handler) -> reg.HandlerRegistration:
         msg.timeout.CopyFrom(duration(handler.timeout))
     if handler.param is not None:
         msg.param.CopyFrom(json_msg(handler.param))
+    if handler.max_in_flight is not None:
+        msg.max_in_flight = handler.max_in_flight
     o = handler.options
     if handler.kind == "daemon":
         d = reg.DaemonOptions()

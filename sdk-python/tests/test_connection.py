@@ -265,3 +265,52 @@ def test_operator_runner_serves_until_the_block_ends(socket_path):
     server_thread.join(T)
     assert runner.exception is None
     assert finished == [{"hello": "one"}]
+
+
+def test_flow_control_is_sent_at_once_from_a_handler_and_again_after_a_reconnect(socket_path):
+    registry = Registry()
+
+    @capstan.on.create("examples", registry=registry, id="create_fn", max_in_flight=3)
+    def create_fn(**_):
+        capstan.set_max_in_flight(0, handler="create_fn")  # a sync handler, in its thread
+
+    with pytest.raises(capstan.RegistrationError, match="max_in_flight"):
+        capstan.on.update("examples", registry=registry, max_in_flight=-1)(lambda **_: None)
+
+    async def scenario():
+        server, fake = await _serve(socket_path)
+        stop = asyncio.Event()
+        runner = asyncio.create_task(capstan.operator(
+            registry=registry, endpoint=f"unix://{socket_path}", stop_flag=stop))
+        try:
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            assert [(h.handler_id, h.max_in_flight) for h in hello.handlers] == [("create_fn", 3)]
+            await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(
+                connection_id="c1", registrations=_registration_status(hello))))
+            with pytest.raises(ValueError, match="no handler 'nope'"):
+                capstan.set_max_in_flight(1, handler="nope")
+            capstan.set_max_in_flight(8)
+            flow = await _next(incoming, "flow_control")
+            assert (flow.handler_id, flow.max_in_flight) == ("", 8)
+            await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
+                invocation_id="i1", handler_id="create_fn", attempt=1, body=_body("one", "a"),
+                change=inv.ResourceChange(reason=inv.CHANGE_REASON_CREATE))))
+            flow = await _next(incoming, "flow_control")
+            assert (flow.handler_id, flow.max_in_flight) == ("create_fn", 0)
+            assert (await _next(incoming, "result")).invocation_id == "i1"
+
+            # A new connection gets the caps again, right after the hello.
+            await outgoing.put(None)
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            flows = [await _next(incoming, "flow_control") for _ in range(2)]
+            assert sorted((f.handler_id, f.max_in_flight) for f in flows) == [("", 8), ("create_fn", 0)]
+            stop.set()
+            await outgoing.put(None)
+            await asyncio.wait_for(runner, T)
+        finally:
+            runner.cancel()
+            await server.stop(0)
+
+    asyncio.run(scenario())
