@@ -44,3 +44,33 @@ def field_fn(name, old, new, reason, **_):
 @kopf.on.delete(*RESOURCE)
 def delete_fn(name, retry, **_):
     record("delete_fn", name, retry=retry)
+
+
+# Daemons, timers and event handlers run beside the change handlers, so their calls go to a
+# second log ($DIFFERENTIAL_SIDE_LOG), compared as sets: what each saw, not when.
+_ticked = set()
+
+
+def side(handler, name, **seen):
+    with open(os.environ["DIFFERENTIAL_SIDE_LOG"], "a") as log:
+        log.write(json.dumps({"handler": handler, "name": name, **seen}, sort_keys=True) + "\n")
+
+
+@kopf.daemon(*RESOURCE)
+def daemon_fn(name, spec, stopped, **_):
+    side("daemon_fn", name, event="start", field=spec.get("field"))
+    while not stopped:
+        stopped.wait(0.2)
+    side("daemon_fn", name, event="stop", reason=stopped.reason.name)
+
+
+@kopf.timer(*RESOURCE, interval=0.5)
+def timer_fn(name, **_):
+    if name not in _ticked:
+        _ticked.add(name)
+        side("timer_fn", name, event="tick")
+
+
+@kopf.on.event(*RESOURCE)
+def event_fn(name, type, body, **_):
+    side("event_fn", name, type=type, field=body.get("spec", {}).get("field"))
