@@ -72,7 +72,8 @@ impl grpc::Resolver for DiscoveryResolver {
 /// # Errors
 /// When a subsystem cannot start (no cluster configuration, address in use, peering required
 /// but its CRDs missing) or fails.
-pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> {
+pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<()> {
+    open_node_store(&mut settings)?;
     let core = Core::connect(&settings).await?;
     let background = Background::start(&settings, &core);
     core.register_checks();
@@ -119,6 +120,34 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<()> 
     pausing.stop_peering().await;
     serving.cancel();
     finish(tasks, failed, settings.shutdown_grace).await
+}
+
+/// With `--node-storage`: opens the node's store (before anything runs, so that a directory
+/// that cannot be used stops the start with a clear error) and reports its size in `/metrics`.
+fn open_node_store(settings: &mut Settings) -> Result<()> {
+    let Some(spec) = settings.node_store.clone() else {
+        return Ok(());
+    };
+    let keys = settings.engine.storage.keys.clone();
+    let store = Arc::new(crate::persistence::node_store::NodeStore::open(
+        &spec.dir, keys, spec.limit,
+    )?);
+    info!(dir = %spec.dir.display(), objects = store.entries(), bytes = store.bytes(), "node-local storage opened");
+    let metrics = crate::observability::metrics::global();
+    let s = store.clone();
+    metrics.sample(Sampled::NodeStorageObjects, move || {
+        i64::try_from(s.entries()).unwrap_or(i64::MAX)
+    });
+    let s = store.clone();
+    metrics.sample(Sampled::NodeStorageBytes, move || {
+        i64::try_from(s.bytes()).unwrap_or(i64::MAX)
+    });
+    let s = store.clone();
+    metrics.sample(Sampled::NodeStorageCorrupt, move || {
+        i64::try_from(s.corrupt()).unwrap_or(i64::MAX)
+    });
+    settings.engine.storage.local = Some(store);
+    Ok(())
 }
 
 /// What every part of the controller shares: the API clients, discovery, the hub and health.

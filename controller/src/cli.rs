@@ -47,12 +47,31 @@ pub enum Command {
     Resume(ResumeArgs),
     /// Print the peering CRDs (`capstan crds | kubectl apply -f -`).
     Crds,
+    /// Prepare a node-local storage directory for a non-root controller: create it, give it
+    /// to UID:GID, mode 0700 (the chart's init container, with only the CHOWN capability).
+    PrepareStorage(PrepareStorageArgs),
     /// Print the version and the protocol version.
     Version,
     /// Check a running controller through its admin endpoint: /healthz and /readyz answer
     /// 200 and a handler process is connected (the chart's `helm test`). Keeps trying until
     /// the timeout; exits non-zero saying what failed.
     Check(CheckArgs),
+}
+
+/// Flags of `capstan prepare-storage`.
+#[derive(Debug, Args)]
+pub struct PrepareStorageArgs {
+    /// The directory.
+    pub dir: std::path::PathBuf,
+    /// The owner, UID:GID.
+    #[arg(long, default_value = "65532:65532", value_parser = parse_owner)]
+    pub owner: (u32, u32),
+}
+
+fn parse_owner(s: &str) -> Result<(u32, u32), String> {
+    let (uid, gid) = s.split_once(':').ok_or("the owner is UID:GID")?;
+    let number = |n: &str| n.parse::<u32>().map_err(|e| format!("{n:?}: {e}"));
+    Ok((number(uid)?, number(gid)?))
 }
 
 /// Flags of `capstan check`.
@@ -177,6 +196,18 @@ pub struct RunArgs {
     /// behind).
     #[arg(long, env = "CAPSTAN_FINALIZERS", value_enum, default_value_t = Finalizers::Auto)]
     pub finalizers: Finalizers,
+
+    /// In per-node mode, keep this node's progress records and diff-base in files on the node
+    /// instead of on the objects: `file:<directory>` (a hostPath; the chart's daemonset mode
+    /// mounts one). Objects then carry nothing of the node but its finalizer (if enabled), and
+    /// the state lives and dies with the node's disk.
+    #[arg(long, env = "CAPSTAN_NODE_STORAGE", value_name = "file:DIR")]
+    pub node_storage: Option<String>,
+
+    /// The most node-local state kept, in MiB (objects beyond it are not recorded and are
+    /// handled again after a restart).
+    #[arg(long, env = "CAPSTAN_NODE_STORAGE_LIMIT_MIB", default_value_t = 1024)]
+    pub node_storage_limit_mib: u64,
 
     /// In per-node mode, how the node's storage prefix is laid out: `{prefix}` (the persistence
     /// prefix) and `{node}` (the node name as a DNS label) or `{node_short}` (its first
@@ -493,6 +524,7 @@ impl RunArgs {
         settings.hub.max_losses = self.max_losses.max(1);
         settings.connection.supported_kinds = Some(crate::engine::SUPPORTED_KINDS.to_vec());
         settings.engine.storage = self.storage();
+        settings.node_store = self.node_store_spec();
         settings.engine.node = self.node().map(|name| crate::engine::nodes::Settings {
             name,
             base_prefix: self.persistence_prefix.clone(),
@@ -539,6 +571,31 @@ impl RunArgs {
             retry_period: self.retry_period,
         };
         settings
+    }
+
+    /// Combinations of flags that cannot work, said before anything starts.
+    ///
+    /// # Errors
+    /// What is wrong.
+    pub fn check(&self) -> Result<(), String> {
+        if let Some(value) = self.node_storage.as_deref() {
+            if self.node().is_none() {
+                return Err("--node-storage needs per-node mode (--node-name or $NODE_NAME)".into());
+            }
+            crate::persistence::node_store::Spec::parse(value, 0)?;
+        }
+        Ok(())
+    }
+
+    /// The node-local storage, when asked for in per-node mode (see `check`).
+    pub fn node_store_spec(&self) -> Option<crate::persistence::node_store::Spec> {
+        let value = self.node_storage.as_deref()?;
+        self.node()?;
+        crate::persistence::node_store::Spec::parse(
+            value,
+            self.node_storage_limit_mib.saturating_mul(1 << 20),
+        )
+        .ok()
     }
 
     /// The node's name in per-node mode.
@@ -590,6 +647,16 @@ impl RunArgs {
             DiffBaseKind::Annotations => DiffBaseStorage::Annotations(keys.clone()),
             DiffBaseKind::Status => DiffBaseStorage::Status { name: status_field },
         };
+        // Node-local storage keeps the records as annotations of the bodies the engine sees;
+        // the writer takes them out of every write.
+        let (progress, diffbase) = if self.node_store_spec().is_some() {
+            (
+                ProgressStorage::Annotations(keys.clone()),
+                DiffBaseStorage::Annotations(keys.clone()),
+            )
+        } else {
+            (progress, diffbase)
+        };
         let finalizers = match self.finalizers {
             Finalizers::Auto => node.is_none(),
             Finalizers::True => true,
@@ -600,6 +667,7 @@ impl RunArgs {
             progress,
             diffbase,
             finalizers,
+            local: None,
         }
     }
 }

@@ -35,6 +35,8 @@ pub struct Settings {
     pub peering: peering::Settings,
     /// Leader election among replicas.
     pub election: peering::election::Settings,
+    /// Node-local storage of per-node state (per-node mode only).
+    pub node_store: Option<crate::persistence::node_store::Spec>,
 }
 
 impl Default for Settings {
@@ -50,6 +52,7 @@ impl Default for Settings {
             engine: engine::Settings::default(),
             peering: peering::Settings::default(),
             election: peering::election::Settings::default(),
+            node_store: None,
         }
     }
 }

@@ -228,6 +228,14 @@ impl Engine {
                 cancel.clone(),
             ));
         }
+        if let Some(store) = self.settings.storage.local.clone() {
+            tasks.spawn(nodes::collect_garbage(
+                store,
+                self.objects.clone(),
+                self.queues.clone(),
+                cancel.clone(),
+            ));
+        }
         let (_never_tx, never) = watch::channel(0u64);
         let mut activity_changes = self
             .activities

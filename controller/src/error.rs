@@ -24,6 +24,9 @@ pub enum Error {
     /// An operator activity stopped the controller (a startup handler failed for good).
     #[error("an operator activity failed")]
     Activity(#[from] crate::engine::activities::Error),
+    /// The node-local storage cannot be used.
+    #[error("cannot open the node-local storage")]
+    NodeStore(#[from] crate::persistence::node_store::Error),
     /// Signal handlers could not be installed.
     #[error("cannot install signal handlers")]
     Signal(#[source] std::io::Error),

@@ -30,6 +30,15 @@ fn main() -> ExitCode {
             print!("{}", capstan::peering::commands::CRDS);
             ExitCode::SUCCESS
         }
+        Command::PrepareStorage(args) => {
+            match capstan::persistence::node_store::prepare(&args.dir, args.owner) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("capstan: {}", capstan::error::chain(&e));
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Freeze(args) => terminal(async move {
             let freeze = commands::Freeze {
                 targets: args.scope.targets(),
@@ -49,6 +58,10 @@ fn main() -> ExitCode {
                 .map_err(Into::into)
         }),
         Command::Run(args) => {
+            if let Err(problem) = args.check() {
+                eprintln!("capstan: {problem}");
+                return ExitCode::from(64);
+            }
             if let Err(e) = logging::init(args.log_format, &args.log) {
                 eprintln!("capstan: {}", capstan::error::chain(&e));
                 return ExitCode::from(64);

@@ -9,6 +9,7 @@
 pub mod diffbase;
 pub mod keys;
 pub mod node;
+pub mod node_store;
 pub mod progress;
 pub mod time;
 

@@ -134,6 +134,60 @@ async fn every_value_is_documented_and_in_the_schema() -> Result<()> {
 }
 
 #[tokio::test]
+async fn node_local_storage_mounts_a_host_directory_prepared_with_only_chown() -> Result<()> {
+    let out = Render {
+        release: "ci",
+        namespace: "ops",
+        values: vec![ci_file("08")?],
+        ..Render::default()
+    }
+    .manifests()
+    .await?;
+    let daemonset = documents(&out)
+        .into_iter()
+        .find(|d| d.contains("kind: DaemonSet"))
+        .context("no DaemonSet")?;
+    let prepare = daemonset
+        .find("- name: prepare-storage")
+        .context("no prepare-storage init container")?;
+    let sidecar = daemonset
+        .find("- name: capstan\n")
+        .context("no capstan container")?;
+    ensure!(
+        prepare < sidecar,
+        "the directory is prepared before capstan starts"
+    );
+    let init = &daemonset[prepare..sidecar];
+    ensure!(init.contains("\"65532:65532\""), "for the pod's user: {init}");
+    ensure!(
+        init.contains("drop: [ALL]") && init.contains("add: [CHOWN, FOWNER]"),
+        "only CHOWN and FOWNER: {init}"
+    );
+    ensure!(
+        daemonset.contains("path: \"/var/lib/capstan-example\"")
+            && daemonset.contains("type: DirectoryOrCreate"),
+        "a hostPath of type DirectoryOrCreate"
+    );
+    ensure!(out.contains("name: CAPSTAN_NODE_STORAGE") && out.contains("value: \"file:/var/lib/capstan\""));
+    let refused = Render {
+        release: "ci",
+        namespace: "ops",
+        values: vec![ci_file("01")?],
+        set: vec!["daemonset.nodeStorage.enabled=true"],
+        ..Render::default()
+    }
+    .manifests()
+    .await;
+    ensure!(
+        refused
+            .as_ref()
+            .is_err_and(|e| format!("{e:#}").contains("needs mode=daemonset")),
+        "node storage outside daemonset mode is refused: {refused:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
 async fn every_ci_values_file_renders_and_the_modes_differ_as_documented() -> Result<()> {
     for file in ci_values_files()? {
         let out = Render {
@@ -771,7 +825,7 @@ async fn every_rendered_manifest_applies_to_a_real_api_server() -> Result<()> {
         env.kubectl_ok(&["apply", "-f", &path])
             .await
             .with_context(|| format!("applying {stem}"))?;
-        let kind = if stem.starts_with("02") {
+        let kind = if manifests.contains("kind: DaemonSet") {
             "daemonset"
         } else {
             "deployment"

@@ -502,3 +502,201 @@ async fn two_operators_with_the_same_node_name_are_warned_about() -> anyhow::Res
     );
     Ok(())
 }
+
+/// `--node-storage file:<dir>` for the node `tag` in `env`'s scratch directory.
+fn node_storage(env: &TestEnv, tag: &str) -> (PathBuf, String) {
+    let dir = env.scratch().join(format!("store-{tag}"));
+    let flag = format!("file:{}", dir.display());
+    (dir, flag)
+}
+
+/// Waits until `done` holds for the nodes' call logs.
+async fn calls_until(what: &str, nodes: &[&Node], done: impl Fn() -> bool) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !done() {
+        if tokio::time::Instant::now() > deadline {
+            let logs: Vec<String> = nodes
+                .iter()
+                .map(|n| format!("--- {}\n{}", n.name, tail(&n.controller.process.output(), 15)))
+                .collect();
+            anyhow::bail!("{what}: not within 60 s\n{}", logs.join("\n"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(())
+}
+
+/// The object's uid.
+async fn uid(env: &TestEnv, name: &str) -> anyhow::Result<String> {
+    let o = examples(&env.client().await?, "default").get(name).await?;
+    o.metadata.uid.ok_or_else(|| anyhow::anyhow!("{name} has no uid"))
+}
+
+/// With node-local storage, three nodes handle every create, update and delete of shared
+/// objects exactly once each, and the objects carry nothing of them but their finalizers.
+#[tokio::test]
+async fn node_local_storage_handles_every_change_once_per_node_and_keeps_records_off_the_objects()
+-> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let mut nodes = Vec::new();
+    let mut stores = Vec::new();
+    for name in ["node-a", "node-b", "node-c"] {
+        let (dir, flag) = node_storage(&env, name);
+        let args = ["--node-storage", flag.as_str(), "--finalizers", "true"];
+        nodes.push(node_with(&env, name, "create,update,delete", &[], &args).await?);
+        stores.push(dir);
+    }
+    let all: Vec<&Node> = nodes.iter().collect();
+    for name in ["shared-1", "shared-2"] {
+        create_example(&env, name, json!({}), json!({"field": "a"})).await?;
+    }
+    calls_until("every node created both", &all, || {
+        all.iter()
+            .all(|n| n.count("create_fn", "shared-1") == 1 && n.count("create_fn", "shared-2") == 1)
+    })
+    .await?;
+    let o = wait(&env, "shared-1", "the three finalizers", &all, |o| {
+        o.pointer("/metadata/finalizers")
+            .and_then(Value::as_array)
+            .is_some_and(|f| f.len() == 3)
+    })
+    .await?;
+    let on_object: Vec<&String> = o
+        .pointer("/metadata/annotations")
+        .and_then(Value::as_object)
+        .map(|a| a.keys().filter(|k| k.contains(".capstan.dev/")).collect())
+        .unwrap_or_default();
+    assert!(on_object.is_empty(), "node records on the object: {on_object:?}");
+    let shared_1 = uid(&env, "shared-1").await?;
+    for dir in &stores {
+        assert!(
+            dir.join(format!("{shared_1}.json")).exists(),
+            "no state in {}",
+            dir.display()
+        );
+    }
+    examples(&env.client().await?, "default")
+        .patch(
+            "shared-1",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"field": "b"}})),
+        )
+        .await?;
+    calls_until("every node updated shared-1", &all, || {
+        all.iter().all(|n| n.count("update_fn", "shared-1") == 1)
+    })
+    .await?;
+    env.kubectl_ok(&[
+        "delete",
+        "examples.demo.capstan.dev",
+        "shared-1",
+        "-n",
+        "default",
+        "--timeout=60s",
+    ])
+    .await?;
+    calls_until("every node deleted shared-1", &all, || {
+        all.iter().all(|n| n.count("delete_fn", "shared-1") == 1)
+    })
+    .await?;
+    for n in &all {
+        assert_eq!(n.count("create_fn", "shared-1"), 1, "{} created again", n.name);
+        assert_eq!(
+            n.count("update_fn", "shared-2"),
+            0,
+            "{} saw a change of shared-2",
+            n.name
+        );
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while stores.iter().any(|d| d.join(format!("{shared_1}.json")).exists()) {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "a deleted object's state stayed on a node"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(())
+}
+
+/// A controller SIGKILLed while a handler runs does not, after its restart, run again the
+/// handlers that finished before (their records were kept on the node); a corrupt file makes
+/// only its own object be handled again.
+#[tokio::test]
+async fn node_local_storage_survives_a_sigkill_and_a_corrupt_file_affects_only_its_object()
+-> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let (dir, flag) = node_storage(&env, "node-a");
+    let args = ["--node-storage", flag.as_str(), "--checkpoint-after", "300ms"];
+    let mut a = node_with(&env, "node-a", "create3", &[], &args).await?;
+    create_example(&env, "slow", json!({}), json!({"sleep": {"create_b": 4}})).await?;
+    create_example(&env, "quick", json!({}), json!({})).await?;
+    calls_until("create_b running for slow", &[&a], || {
+        a.count("create_b", "slow") == 1
+    })
+    .await?;
+    // create_a's success was checkpointed to the node while create_b runs.
+    let slow = uid(&env, "slow").await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(dir.join(format!("{slow}.json"))).is_ok_and(|t| t.contains("create_a")) {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "no checkpoint on the node"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    a.controller.process.kill().await?;
+    a.controller = Controller::start(
+        &env,
+        "capstan-nodea",
+        &[
+            "--node-name",
+            "node-a",
+            "--node-storage",
+            &flag,
+            "--checkpoint-after",
+            "300ms",
+        ],
+    )
+    .await?;
+    calls_until("slow finished after the restart", &[&a], || {
+        a.count("create_c", "slow") >= 1 && a.count("create_c", "quick") >= 1
+    })
+    .await?;
+    assert_eq!(
+        a.count("create_a", "slow"),
+        1,
+        "a finished handler ran again after the SIGKILL"
+    );
+
+    // A truncated file: its object is handled as new; the other is not touched.
+    let quick = uid(&env, "quick").await?;
+    a.controller.process.kill().await?;
+    let file = dir.join(format!("{quick}.json"));
+    let text = std::fs::read(&file)?;
+    std::fs::write(&file, &text[..text.len() / 2])?;
+    let before_slow = a.count("create_a", "slow");
+    a.controller = Controller::start(
+        &env,
+        "capstan-nodea",
+        &["--node-name", "node-a", "--node-storage", &flag],
+    )
+    .await?;
+    calls_until("quick handled again", &[&a], || a.count("create_a", "quick") == 2).await?;
+    a.controller
+        .process
+        .wait_for(
+            "the node-local state of this object is corrupt",
+            Duration::from_secs(10),
+        )
+        .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        a.count("create_a", "slow"),
+        before_slow,
+        "another object was handled again"
+    );
+    Ok(())
+}

@@ -124,6 +124,9 @@ says what to change. Rendered by templates/validate.yaml.
 {{- if and (eq .Values.mode "daemonset") (eq .Values.finalizers "enabled") (not .Values.daemonset.nodeCleanup) -}}
 {{- fail "\n\nmode=daemonset with finalizers=enabled needs daemonset.nodeCleanup=true: a finalizer added by a node's operator would block the deletion of its objects forever once that node is gone. Set daemonset.nodeCleanup=true, or finalizers=auto (no finalizers in daemonset mode)." -}}
 {{- end -}}
+{{- if and .Values.daemonset.nodeStorage.enabled (ne .Values.mode "daemonset") -}}
+{{- fail "\n\ndaemonset.nodeStorage.enabled=true needs mode=daemonset: node-local storage keeps per-node state on each node." -}}
+{{- end -}}
 {{- $type := (.Values.updateStrategy | default dict).type | default "" -}}
 {{- if and (eq .Values.mode "deployment") (eq $type "OnDelete") -}}
 {{- fail "\n\nupdateStrategy.type=OnDelete is a DaemonSet strategy; a Deployment takes Recreate or RollingUpdate." -}}
@@ -211,6 +214,12 @@ The environment of the capstan container: how the chart configures `capstan run`
       fieldPath: spec.nodeName
 - name: CAPSTAN_NODE_CLEANUP
   value: {{ .Values.daemonset.nodeCleanup | quote }}
+{{- if .Values.daemonset.nodeStorage.enabled }}
+- name: CAPSTAN_NODE_STORAGE
+  value: "file:/var/lib/capstan"
+- name: CAPSTAN_NODE_STORAGE_LIMIT_MIB
+  value: {{ .Values.daemonset.nodeStorage.limitMiB | int | quote }}
+{{- end }}
 {{- end }}
 {{- if not .Values.rbac.watchCrds }}
 - name: CAPSTAN_NO_CRD_WATCH
@@ -286,6 +295,42 @@ The capstan container. As a native sidecar (an initContainer) it carries
     - name: capstan-api-access
       mountPath: /var/run/secrets/kubernetes.io/serviceaccount
       readOnly: true
+    {{- if include "capstan.nodeStorage" . }}
+    - name: capstan-node-storage
+      mountPath: /var/lib/capstan
+    {{- end }}
+{{- end -}}
+
+{{/*
+"true" when the pods keep per-node state in a directory on their node.
+*/}}
+{{- define "capstan.nodeStorage" -}}
+{{- if and (eq .Values.mode "daemonset") .Values.daemonset.nodeStorage.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+The init container that gives the node-local storage directory to the pod's user.
+*/}}
+{{- define "capstan.prepareStorageContainer" -}}
+- name: prepare-storage
+  image: {{ include "capstan.image" (list .Values.capstan.image .) | quote }}
+  imagePullPolicy: {{ .Values.capstan.image.pullPolicy }}
+  args:
+    - prepare-storage
+    - /var/lib/capstan
+    - --owner
+    - {{ printf "%d:%d" (int (.Values.podSecurityContext.runAsUser | default 65532)) (int (.Values.podSecurityContext.runAsGroup | default 65532)) | quote }}
+  securityContext:
+    runAsUser: 0
+    runAsNonRoot: false
+    allowPrivilegeEscalation: false
+    readOnlyRootFilesystem: true
+    capabilities:
+      drop: [ALL]
+      add: [CHOWN, FOWNER]
+  volumeMounts:
+    - name: capstan-node-storage
+      mountPath: /var/lib/capstan
 {{- end -}}
 
 {{/*
@@ -365,16 +410,21 @@ spec:
   securityContext:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- if .Values.nativeSidecar }}
+  {{- $prepare := and (include "capstan.nodeStorage" .) .Values.daemonset.nodeStorage.prepare }}
+  {{- if or .Values.nativeSidecar $prepare }}
   initContainers:
+    {{- if $prepare }}
+    {{- include "capstan.prepareStorageContainer" . | nindent 4 }}
+    {{- end }}
+    {{- if .Values.nativeSidecar }}
     {{- include "capstan.capstanContainer" . | nindent 4 }}
-  containers:
-    {{- include "capstan.handlerContainer" . | nindent 4 }}
-  {{- else }}
-  containers:
-    {{- include "capstan.capstanContainer" . | nindent 4 }}
-    {{- include "capstan.handlerContainer" . | nindent 4 }}
+    {{- end }}
   {{- end }}
+  containers:
+    {{- if not .Values.nativeSidecar }}
+    {{- include "capstan.capstanContainer" . | nindent 4 }}
+    {{- end }}
+    {{- include "capstan.handlerContainer" . | nindent 4 }}
   volumes:
     - name: capstan-socket
       emptyDir:
@@ -403,6 +453,13 @@ spec:
     - name: handler-api-access
       secret:
         secretName: {{ include "capstan.handlerTokenSecret" . }}
+    {{- end }}
+    {{- if include "capstan.nodeStorage" . }}
+    # This node's per-node state (`--node-storage`).
+    - name: capstan-node-storage
+      hostPath:
+        path: {{ .Values.daemonset.nodeStorage.path | quote }}
+        type: DirectoryOrCreate
     {{- end }}
     {{- with .Values.volumes }}
     {{- toYaml . | nindent 4 }}

@@ -12,7 +12,11 @@
 //! node's objects (a field selector on `spec.nodeName`); objects that carry nothing of that
 //! node cost no request.
 
-use std::{collections::BTreeSet, sync::Arc, time::Duration};
+use std::{
+    collections::{BTreeSet, HashSet},
+    sync::Arc,
+    time::Duration,
+};
 
 use parking_lot::Mutex;
 use serde_json::{Map, Value, json};
@@ -27,7 +31,7 @@ use crate::{
         watch::{self as k8s_watch, Watch},
     },
     model::{EventType, ResolvedResource},
-    persistence::node,
+    persistence::{node, node_store::NodeStore},
 };
 
 /// How many operators (the lowest node names) take part in cleaning after a deleted node.
@@ -225,6 +229,73 @@ impl Sweep {
             }
         }
         cleaned
+    }
+}
+
+/// How long after start the node-local storage is first swept (the watches list meanwhile),
+/// and how often after that.
+const GARBAGE_FIRST: Duration = Duration::from_secs(60);
+const GARBAGE_EVERY: Duration = Duration::from_secs(3600);
+
+/// Removes the node-local state of objects that no longer exist (deleted while this operator
+/// was not running, or by a DELETED event it missed): each watched resource is listed whole,
+/// and its files of objects not listed go. A resource whose listing fails keeps its files.
+pub async fn collect_garbage(
+    store: Arc<NodeStore>,
+    objects: Objects,
+    queues: Queues,
+    cancel: CancellationToken,
+) {
+    let mut delay = GARBAGE_FIRST;
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(delay) => {}
+        }
+        delay = GARBAGE_EVERY;
+        let targets: Vec<(ResolvedResource, Vec<Option<String>>)> = queues
+            .lock()
+            .iter()
+            .map(|(r, s, _)| (r.clone(), s.clone()))
+            .collect();
+        for (resource, scopes) in targets {
+            let mut live = HashSet::new();
+            let mut listed = true;
+            for scope in &scopes {
+                match list_uids(&objects, &resource, scope.as_deref(), &mut live).await {
+                    Ok(()) => {}
+                    Err(e) => {
+                        warn!(%resource, error = %crate::error::chain(&e), "listing for the node-local storage's sweep failed; its files stay");
+                        listed = false;
+                    }
+                }
+            }
+            if listed {
+                let removed = store.retain(&resource.to_string(), &live).await;
+                if removed > 0 {
+                    info!(%resource, removed, "node-local state of objects that no longer exist removed");
+                }
+            }
+        }
+    }
+}
+
+/// Adds the uids of every object of `resource` in `scope` to `uids`, page by page.
+async fn list_uids(
+    objects: &Objects,
+    resource: &ResolvedResource,
+    scope: Option<&str>,
+    uids: &mut HashSet<String>,
+) -> Result<(), kube::Error> {
+    let api = objects.api(resource, scope);
+    let mut params = kube::api::ListParams::default().limit(PAGE);
+    loop {
+        let page = api.list_metadata(&params).await?;
+        uids.extend(page.items.into_iter().filter_map(|o| o.metadata.uid));
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(token) => params = params.continue_token(&token),
+            None => return Ok(()),
+        }
     }
 }
 

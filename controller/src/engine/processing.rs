@@ -74,6 +74,10 @@ pub struct Storage {
     pub diffbase: DiffBaseStorage,
     /// Add finalizers when handlers need them (off in per-node mode unless asked for).
     pub finalizers: bool,
+    /// Node-local storage: the records under the node's prefix live in files on the node,
+    /// not on the objects (they are overlaid on the bodies the cycles see, and taken out of
+    /// every write).
+    pub local: Option<std::sync::Arc<crate::persistence::node_store::NodeStore>>,
 }
 
 impl Storage {
@@ -85,6 +89,7 @@ impl Storage {
             diffbase: DiffBaseStorage::Annotations(keys.clone()),
             keys,
             finalizers: true,
+            local: None,
         }
     }
 }

@@ -377,8 +377,9 @@ impl Queue {
         }));
     }
 
-    async fn process(&self, uid: &str, event_type: EventType, body: Value, memory: Memory) {
+    async fn process(&self, uid: &str, event_type: EventType, mut body: Value, memory: Memory) {
         if event_type == EventType::Deleted {
+            self.forget_locally(uid).await;
             self.ctx.daemons.forget(uid);
             let mut slots = self.slots.lock();
             if let Some(slot) = slots.get_mut(uid) {
@@ -389,6 +390,9 @@ impl Queue {
             }
             debug!("object is gone; forgotten");
             return;
+        }
+        if let Some(local) = self.ctx.storage.local.as_deref() {
+            local.overlay(uid, &mut body);
         }
         let handlers = self.ctx.handlers.borrow().clone();
         let paused = *self.ctx.paused.borrow();
@@ -436,6 +440,19 @@ impl Queue {
             }
         }
         let refused = matches!(written, Written::Refused(_));
+        if matches!(written, Written::Gone) {
+            if let Some(slot) = self.slots.lock().get_mut(uid) {
+                slot.gone = true;
+                slot.pending = None;
+                if let Some(t) = slot.timer.take() {
+                    t.abort();
+                }
+            }
+            // Its DELETED event may have been among the dropped ones.
+            self.ctx.daemons.forget(uid);
+            self.forget_locally(uid).await;
+            return;
+        }
         let mut slots = self.slots.lock();
         let Some(slot) = slots.get_mut(uid) else { return };
         if plan.done {
@@ -450,18 +467,7 @@ impl Queue {
                 slot.written_rv = rv_of(&plan.base).max(slot.written_rv);
                 slot.last_body = Some(Stored::new(&plan.base));
             }
-            Written::Gone => {
-                slot.gone = true;
-                slot.pending = None;
-                if let Some(t) = slot.timer.take() {
-                    t.abort();
-                }
-                drop(slots);
-                // Its DELETED event may have been among the dropped ones.
-                self.ctx.daemons.forget(uid);
-                return;
-            }
-            Written::Failed => {}
+            Written::Gone | Written::Failed => {}
             Written::Refused(_) => slot.last_body = Some(Stored::new(&plan.base)),
         }
         // A cycle interrupted by a handler's withdrawal (not by a stop) runs again at once,
@@ -482,6 +488,15 @@ impl Queue {
         if let Some(at) = wake_at {
             let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
             self.schedule(slot, uid, delay);
+        }
+    }
+
+    /// Removes a gone object's node-local state.
+    async fn forget_locally(&self, uid: &str) {
+        if let Some(local) = self.ctx.storage.local.as_deref()
+            && let Err(e) = local.remove(uid).await
+        {
+            warn!(error = %crate::error::chain(&e), "removing a gone object's node-local state failed");
         }
     }
 

@@ -208,7 +208,12 @@ impl Writer {
     async fn dry_run(&self, base: &Value, candidate: &Value) -> Result<(), objects::Error> {
         let (ns, name) = identity(base);
         let resource = &self.resource;
-        let Some(mut patch) = merge_diff(base, candidate) else {
+        let (mut base, mut candidate) = (base.clone(), candidate.clone());
+        if let Some(local) = self.storage.local.as_deref() {
+            local.detach(&mut base);
+            local.detach(&mut candidate);
+        }
+        let Some(mut patch) = merge_diff(&base, &candidate) else {
             return Ok(());
         };
         strip_server_fields(&mut patch);
@@ -229,6 +234,32 @@ impl Writer {
     }
 
     pub(crate) async fn write_once(
+        &self,
+        base: &Value,
+        desired: Option<&Value>,
+        finalizer: FinalizerChange,
+    ) -> Result<Value, objects::Error> {
+        let Some(local) = self.storage.local.as_deref() else {
+            return self.write_remote(base, desired, finalizer).await;
+        };
+        // Node-local storage: the node's records stay out of the PATCH, and are kept on the
+        // node once the API server took the rest (a crash in between repeats a handler; it
+        // never loses one's patch).
+        let mut remote_base = base.clone();
+        local.detach(&mut remote_base);
+        let mut remote_desired = desired.cloned();
+        let state = remote_desired.as_mut().map(|d| local.detach(d));
+        let stored = self
+            .write_remote(&remote_base, remote_desired.as_ref(), finalizer)
+            .await?;
+        if let Some(state) = state {
+            keep_locally(local, &self.resource, base, state).await;
+        }
+        Ok(stored)
+    }
+
+    /// Writes to the API server what changed from `base` to `desired` and the finalizer.
+    async fn write_remote(
         &self,
         base: &Value,
         desired: Option<&Value>,
@@ -322,6 +353,23 @@ impl processing::Checkpoint for Writer {
                 }
             }
         })
+    }
+}
+
+/// Keeps an object's node-local records (`state`) in the node's store; a failure is reported
+/// and leaves the previous records, so the object's handlers may run again.
+pub(crate) async fn keep_locally(
+    local: &crate::persistence::node_store::NodeStore,
+    resource: &ResolvedResource,
+    body: &Value,
+    state: Map<String, Value>,
+) {
+    let uid = body
+        .pointer("/metadata/uid")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if let Err(e) = local.persist(uid, &resource.to_string(), body, state).await {
+        warn!(error = %crate::error::chain(&e), "the node-local state was not kept; the object's handlers may run again");
     }
 }
 

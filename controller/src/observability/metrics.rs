@@ -62,16 +62,32 @@ pub enum Sampled {
     /// `capstan_leader`: 1 while this replica holds the leader-election lease; rendered only
     /// once leader election samples it.
     Leader,
+    /// `capstan_node_storage_objects`: objects with node-local state (with `--node-storage`).
+    NodeStorageObjects,
+    /// `capstan_node_storage_bytes`: bytes of node-local state (with `--node-storage`).
+    NodeStorageBytes,
+    /// `capstan_node_storage_corrupt_files`: node-local files found corrupt since start.
+    NodeStorageCorrupt,
 }
 
 impl Sampled {
-    const ALL: [Sampled; 3] = [Sampled::HandlerProcesses, Sampled::Paused, Sampled::Leader];
+    const ALL: [Sampled; 6] = [
+        Sampled::HandlerProcesses,
+        Sampled::Paused,
+        Sampled::Leader,
+        Sampled::NodeStorageObjects,
+        Sampled::NodeStorageBytes,
+        Sampled::NodeStorageCorrupt,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Sampled::HandlerProcesses => "capstan_handler_processes",
             Sampled::Paused => "capstan_paused",
             Sampled::Leader => "capstan_leader",
+            Sampled::NodeStorageObjects => "capstan_node_storage_objects",
+            Sampled::NodeStorageBytes => "capstan_node_storage_bytes",
+            Sampled::NodeStorageCorrupt => "capstan_node_storage_corrupt_files",
         }
     }
 
@@ -82,6 +98,11 @@ impl Sampled {
             Sampled::Leader => {
                 "1 while this replica holds the leader-election lease (only with --leader-election)."
             }
+            Sampled::NodeStorageObjects => "Objects with state in the node-local storage.",
+            Sampled::NodeStorageBytes => "Bytes of state in the node-local storage.",
+            Sampled::NodeStorageCorrupt => {
+                "Node-local state files found corrupt since start (their objects are handled as new)."
+            }
         }
     }
 
@@ -90,6 +111,9 @@ impl Sampled {
             Sampled::HandlerProcesses => 0,
             Sampled::Paused => 1,
             Sampled::Leader => 2,
+            Sampled::NodeStorageObjects => 3,
+            Sampled::NodeStorageBytes => 4,
+            Sampled::NodeStorageCorrupt => 5,
         }
     }
 }
@@ -100,7 +124,7 @@ type SampleFn = Arc<dyn Fn() -> i64 + Send + Sync>;
 /// function is not rendered.
 #[derive(Default)]
 struct Samplers {
-    functions: RwLock<[Option<SampleFn>; 3]>,
+    functions: RwLock<[Option<SampleFn>; 6]>,
 }
 
 impl fmt::Debug for Samplers {

@@ -18,7 +18,7 @@ use crate::{
         execution,
         matching::{self, Subject},
         processing,
-        writing::patch_object,
+        writing::{self, patch_object},
     },
     grpc::Control,
     model::{ErrorsMode, EventType, HandlerKind, Outcome, Payload, Registration, Work},
@@ -216,16 +216,25 @@ impl Queue {
         if desired == body {
             return (body, wake);
         }
+        // Node-local storage: the records are kept on the node, the rest goes to the object.
+        let (mut remote_body, mut remote_desired) = (body.clone(), desired.clone());
+        let local_state = storage.local.as_deref().map(|local| {
+            local.detach(&mut remote_body);
+            (local, local.detach(&mut remote_desired))
+        });
         match patch_object(
             &self.ctx.objects,
             &self.ctx.resource,
             &self.ctx.storage.keys.finalizer,
-            &body,
-            &desired,
+            &remote_body,
+            &remote_desired,
         )
         .await
         {
             Ok(stored) => {
+                if let Some((local, state)) = local_state {
+                    writing::keep_locally(local, &self.ctx.resource, &body, state).await;
+                }
                 if let Some(uid) = uid_of(&stored)
                     && let Some(slot) = self.slots.lock().get_mut(&uid)
                 {
