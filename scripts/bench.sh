@@ -3,7 +3,11 @@
 #
 #   bash scripts/bench.sh            full run: N = 100, 1,000, 10,000 (tens of minutes on 2 cores)
 #   bash scripts/bench.sh --smoke    small N, short settles (a few minutes); for CI: exits
-#                                    non-zero when any workload fails to complete
+#                                    non-zero when any workload fails to complete (includes
+#                                    the fleet simulation with 1 and 3 nodes)
+#   bash scripts/bench.sh --fleet    only the fleet simulation of per-node operators: 1, 10,
+#                                    30 and 100 node operators (BENCH_FLEET_NODES), writes
+#                                    tests/bench/results/fleet.{md,json,svg}
 #
 # Builds what it needs: the API server (tests/testenv), `capstan` and the Rust SDK handler
 # (cargo, release), the Go SDK handler and the benchmark driver (Go, GOTOOLCHAIN=local), the
@@ -30,11 +34,13 @@ out=${BENCH_OUT:-$root/tests/bench/results}
 bin=$HOME/.cache/capstan/bench-bin
 
 smoke=false
+fleet_only=false
 case "${1:-}" in
 "") ;;
 --smoke) smoke=true ;;
+--fleet) fleet_only=true ;;
 *)
-	echo "usage: $0 [--smoke]" >&2
+	echo "usage: $0 [--smoke|--fleet]" >&2
 	exit 2
 	;;
 esac
@@ -82,6 +88,23 @@ if (cd tests/bench/gohandler && go build -trimpath -o "$bin/bench-go-handler" . 
 	go_handler="$bin/bench-go-handler"
 else
 	echo "bench: the Go SDK handler does not build; running without it" >&2
+fi
+
+# The fleet simulation: per-node operators at scale (tests/bench/cmd/bench/fleet.go).
+fleet() {
+	"$bin/bench" fleet --out "$1" --testenv "$testenv" --capstan "$rust_bin/capstan" \
+		--rust-handler "$rust_bin/capstan-e2e-handler" --crd "$root/examples/crd.yaml" "${@:2}" &
+	driver_pid=$!
+	local status=0
+	wait "$driver_pid" || status=$?
+	driver_pid=''
+	return "$status"
+}
+if $fleet_only; then
+	step "fleet simulation"
+	fleet "$out" --nodes "${BENCH_FLEET_NODES:-1,10,30,100}"
+	echo "bench: fleet finished in $((SECONDS - started)) s; results in $out/fleet.md" >&2
+	exit 0
 fi
 
 step "Python SDK handler (sdk-python/scripts/venv.sh)"
@@ -133,5 +156,9 @@ driver_pid=$!
 status=0
 wait "$driver_pid" || status=$?
 driver_pid=''
+if $smoke; then
+	step "fleet simulation (smoke)"
+	fleet "$out" --nodes 1,3 --changes 2 --smoke || status=$?
+fi
 echo "bench: finished in $((SECONDS - started)) s (exit $status); results in $out/latest.md" >&2
 exit "$status"

@@ -392,6 +392,11 @@ async fn main() -> anyhow::Result<()> {
                     .field_selector(format!("spec.nodeName={node}"))
                     .label_selector("!e2e/skip");
             }
+            // An update handler that writes nothing (the fleet benchmark counts only the
+            // controller's own bookkeeping).
+            "update-plain" => {
+                registry.on_update(RESOURCE, "update_fn", plain);
+            }
             // Node-local work with cleanup: a create and a delete handler, both only for objects
             // whose `spec.nodeName` is `E2E_NODE` (the watch filters on the server when the
             // CRD makes the field selectable).
