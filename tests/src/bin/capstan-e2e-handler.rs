@@ -151,9 +151,19 @@ fn note(line: &str) {
 }
 
 /// Reports progress with an interim patch, then runs until cancelled (or fails first when
-/// `spec.temporary.monitor` says so).
+/// `spec.temporary.monitor` says so); with `spec.finish.<id>: true` it returns a result at once.
 async fn monitor(ctx: Context) -> HandlerResult {
     behave(&ctx).await?;
+    let finish = ctx
+        .spec()
+        .get("finish")
+        .and_then(|m| m.get(ctx.handler_id()))
+        .and_then(Value::as_bool);
+    if finish == Some(true) {
+        return Ok(Some(
+            json!({"finishedBy": ctx.handler_id(), "attempt": ctx.retry() + 1}),
+        ));
+    }
     let progress = Patch::new();
     progress.annotation("e2e/daemon", "running");
     ctx.send_patch(&progress)
@@ -333,6 +343,34 @@ async fn main() -> anyhow::Result<()> {
                     .daemon(RESOURCE, "monitor", monitor)
                     .label("e2e/run", "yes")
                     .restart_backoff(Duration::from_secs(1));
+            }
+            // Daemons as kopf's: `monitor` for objects labelled `e2e/run: "yes"`, 3 attempts,
+            // 1 s backoff; `deadline` for objects with the label `e2e/deadline`, 4 s in all.
+            "lifecycle-daemon" => {
+                registry
+                    .daemon(RESOURCE, "monitor", monitor)
+                    .label("e2e/run", "yes")
+                    .retries(3)
+                    .backoff(Duration::from_secs(1));
+                registry
+                    .daemon(RESOURCE, "deadline", monitor)
+                    .label("e2e/deadline", Presence::Present)
+                    .timeout(Duration::from_secs(4))
+                    .backoff(Duration::from_secs(1));
+            }
+            // `monitor` starts 3 s after its object appears; `stubborn` (objects with the label
+            // `e2e/stubborn`) ignores its cancellation, given 2 s of cancellation backoff and
+            // 1 s of cancellation timeout.
+            "delayed-daemon" => {
+                registry
+                    .daemon(RESOURCE, "monitor", monitor)
+                    .label("e2e/stubborn", Presence::Absent)
+                    .initial_delay(Duration::from_secs(3));
+                registry
+                    .daemon(RESOURCE, "stubborn", stubborn)
+                    .label("e2e/stubborn", Presence::Present)
+                    .cancellation_backoff(Duration::from_secs(2))
+                    .cancellation_timeout(Duration::from_secs(1));
             }
             // A daemon that ignores its cancellation and has no cancellation timeout.
             "stubborn-forever" => {
