@@ -211,6 +211,74 @@ async fn parent(ctx: Context) -> HandlerResult {
     Ok(None)
 }
 
+/// Notes the call, then marks the object as seen by this handler (`e2e/seen-<id>`).
+async fn marking(ctx: Context) -> HandlerResult {
+    behave(&ctx).await?;
+    ctx.patch()
+        .annotation(&format!("e2e/seen-{}", ctx.handler_id()), "yes");
+    Ok(None)
+}
+
+/// The `parity` preset: one handler (or a few) per kopf option, selected by `e2e/case`.
+fn register_parity(registry: &mut Registry) {
+    let case = |name: &'static str| ("e2e/case", name);
+    // `optional`: no finalizer for it alone; called when another handler holds the finalizer
+    // (the objects labelled `e2e/hold`).
+    let (k, v) = case("optional");
+    registry.on_create(RESOURCE, "opt_create", plain).label(k, v);
+    registry
+        .on_delete(RESOURCE, "opt_delete", plain)
+        .label(k, v)
+        .optional(true);
+    registry
+        .on_delete(RESOURCE, "hold_delete", plain)
+        .label("e2e/hold", Presence::Present);
+    // `resume` with and without `deleted`.
+    let (k, v) = case("resume");
+    registry
+        .on_resume(RESOURCE, "resume_all", plain)
+        .label(k, v)
+        .deleted(true);
+    registry.on_resume(RESOURCE, "resume_live", plain).label(k, v);
+    // `param`: echoed back as the result.
+    let (k, v) = case("param");
+    registry
+        .on_create(RESOURCE, "param_fn", |ctx: Context| async move {
+            log_call(&ctx);
+            Ok::<_, HandlerError>(Some(json!({"param": ctx.param().cloned()})))
+        })
+        .label(k, v)
+        .param(json!({"greeting": "hello", "n": 7}));
+    // `when`: only objects labelled `e2e/when: yes`; `when_witness` runs for all of them.
+    let (k, v) = case("when");
+    registry
+        .on_create(RESOURCE, "when_fn", plain)
+        .label(k, v)
+        .when(|ctx: &Context| ctx.labels().get("e2e/when").and_then(Value::as_str) == Some("yes"));
+    registry.on_create(RESOURCE, "when_witness", plain).label(k, v);
+    // An overall timeout of 3 s with 1 s retry delays.
+    let (k, v) = case("timeout");
+    registry
+        .on_create(RESOURCE, "timeout_fn", plain)
+        .label(k, v)
+        .timeout(Duration::from_secs(3));
+    // Errors mode IGNORED, followed by another handler of the same cause.
+    let (k, v) = case("ignored");
+    registry
+        .on_create(RESOURCE, "ignored_fn", plain)
+        .label(k, v)
+        .errors(capstan_sdk::ErrorsMode::Ignored)
+        .backoff(Duration::from_secs(1));
+    registry.on_create(RESOURCE, "after_ignored", plain).label(k, v);
+    // For the progress storages: fails as its object's spec says.
+    let (k, v) = case("storage");
+    registry.on_create(RESOURCE, "stored_fn", plain).label(k, v);
+    // Core resources (empty API group), one namespaced and one cluster-scoped.
+    let (k, v) = case("core");
+    registry.on_create("configmaps", "cm_create", marking).label(k, v);
+    registry.on_create("namespaces", "ns_create", marking).label(k, v);
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -372,6 +440,8 @@ async fn main() -> anyhow::Result<()> {
                     .cancellation_backoff(Duration::from_secs(2))
                     .cancellation_timeout(Duration::from_secs(1));
             }
+            // kopf's handler options, each for the objects labelled `e2e/case: <case>`.
+            "parity" => register_parity(&mut registry),
             // A daemon that ignores its cancellation and has no cancellation timeout.
             "stubborn-forever" => {
                 registry.daemon(RESOURCE, "stubborn", stubborn);
