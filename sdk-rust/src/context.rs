@@ -67,8 +67,7 @@ pub struct DiffItem {
     pub new: Option<Value>,
 }
 
-/// A sub-handler declared by a running parent.
-pub(crate) type Subhandler = (String, Arc<dyn Handler>);
+use crate::subhandling::{Subhandler, SubhandlerOptions};
 
 /// The decoded parts of an invocation that handlers read.
 #[derive(Debug, Default)]
@@ -438,17 +437,30 @@ impl Context {
 
     /// Declares a sub-handler (kopf's `register`/`@subhandler`): after this handler returns
     /// successfully, every declared sub-handler that is not finished yet runs, and its outcome
-    /// is persisted by the controller under `<parent id>/<id>`.
+    /// is persisted by the controller under `<parent id>/<id>`. Its errors are judged by the
+    /// parent's registration; [`Context::subhandler_with`] gives it options of its own.
     ///
     /// # Caveats
     ///
     /// As in kopf, the parent is re-invoked until all sub-handlers are finished and must declare
-    /// the same sub-handlers every time. Sub-handlers cannot declare sub-handlers of their own:
-    /// such declarations are ignored with a warning.
+    /// the same sub-handlers every time. A sub-handler may declare sub-handlers of its own (ids
+    /// `<parent id>/<id>/<child id>`, up to [`crate::subhandling::MAX_DEPTH`] levels); it
+    /// succeeds once they all have. Declarations where sub-handlers are not allowed (event
+    /// handlers, daemons, timers, activities) are ignored with a warning.
     pub fn subhandler(&self, id: impl Into<String>, handler: impl Handler) {
+        self.subhandler_with(id, SubhandlerOptions::new(), handler);
+    }
+
+    /// Declares a sub-handler with its own `errors`, `retries`, `backoff` and `timeout`
+    /// (kopf's `register(fn, id=…, errors=…, retries=…, backoff=…, timeout=…)`).
+    pub fn subhandler_with(&self, id: impl Into<String>, options: SubhandlerOptions, handler: impl Handler) {
         let id = id.into();
         match &self.inner.subhandlers {
-            Some(subs) => subs.lock().push((id, Arc::new(handler))),
+            Some(subs) => subs.lock().push(Subhandler {
+                id,
+                handler: Arc::new(handler),
+                options,
+            }),
             None => tracing::warn!(subhandler.id = %id, "sub-handlers cannot be declared here; ignored"),
         }
     }

@@ -13,11 +13,7 @@
 //! that returns an error after its invocation was cancelled is answered `Cancelled`; one that
 //! returns success after a cancel is still a success.
 
-use std::{
-    panic::AssertUnwindSafe,
-    sync::Arc,
-    time::{Duration, SystemTime},
-};
+use std::{panic::AssertUnwindSafe, sync::Arc, time::SystemTime};
 
 use futures::FutureExt;
 use tokio::time::Instant;
@@ -135,7 +131,17 @@ async fn run_inner(
     };
 
     let mut patches = ctx.patch().to_pb();
-    let subhandlers = run_subhandlers(&ctx, &invocation, &decoded, &control, &outbox, &mut patches).await;
+    let children = crate::subhandling::Run {
+        invocation: &invocation,
+        decoded: &decoded,
+        control: &control,
+        outbox: &outbox,
+        backoff: entry.registration.backoff.as_ref().map(convert::duration_from_pb),
+    }
+    .level(&ctx, "", 1)
+    .await;
+    patches.extend(children.patches);
+    let subhandlers = children.outcomes;
     let kind_result = if is_admission(kind) {
         Some(pb::success::KindResult::Admission(pb::AdmissionVerdict {
             allowed: true,
@@ -157,65 +163,8 @@ async fn run_inner(
     }
 }
 
-/// Runs the declared sub-handlers that are not finished, collecting their outcomes and the
-/// patches of those that succeeded.
-async fn run_subhandlers(
-    parent: &Context,
-    invocation: &Arc<pb::Invocation>,
-    decoded: &Arc<Decoded>,
-    control: &Control,
-    outbox: &Outbox,
-    patches: &mut Vec<pb::Patch>,
-) -> Vec<pb::SubhandlerOutcome> {
-    let mut outcomes = Vec::new();
-    for (id, handler) in parent.take_subhandlers() {
-        if control.token().is_cancelled() {
-            break;
-        }
-        let state = invocation.subhandlers.iter().find(|s| s.subhandler_id == id);
-        if let Some(state) = state {
-            let waiting = state
-                .delayed_until
-                .as_ref()
-                .is_some_and(|t| convert::until(t) > Duration::ZERO);
-            if state.success || state.failure || waiting {
-                continue;
-            }
-        }
-        let child = Context::from_parts(Parts {
-            invocation: invocation.clone(),
-            decoded: decoded.clone(),
-            handler_id: format!("{}/{id}", parent.handler_id()),
-            retry: state.map_or(0, |s| s.retries),
-            started: state
-                .and_then(|s| s.started_time.as_ref())
-                .and_then(convert::timestamp_from_pb)
-                .unwrap_or_else(SystemTime::now),
-            control: control.clone(),
-            outbox: outbox.clone(),
-            allow_subhandlers: false,
-        });
-        let outcome = match call_guarded(handler.call(child.clone())).await {
-            Ok(output) => {
-                patches.extend(child.patch().to_pb());
-                pb::subhandler_outcome::Outcome::Success(success(&output, None))
-            }
-            Err(error) => match failure(error) {
-                Failure::Temporary(e) => pb::subhandler_outcome::Outcome::TemporaryError(e),
-                Failure::Permanent(e) => pb::subhandler_outcome::Outcome::PermanentError(e),
-                Failure::Unclassified(e) => pb::subhandler_outcome::Outcome::UnclassifiedError(e),
-            },
-        };
-        outcomes.push(pb::SubhandlerOutcome {
-            subhandler_id: id,
-            outcome: Some(outcome),
-        });
-    }
-    outcomes
-}
-
 /// Calls a handler future, turning a panic into an unclassified error.
-async fn call_guarded(
+pub(crate) async fn call_guarded(
     call: futures::future::BoxFuture<'static, Result<HandlerOutput, HandlerError>>,
 ) -> Result<HandlerOutput, HandlerError> {
     match AssertUnwindSafe(call).catch_unwind().await {
@@ -234,7 +183,7 @@ async fn call_guarded(
     }
 }
 
-enum Failure {
+pub(crate) enum Failure {
     Temporary(pb::TemporaryError),
     Permanent(pb::PermanentError),
     Unclassified(pb::UnclassifiedError),
@@ -250,7 +199,7 @@ impl From<Failure> for Outcome {
     }
 }
 
-fn failure(error: HandlerError) -> Failure {
+pub(crate) fn failure(error: HandlerError) -> Failure {
     let summary = error.message();
     match error {
         HandlerError::Temporary { delay, .. } => Failure::Temporary(pb::TemporaryError {
@@ -268,7 +217,7 @@ fn failure(error: HandlerError) -> Failure {
     }
 }
 
-fn success(output: &HandlerOutput, kind_result: Option<pb::success::KindResult>) -> pb::Success {
+pub(crate) fn success(output: &HandlerOutput, kind_result: Option<pb::success::KindResult>) -> pb::Success {
     pb::Success {
         result: output.value.as_ref().map(convert::json_to_pb),
         kind_result,
@@ -282,7 +231,7 @@ fn finished(outcome: Outcome) -> pb::InvocationResult {
     }
 }
 
-fn diagnostic(summary: String, reason: &str, error_type: &str) -> pb::Diagnostic {
+pub(crate) fn diagnostic(summary: String, reason: &str, error_type: &str) -> pb::Diagnostic {
     pb::Diagnostic {
         severity: pb::Severity::Error as i32,
         summary,

@@ -55,6 +55,7 @@ mod registry;
 mod runner;
 mod selector;
 mod snapshot;
+pub mod subhandling;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -68,3 +69,4 @@ pub use registry::{ErrorsMode, HandlerOptions, Registry};
 pub use runner::{DEFAULT_ENDPOINT, Operator};
 pub use selector::Selector;
 pub use snapshot::Snapshot;
+pub use subhandling::SubhandlerOptions;

@@ -279,6 +279,37 @@ fn register_parity(registry: &mut Registry) {
     registry.on_create("namespaces", "ns_create", marking).label(k, v);
 }
 
+async fn nest(ctx: Context) -> HandlerResult {
+    behave(&ctx).await?;
+    ctx.subhandler_with(
+        "outer",
+        capstan_sdk::SubhandlerOptions::new()
+            .retries(5)
+            .backoff(Duration::from_secs(1)),
+        |outer: Context| async move {
+            behave(&outer).await?;
+            outer.subhandler("inner", |inner: Context| async move {
+                behave(&inner).await?;
+                inner.patch().annotation("e2e/sub-inner", "done");
+                Ok::<_, HandlerError>(Some(json!({"attempts": inner.retry() + 1})))
+            });
+            outer.patch().annotation("e2e/sub-outer", "done");
+            Ok::<_, HandlerError>(None)
+        },
+    );
+    ctx.subhandler_with(
+        "limited",
+        capstan_sdk::SubhandlerOptions::new()
+            .retries(2)
+            .backoff(Duration::from_secs(1)),
+        |limited: Context| async move {
+            behave(&limited).await?;
+            Ok::<_, HandlerError>(None)
+        },
+    );
+    Ok(None)
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -377,6 +408,14 @@ async fn main() -> anyhow::Result<()> {
             "subhandlers" => {
                 registry
                     .on_create(RESOURCE, "parent", parent)
+                    .backoff(Duration::from_secs(1));
+            }
+            // `nest` declares `outer` (5 retries of its own), which declares `inner`, and
+            // `limited` (2 retries, 1 s backoff); all behave as their object's spec says, under
+            // their full ids (`nest/outer/inner`).
+            "nested-subhandlers" => {
+                registry
+                    .on_create(RESOURCE, "nest", nest)
                     .backoff(Duration::from_secs(1));
             }
             "event-overlap" => {
