@@ -247,6 +247,52 @@ impl Context {
         self.inner.invocation.resource.as_ref()
     }
 
+    // ----- ownership ----------------------------------------------------------------------------
+
+    /// The object as an owner of others: its latest body, with `apiVersion` and `kind` taken
+    /// from the invocation's resource when the body lacks them (list results do).
+    pub fn owner(&self) -> Value {
+        let mut body = (*self.body()).clone();
+        if let (Some(resource), Value::Object(map)) = (self.resource(), &mut body) {
+            if !map.contains_key("apiVersion") {
+                let api_version = if resource.group.is_empty() {
+                    resource.version.clone()
+                } else {
+                    format!("{}/{}", resource.group, resource.version)
+                };
+                map.insert("apiVersion".into(), api_version.into());
+            }
+            if !map.contains_key("kind") {
+                map.insert("kind".into(), resource.kind.clone().into());
+            }
+        }
+        body
+    }
+
+    /// Makes `objects` children of this handler's object (kopf's `adopt` with the current
+    /// object as the owner); see [`crate::hierarchies::adopt`].
+    ///
+    /// # Errors
+    /// A [`crate::hierarchies::HierarchyError`] when the object or a child is unfit; nothing is
+    /// changed then.
+    pub fn adopt<'a>(
+        &self,
+        objects: impl IntoIterator<Item = &'a mut Value>,
+        options: &crate::hierarchies::Adoption,
+    ) -> Result<(), crate::hierarchies::HierarchyError> {
+        crate::hierarchies::adopt(objects, &self.owner(), options)
+    }
+
+    /// An owner reference to this handler's object (controller, blocking deletion), as kopf's
+    /// `build_owner_reference(body)`.
+    ///
+    /// # Errors
+    /// [`crate::hierarchies::HierarchyError::OwnerIncomplete`] for an object without a uid
+    /// (activities have none).
+    pub fn owner_reference(&self) -> Result<Value, crate::hierarchies::HierarchyError> {
+        crate::hierarchies::build_owner_reference(&self.owner(), true, true)
+    }
+
     // ----- the cause --------------------------------------------------------------------------
 
     /// Why a change handler is invoked; `None` for other handler kinds.

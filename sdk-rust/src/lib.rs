@@ -48,6 +48,7 @@ mod dispatch;
 mod error;
 mod filters;
 mod handler;
+pub mod hierarchies;
 mod outbox;
 mod patch;
 pub mod pb;

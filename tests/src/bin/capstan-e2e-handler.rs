@@ -219,6 +219,30 @@ async fn marking(ctx: Context) -> HandlerResult {
     Ok(None)
 }
 
+/// Creates a ConfigMap that the object adopts (kopf's `adopt`), with the client of the
+/// process's `KUBECONFIG`; its name goes to the result.
+async fn spawn_child(ctx: Context) -> HandlerResult {
+    log_call(&ctx);
+    let mut child = json!({"apiVersion": "v1", "kind": "ConfigMap", "data": {"owner": ctx.name()}});
+    ctx.adopt([&mut child], &capstan_sdk::hierarchies::Adoption::default())
+        .map_err(|e| HandlerError::permanent(e.to_string()))?;
+    let namespace = child
+        .pointer("/metadata/namespace")
+        .and_then(Value::as_str)
+        .unwrap_or("default")
+        .to_owned();
+    let configmap: k8s_openapi::api::core::v1::ConfigMap =
+        serde_json::from_value(child).map_err(|e| HandlerError::permanent(e.to_string()))?;
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| HandlerError::retry(format!("no API client: {e}")))?;
+    let created = kube::Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client, &namespace)
+        .create(&kube::api::PostParams::default(), &configmap)
+        .await
+        .map_err(|e| HandlerError::retry(format!("creating the child: {e}")))?;
+    Ok(Some(json!({"child": created.metadata.name})))
+}
+
 /// The `parity` preset: one handler (or a few) per kopf option, selected by `e2e/case`.
 fn register_parity(registry: &mut Registry) {
     let case = |name: &'static str| ("e2e/case", name);
@@ -273,6 +297,12 @@ fn register_parity(registry: &mut Registry) {
     // For the progress storages: fails as its object's spec says.
     let (k, v) = case("storage");
     registry.on_create(RESOURCE, "stored_fn", plain).label(k, v);
+    // Creates a ConfigMap adopted by its object (with the process's own kubeconfig).
+    let (k, v) = case("children");
+    registry
+        .on_create(RESOURCE, "spawn_child", spawn_child)
+        .label(k, v)
+        .backoff(Duration::from_secs(1));
     // Core resources (empty API group), one namespaced and one cluster-scoped.
     let (k, v) = case("core");
     registry.on_create("configmaps", "cm_create", marking).label(k, v);
