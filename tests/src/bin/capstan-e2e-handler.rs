@@ -620,7 +620,7 @@ async fn main() -> anyhow::Result<()> {
             }
             // Login: returns `E2E_LOGIN_SERVER`, `E2E_LOGIN_CA` (base64 PEM) and
             // `E2E_LOGIN_TOKEN`; with `E2E_LOGIN_BAD_FIRST=1` the first call returns a token the
-            // API server rejects.
+            // API server rejects, with `E2E_LOGIN_EXPIRES_IN=S` credentials that expire in S s.
             "login" => {
                 registry
                     .on_login("login_fn", |_ctx: Context| async move {
@@ -632,6 +632,12 @@ async fn main() -> anyhow::Result<()> {
                                 .map_err(|e| HandlerError::permanent(format!("E2E_LOGIN_CA: {e}")))?;
                         let bad = call == 0 && var("E2E_LOGIN_BAD_FIRST") == "1";
                         note(&format!("login call {} bad={bad}", call + 1));
+                        // `E2E_LOGIN_EXPIRES_IN=S`: the credentials say they expire in S seconds.
+                        let expiration_time = var("E2E_LOGIN_EXPIRES_IN").parse::<u64>().ok().map(|s| {
+                            prost_types::Timestamp::from(
+                                std::time::SystemTime::now() + Duration::from_secs(s),
+                            )
+                        });
                         Ok::<_, HandlerError>(capstan_sdk::pb::Credentials {
                             server: var("E2E_LOGIN_SERVER"),
                             certificate_authority: ca.0,
@@ -640,6 +646,7 @@ async fn main() -> anyhow::Result<()> {
                             } else {
                                 var("E2E_LOGIN_TOKEN")
                             },
+                            expiration_time,
                             ..Default::default()
                         })
                     })
