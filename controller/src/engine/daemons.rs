@@ -696,6 +696,106 @@ mod tests {
         Objects::new(kube::Client::new(service, "default"))
     }
 
+    /// A daemon that answers every attempt with `outcome` at once, counting the attempts.
+    struct Answers {
+        calls: Arc<AtomicU32>,
+        outcome: fn() -> Outcome,
+    }
+
+    impl Invoker for Answers {
+        fn invoke(&self, _work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let outcome = (self.outcome)();
+            Box::pin(async move { outcome })
+        }
+    }
+
+    fn resource() -> ResolvedResource {
+        ResolvedResource {
+            group: "demo.capstan.dev".into(),
+            version: "v1".into(),
+            plural: "examples".into(),
+            kind: "Example".into(),
+            namespaced: true,
+            status_subresource: false,
+        }
+    }
+
+    fn daemons_with(invoker: Arc<dyn Invoker>, cancel: &CancellationToken) -> Daemons {
+        let (stopped, _stopped_rx) = mpsc::unbounded_channel();
+        Daemons::new(Context {
+            resource: resource(),
+            invoker,
+            objects: slow_api(Arc::new(AtomicU32::new(0)), Arc::new(Mutex::new(Value::Null))),
+            rules: Rules {
+                prefix: "capstan.dev".into(),
+                diffbase_key: None,
+                extra_fields: Vec::new(),
+            },
+            stopped,
+            cancel: cancel.clone(),
+            finalizer: Keys::new("capstan.dev").finalizer,
+        })
+    }
+
+    /// Runs a daemon answering `outcome` with `retries`, syncing its object again and again
+    /// (changed bodies, a filter mismatch and a new match) for a minute; returns the attempts.
+    async fn attempts_over_a_minute(outcome: fn() -> Outcome, retries: Option<u32>) -> u32 {
+        let calls = Arc::new(AtomicU32::new(0));
+        let cancel = CancellationToken::new();
+        let daemons = daemons_with(
+            Arc::new(Answers {
+                calls: calls.clone(),
+                outcome,
+            }),
+            &cancel,
+        );
+        let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
+        monitor.resource = Some(resource());
+        monitor.retries = retries;
+        monitor.backoff = Duration::from_secs(1);
+        let mut body = example();
+        for n in 0..60 {
+            body["spec"]["size"] = json!(n);
+            daemons.sync("u1", &body, std::slice::from_ref(&monitor), false);
+            if n == 30 {
+                // Not wanted for a moment (paused), then wanted again.
+                daemons.sync("u1", &body, std::slice::from_ref(&monitor), true);
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        cancel.cancel();
+        calls.load(Ordering::SeqCst)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_daemon_that_returns_or_fails_for_good_is_never_started_again() {
+        assert_eq!(attempts_over_a_minute(|| Outcome::success(None), None).await, 1);
+        let permanent = || Outcome::Permanent {
+            diagnostics: vec![],
+            subhandlers: vec![],
+        };
+        assert_eq!(attempts_over_a_minute(permanent, None).await, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn temporary_errors_restart_a_daemon_within_its_retries() {
+        let temporary = || Outcome::Temporary {
+            delay: Some(Duration::from_secs(2)),
+            diagnostics: vec![],
+            subhandlers: vec![],
+        };
+        assert_eq!(attempts_over_a_minute(temporary, Some(4)).await, 4);
+        let unclassified = || Outcome::Unclassified {
+            diagnostics: vec![],
+            subhandlers: vec![],
+        };
+        assert_eq!(attempts_over_a_minute(unclassified, Some(3)).await, 3);
+        // Without a limit: about one attempt per two seconds (one per backoff after a pause).
+        let unlimited = attempts_over_a_minute(temporary, None).await;
+        assert!((20..=40).contains(&unlimited), "{unlimited} attempts");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn progress_patches_are_coalesced_while_a_write_is_in_flight() {
         let patches = Arc::new(AtomicU32::new(0));
