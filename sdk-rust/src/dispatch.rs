@@ -13,13 +13,13 @@
 //! that returns an error after its invocation was cancelled is answered `Cancelled`; one that
 //! returns success after a cancel is still a success.
 
-use std::{panic::AssertUnwindSafe, sync::Arc, time::SystemTime};
+use std::{sync::Arc, time::SystemTime};
 
-use futures::FutureExt;
 use tokio::time::Instant;
 
 use crate::{
-    Context, HandlerError, HandlerOutput,
+    Context, HandlerError,
+    classify::{call_guarded, diagnostic, failure, success},
     context::{Decoded, Parts},
     control::Control,
     convert,
@@ -163,81 +163,10 @@ async fn run_inner(
     }
 }
 
-/// Calls a handler future, turning a panic into an unclassified error.
-pub(crate) async fn call_guarded(
-    call: futures::future::BoxFuture<'static, Result<HandlerOutput, HandlerError>>,
-) -> Result<HandlerOutput, HandlerError> {
-    match AssertUnwindSafe(call).catch_unwind().await {
-        Ok(outcome) => outcome,
-        Err(panic) => {
-            let text = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_owned());
-            Err(HandlerError::Unclassified {
-                error_type: "panic",
-                source: format!("the handler panicked: {text}").into(),
-            })
-        }
-    }
-}
-
-pub(crate) enum Failure {
-    Temporary(pb::TemporaryError),
-    Permanent(pb::PermanentError),
-    Unclassified(pb::UnclassifiedError),
-}
-
-impl From<Failure> for Outcome {
-    fn from(failure: Failure) -> Self {
-        match failure {
-            Failure::Temporary(e) => Outcome::TemporaryError(e),
-            Failure::Permanent(e) => Outcome::PermanentError(e),
-            Failure::Unclassified(e) => Outcome::UnclassifiedError(e),
-        }
-    }
-}
-
-pub(crate) fn failure(error: HandlerError) -> Failure {
-    let summary = error.message();
-    match error {
-        HandlerError::Temporary { delay, .. } => Failure::Temporary(pb::TemporaryError {
-            retry_after: delay.map(convert::duration_to_pb),
-            diagnostics: vec![diagnostic(summary, "TEMPORARY_ERROR", "")],
-        }),
-        HandlerError::Permanent(_) | HandlerError::Admission { .. } => {
-            Failure::Permanent(pb::PermanentError {
-                diagnostics: vec![diagnostic(summary, "PERMANENT_ERROR", "")],
-            })
-        }
-        HandlerError::Unclassified { error_type, .. } => Failure::Unclassified(pb::UnclassifiedError {
-            diagnostics: vec![diagnostic(summary, "HANDLER_ERROR", error_type)],
-        }),
-    }
-}
-
-pub(crate) fn success(output: &HandlerOutput, kind_result: Option<pb::success::KindResult>) -> pb::Success {
-    pb::Success {
-        result: output.value.as_ref().map(convert::json_to_pb),
-        kind_result,
-    }
-}
-
 fn finished(outcome: Outcome) -> pb::InvocationResult {
     pb::InvocationResult {
         outcome: Some(outcome),
         ..pb::InvocationResult::default()
-    }
-}
-
-pub(crate) fn diagnostic(summary: String, reason: &str, error_type: &str) -> pb::Diagnostic {
-    pb::Diagnostic {
-        severity: pb::Severity::Error as i32,
-        summary,
-        reason: reason.to_owned(),
-        error_type: error_type.to_owned(),
-        ..pb::Diagnostic::default()
     }
 }
 

@@ -26,10 +26,10 @@ use std::{
 use futures::future::BoxFuture;
 
 use crate::{
-    Context, ErrorsMode, Handler,
+    Context, ErrorsMode, Handler, classify,
     context::{Decoded, Parts},
     control::Control,
-    convert, dispatch,
+    convert,
     outbox::Outbox,
     pb,
     pb::subhandler_outcome::Outcome as Sub,
@@ -211,7 +211,7 @@ impl Run<'_> {
             outbox: self.outbox.clone(),
             allow_subhandlers: depth < MAX_DEPTH,
         });
-        let outcome = match dispatch::call_guarded(sub.handler.call(child.clone())).await {
+        let outcome = match classify::call_guarded(sub.handler.call(child.clone())).await {
             Ok(output) => {
                 let grandchildren = self.level(&child, id, depth + 1).await;
                 level.outcomes.extend(grandchildren.outcomes);
@@ -219,11 +219,11 @@ impl Run<'_> {
                 match grandchildren.unfinished {
                     None => {
                         level.patches.extend(child.patch().to_pb());
-                        return Sub::Success(dispatch::success(&output, None));
+                        return Sub::Success(classify::success(&output, None));
                     }
-                    Some(delay) => dispatch::Failure::Temporary(pb::TemporaryError {
+                    Some(delay) => classify::Failure::Temporary(pb::TemporaryError {
                         retry_after: delay.map(convert::duration_to_pb),
-                        diagnostics: vec![dispatch::diagnostic(
+                        diagnostics: vec![classify::diagnostic(
                             "sub-handlers are not finished yet".into(),
                             "SUBHANDLERS_UNFINISHED",
                             "",
@@ -231,7 +231,7 @@ impl Run<'_> {
                     }),
                 }
             }
-            Err(error) => dispatch::failure(error),
+            Err(error) => classify::failure(error),
         };
         limits.settle(outcome)
     }
@@ -262,8 +262,8 @@ impl Limits<'_> {
     }
 
     /// A failure as the child's options classify it.
-    fn settle(&self, failure: dispatch::Failure) -> Sub {
-        use dispatch::Failure;
+    fn settle(&self, failure: classify::Failure) -> Sub {
+        use classify::Failure;
         if self.options.is_empty() {
             return failure.into();
         }
@@ -304,16 +304,16 @@ impl Limits<'_> {
 
 fn permanent(message: String) -> Sub {
     Sub::PermanentError(pb::PermanentError {
-        diagnostics: vec![dispatch::diagnostic(message, "SUBHANDLER_LIMITS", "")],
+        diagnostics: vec![classify::diagnostic(message, "SUBHANDLER_LIMITS", "")],
     })
 }
 
-impl From<dispatch::Failure> for Sub {
-    fn from(failure: dispatch::Failure) -> Self {
+impl From<classify::Failure> for Sub {
+    fn from(failure: classify::Failure) -> Self {
         match failure {
-            dispatch::Failure::Temporary(e) => Sub::TemporaryError(e),
-            dispatch::Failure::Permanent(e) => Sub::PermanentError(e),
-            dispatch::Failure::Unclassified(e) => Sub::UnclassifiedError(e),
+            classify::Failure::Temporary(e) => Sub::TemporaryError(e),
+            classify::Failure::Permanent(e) => Sub::PermanentError(e),
+            classify::Failure::Unclassified(e) => Sub::UnclassifiedError(e),
         }
     }
 }
@@ -323,16 +323,16 @@ impl From<dispatch::Failure> for Sub {
 mod tests {
     use super::*;
 
-    fn temporary(delay: Option<u64>) -> dispatch::Failure {
-        dispatch::Failure::Temporary(pb::TemporaryError {
+    fn temporary(delay: Option<u64>) -> classify::Failure {
+        classify::Failure::Temporary(pb::TemporaryError {
             retry_after: delay.map(|s| convert::duration_to_pb(Duration::from_secs(s))),
-            diagnostics: vec![dispatch::diagnostic("busy".into(), "TEMPORARY_ERROR", "")],
+            diagnostics: vec![classify::diagnostic("busy".into(), "TEMPORARY_ERROR", "")],
         })
     }
 
-    fn unclassified() -> dispatch::Failure {
-        dispatch::Failure::Unclassified(pb::UnclassifiedError {
-            diagnostics: vec![dispatch::diagnostic("oops".into(), "HANDLER_ERROR", "")],
+    fn unclassified() -> classify::Failure {
+        classify::Failure::Unclassified(pb::UnclassifiedError {
+            diagnostics: vec![classify::diagnostic("oops".into(), "HANDLER_ERROR", "")],
         })
     }
 
