@@ -17,7 +17,8 @@
 //! provide credentials later: a limitation, documented rather than worked around. Credentials
 //! that expire are renewed ahead of their expiration on both sides: the base client's
 //! exec-plugin tokens (a kubeconfig `exec` user with an `expirationTimestamp`) are run again
-//! by kube-rs a minute before they expire, and login-handler credentials with an `expiration`
+//! by kube-rs a minute before they expire (an in-cluster service-account token file is re-read
+//! every minute, so rotated tokens are picked up), and login-handler credentials with an `expiration`
 //! by the login activity ([`crate::engine::activities`]).
 //!
 //! Every request through either client is bounded: kube-rs sets no read timeout, so a request
