@@ -239,12 +239,17 @@ func CancellationTimeout(timeout time.Duration) Option {
 	return option("CancellationTimeout", only(func(s *spec) { s.cancellationTimeout = timeout }, KindDaemon))
 }
 
-// RestartBackoff is how long to wait before restarting a daemon that exited or failed.
+// RestartBackoff is how long to wait before restarting a daemon that failed temporarily
+// without asking for a delay (default: the handler's backoff). A daemon that returns, or fails
+// permanently, is done for its object until the controller restarts (kopf).
 func RestartBackoff(delay time.Duration) Option {
 	return option("RestartBackoff", only(func(s *spec) { s.restartBackoff = delay }, KindDaemon))
 }
 
-// NoRestartAfterSuccess keeps a daemon that returned successfully from being restarted.
+// NoRestartAfterSuccess has no effect and is kept for compatibility: a daemon that returns is
+// never restarted (kopf's semantics).
+//
+// Deprecated: daemons that return are never restarted.
 func NoRestartAfterSuccess() Option {
 	return option("NoRestartAfterSuccess", only(func(s *spec) { s.noRestartAfterSuccess = true }, KindDaemon))
 }

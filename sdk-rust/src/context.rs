@@ -67,8 +67,7 @@ pub struct DiffItem {
     pub new: Option<Value>,
 }
 
-/// A sub-handler declared by a running parent.
-pub(crate) type Subhandler = (String, Arc<dyn Handler>);
+use crate::subhandling::{Subhandler, SubhandlerOptions};
 
 /// The decoded parts of an invocation that handlers read.
 #[derive(Debug, Default)]
@@ -246,6 +245,52 @@ impl Context {
     /// The object reference the invocation is for; `None` for activities.
     pub fn resource(&self) -> Option<&pb::ResourceRef> {
         self.inner.invocation.resource.as_ref()
+    }
+
+    // ----- ownership ----------------------------------------------------------------------------
+
+    /// The object as an owner of others: its latest body, with `apiVersion` and `kind` taken
+    /// from the invocation's resource when the body lacks them (list results do).
+    pub fn owner(&self) -> Value {
+        let mut body = (*self.body()).clone();
+        if let (Some(resource), Value::Object(map)) = (self.resource(), &mut body) {
+            if !map.contains_key("apiVersion") {
+                let api_version = if resource.group.is_empty() {
+                    resource.version.clone()
+                } else {
+                    format!("{}/{}", resource.group, resource.version)
+                };
+                map.insert("apiVersion".into(), api_version.into());
+            }
+            if !map.contains_key("kind") {
+                map.insert("kind".into(), resource.kind.clone().into());
+            }
+        }
+        body
+    }
+
+    /// Makes `objects` children of this handler's object (kopf's `adopt` with the current
+    /// object as the owner); see [`crate::hierarchies::adopt`].
+    ///
+    /// # Errors
+    /// A [`crate::hierarchies::HierarchyError`] when the object or a child is unfit; nothing is
+    /// changed then.
+    pub fn adopt<'a>(
+        &self,
+        objects: impl IntoIterator<Item = &'a mut Value>,
+        options: &crate::hierarchies::Adoption,
+    ) -> Result<(), crate::hierarchies::HierarchyError> {
+        crate::hierarchies::adopt(objects, &self.owner(), options)
+    }
+
+    /// An owner reference to this handler's object (controller, blocking deletion), as kopf's
+    /// `build_owner_reference(body)`.
+    ///
+    /// # Errors
+    /// [`crate::hierarchies::HierarchyError::OwnerIncomplete`] for an object without a uid
+    /// (activities have none).
+    pub fn owner_reference(&self) -> Result<Value, crate::hierarchies::HierarchyError> {
+        crate::hierarchies::build_owner_reference(&self.owner(), true, true)
     }
 
     // ----- the cause --------------------------------------------------------------------------
@@ -438,17 +483,30 @@ impl Context {
 
     /// Declares a sub-handler (kopf's `register`/`@subhandler`): after this handler returns
     /// successfully, every declared sub-handler that is not finished yet runs, and its outcome
-    /// is persisted by the controller under `<parent id>/<id>`.
+    /// is persisted by the controller under `<parent id>/<id>`. Its errors are judged by the
+    /// parent's registration; [`Context::subhandler_with`] gives it options of its own.
     ///
     /// # Caveats
     ///
     /// As in kopf, the parent is re-invoked until all sub-handlers are finished and must declare
-    /// the same sub-handlers every time. Sub-handlers cannot declare sub-handlers of their own:
-    /// such declarations are ignored with a warning.
+    /// the same sub-handlers every time. A sub-handler may declare sub-handlers of its own (ids
+    /// `<parent id>/<id>/<child id>`, up to [`crate::subhandling::MAX_DEPTH`] levels); it
+    /// succeeds once they all have. Declarations where sub-handlers are not allowed (event
+    /// handlers, daemons, timers, activities) are ignored with a warning.
     pub fn subhandler(&self, id: impl Into<String>, handler: impl Handler) {
+        self.subhandler_with(id, SubhandlerOptions::new(), handler);
+    }
+
+    /// Declares a sub-handler with its own `errors`, `retries`, `backoff` and `timeout`
+    /// (kopf's `register(fn, id=…, errors=…, retries=…, backoff=…, timeout=…)`).
+    pub fn subhandler_with(&self, id: impl Into<String>, options: SubhandlerOptions, handler: impl Handler) {
         let id = id.into();
         match &self.inner.subhandlers {
-            Some(subs) => subs.lock().push((id, Arc::new(handler))),
+            Some(subs) => subs.lock().push(Subhandler {
+                id,
+                handler: Arc::new(handler),
+                options,
+            }),
             None => tracing::warn!(subhandler.id = %id, "sub-handlers cannot be declared here; ignored"),
         }
     }

@@ -13,17 +13,13 @@
 //! that returns an error after its invocation was cancelled is answered `Cancelled`; one that
 //! returns success after a cancel is still a success.
 
-use std::{
-    panic::AssertUnwindSafe,
-    sync::Arc,
-    time::{Duration, SystemTime},
-};
+use std::{sync::Arc, time::SystemTime};
 
-use futures::FutureExt;
 use tokio::time::Instant;
 
 use crate::{
-    Context, HandlerError, HandlerOutput,
+    Context, HandlerError,
+    classify::{call_guarded, diagnostic, failure, success},
     context::{Decoded, Parts},
     control::Control,
     convert,
@@ -135,7 +131,17 @@ async fn run_inner(
     };
 
     let mut patches = ctx.patch().to_pb();
-    let subhandlers = run_subhandlers(&ctx, &invocation, &decoded, &control, &outbox, &mut patches).await;
+    let children = crate::subhandling::Run {
+        invocation: &invocation,
+        decoded: &decoded,
+        control: &control,
+        outbox: &outbox,
+        backoff: entry.registration.backoff.as_ref().map(convert::duration_from_pb),
+    }
+    .level(&ctx, "", 1)
+    .await;
+    patches.extend(children.patches);
+    let subhandlers = children.outcomes;
     let kind_result = if is_admission(kind) {
         Some(pb::success::KindResult::Admission(pb::AdmissionVerdict {
             allowed: true,
@@ -157,138 +163,10 @@ async fn run_inner(
     }
 }
 
-/// Runs the declared sub-handlers that are not finished, collecting their outcomes and the
-/// patches of those that succeeded.
-async fn run_subhandlers(
-    parent: &Context,
-    invocation: &Arc<pb::Invocation>,
-    decoded: &Arc<Decoded>,
-    control: &Control,
-    outbox: &Outbox,
-    patches: &mut Vec<pb::Patch>,
-) -> Vec<pb::SubhandlerOutcome> {
-    let mut outcomes = Vec::new();
-    for (id, handler) in parent.take_subhandlers() {
-        if control.token().is_cancelled() {
-            break;
-        }
-        let state = invocation.subhandlers.iter().find(|s| s.subhandler_id == id);
-        if let Some(state) = state {
-            let waiting = state
-                .delayed_until
-                .as_ref()
-                .is_some_and(|t| convert::until(t) > Duration::ZERO);
-            if state.success || state.failure || waiting {
-                continue;
-            }
-        }
-        let child = Context::from_parts(Parts {
-            invocation: invocation.clone(),
-            decoded: decoded.clone(),
-            handler_id: format!("{}/{id}", parent.handler_id()),
-            retry: state.map_or(0, |s| s.retries),
-            started: state
-                .and_then(|s| s.started_time.as_ref())
-                .and_then(convert::timestamp_from_pb)
-                .unwrap_or_else(SystemTime::now),
-            control: control.clone(),
-            outbox: outbox.clone(),
-            allow_subhandlers: false,
-        });
-        let outcome = match call_guarded(handler.call(child.clone())).await {
-            Ok(output) => {
-                patches.extend(child.patch().to_pb());
-                pb::subhandler_outcome::Outcome::Success(success(&output, None))
-            }
-            Err(error) => match failure(error) {
-                Failure::Temporary(e) => pb::subhandler_outcome::Outcome::TemporaryError(e),
-                Failure::Permanent(e) => pb::subhandler_outcome::Outcome::PermanentError(e),
-                Failure::Unclassified(e) => pb::subhandler_outcome::Outcome::UnclassifiedError(e),
-            },
-        };
-        outcomes.push(pb::SubhandlerOutcome {
-            subhandler_id: id,
-            outcome: Some(outcome),
-        });
-    }
-    outcomes
-}
-
-/// Calls a handler future, turning a panic into an unclassified error.
-async fn call_guarded(
-    call: futures::future::BoxFuture<'static, Result<HandlerOutput, HandlerError>>,
-) -> Result<HandlerOutput, HandlerError> {
-    match AssertUnwindSafe(call).catch_unwind().await {
-        Ok(outcome) => outcome,
-        Err(panic) => {
-            let text = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_owned());
-            Err(HandlerError::Unclassified {
-                error_type: "panic",
-                source: format!("the handler panicked: {text}").into(),
-            })
-        }
-    }
-}
-
-enum Failure {
-    Temporary(pb::TemporaryError),
-    Permanent(pb::PermanentError),
-    Unclassified(pb::UnclassifiedError),
-}
-
-impl From<Failure> for Outcome {
-    fn from(failure: Failure) -> Self {
-        match failure {
-            Failure::Temporary(e) => Outcome::TemporaryError(e),
-            Failure::Permanent(e) => Outcome::PermanentError(e),
-            Failure::Unclassified(e) => Outcome::UnclassifiedError(e),
-        }
-    }
-}
-
-fn failure(error: HandlerError) -> Failure {
-    let summary = error.message();
-    match error {
-        HandlerError::Temporary { delay, .. } => Failure::Temporary(pb::TemporaryError {
-            retry_after: delay.map(convert::duration_to_pb),
-            diagnostics: vec![diagnostic(summary, "TEMPORARY_ERROR", "")],
-        }),
-        HandlerError::Permanent(_) | HandlerError::Admission { .. } => {
-            Failure::Permanent(pb::PermanentError {
-                diagnostics: vec![diagnostic(summary, "PERMANENT_ERROR", "")],
-            })
-        }
-        HandlerError::Unclassified { error_type, .. } => Failure::Unclassified(pb::UnclassifiedError {
-            diagnostics: vec![diagnostic(summary, "HANDLER_ERROR", error_type)],
-        }),
-    }
-}
-
-fn success(output: &HandlerOutput, kind_result: Option<pb::success::KindResult>) -> pb::Success {
-    pb::Success {
-        result: output.value.as_ref().map(convert::json_to_pb),
-        kind_result,
-    }
-}
-
 fn finished(outcome: Outcome) -> pb::InvocationResult {
     pb::InvocationResult {
         outcome: Some(outcome),
         ..pb::InvocationResult::default()
-    }
-}
-
-fn diagnostic(summary: String, reason: &str, error_type: &str) -> pb::Diagnostic {
-    pb::Diagnostic {
-        severity: pb::Severity::Error as i32,
-        summary,
-        reason: reason.to_owned(),
-        error_type: error_type.to_owned(),
-        ..pb::Diagnostic::default()
     }
 }
 

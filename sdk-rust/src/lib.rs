@@ -27,12 +27,17 @@
 //!
 //! Handlers fail with [`HandlerError`] (temporary with a delay, permanent, or anything else via
 //! `?`), read the invocation through [`Context`], change their object through [`Patch`], and
-//! are unit-tested without a cluster with [`testing::TestKit`].
+//! are unit-tested without a cluster with [`testing::TestKit`]. Change handlers declare
+//! sub-handlers with [`Context::subhandler`] (nested, and with their own options via
+//! [`Context::subhandler_with`] and [`SubhandlerOptions`]), and make the objects they create
+//! children of theirs with [`Context::adopt`] and the rest of kopf's helpers in
+//! [`hierarchies`].
 //!
 //! # Modules and layering
 //!
 //! `runner` (the [`Operator`]) → `connection` (one stream) → `dispatch` (one invocation, shared
-//! with `testing`) → `registry`, `context`, `patch`, `filters`, `handler`, `selector` →
+//! with `testing`) → `subhandling` → `registry`, `context`, `patch`, `filters`, `handler`,
+//! `selector`, `hierarchies`, `classify` →
 //! `snapshot`, `control`, `outbox`, `convert`, `error`, [`pb`].
 //!
 //! # Feature flags
@@ -40,6 +45,7 @@
 //! - `testing` (default): the [`testing`] module, an in-process fake runtime for unit-testing
 //!   handlers without a cluster or a socket.
 
+mod classify;
 mod connection;
 mod context;
 mod control;
@@ -48,6 +54,7 @@ mod dispatch;
 mod error;
 mod filters;
 mod handler;
+pub mod hierarchies;
 mod outbox;
 mod patch;
 pub mod pb;
@@ -55,6 +62,7 @@ mod registry;
 mod runner;
 mod selector;
 mod snapshot;
+pub mod subhandling;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -68,3 +76,4 @@ pub use registry::{ErrorsMode, HandlerOptions, Registry};
 pub use runner::{DEFAULT_ENDPOINT, Operator};
 pub use selector::Selector;
 pub use snapshot::Snapshot;
+pub use subhandling::SubhandlerOptions;

@@ -552,7 +552,9 @@ impl HandlerOptions<'_> {
         self
     }
 
-    /// How long to wait before restarting a daemon that exited or failed.
+    /// How long to wait before restarting a daemon that failed temporarily without asking for
+    /// a delay (default: the handler's backoff). A daemon that returns, or fails permanently,
+    /// is done for its object until the controller restarts (kopf).
     pub fn restart_backoff(mut self, delay: Duration) -> Self {
         if let Some(options) = self.daemon_options("restart_backoff") {
             options.restart_backoff = Some(convert::duration_to_pb(delay));
@@ -560,7 +562,9 @@ impl HandlerOptions<'_> {
         self
     }
 
-    /// Do not restart a daemon that returned successfully.
+    /// Without effect, kept for compatibility: a daemon that returns is never restarted (kopf's
+    /// semantics); to run again later, fail with [`crate::HandlerError::temporary`] and a delay.
+    #[deprecated(note = "daemons that return are never restarted; this option has no effect")]
     pub fn no_restart_after_success(mut self, no_restart: bool) -> Self {
         if let Some(options) = self.daemon_options("no_restart_after_success") {
             options.no_restart_after_success = no_restart;

@@ -6,7 +6,7 @@
 use std::time::{Duration, SystemTime};
 
 use capstan_sdk::{
-    Context, HandlerError, HandlerResult, Registry, pb,
+    Context, HandlerError, HandlerResult, Registry, SubhandlerOptions, pb,
     testing::{InvocationBuilder, OutcomeKind, TestKit},
 };
 use serde_json::json;
@@ -114,4 +114,92 @@ async fn retry_until_done_waits_for_children() {
     assert_eq!(attempts[1].subhandler("flaky"), Some(OutcomeKind::Success));
     assert_eq!(attempts[1].subhandler("good"), None);
     assert_eq!(started.elapsed(), Duration::from_secs(5));
+}
+
+/// `outer` (with 3 retries of its own) declares `inner`, which fails temporarily on its first
+/// attempt; `limited` (2 retries) always fails.
+async fn nesting_parent(ctx: Context) -> HandlerResult {
+    ctx.subhandler_with(
+        "outer",
+        SubhandlerOptions::new().retries(3),
+        |outer: Context| async move {
+            outer.subhandler("inner", |inner: Context| async move {
+                if inner.retry() == 0 {
+                    return Err(HandlerError::temporary("not yet", Duration::from_secs(2)));
+                }
+                inner.patch().label("inner", "done");
+                Ok(Some(json!({"id": inner.handler_id()})))
+            });
+            outer.patch().label("outer", "done");
+            Ok::<_, HandlerError>(None)
+        },
+    );
+    ctx.subhandler_with(
+        "limited",
+        SubhandlerOptions::new()
+            .retries(2)
+            .backoff(Duration::from_secs(1)),
+        |_c: Context| async move { Err::<Option<serde_json::Value>, _>(HandlerError::retry("always busy")) },
+    );
+    Ok(None)
+}
+
+#[tokio::test]
+async fn nested_children_finish_before_their_parent_and_keep_their_own_retries() {
+    let mut registry = Registry::new();
+    registry.on_create("cex", "parent", nesting_parent);
+    let kit = TestKit::new(registry);
+
+    let first = kit.invoke("parent", InvocationBuilder::create(body())).await;
+    assert_eq!(
+        first.subhandlers(),
+        vec![
+            (
+                "outer/inner".to_owned(),
+                OutcomeKind::TemporaryError {
+                    retry_after: Some(Duration::from_secs(2))
+                }
+            ),
+            (
+                "outer".to_owned(),
+                OutcomeKind::TemporaryError {
+                    retry_after: Some(Duration::from_secs(2))
+                }
+            ),
+            (
+                "limited".to_owned(),
+                OutcomeKind::TemporaryError {
+                    retry_after: Some(Duration::from_secs(1))
+                }
+            ),
+        ]
+    );
+    assert!(
+        first.patched_body()["metadata"]["labels"].get("outer").is_none(),
+        "an unfinished child's patch waits for its last attempt"
+    );
+
+    let second = kit
+        .invoke("parent", InvocationBuilder::create(body()).after(&first))
+        .await;
+    assert_eq!(
+        second.subhandlers(),
+        vec![
+            ("outer/inner".to_owned(), OutcomeKind::Success),
+            ("outer".to_owned(), OutcomeKind::Success),
+            ("limited".to_owned(), OutcomeKind::PermanentError),
+        ]
+    );
+    let patched = second.patched_body();
+    assert_eq!(patched["metadata"]["labels"]["inner"], "done");
+    assert_eq!(patched["metadata"]["labels"]["outer"], "done");
+    assert_eq!(
+        patched["status"]["parent/outer/inner"]["id"],
+        "parent/outer/inner"
+    );
+
+    let third = kit
+        .invoke("parent", InvocationBuilder::create(body()).after(&second))
+        .await;
+    assert!(third.subhandlers().is_empty(), "{:?}", third.subhandlers());
 }

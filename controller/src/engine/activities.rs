@@ -5,7 +5,11 @@
 //!   (the highest priority first) are checked against the API server and swapped into the
 //!   shared API client ([`crate::k8s::switch`]). Rejected or unusable credentials are logged
 //!   and retried after the handler's backoff while everything else keeps serving. A
-//!   `401 Unauthorized` from the API later calls them again (kopf's re-login). Every login
+//!   `401 Unauthorized` from the API later calls them again (kopf's re-login), and so does
+//!   the approach of the `expiration` of the credentials in use: they are replaced before
+//!   they expire ([`relogin_in`]: a fifth of their remaining lifetime ahead, at most a minute,
+//!   as kube-rs refreshes the exec-plugin tokens of a kubeconfig), not only after the API
+//!   rejected them; credentials that have expired already are not installed. Every login
 //!   call has a deadline (`login_timeout`, whether the handler never answers or its process
 //!   has left meanwhile), `/readyz` reports the wait and its last problem, and when no login
 //!   handler is registered any more the wait ends: the credentials in use stay.
@@ -122,6 +126,24 @@ struct State {
     operating: bool,
     /// Why the last round of login calls gave no usable credentials.
     login_problem: Option<String>,
+    /// When the credentials in use expire, if they said so.
+    expires_at: Option<SystemTime>,
+}
+
+/// The shortest time between two logins for credentials that expire (however short-lived the
+/// credentials a login handler returns, its calls are this far apart).
+const MIN_RELOGIN_INTERVAL: Duration = Duration::from_secs(5);
+
+/// The longest margin before an expiration at which the credentials are replaced.
+const MAX_EXPIRY_MARGIN: Duration = Duration::from_secs(60);
+
+/// How long from `now` until credentials expiring at `expiration` are replaced: a fifth of
+/// their remaining lifetime before they expire, at most [`MAX_EXPIRY_MARGIN`], and never
+/// sooner than [`MIN_RELOGIN_INTERVAL`].
+pub fn relogin_in(expiration: SystemTime, now: SystemTime) -> Duration {
+    let remaining = expiration.duration_since(now).unwrap_or_default();
+    let margin = (remaining / 5).min(MAX_EXPIRY_MARGIN);
+    remaining.saturating_sub(margin).max(MIN_RELOGIN_INTERVAL)
 }
 
 /// Extra time a login call gets beyond its attempt timeout, for the cancel to reach it.
@@ -434,14 +456,27 @@ impl Activities {
                 }
             }
             candidates.sort_by_key(|(_, c)| std::cmp::Reverse(c.priority));
+            let now = SystemTime::now();
+            candidates.retain(|(id, c)| match c.expiration {
+                Some(at) if at <= now => {
+                    problems.push(format!(
+                        "{id}: the credentials expired at {}",
+                        crate::persistence::time::format(at)
+                    ));
+                    false
+                }
+                _ => true,
+            });
             for (id, credentials) in &candidates {
                 match switch.install(&id.0, credentials).await {
                     Ok(()) => {
-                        info!(handler.id = %id, server = %credentials.server, "logged in: the API client now uses the login handler's credentials");
+                        let expires = credentials.expiration.map(crate::persistence::time::format);
+                        info!(handler.id = %id, server = %credentials.server, expires, "logged in: the API client now uses the login handler's credentials");
                         {
                             let mut state = self.inner.state.lock();
                             state.logged_in = true;
                             state.login_problem = None;
+                            state.expires_at = credentials.expiration;
                         }
                         self.bump();
                         return;
@@ -465,22 +500,42 @@ impl Activities {
         }
     }
 
-    /// Calls the login handlers again after the API answered 401.
+    /// Calls the login handlers again after the API answered 401, and before the credentials
+    /// in use expire.
     async fn relogin(self, cancel: CancellationToken) {
         let Some(switch) = self.inner.switch.clone() else {
             return;
         };
         let mut unauthorized = switch.unauthorized();
+        let mut changed = self.inner.changed.subscribe();
         loop {
-            tokio::select! {
+            let expires_at = {
+                let state = self.inner.state.lock();
+                state.expires_at.filter(|_| state.logged_in)
+            };
+            let expiring = async {
+                match expires_at {
+                    Some(at) => tokio::time::sleep(relogin_in(at, SystemTime::now())).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let expiring_now = tokio::select! {
                 () = cancel.cancelled() => return,
-                changed = unauthorized.changed() => if changed.is_err() { return },
-            }
+                seen = unauthorized.changed() => if seen.is_err() { return } else { false },
+                () = expiring => true,
+                // A login elsewhere (or another change) may have set another expiration.
+                seen = changed.changed() => if seen.is_err() { return } else { continue },
+            };
             let logins = self.of_kind(HandlerKind::Login);
             if logins.is_empty() || !self.inner.state.lock().logged_in {
                 continue;
             }
-            warn!(identity = %switch.identity(), "the API server answered 401 Unauthorized; calling the login handlers again");
+            if expiring_now {
+                let expires = expires_at.map(crate::persistence::time::format);
+                info!(identity = %switch.identity(), expires, "the login credentials are about to expire; calling the login handlers again");
+            } else {
+                warn!(identity = %switch.identity(), "the API server answered 401 Unauthorized; calling the login handlers again");
+            }
             tokio::select! {
                 () = cancel.cancelled() => return,
                 () = self.login() => {}
@@ -704,6 +759,20 @@ mod tests {
             activities.ready(&[reg("l", HandlerKind::Login)]).is_ok(),
             "without a swappable client login handlers cannot gate"
         );
+    }
+
+    #[test]
+    fn credentials_are_replaced_ahead_of_their_expiration() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let secs = Duration::from_secs;
+        // An hour: a minute ahead.
+        assert_eq!(relogin_in(now + secs(3600), now), secs(3540));
+        // Two minutes: a fifth ahead.
+        assert_eq!(relogin_in(now + secs(120), now), secs(96));
+        // Short-lived or expired: never more often than the floor.
+        assert_eq!(relogin_in(now + secs(3), now), MIN_RELOGIN_INTERVAL);
+        assert_eq!(relogin_in(now - secs(30), now), MIN_RELOGIN_INTERVAL);
+        assert_eq!(relogin_in(SystemTime::UNIX_EPOCH, now), MIN_RELOGIN_INTERVAL);
     }
 
     #[test]

@@ -2,9 +2,19 @@
 //!
 //! The handler process runs the work; the controller owns the lifecycle. For every object and
 //! every daemon or timer handler that matches it, one task here keeps the work going: a daemon
-//! is one long invocation (restarted after its backoff when it exits or fails, unless it
-//! succeeded and asked not to be), a timer is one invocation per tick (never overlapping, on
-//! a fixed schedule when `sharp`, postponed while the object keeps changing when `idle`).
+//! is one long invocation, a timer is one invocation per tick (never overlapping, on a fixed
+//! schedule when `sharp`, postponed while the object keeps changing when `idle`).
+//!
+//! A daemon's lifecycle is kopf's: one that returns (its result goes to `status.<id>`), fails
+//! permanently, fails with errors mode `permanent` or `ignored`, or runs out of its `retries`
+//! or `timeout` is done for that object while this controller runs — it is not started again,
+//! not even when the object changes or matches its filters anew (kopf's `forever_stopped`; a
+//! daemon that wants to run again raises a temporary error with a delay). Temporary and
+//! unclassified errors (errors mode `temporary`, the default) restart it after the error's
+//! delay or the handler's backoff (`restart_backoff` overrides it), counting attempts against
+//! `retries` and the time since the first start against `timeout`, with kopf's look-ahead: a
+//! retry that would pass either limit is not made. A daemon stopped by the controller (filter
+//! mismatch, pause, reconnect) is not done and starts again when it is wanted again.
 //!
 //! They stop when the object is deleted, stops matching the filters, or the handler is
 //! unregistered, and while dispatch is paused (shutdown, freezing, loss of leadership): first
@@ -39,8 +49,8 @@ use crate::{
     grpc::Control,
     k8s::objects::Objects,
     model::{
-        CancelReason, DaemonOptions, HandlerId, HandlerKind, KindOptions, Outcome, Patch, Payload,
-        Registration, ResolvedResource, TimerOptions, Work,
+        CancelReason, DaemonOptions, ErrorsMode, HandlerId, HandlerKind, KindOptions, Outcome, Patch,
+        Payload, Registration, ResolvedResource, TimerOptions, Work,
     },
 };
 
@@ -80,7 +90,8 @@ struct Object {
     essence: Value,
     deleting: bool,
     running: HashMap<HandlerId, Running>,
-    /// Daemons that succeeded and asked not to be restarted.
+    /// Daemons that are done for this object: returned, failed for good, or out of retries
+    /// or time. Never started again while this controller runs.
     finished: Vec<HandlerId>,
 }
 
@@ -375,6 +386,7 @@ impl Lane<'_> {
         if self.sleep(opts.initial_delay).await {
             return;
         }
+        let started = Instant::now();
         let mut restarts = 0u32;
         loop {
             let (updates_tx, mut updates_rx) = mpsc::unbounded_channel::<Vec<Patch>>();
@@ -433,42 +445,94 @@ impl Lane<'_> {
             if let Some(rest) = staged.take() {
                 self.daemons.write_staged(self.uid, rest).await;
             }
-            let mut delay = opts.restart_backoff.unwrap_or(self.reg.backoff);
-            match outcome {
+            let backoff = opts.restart_backoff.unwrap_or(self.reg.backoff);
+            let delay = match outcome {
                 Outcome::Success { result, patches, .. } => {
                     self.daemons.write(self.uid, &self.reg.id, result, &patches).await;
                     if self.stop.is_cancelled() {
                         return;
                     }
-                    if opts.no_restart_after_success {
-                        info!("the daemon finished and asked not to be restarted");
-                        self.daemons.finished_for_good(self.uid, &self.reg.id);
-                        return;
-                    }
-                    info!(restart_in = ?delay, "the daemon exited; it will be restarted");
+                    info!("the daemon finished; it is done for this object until the controller restarts");
+                    self.daemons.finished_for_good(self.uid, &self.reg.id);
+                    return;
                 }
                 Outcome::Abandoned | Outcome::TimedOut if self.stop.is_cancelled() => {
                     warn!(cancellation_timeout = ?grace, "the daemon ignored its cancellation and was abandoned");
                     return;
                 }
                 _ if self.stop.is_cancelled() => return,
+                // An SDK-side filter said no: not finished; the next event asks again.
+                Outcome::Skipped => return,
                 Outcome::Temporary {
                     delay: d,
                     diagnostics,
                     ..
                 } => {
-                    delay = d.unwrap_or(delay);
+                    let delay = d.unwrap_or(backoff);
                     warn!(message = %crate::model::Diagnostic::summarize(&diagnostics), restart_in = ?delay, "the daemon failed temporarily");
+                    delay
+                }
+                Outcome::Permanent { diagnostics, .. } => {
+                    self.give_up(
+                        &crate::model::Diagnostic::summarize(&diagnostics),
+                        "the daemon failed permanently",
+                    );
+                    return;
+                }
+                Outcome::Unclassified { diagnostics, .. } => {
+                    let message = crate::model::Diagnostic::summarize(&diagnostics);
+                    match self.reg.errors {
+                        ErrorsMode::Temporary => {
+                            warn!(message = %message, restart_in = ?backoff, "the daemon failed");
+                            backoff
+                        }
+                        ErrorsMode::Permanent => {
+                            self.give_up(&message, "the daemon failed (errors mode: permanent)");
+                            return;
+                        }
+                        ErrorsMode::Ignored => {
+                            info!(message = %message, "the daemon failed (errors mode: ignored); it is done for this object");
+                            self.daemons.finished_for_good(self.uid, &self.reg.id);
+                            return;
+                        }
+                    }
                 }
                 other => {
-                    warn!(outcome = other.as_str(), restart_in = ?delay, "the daemon failed; it will be restarted")
+                    warn!(outcome = other.as_str(), restart_in = ?backoff, "the daemon ended unexpectedly");
+                    backoff
                 }
-            }
+            };
             restarts += 1;
+            // kopf's look-ahead: a retry that would pass the limits is not made.
+            if self.reg.retries.is_some_and(|r| restarts >= r) {
+                self.give_up(
+                    &format!("{restarts} attempts made"),
+                    "the daemon ran out of retries",
+                );
+                return;
+            }
+            if self
+                .reg
+                .timeout
+                .is_some_and(|t| started.elapsed().saturating_add(delay) >= t)
+            {
+                self.give_up(
+                    &format!("running for {:?}", started.elapsed()),
+                    "the daemon ran out of time",
+                );
+                return;
+            }
             if self.sleep(delay).await {
                 return;
             }
         }
+    }
+
+    /// Ends a daemon after a final failure: it is not started again for this object while
+    /// the controller runs (kopf's `forever_stopped`).
+    fn give_up(&self, message: &str, what: &str) {
+        warn!(message = %message, "{what}; it is done for this object until the controller restarts");
+        self.daemons.finished_for_good(self.uid, &self.reg.id);
     }
 
     async fn timer(&self, opts: &TimerOptions, mut changed_at: watch::Receiver<Instant>) {
@@ -630,6 +694,106 @@ mod tests {
             }
         });
         Objects::new(kube::Client::new(service, "default"))
+    }
+
+    /// A daemon that answers every attempt with `outcome` at once, counting the attempts.
+    struct Answers {
+        calls: Arc<AtomicU32>,
+        outcome: fn() -> Outcome,
+    }
+
+    impl Invoker for Answers {
+        fn invoke(&self, _work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let outcome = (self.outcome)();
+            Box::pin(async move { outcome })
+        }
+    }
+
+    fn resource() -> ResolvedResource {
+        ResolvedResource {
+            group: "demo.capstan.dev".into(),
+            version: "v1".into(),
+            plural: "examples".into(),
+            kind: "Example".into(),
+            namespaced: true,
+            status_subresource: false,
+        }
+    }
+
+    fn daemons_with(invoker: Arc<dyn Invoker>, cancel: &CancellationToken) -> Daemons {
+        let (stopped, _stopped_rx) = mpsc::unbounded_channel();
+        Daemons::new(Context {
+            resource: resource(),
+            invoker,
+            objects: slow_api(Arc::new(AtomicU32::new(0)), Arc::new(Mutex::new(Value::Null))),
+            rules: Rules {
+                prefix: "capstan.dev".into(),
+                diffbase_key: None,
+                extra_fields: Vec::new(),
+            },
+            stopped,
+            cancel: cancel.clone(),
+            finalizer: Keys::new("capstan.dev").finalizer,
+        })
+    }
+
+    /// Runs a daemon answering `outcome` with `retries`, syncing its object again and again
+    /// (changed bodies, a filter mismatch and a new match) for a minute; returns the attempts.
+    async fn attempts_over_a_minute(outcome: fn() -> Outcome, retries: Option<u32>) -> u32 {
+        let calls = Arc::new(AtomicU32::new(0));
+        let cancel = CancellationToken::new();
+        let daemons = daemons_with(
+            Arc::new(Answers {
+                calls: calls.clone(),
+                outcome,
+            }),
+            &cancel,
+        );
+        let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
+        monitor.resource = Some(resource());
+        monitor.retries = retries;
+        monitor.backoff = Duration::from_secs(1);
+        let mut body = example();
+        for n in 0..60 {
+            body["spec"]["size"] = json!(n);
+            daemons.sync("u1", &body, std::slice::from_ref(&monitor), false);
+            if n == 30 {
+                // Not wanted for a moment (paused), then wanted again.
+                daemons.sync("u1", &body, std::slice::from_ref(&monitor), true);
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        cancel.cancel();
+        calls.load(Ordering::SeqCst)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_daemon_that_returns_or_fails_for_good_is_never_started_again() {
+        assert_eq!(attempts_over_a_minute(|| Outcome::success(None), None).await, 1);
+        let permanent = || Outcome::Permanent {
+            diagnostics: vec![],
+            subhandlers: vec![],
+        };
+        assert_eq!(attempts_over_a_minute(permanent, None).await, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn temporary_errors_restart_a_daemon_within_its_retries() {
+        let temporary = || Outcome::Temporary {
+            delay: Some(Duration::from_secs(2)),
+            diagnostics: vec![],
+            subhandlers: vec![],
+        };
+        assert_eq!(attempts_over_a_minute(temporary, Some(4)).await, 4);
+        let unclassified = || Outcome::Unclassified {
+            diagnostics: vec![],
+            subhandlers: vec![],
+        };
+        assert_eq!(attempts_over_a_minute(unclassified, Some(3)).await, 3);
+        // Without a limit: about one attempt per two seconds (one per backoff after a pause).
+        let unlimited = attempts_over_a_minute(temporary, None).await;
+        assert!((20..=40).contains(&unlimited), "{unlimited} attempts");
     }
 
     #[tokio::test(start_paused = true)]

@@ -14,7 +14,12 @@
 //! in-cluster service account that kube-rs finds ([`Switchable::base`]); that identity needs
 //! only the discovery permission every authenticated user has. Without any kubeconfig or
 //! in-cluster configuration the controller does not start, even when a login handler would
-//! provide credentials later: a limitation, documented rather than worked around.
+//! provide credentials later: a limitation, documented rather than worked around. Credentials
+//! that expire are renewed ahead of their expiration on both sides: the base client's
+//! exec-plugin tokens (a kubeconfig `exec` user with an `expirationTimestamp`) are run again
+//! by kube-rs a minute before they expire (an in-cluster service-account token file is re-read
+//! every minute, so rotated tokens are picked up), and login-handler credentials with an `expiration`
+//! by the login activity ([`crate::engine::activities`]).
 //!
 //! Every request through either client is bounded: kube-rs sets no read timeout, so a request
 //! on a connection that stopped answering would hang forever (and with it the worker that
@@ -368,6 +373,93 @@ impl hyper::body::Body for Bounded {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An HTTP API server on loopback that answers every request with the core API versions
+    /// and records each request's `Authorization` header.
+    async fn recording_server() -> (String, Arc<parking_lot::Mutex<Vec<String>>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let record = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let record = record.clone();
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut byte = [0u8; 1];
+                    while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).await.is_ok_and(|n| n == 1) {
+                        head.push(byte[0]);
+                    }
+                    let head = String::from_utf8_lossy(&head).to_string();
+                    let auth = head
+                        .lines()
+                        .find_map(|l| {
+                            l.strip_prefix("authorization: ")
+                                .or_else(|| l.strip_prefix("Authorization: "))
+                        })
+                        .unwrap_or_default()
+                        .to_owned();
+                    record.lock().push(auth);
+                    let body = r#"{"kind":"APIVersions","versions":["v1"],"serverAddressByClientCIDRs":[]}"#;
+                    let reply = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = stream.write_all(reply.as_bytes()).await;
+                });
+            }
+        });
+        (url, seen)
+    }
+
+    /// A kubeconfig whose user is an exec plugin that counts its runs and returns the token
+    /// `t<run>`, expiring `lifetime` seconds later.
+    async fn exec_config(server: &str, dir: &std::path::Path, lifetime: u64) -> Config {
+        let counter = dir.join("runs");
+        let script = format!(
+            "n=$(( $(cat {c} 2>/dev/null || echo 0) + 1 )); echo $n > {c}; \
+             printf '{{\"apiVersion\":\"client.authentication.k8s.io/v1beta1\",\"kind\":\"ExecCredential\",\"status\":{{\"token\":\"t%s\",\"expirationTimestamp\":\"%s\"}}}}' $n \"$(date -u -d '+{lifetime} seconds' +%Y-%m-%dT%H:%M:%SZ)\"",
+            c = counter.display()
+        );
+        let kubeconfig: Kubeconfig = serde_json::from_value(json!({
+            "clusters": [{"name": "c", "cluster": {"server": server}}],
+            "users": [{"name": "u", "user": {"exec": {
+                "apiVersion": "client.authentication.k8s.io/v1beta1",
+                "command": "sh", "args": ["-c", script], "interactiveMode": "Never"}}}],
+            "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+            "current-context": "x",
+        }))
+        .unwrap();
+        Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .unwrap()
+    }
+
+    /// The kubeconfig's exec-plugin credentials are run again before their
+    /// `expirationTimestamp` (kube-rs refreshes them a minute ahead), not after a 401.
+    #[tokio::test]
+    async fn exec_plugin_credentials_are_renewed_before_they_expire() {
+        // (The plugin also runs while the client is built: the numbers start higher than 1.)
+        for (lifetime, renewed) in [(30, true), (3600, false)] {
+            let dir = tempfile::tempdir().unwrap();
+            let (url, seen) = recording_server().await;
+            let config = exec_config(&url, dir.path(), lifetime).await;
+            let base = Client::try_from(config.clone()).unwrap();
+            let switch = Switchable::new(config, base, DEFAULT_REQUEST_TIMEOUT);
+            for _ in 0..2 {
+                switch.base().list_core_api_versions().await.unwrap();
+            }
+            let seen = seen.lock().clone();
+            assert_eq!(seen.len(), 2);
+            assert!(seen.iter().all(|a| a.starts_with("Bearer t")), "{seen:?}");
+            assert_eq!(
+                seen[0] != seen[1],
+                renewed,
+                "credentials living {lifetime} s: {seen:?}"
+            );
+        }
+    }
 
     fn fake(status: StatusCode) -> Client {
         let service = tower::service_fn(move |_req: Request<Body>| async move {

@@ -202,9 +202,11 @@ pub struct DaemonOptions {
     /// How long to wait after cancellation before abandoning; `None`: wait as long as the
     /// daemon runs (kopf's default).
     pub cancellation_timeout: Option<Duration>,
-    /// Delay before restarting an exited daemon.
+    /// Delay before restarting a daemon that failed temporarily without asking for a delay;
+    /// `None`: the handler's backoff.
     pub restart_backoff: Option<Duration>,
-    /// Do not restart after success.
+    /// Kept from the wire for compatibility; without effect: a daemon that returned is never
+    /// restarted (kopf).
     pub no_restart_after_success: bool,
 }
 

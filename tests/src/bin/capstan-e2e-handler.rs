@@ -151,9 +151,19 @@ fn note(line: &str) {
 }
 
 /// Reports progress with an interim patch, then runs until cancelled (or fails first when
-/// `spec.temporary.monitor` says so).
+/// `spec.temporary.monitor` says so); with `spec.finish.<id>: true` it returns a result at once.
 async fn monitor(ctx: Context) -> HandlerResult {
     behave(&ctx).await?;
+    let finish = ctx
+        .spec()
+        .get("finish")
+        .and_then(|m| m.get(ctx.handler_id()))
+        .and_then(Value::as_bool);
+    if finish == Some(true) {
+        return Ok(Some(
+            json!({"finishedBy": ctx.handler_id(), "attempt": ctx.retry() + 1}),
+        ));
+    }
     let progress = Patch::new();
     progress.annotation("e2e/daemon", "running");
     ctx.send_patch(&progress)
@@ -198,6 +208,135 @@ async fn parent(ctx: Context) -> HandlerResult {
             Ok::<_, HandlerError>(None)
         });
     }
+    Ok(None)
+}
+
+/// Notes the call, then marks the object as seen by this handler (`e2e/seen-<id>`).
+async fn marking(ctx: Context) -> HandlerResult {
+    behave(&ctx).await?;
+    ctx.patch()
+        .annotation(&format!("e2e/seen-{}", ctx.handler_id()), "yes");
+    Ok(None)
+}
+
+/// Creates a ConfigMap that the object adopts (kopf's `adopt`), with the client of the
+/// process's `KUBECONFIG`; its name goes to the result.
+async fn spawn_child(ctx: Context) -> HandlerResult {
+    log_call(&ctx);
+    let mut child = json!({"apiVersion": "v1", "kind": "ConfigMap", "data": {"owner": ctx.name()}});
+    ctx.adopt([&mut child], &capstan_sdk::hierarchies::Adoption::default())
+        .map_err(|e| HandlerError::permanent(e.to_string()))?;
+    let namespace = child
+        .pointer("/metadata/namespace")
+        .and_then(Value::as_str)
+        .unwrap_or("default")
+        .to_owned();
+    let configmap: k8s_openapi::api::core::v1::ConfigMap =
+        serde_json::from_value(child).map_err(|e| HandlerError::permanent(e.to_string()))?;
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| HandlerError::retry(format!("no API client: {e}")))?;
+    let created = kube::Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client, &namespace)
+        .create(&kube::api::PostParams::default(), &configmap)
+        .await
+        .map_err(|e| HandlerError::retry(format!("creating the child: {e}")))?;
+    Ok(Some(json!({"child": created.metadata.name})))
+}
+
+/// The `parity` preset: one handler (or a few) per kopf option, selected by `e2e/case`.
+fn register_parity(registry: &mut Registry) {
+    let case = |name: &'static str| ("e2e/case", name);
+    // `optional`: no finalizer for it alone; called when another handler holds the finalizer
+    // (the objects labelled `e2e/hold`).
+    let (k, v) = case("optional");
+    registry.on_create(RESOURCE, "opt_create", plain).label(k, v);
+    registry
+        .on_delete(RESOURCE, "opt_delete", plain)
+        .label(k, v)
+        .optional(true);
+    registry
+        .on_delete(RESOURCE, "hold_delete", plain)
+        .label("e2e/hold", Presence::Present);
+    // `resume` with and without `deleted`.
+    let (k, v) = case("resume");
+    registry
+        .on_resume(RESOURCE, "resume_all", plain)
+        .label(k, v)
+        .deleted(true);
+    registry.on_resume(RESOURCE, "resume_live", plain).label(k, v);
+    // `param`: echoed back as the result.
+    let (k, v) = case("param");
+    registry
+        .on_create(RESOURCE, "param_fn", |ctx: Context| async move {
+            log_call(&ctx);
+            Ok::<_, HandlerError>(Some(json!({"param": ctx.param().cloned()})))
+        })
+        .label(k, v)
+        .param(json!({"greeting": "hello", "n": 7}));
+    // `when`: only objects labelled `e2e/when: yes`; `when_witness` runs for all of them.
+    let (k, v) = case("when");
+    registry
+        .on_create(RESOURCE, "when_fn", plain)
+        .label(k, v)
+        .when(|ctx: &Context| ctx.labels().get("e2e/when").and_then(Value::as_str) == Some("yes"));
+    registry.on_create(RESOURCE, "when_witness", plain).label(k, v);
+    // An overall timeout of 3 s with 1 s retry delays.
+    let (k, v) = case("timeout");
+    registry
+        .on_create(RESOURCE, "timeout_fn", plain)
+        .label(k, v)
+        .timeout(Duration::from_secs(3));
+    // Errors mode IGNORED, followed by another handler of the same cause.
+    let (k, v) = case("ignored");
+    registry
+        .on_create(RESOURCE, "ignored_fn", plain)
+        .label(k, v)
+        .errors(capstan_sdk::ErrorsMode::Ignored)
+        .backoff(Duration::from_secs(1));
+    registry.on_create(RESOURCE, "after_ignored", plain).label(k, v);
+    // For the progress storages: fails as its object's spec says.
+    let (k, v) = case("storage");
+    registry.on_create(RESOURCE, "stored_fn", plain).label(k, v);
+    // Creates a ConfigMap adopted by its object (with the process's own kubeconfig).
+    let (k, v) = case("children");
+    registry
+        .on_create(RESOURCE, "spawn_child", spawn_child)
+        .label(k, v)
+        .backoff(Duration::from_secs(1));
+    // Core resources (empty API group), one namespaced and one cluster-scoped.
+    let (k, v) = case("core");
+    registry.on_create("configmaps", "cm_create", marking).label(k, v);
+    registry.on_create("namespaces", "ns_create", marking).label(k, v);
+}
+
+async fn nest(ctx: Context) -> HandlerResult {
+    behave(&ctx).await?;
+    ctx.subhandler_with(
+        "outer",
+        capstan_sdk::SubhandlerOptions::new()
+            .retries(5)
+            .backoff(Duration::from_secs(1)),
+        |outer: Context| async move {
+            behave(&outer).await?;
+            outer.subhandler("inner", |inner: Context| async move {
+                behave(&inner).await?;
+                inner.patch().annotation("e2e/sub-inner", "done");
+                Ok::<_, HandlerError>(Some(json!({"attempts": inner.retry() + 1})))
+            });
+            outer.patch().annotation("e2e/sub-outer", "done");
+            Ok::<_, HandlerError>(None)
+        },
+    );
+    ctx.subhandler_with(
+        "limited",
+        capstan_sdk::SubhandlerOptions::new()
+            .retries(2)
+            .backoff(Duration::from_secs(1)),
+        |limited: Context| async move {
+            behave(&limited).await?;
+            Ok::<_, HandlerError>(None)
+        },
+    );
     Ok(None)
 }
 
@@ -301,6 +440,14 @@ async fn main() -> anyhow::Result<()> {
                     .on_create(RESOURCE, "parent", parent)
                     .backoff(Duration::from_secs(1));
             }
+            // `nest` declares `outer` (5 retries of its own), which declares `inner`, and
+            // `limited` (2 retries, 1 s backoff); all behave as their object's spec says, under
+            // their full ids (`nest/outer/inner`).
+            "nested-subhandlers" => {
+                registry
+                    .on_create(RESOURCE, "nest", nest)
+                    .backoff(Duration::from_secs(1));
+            }
             "event-overlap" => {
                 registry
                     .on_event(RESOURCE, "event_fn", |ctx: Context| async move {
@@ -334,6 +481,36 @@ async fn main() -> anyhow::Result<()> {
                     .label("e2e/run", "yes")
                     .restart_backoff(Duration::from_secs(1));
             }
+            // Daemons as kopf's: `monitor` for objects labelled `e2e/run: "yes"`, 3 attempts,
+            // 1 s backoff; `deadline` for objects with the label `e2e/deadline`, 4 s in all.
+            "lifecycle-daemon" => {
+                registry
+                    .daemon(RESOURCE, "monitor", monitor)
+                    .label("e2e/run", "yes")
+                    .retries(3)
+                    .backoff(Duration::from_secs(1));
+                registry
+                    .daemon(RESOURCE, "deadline", monitor)
+                    .label("e2e/deadline", Presence::Present)
+                    .timeout(Duration::from_secs(4))
+                    .backoff(Duration::from_secs(1));
+            }
+            // `monitor` starts 3 s after its object appears; `stubborn` (objects with the label
+            // `e2e/stubborn`) ignores its cancellation, given 2 s of cancellation backoff and
+            // 1 s of cancellation timeout.
+            "delayed-daemon" => {
+                registry
+                    .daemon(RESOURCE, "monitor", monitor)
+                    .label("e2e/stubborn", Presence::Absent)
+                    .initial_delay(Duration::from_secs(3));
+                registry
+                    .daemon(RESOURCE, "stubborn", stubborn)
+                    .label("e2e/stubborn", Presence::Present)
+                    .cancellation_backoff(Duration::from_secs(2))
+                    .cancellation_timeout(Duration::from_secs(1));
+            }
+            // kopf's handler options, each for the objects labelled `e2e/case: <case>`.
+            "parity" => register_parity(&mut registry),
             // A daemon that ignores its cancellation and has no cancellation timeout.
             "stubborn-forever" => {
                 registry.daemon(RESOURCE, "stubborn", stubborn);
@@ -460,7 +637,7 @@ async fn main() -> anyhow::Result<()> {
             }
             // Login: returns `E2E_LOGIN_SERVER`, `E2E_LOGIN_CA` (base64 PEM) and
             // `E2E_LOGIN_TOKEN`; with `E2E_LOGIN_BAD_FIRST=1` the first call returns a token the
-            // API server rejects.
+            // API server rejects, with `E2E_LOGIN_EXPIRES_IN=S` credentials that expire in S s.
             "login" => {
                 registry
                     .on_login("login_fn", |_ctx: Context| async move {
@@ -472,6 +649,12 @@ async fn main() -> anyhow::Result<()> {
                                 .map_err(|e| HandlerError::permanent(format!("E2E_LOGIN_CA: {e}")))?;
                         let bad = call == 0 && var("E2E_LOGIN_BAD_FIRST") == "1";
                         note(&format!("login call {} bad={bad}", call + 1));
+                        // `E2E_LOGIN_EXPIRES_IN=S`: the credentials say they expire in S seconds.
+                        let expiration_time = var("E2E_LOGIN_EXPIRES_IN").parse::<u64>().ok().map(|s| {
+                            prost_types::Timestamp::from(
+                                std::time::SystemTime::now() + Duration::from_secs(s),
+                            )
+                        });
                         Ok::<_, HandlerError>(capstan_sdk::pb::Credentials {
                             server: var("E2E_LOGIN_SERVER"),
                             certificate_authority: ca.0,
@@ -480,6 +663,7 @@ async fn main() -> anyhow::Result<()> {
                             } else {
                                 var("E2E_LOGIN_TOKEN")
                             },
+                            expiration_time,
                             ..Default::default()
                         })
                     })
