@@ -407,6 +407,12 @@ impl FeedTask {
             warn!("an object without a uid was not indexed");
             return;
         };
+        if event_type == EventType::Deleted {
+            // Also for resources that have only index handlers (no queue says it then).
+            self.shared
+                .hub
+                .object_gone(&processing::object_ref(&self.resource, &body));
+        }
         let entry = state.tracked.entry(uid.clone().into_boxed_str()).or_default();
         if entry.busy {
             // Only the latest state matters for an index: a newer event supersedes a queued one.

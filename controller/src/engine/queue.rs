@@ -380,6 +380,9 @@ impl Queue {
     async fn process(&self, uid: &str, event_type: EventType, body: Value, memory: Memory) {
         if event_type == EventType::Deleted {
             self.ctx.daemons.forget(uid);
+            self.ctx
+                .invoker
+                .object_gone(&processing::object_ref(&self.ctx.resource, &body));
             let mut slots = self.slots.lock();
             if let Some(slot) = slots.get_mut(uid) {
                 if let Some(t) = slot.timer.take() {

@@ -92,6 +92,8 @@ struct Conn {
     open: bool,
     /// The process accepts `ObjectUpdate` messages.
     object_updates: bool,
+    /// The process wants `ObjectGone` messages.
+    object_gone: bool,
     max_in_flight: u32,
     in_flight: u32,
     handlers: HashMap<HandlerId, HandlerSlot>,
@@ -255,6 +257,7 @@ impl Hub {
                 tx,
                 open: false,
                 object_updates,
+                object_gone: false,
                 max_in_flight,
                 in_flight: 0,
                 handlers,
@@ -348,6 +351,34 @@ impl Hub {
             }
         }
         state.pump_conn(conn);
+    }
+
+    /// Makes connection `conn` receive `ObjectGone` (it negotiated `CAPABILITY_OBJECT_GONE`).
+    pub(crate) fn send_object_gone(&self, conn: ConnectionId) {
+        if let Some(c) = self.inner.state.lock().connections.get_mut(&conn) {
+            c.object_gone = true;
+        }
+    }
+
+    /// Tells every connection that wants it and has handlers for the object's resource that
+    /// the object is gone. Best effort: a congested connection misses it.
+    pub fn object_gone(&self, object: &ResourceRef) {
+        let message = pb::ConnectResponse {
+            message: Some(pb::connect_response::Message::ObjectGone(pb::ObjectGone {
+                object: Some(convert::resource_ref_to_pb(object)),
+            })),
+        };
+        let state = self.inner.state.lock();
+        for c in state.connections.values().filter(|c| c.open && c.object_gone) {
+            let handles = c.handlers.values().any(|s| {
+                std::iter::once(&s.registration)
+                    .chain(&s.also)
+                    .any(|r| r.resource.as_ref().is_none_or(|res| *res == object.resource))
+            });
+            if handles && c.tx.try_send(message.clone()).is_err() {
+                debug!(object.uid = %object.uid, "object-gone notice not sent: the connection is congested");
+            }
+        }
     }
 
     /// The index handlers of open connections, with the connection that owns each.
