@@ -17,6 +17,12 @@
 //! - `spec.unfinalize.<id>: true` patches `metadata.finalizers` to null;
 //!
 //! and `E2E_FAIL_FIRST=N` makes every handler of this process fail its first N attempts.
+//!
+//! The `index` preset indexes ConfigMaps labelled `e2e/app` by that label (`by_app`: app →
+//! ConfigMap names), noting `index <name>` per call; `lookup_fn` (create) answers
+//! `status.lookup_fn.configmaps` with the names under the example's `spec.app` and notes
+//! `lookup <name> <indexed objects>`; the `peek` timer writes the whole index to
+//! `status.peek` every second and notes `peek <pid> <indexed objects>`.
 
 use std::{io::Write, time::Duration};
 
@@ -148,6 +154,43 @@ fn note(line: &str) {
     if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
         let _ = f.write_all(format!("{line}\n").as_bytes());
     }
+}
+
+/// The `index` preset's index handler: `{<e2e/app label>: <name>}`.
+async fn by_app(ctx: Context) -> HandlerResult {
+    note(&format!("index {}", ctx.name()));
+    // Slow enough that a handler let through before the index is built would show.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let app = ctx.labels().get("e2e/app").and_then(Value::as_str).map(str::to_owned);
+    Ok(app.map(|app| json!({ app: ctx.name() })))
+}
+
+/// The `index` preset's readers: the names under the example's `spec.app`, and the whole index.
+async fn lookup(ctx: Context) -> HandlerResult {
+    let index = ctx.index("by_app")?;
+    note(&format!("lookup {} {}", ctx.name(), index.objects()));
+    let app = ctx.spec()["app"].as_str().unwrap_or_default().to_owned();
+    let names = index.get(&app).map(|s| s.values().to_vec()).unwrap_or_default();
+    Ok(Some(json!({ "configmaps": names })))
+}
+
+async fn peek(ctx: Context) -> HandlerResult {
+    let index = ctx.index("by_app")?;
+    note(&format!("peek {} {}", std::process::id(), index.objects()));
+    // `<key>=<name>` entries, sorted: a list, so that a merge patch replaces it whole.
+    let mut entries: Vec<String> = index
+        .snapshot()
+        .into_iter()
+        .flat_map(|(key, store)| {
+            let key = key.unwrap_or_else(|| "None".into());
+            store
+                .into_iter()
+                .map(move |v| format!("{key}={}", v.as_str().unwrap_or_default()))
+        })
+        .collect();
+    entries.sort();
+    ctx.patch().status("peek", json!(entries));
+    Ok(None)
 }
 
 /// Reports progress with an interim patch, then runs until cancelled (or fails first when
@@ -479,6 +522,15 @@ async fn main() -> anyhow::Result<()> {
             // A resource that does not exist when the handler process connects.
             "late" => {
                 registry.on_create("widgets.late.capstan.dev", "late_create", plain);
+            }
+            "index" => {
+                registry
+                    .index("configmaps", "by_app", by_app)
+                    .label("e2e/app", Presence::Present);
+                registry.on_create(RESOURCE, "lookup_fn", lookup);
+                registry
+                    .timer(RESOURCE, "peek", peek)
+                    .interval(Duration::from_secs(1));
             }
             "" => {}
             other => anyhow::bail!("unknown preset {other:?}"),
