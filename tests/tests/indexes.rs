@@ -30,6 +30,12 @@ async fn create_cm(api: &Api<ConfigMap>, name: &str, app: Option<&str>) -> Resul
     Ok(())
 }
 
+async fn annotate(api: &Api<ConfigMap>, name: &str, key: &str, value: &str) -> Result<()> {
+    let patch = json!({"metadata": {"annotations": {key: value}}});
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    Ok(())
+}
+
 async fn relabel(api: &Api<ConfigMap>, name: &str, app: Option<&str>) -> Result<()> {
     let patch = json!({"metadata": {"labels": {"e2e/app": app}}});
     api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
@@ -167,5 +173,57 @@ async fn an_index_gates_other_handlers_follows_changes_and_survives_a_restart() 
             "after a reconnect the timer runs only on a rebuilt index (old pid {old_pid}): {peeks:?}"
         );
     }
+    Ok(())
+}
+
+#[tokio::test]
+async fn failing_index_handlers_are_retried_and_never_hold_the_gate() -> Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let client = env.client().await?;
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
+    create_cm(&cms, "good", Some("web")).await?;
+    create_cm(&cms, "broken", Some("web")).await?;
+    annotate(&cms, "broken", "e2e/index-fail", "permanent").await?;
+    create_cm(&cms, "flaky", Some("web")).await?;
+    annotate(&cms, "flaky", "e2e/index-fail", "2").await?;
+    capstan_tests::testenv::create_example(&env, "x", json!({"app": "web"})).await?;
+    let kubeconfig = env.kubeconfig.clone();
+    let s = Scenario::attach(env, &kubeconfig, "index", &[], "default").await?;
+
+    // The gate opens after the first attempt of every listed object, failed or not.
+    s.wait("x", T, "lookup_fn answered", |o| o.pointer("/status/lookup_fn").is_some())
+        .await?;
+    // The temporary failures are retried (1 s apart) until the ConfigMap is indexed; the
+    // permanent one stays out.
+    s.wait("x", T, "the flaky ConfigMap got in", |o| {
+        peek(o) == Some(entries(&[("web", "flaky"), ("web", "good")]))
+    })
+    .await?;
+    let retries: Vec<Vec<String>> = s.notes("index-retry");
+    assert_eq!(
+        retries,
+        vec![vec!["flaky".to_owned(), "1".to_owned()], vec!["flaky".to_owned(), "2".to_owned()]],
+        "two temporary failures, then success"
+    );
+    let broken_calls = lines(&s).iter().filter(|l| *l == "index broken").count();
+    assert_eq!(broken_calls, 1, "a permanent failure is not retried");
+
+    // A change of the broken ConfigMap does not bring it back (kopf keeps it out); deleting
+    // and creating it again does.
+    annotate(&cms, "broken", "e2e/other", "x").await?;
+    relabel(&cms, "good", Some("api")).await?;
+    s.wait("x", T, "a later change is indexed", |o| {
+        peek(o) == Some(entries(&[("api", "good"), ("web", "flaky")]))
+    })
+    .await?;
+    let broken_calls = lines(&s).iter().filter(|l| *l == "index broken").count();
+    assert_eq!(broken_calls, 1, "a change does not retry a permanent failure");
+    cms.delete("broken", &DeleteParams::default()).await?;
+    create_cm(&cms, "broken", Some("db")).await?;
+    s.wait("x", T, "a new object of the same name is indexed", |o| {
+        peek(o) == Some(entries(&[("api", "good"), ("db", "broken"), ("web", "flaky")]))
+    })
+    .await?;
     Ok(())
 }

@@ -164,6 +164,16 @@ async fn by_app(ctx: Context) -> HandlerResult {
     if ctx.annotations().contains_key("e2e/slow") {
         tokio::time::sleep(Duration::from_secs(3)).await;
     }
+    // `e2e/index-fail: permanent` fails for good; `e2e/index-fail: "N"` fails temporarily
+    // (retried after 1 s) on the first N attempts.
+    match ctx.annotations().get("e2e/index-fail").and_then(Value::as_str) {
+        Some("permanent") => return Err(HandlerError::permanent("this ConfigMap cannot be indexed")),
+        Some(n) if n.parse::<u32>().is_ok_and(|n| ctx.retry() < n) => {
+            note(&format!("index-retry {} {}", ctx.name(), ctx.retry() + 1));
+            return Err(HandlerError::temporary("not yet", Duration::from_secs(1)));
+        }
+        _ => {}
+    }
     let app = ctx.labels().get("e2e/app").and_then(Value::as_str).map(str::to_owned);
     Ok(app.map(|app| json!({ app: ctx.name() })))
 }
