@@ -77,9 +77,10 @@ impl Change {
 #[derive(Debug, Default)]
 struct Data {
     /// Values by key, then by object (ordered, so stores read deterministically).
-    by_key: HashMap<IndexKey, BTreeMap<ObjectKey, Value>>,
-    /// The keys each object holds, for O(keys of the object) updates.
-    by_object: HashMap<ObjectKey, Vec<IndexKey>>,
+    by_key: HashMap<IndexKey, BTreeMap<Arc<ObjectKey>, Value>>,
+    /// The keys each object holds, for O(keys of the object) updates. The object keys are
+    /// shared with `by_key`.
+    by_object: HashMap<Arc<ObjectKey>, Vec<IndexKey>>,
 }
 
 impl Data {
@@ -103,16 +104,17 @@ impl Data {
             Change::Remove => self.remove(object),
             Change::Replace(entries) => {
                 self.remove(object);
+                let shared = Arc::new(object.clone());
                 let mut keys = Vec::with_capacity(entries.len());
                 for (key, value) in entries {
                     self.by_key
                         .entry(key.clone())
                         .or_default()
-                        .insert(object.clone(), value);
+                        .insert(shared.clone(), value);
                     keys.push(key);
                 }
                 if !keys.is_empty() {
-                    self.by_object.insert(object.clone(), keys);
+                    self.by_object.insert(shared, keys);
                 }
             }
         }
