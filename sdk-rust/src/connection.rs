@@ -305,7 +305,9 @@ impl Stream {
                 log_welcome(&welcome, self.table.registrations());
                 let unsupported = unsupported_kinds(&welcome, self.table.registrations());
                 if !unsupported.is_empty() {
-                    return Err(Error::Unsupported { handlers: unsupported });
+                    return Err(Error::Unsupported {
+                        handlers: unsupported,
+                    });
                 }
             }
             Some(Down::ObjectGone(gone)) => {
@@ -407,7 +409,10 @@ impl Stream {
 
 /// The registrations the controller rejected because it does not run their kind
 /// (`UNSUPPORTED_HANDLER_KIND`), as `(handler id, the controller's explanation)`.
-fn unsupported_kinds(welcome: &pb::Welcome, registrations: &[pb::HandlerRegistration]) -> Vec<(String, String)> {
+fn unsupported_kinds(
+    welcome: &pb::Welcome,
+    registrations: &[pb::HandlerRegistration],
+) -> Vec<(String, String)> {
     welcome
         .registrations
         .iter()
@@ -419,7 +424,10 @@ fn unsupported_kinds(welcome: &pb::Welcome, registrations: &[pb::HandlerRegistra
                 .iter()
                 .find(|d| d.reason == "UNSUPPORTED_HANDLER_KIND")?;
             let id = if status.handler_id.is_empty() {
-                registrations.get(index).map(|r| r.handler_id.clone()).unwrap_or_default()
+                registrations
+                    .get(index)
+                    .map(|r| r.handler_id.clone())
+                    .unwrap_or_default()
             } else {
                 status.handler_id.clone()
             };

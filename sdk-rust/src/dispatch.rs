@@ -89,7 +89,9 @@ async fn run_inner(
     {
         // The object left the index (deleted, or no longer matching): its entries go, and
         // the handler is not called (kopf).
-        table.indexes.apply(&invocation.handler_id, object, Change::Remove);
+        table
+            .indexes
+            .apply(&invocation.handler_id, object, Change::Remove);
         return finished(Outcome::Success(pb::Success::default()));
     }
     let uid = invocation.resource.as_ref().map_or("", |r| r.uid.as_str());
@@ -141,7 +143,9 @@ async fn run_inner(
         let change = match &outcome {
             Ok(output) => Change::from_result(output.value.as_ref()),
             // kopf: an ignored error keeps the object's values.
-            Err(HandlerError::Unclassified { .. }) if errors_ignored(entry.registration.errors_mode) => Change::Keep,
+            Err(HandlerError::Unclassified { .. }) if errors_ignored(entry.registration.errors_mode) => {
+                Change::Keep
+            }
             Err(_) => Change::Remove,
         };
         table.indexes.apply(&invocation.handler_id, object, change);

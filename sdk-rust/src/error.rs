@@ -174,7 +174,10 @@ pub enum Error {
     /// The connected controller does not run some of the registered handler kinds (its
     /// `Welcome` rejected them with `UNSUPPORTED_HANDLER_KIND`): the operator would silently
     /// miss them, so it stops instead. Upgrade the controller or remove those handlers.
-    #[error("the controller does not run these handlers' kinds: {}", describe_unsupported(handlers))]
+    #[error(
+        "the controller does not run these handlers' kinds: {}",
+        describe_unsupported(handlers)
+    )]
     Unsupported {
         /// Each handler id with the controller's explanation.
         handlers: Vec<(String, String)>,

@@ -64,11 +64,9 @@ impl Change {
     pub(crate) fn from_result(value: Option<&Value>) -> Self {
         match value {
             None | Some(Value::Null) => Self::Keep,
-            Some(Value::Object(map)) => Self::Replace(
-                map.iter()
-                    .map(|(k, v)| (Some(k.clone()), v.clone()))
-                    .collect(),
-            ),
+            Some(Value::Object(map)) => {
+                Self::Replace(map.iter().map(|(k, v)| (Some(k.clone()), v.clone())).collect())
+            }
             Some(other) => Self::Replace(vec![(None, other.clone())]),
         }
     }

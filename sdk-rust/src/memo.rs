@@ -154,7 +154,10 @@ mod tests {
         let memo = Memo::new();
         memo.insert("count", 3_u32);
         assert_eq!(*memo.get::<u32>("count").unwrap(), 3);
-        assert!(memo.get::<String>("count").is_none(), "a different type is not there");
+        assert!(
+            memo.get::<String>("count").is_none(),
+            "a different type is not there"
+        );
         let counter = memo.get_or_insert_with("calls", || AtomicU32::new(0));
         counter.fetch_add(1, Ordering::SeqCst);
         let again = memo.get_or_insert_with("calls", || AtomicU32::new(100));
@@ -171,9 +174,14 @@ mod tests {
         operator.insert("shared", AtomicU32::new(0));
         let memos = Memos::new(operator.clone());
         let a = memos.object("uid-a");
-        a.get::<AtomicU32>("shared").unwrap().fetch_add(1, Ordering::SeqCst);
+        a.get::<AtomicU32>("shared")
+            .unwrap()
+            .fetch_add(1, Ordering::SeqCst);
         assert_eq!(
-            operator.get::<AtomicU32>("shared").unwrap().load(Ordering::SeqCst),
+            operator
+                .get::<AtomicU32>("shared")
+                .unwrap()
+                .load(Ordering::SeqCst),
             1,
             "values are shared"
         );
@@ -182,8 +190,14 @@ mod tests {
         assert!(memos.object("uid-a").contains_key("own"), "kept between calls");
         assert!(!memos.object("uid-b").contains_key("own"), "per object");
         assert!(memos.forget("uid-a"));
-        assert!(!memos.object("uid-a").contains_key("own"), "dropped when the object goes away");
+        assert!(
+            !memos.object("uid-a").contains_key("own"),
+            "dropped when the object goes away"
+        );
         assert_eq!(memos.objects(), 2);
-        assert!(memos.object("").contains_key("shared"), "no object: the operator memo");
+        assert!(
+            memos.object("").contains_key("shared"),
+            "no object: the operator memo"
+        );
     }
 }

@@ -219,7 +219,10 @@ impl TestKit {
                 self.invoke(&entry.registration.handler_id, invocation).await;
             }
         }
-        let uid = body.pointer("/metadata/uid").and_then(Value::as_str).unwrap_or_default();
+        let uid = body
+            .pointer("/metadata/uid")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
         self.table.memos.forget(uid);
     }
 

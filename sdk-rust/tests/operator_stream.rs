@@ -376,10 +376,16 @@ async fn invalid_setups_fail_fast() {
 async fn kinds_the_controller_does_not_run_stop_the_operator_with_their_names() {
     let (_dir, endpoint, mut sessions, server) = serve(false);
     let mut registry = registry();
-    registry.index("examples.demo.capstan.dev", "by_size", |_ctx: Context| async move {
-        Ok::<_, HandlerError>(None)
-    });
-    let operator = tokio::spawn(Operator::new(registry).endpoint(endpoint).run(std::future::pending()));
+    registry.index(
+        "examples.demo.capstan.dev",
+        "by_size",
+        |_ctx: Context| async move { Ok::<_, HandlerError>(None) },
+    );
+    let operator = tokio::spawn(
+        Operator::new(registry)
+            .endpoint(endpoint)
+            .run(std::future::pending()),
+    );
     let mut session = sessions.recv().await.unwrap();
     let Some(Up::Hello(hello)) = session.recv().await else {
         panic!("expected hello");
@@ -420,15 +426,23 @@ async fn memos_live_per_object_until_the_controller_says_it_is_gone() {
     let (_dir, endpoint, mut sessions, server) = serve(false);
     let mut registry = Registry::new();
     registry.memo().insert("greeting", "hello");
-    registry.on_create("examples.demo.capstan.dev", "count_fn", |ctx: Context| async move {
-        let calls = ctx
-            .memo()
-            .get_or_insert_with("calls", || std::sync::atomic::AtomicU32::new(0));
-        let n = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-        let greeting = ctx.memo().get::<&str>("greeting").map(|g| *g).unwrap_or("none");
-        Ok::<_, HandlerError>(json!({"calls": n, "greeting": greeting}))
-    });
-    let operator = tokio::spawn(Operator::new(registry).endpoint(endpoint).run(std::future::pending()));
+    registry.on_create(
+        "examples.demo.capstan.dev",
+        "count_fn",
+        |ctx: Context| async move {
+            let calls = ctx
+                .memo()
+                .get_or_insert_with("calls", || std::sync::atomic::AtomicU32::new(0));
+            let n = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            let greeting = ctx.memo().get::<&str>("greeting").map(|g| *g).unwrap_or("none");
+            Ok::<_, HandlerError>(json!({"calls": n, "greeting": greeting}))
+        },
+    );
+    let operator = tokio::spawn(
+        Operator::new(registry)
+            .endpoint(endpoint)
+            .run(std::future::pending()),
+    );
     let mut session = sessions.recv().await.unwrap();
     let Some(Up::Hello(hello)) = session.recv().await else {
         panic!("expected hello");
@@ -468,7 +482,11 @@ async fn memos_live_per_object_until_the_controller_says_it_is_gone() {
         let value: serde_json::Value = serde_json::from_slice(&success.result.unwrap().json).unwrap();
         results.push(value);
     }
-    assert_eq!(results[0], json!({"calls": 1, "greeting": "hello"}), "copied from the operator memo");
+    assert_eq!(
+        results[0],
+        json!({"calls": 1, "greeting": "hello"}),
+        "copied from the operator memo"
+    );
     assert_eq!(results[1]["calls"], 2, "kept between calls of one object");
     assert_eq!(results[2]["calls"], 1, "dropped once the object is gone");
     operator.abort();

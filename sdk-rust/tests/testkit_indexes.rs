@@ -37,7 +37,10 @@ fn registry() -> Registry {
     registry.on_create("examples", "lookup", |ctx: Context| async move {
         let index = ctx.index("by_app")?;
         let wanted = ctx.spec()["app"].as_str().unwrap_or_default().to_owned();
-        let names: Vec<Value> = index.get(&wanted).map(|s| s.values().to_vec()).unwrap_or_default();
+        let names: Vec<Value> = index
+            .get(&wanted)
+            .map(|s| s.values().to_vec())
+            .unwrap_or_default();
         Ok::<_, HandlerError>(json!({"configmaps": names}))
     });
     registry
@@ -95,7 +98,11 @@ async fn failures_drop_the_object_unless_ignored() {
     kit.index_object(body(None)).await;
     let ignored = kit.index("ignored").unwrap();
     let strict = kit.index("strict").unwrap();
-    assert_eq!(ignored.get_none().unwrap().values(), [json!("v")], "a plain result is under None");
+    assert_eq!(
+        ignored.get_none().unwrap().values(),
+        [json!("v")],
+        "a plain result is under None"
+    );
 
     kit.index_object(body(Some("other"))).await;
     assert_eq!(ignored.objects(), 1, "IGNORED keeps the stale value, as kopf");
@@ -107,10 +114,17 @@ async fn failures_drop_the_object_unless_ignored() {
         outcomes.get("ignored").unwrap().kind(),
         OutcomeKind::TemporaryError { .. }
     ));
-    assert_eq!(ignored.objects(), 0, "a temporary error drops the object's entries");
+    assert_eq!(
+        ignored.objects(),
+        0,
+        "a temporary error drops the object's entries"
+    );
     kit.index_object(body(None)).await;
     kit.index_object(body(Some("permanent"))).await;
-    assert!(ignored.is_empty() && strict.is_empty(), "a permanent error drops them too");
+    assert!(
+        ignored.is_empty() && strict.is_empty(),
+        "a permanent error drops them too"
+    );
 }
 
 #[tokio::test]
@@ -123,7 +137,9 @@ async fn an_unserialisable_index_value_fails_naming_the_handler() {
         Ok::<_, HandlerError>(HandlerOutput::serialize(&by_pair))
     });
     let kit = TestKit::new(registry);
-    let outcome = kit.invoke("by_pair", InvocationBuilder::index(cm("a", None))).await;
+    let outcome = kit
+        .invoke("by_pair", InvocationBuilder::index(cm("a", None)))
+        .await;
     assert_eq!(outcome.kind(), OutcomeKind::PermanentError);
     let message = outcome.message().unwrap();
     assert!(message.contains("\"by_pair\""), "{message}");
@@ -140,7 +156,10 @@ async fn an_unknown_index_is_a_clear_permanent_error() {
     });
     let kit = TestKit::new(registry);
     let outcome = kit
-        .invoke("typo", InvocationBuilder::create(json!({"metadata": {"name": "x"}})))
+        .invoke(
+            "typo",
+            InvocationBuilder::create(json!({"metadata": {"name": "x"}})),
+        )
         .await;
     assert_eq!(outcome.kind(), OutcomeKind::PermanentError);
     assert!(outcome.message().unwrap().contains("the indexes are by_app"));
@@ -151,7 +170,10 @@ async fn memos_are_per_object_and_start_from_the_operator_memo() {
     let mut registry = Registry::new();
     registry.memo().insert("shared", AtomicU32::new(0));
     registry.on_create("examples", "count", |ctx: Context| async move {
-        ctx.memo().get::<AtomicU32>("shared").unwrap().fetch_add(1, Ordering::SeqCst);
+        ctx.memo()
+            .get::<AtomicU32>("shared")
+            .unwrap()
+            .fetch_add(1, Ordering::SeqCst);
         let own = ctx.memo().get_or_insert_with("own", || AtomicU32::new(0));
         let n = own.fetch_add(1, Ordering::SeqCst) + 1;
         Ok::<_, HandlerError>(json!(n))
@@ -165,21 +187,35 @@ async fn memos_are_per_object_and_start_from_the_operator_memo() {
     let b = json!({"metadata": {"name": "b", "uid": "uid-b"}});
     let value = |o: capstan_sdk::testing::Outcomes| o.get("count").unwrap().value();
     assert_eq!(value(kit.create(a.clone()).await), Some(json!(1)));
-    assert_eq!(value(kit.create(a.clone()).await), Some(json!(2)), "kept between calls");
+    assert_eq!(
+        value(kit.create(a.clone()).await),
+        Some(json!(2)),
+        "kept between calls"
+    );
     assert_eq!(value(kit.create(b.clone()).await), Some(json!(1)), "per object");
     assert_eq!(
-        kit.memo().get::<AtomicU32>("shared").unwrap().load(Ordering::SeqCst),
+        kit.memo()
+            .get::<AtomicU32>("shared")
+            .unwrap()
+            .load(Ordering::SeqCst),
         3,
         "values copied from the operator memo are shared"
     );
     assert_eq!(kit.memos(), 2);
     kit.object_gone(a.clone()).await;
     assert_eq!(kit.memos(), 1);
-    assert_eq!(value(kit.create(a).await), Some(json!(1)), "dropped once the object is gone");
+    assert_eq!(
+        value(kit.create(a).await),
+        Some(json!(1)),
+        "dropped once the object is gone"
+    );
     kit.invoke(
         "startup",
         InvocationBuilder::activity(capstan_sdk::pb::Activity::Startup),
     )
     .await;
-    assert!(kit.memo().contains_key("started"), "activities get the operator memo");
+    assert!(
+        kit.memo().contains_key("started"),
+        "activities get the operator memo"
+    );
 }

@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use capstan_tests::{scenario::Scenario, testenv::TestEnv};
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube::{
     Api,
     api::{DeleteParams, Patch, PatchParams, PostParams},
 };
-use k8s_openapi::api::core::v1::ConfigMap;
 use serde_json::{Value, json};
 
 const T: Duration = Duration::from_secs(60);
@@ -20,7 +20,11 @@ const T: Duration = Duration::from_secs(60);
 async fn create_cm(api: &Api<ConfigMap>, name: &str, app: Option<&str>) -> Result<()> {
     let labels = app.map_or_else(|| json!({}), |a| json!({"e2e/app": a}));
     // One ConfigMap takes the index handler 3 s: a reader let through early would miss it.
-    let annotations = if name == "web-19" { json!({"e2e/slow": "yes"}) } else { json!({}) };
+    let annotations = if name == "web-19" {
+        json!({"e2e/slow": "yes"})
+    } else {
+        json!({})
+    };
     let cm: ConfigMap = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": name, "labels": labels, "annotations": annotations},
@@ -32,13 +36,15 @@ async fn create_cm(api: &Api<ConfigMap>, name: &str, app: Option<&str>) -> Resul
 
 async fn annotate(api: &Api<ConfigMap>, name: &str, key: &str, value: &str) -> Result<()> {
     let patch = json!({"metadata": {"annotations": {key: value}}});
-    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
     Ok(())
 }
 
 async fn relabel(api: &Api<ConfigMap>, name: &str, app: Option<&str>) -> Result<()> {
     let patch = json!({"metadata": {"labels": {"e2e/app": app}}});
-    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
     Ok(())
 }
 
@@ -91,7 +97,9 @@ async fn an_index_gates_other_handlers_follows_changes_and_survives_a_restart() 
 
     // The create handler ran once, after every listed ConfigMap was indexed.
     let obj = s
-        .wait("x", T, "lookup_fn answered", |o| o.pointer("/status/lookup_fn").is_some())
+        .wait("x", T, "lookup_fn answered", |o| {
+            o.pointer("/status/lookup_fn").is_some()
+        })
         .await?;
     let mut web: Vec<String> = obj["status"]["lookup_fn"]["configmaps"]
         .as_array()
@@ -107,7 +115,10 @@ async fn an_index_gates_other_handlers_follows_changes_and_survives_a_restart() 
         .iter()
         .position(|l| l.starts_with("lookup ") || l.starts_with("peek "))
         .context("a reader ran")?;
-    let indexed_before = log[..first_reader].iter().filter(|l| l.starts_with("index ")).count();
+    let indexed_before = log[..first_reader]
+        .iter()
+        .filter(|l| l.starts_with("index "))
+        .count();
     assert_eq!(
         indexed_before, 25,
         "every labelled ConfigMap was indexed before any other handler ran: {log:?}"
@@ -119,7 +130,11 @@ async fn an_index_gates_other_handlers_follows_changes_and_survives_a_restart() 
     );
 
     let pairs = |e: &[(String, String)]| {
-        entries(&e.iter().map(|(k, n)| (k.as_str(), n.as_str())).collect::<Vec<_>>())
+        entries(
+            &e.iter()
+                .map(|(k, n)| (k.as_str(), n.as_str()))
+                .collect::<Vec<_>>(),
+        )
     };
     s.wait("x", T, "the timer sees the full index", |o| {
         peek(o) == Some(pairs(&expected))
@@ -192,8 +207,10 @@ async fn failing_index_handlers_are_retried_and_never_hold_the_gate() -> Result<
     let s = Scenario::attach(env, &kubeconfig, "index", &[], "default").await?;
 
     // The gate opens after the first attempt of every listed object, failed or not.
-    s.wait("x", T, "lookup_fn answered", |o| o.pointer("/status/lookup_fn").is_some())
-        .await?;
+    s.wait("x", T, "lookup_fn answered", |o| {
+        o.pointer("/status/lookup_fn").is_some()
+    })
+    .await?;
     // The temporary failures are retried (1 s apart) until the ConfigMap is indexed; the
     // permanent one stays out.
     s.wait("x", T, "the flaky ConfigMap got in", |o| {
@@ -203,7 +220,10 @@ async fn failing_index_handlers_are_retried_and_never_hold_the_gate() -> Result<
     let retries: Vec<Vec<String>> = s.notes("index-retry");
     assert_eq!(
         retries,
-        vec![vec!["flaky".to_owned(), "1".to_owned()], vec!["flaky".to_owned(), "2".to_owned()]],
+        vec![
+            vec!["flaky".to_owned(), "1".to_owned()],
+            vec!["flaky".to_owned(), "2".to_owned()]
+        ],
         "two temporary failures, then success"
     );
     let broken_calls = lines(&s).iter().filter(|l| *l == "index broken").count();

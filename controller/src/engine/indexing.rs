@@ -170,7 +170,10 @@ impl Indexer {
         let owners: HashMap<HandlerId, ConnectionId> = self.shared.hub.index_owners().into_iter().collect();
         let mut desired: HashMap<FeedKey, Vec<Registration>> = HashMap::new();
         for (key, handlers) in groups {
-            for reg in handlers.iter().filter(|h| h.kind == crate::model::HandlerKind::Index) {
+            for reg in handlers
+                .iter()
+                .filter(|h| h.kind == crate::model::HandlerKind::Index)
+            {
                 if let Some(conn) = owners.get(&reg.id) {
                     desired.entry((key.clone(), *conn)).or_default().push(reg.clone());
                 }
@@ -311,7 +314,12 @@ impl Tracked {
     }
 
     fn idle(&self) -> bool {
-        self.mask == 0 && !self.busy && self.extra.as_ref().is_none_or(|e| e.next.is_none() && e.failing.is_empty())
+        self.mask == 0
+            && !self.busy
+            && self
+                .extra
+                .as_ref()
+                .is_none_or(|e| e.next.is_none() && e.failing.is_empty())
     }
 }
 
@@ -403,7 +411,11 @@ impl FeedTask {
 
     /// An event for one object: runs its index handlers, or queues it behind the running ones.
     fn observe(&self, state: &mut State, event_type: EventType, body: Value) {
-        let Some(uid) = body.pointer("/metadata/uid").and_then(Value::as_str).map(str::to_owned) else {
+        let Some(uid) = body
+            .pointer("/metadata/uid")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+        else {
             warn!("an object without a uid was not indexed");
             return;
         };
@@ -424,7 +436,14 @@ impl FeedTask {
     }
 
     /// Starts the invocations one event needs for an idle object.
-    fn start(&self, entry: &mut Tracked, running: &mut JoinSet<Done>, uid: String, event_type: EventType, body: Value) {
+    fn start(
+        &self,
+        entry: &mut Tracked,
+        running: &mut JoinSet<Done>,
+        uid: String,
+        event_type: EventType,
+        body: Value,
+    ) {
         let deleted = event_type == EventType::Deleted;
         let now = SystemTime::now();
         let mut calls = Vec::new();
@@ -480,10 +499,7 @@ impl FeedTask {
                 let reg = self.handlers.get(call.handler)?;
                 let mut work = Work::new(
                     reg.id.0.clone(),
-                    format!(
-                        "{}/{}/index/{}",
-                        object.uid, reg.id, object.resource_version
-                    ),
+                    format!("{}/{}/index/{}", object.uid, reg.id, object.resource_version),
                     Payload::Index {
                         deleted: call.deleted,
                     },

@@ -1023,10 +1023,16 @@ mod tests {
             async move { hub.invoke(Work::new("create_fn", "c", Payload::Probe)).await }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(rx.try_recv().is_err(), "a change handler ran before the index was built");
+        assert!(
+            rx.try_recv().is_err(),
+            "a change handler ran before the index was built"
+        );
         let index = tokio::spawn({
             let hub = hub.clone();
-            async move { hub.invoke(Work::new("by_label", "i", Payload::Index { deleted: false })).await }
+            async move {
+                hub.invoke(Work::new("by_label", "i", Payload::Index { deleted: false }))
+                    .await
+            }
         });
         let probe = tokio::spawn({
             let hub = hub.clone();

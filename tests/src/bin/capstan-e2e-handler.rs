@@ -174,7 +174,11 @@ async fn by_app(ctx: Context) -> HandlerResult {
         }
         _ => {}
     }
-    let app = ctx.labels().get("e2e/app").and_then(Value::as_str).map(str::to_owned);
+    let app = ctx
+        .labels()
+        .get("e2e/app")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
     Ok(app.map(|app| json!({ app: ctx.name() })))
 }
 
