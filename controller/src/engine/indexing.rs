@@ -452,14 +452,16 @@ impl FeedTask {
                 && let Some(failing) = extra.failing.get_mut(&i)
             {
                 if deleted {
-                    // Gone: its failures go with it; the SDK holds nothing for it.
+                    // Gone: its failures go with it, and whatever the SDK may still hold.
                     extra.failing.remove(&i);
-                } else if failing.body.is_some() {
-                    // Waiting for its retry, which takes the newest body; a handler that
-                    // failed for good keeps the object out.
-                    failing.body = Some(body.clone());
+                } else {
+                    if failing.body.is_some() {
+                        // Waiting for its retry, which takes the newest body; a handler that
+                        // failed for good keeps the object out.
+                        failing.body = Some(body.clone());
+                    }
+                    continue;
                 }
-                continue;
             }
             let matches = !deleted
                 && matching::prematch(
@@ -471,6 +473,10 @@ impl FeedTask {
                     },
                 );
             if matches {
+                // From now on the SDK may hold entries for it (until a `deleted` is answered):
+                // failures drop them there, but an extra `deleted` costs little and a missing
+                // one would leave stale entries behind.
+                entry.set(i, true);
                 calls.push(Call {
                     handler: i,
                     deleted: false,
@@ -549,14 +555,12 @@ impl FeedTask {
             }
             match execution::judge(reg, &mut call.record, outcome, now) {
                 Verdict::Success { .. } => {
-                    entry.set(call.handler, true);
                     if let Some(extra) = entry.extra.as_mut() {
                         extra.failing.remove(&call.handler);
                     }
                 }
                 Verdict::Retry => {
                     debug!(handler.id = %reg.id, object.uid = %done.uid, error = call.record.message.as_deref().unwrap_or_default(), "index handler will be retried");
-                    entry.set(call.handler, false);
                     entry.extra.get_or_insert_with(Box::default).failing.insert(
                         call.handler,
                         Failing {
@@ -567,7 +571,6 @@ impl FeedTask {
                 }
                 Verdict::Failure => {
                     warn!(handler.id = %reg.id, object.uid = %done.uid, error = call.record.message.as_deref().unwrap_or_default(), "index handler failed for good; the object stays out of this index until it is deleted or the handler process reconnects");
-                    entry.set(call.handler, false);
                     entry.extra.get_or_insert_with(Box::default).failing.insert(
                         call.handler,
                         Failing {
@@ -581,11 +584,6 @@ impl FeedTask {
         }
         let next = entry.extra.as_mut().and_then(|e| e.next.take());
         if let Some((event_type, body)) = next {
-            if event_type == EventType::Deleted
-                && let Some(extra) = entry.extra.as_mut()
-            {
-                extra.failing.clear();
-            }
             self.start(entry, &mut state.running, done.uid.clone(), event_type, body);
         }
         state.settle(&done.uid);
@@ -686,5 +684,29 @@ async fn sleep_opt(d: Option<Duration>) {
     match d {
         Some(d) => tokio::time::sleep(d).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_indexed_object_stays_small() {
+        // Per indexed object: this entry, its uid (36 bytes on the heap) and the map's slot.
+        assert!(std::mem::size_of::<Tracked>() <= 24);
+        assert_eq!(std::mem::size_of::<Box<str>>(), 16);
+    }
+
+    #[test]
+    fn handlers_beyond_the_mask_are_always_assumed_to_hold_entries() {
+        let mut t = Tracked::default();
+        assert!(!t.holds(3));
+        t.set(3, true);
+        assert!(t.holds(3) && !t.idle());
+        t.set(3, false);
+        assert!(t.idle());
+        t.set(70, true);
+        assert!(t.holds(70) && t.idle(), "not tracked: a removal is always sent");
     }
 }
