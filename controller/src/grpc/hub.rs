@@ -373,7 +373,11 @@ impl Hub {
             let handles = c.handlers.values().any(|s| {
                 std::iter::once(&s.registration)
                     .chain(&s.also)
-                    .any(|r| r.resource.as_ref().is_none_or(|res| *res == object.resource))
+                    .any(|r| {
+                        r.resource.as_ref().is_none_or(|res| {
+                            res.group == object.resource.group && res.plural == object.resource.plural
+                        })
+                    })
             });
             if handles && c.tx.try_send(message.clone()).is_err() {
                 debug!(object.uid = %object.uid, "object-gone notice not sent: the connection is congested");
@@ -1056,6 +1060,48 @@ mod tests {
         assert_eq!(held.handler_id, "create_fn");
         hub.complete(conn, &success(&held.invocation_id)).unwrap();
         assert_eq!(change.await.unwrap(), Outcome::success(None));
+    }
+
+    #[tokio::test]
+    async fn object_gone_reaches_the_processes_that_asked_and_handle_the_resource() {
+        let hub = Hub::default();
+        let examples = crate::model::ResolvedResource {
+            group: "demo.capstan.dev".into(),
+            version: "v1".into(),
+            plural: "examples".into(),
+            kind: "Example".into(),
+            namespaced: true,
+            status_subresource: false,
+        };
+        let mut others = examples.clone();
+        others.plural = "others".into();
+        let with = |id: &str, resource: &crate::model::ResolvedResource| {
+            let mut r = Registration::new(id, HandlerKind::Create, None);
+            r.resource = Some(resource.clone());
+            r
+        };
+        let (wants, mut wants_rx) = attach(&hub, vec![with("a", &examples)], 8);
+        hub.send_object_gone(wants);
+        let (_silent, mut silent_rx) = attach(&hub, vec![with("b", &examples)], 8);
+        let (elsewhere, mut elsewhere_rx) = attach(&hub, vec![with("c", &others)], 8);
+        hub.send_object_gone(elsewhere);
+        let object = ResourceRef {
+            resource: examples,
+            namespace: "default".into(),
+            name: "one".into(),
+            uid: "uid-one".into(),
+            resource_version: "1".into(),
+            generation: 1,
+        };
+        hub.object_gone(&object);
+        match wants_rx.try_recv().map(|m| m.message) {
+            Ok(Some(pb::connect_response::Message::ObjectGone(gone))) => {
+                assert_eq!(gone.object.unwrap().uid, "uid-one");
+            }
+            other => panic!("expected object_gone, got {other:?}"),
+        }
+        assert!(silent_rx.try_recv().is_err(), "sent without the capability");
+        assert!(elsewhere_rx.try_recv().is_err(), "sent for another resource");
     }
 
     #[tokio::test]
