@@ -124,6 +124,8 @@ pub struct Engine {
     /// The workers of stopped queues that may still run: a new watch of the same resource
     /// waits for them before it processes anything.
     retired: parking_lot::Mutex<Vec<(ResolvedResource, TaskTracker)>>,
+    /// What the index feeds of the engine this one replaces left behind.
+    carried: indexing::Carried,
 }
 
 /// How long a new watch of a resource waits for the workers of its stopped predecessor (their
@@ -154,7 +156,16 @@ impl Engine {
             health,
             activities: None,
             discovery: None,
+            carried: indexing::Carried::default(),
         }
+    }
+
+    /// Takes over what the index feeds of a replaced engine left behind (and leaves its own
+    /// there), so that objects that vanished in between leave the handler processes' indexes.
+    #[must_use]
+    pub fn with_index_memory(mut self, carried: indexing::Carried) -> Self {
+        self.carried = carried;
+        self
     }
 
     /// Gates watching on the operator's login and startup handlers.
@@ -246,6 +257,7 @@ impl Engine {
             self.objects.clone(),
             self.settings.watch.clone(),
             self.settings.namespaces.clone(),
+            self.carried.clone(),
         );
         loop {
             let connected = registrations.borrow_and_update().clone();

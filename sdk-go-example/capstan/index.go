@@ -35,7 +35,13 @@ type Index struct {
 	name     string
 	mu       sync.RWMutex
 	byKey    map[IndexKey]map[objectKey]any
-	byObject map[objectKey][]IndexKey
+	byObject map[string]held // by uid: the uid alone finds an object
+}
+
+// held is what one object holds in an index.
+type held struct {
+	key  objectKey
+	keys []IndexKey
 }
 
 // Name returns the index's name: its handler's id.
@@ -102,17 +108,21 @@ func (x *Index) Objects() int {
 	return len(x.byObject)
 }
 
-// remove drops the entries of o.
+// remove drops the entries of o (found by its uid).
 func (x *Index) remove(o objectKey) {
-	for _, k := range x.byObject[o] {
+	h, ok := x.byObject[o.uid]
+	if !ok {
+		return
+	}
+	for _, k := range h.keys {
 		if store := x.byKey[k]; store != nil {
-			delete(store, o)
+			delete(store, h.key)
 			if len(store) == 0 {
 				delete(x.byKey, k)
 			}
 		}
 	}
-	delete(x.byObject, o)
+	delete(x.byObject, o.uid)
 }
 
 // fold applies one result of o's index handler with kopf's rules: a map gives keys and
@@ -142,12 +152,16 @@ func (x *Index) fold(o objectKey, value any) {
 	} else {
 		entries[NoneKey] = value
 	}
+	h := held{key: o}
 	for k, v := range entries {
 		if x.byKey[k] == nil {
 			x.byKey[k] = map[objectKey]any{}
 		}
 		x.byKey[k][o] = v
-		x.byObject[o] = append(x.byObject[o], k)
+		h.keys = append(h.keys, k)
+	}
+	if len(h.keys) > 0 {
+		x.byObject[o.uid] = h
 	}
 }
 
@@ -163,7 +177,7 @@ func (x *Index) clear() {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	x.byKey = map[IndexKey]map[objectKey]any{}
-	x.byObject = map[objectKey][]IndexKey{}
+	x.byObject = map[string]held{}
 }
 
 // indexes are the indexes of a process, by index handler id.

@@ -40,7 +40,8 @@ use serde_json::Value;
 /// `None` key, which holds every other result.
 pub type IndexKey = Option<String>;
 
-/// Identifies one object in an index, as kopf does: namespace, name and uid.
+/// Identifies one object in an index, as kopf does: namespace, name and uid (stores are
+/// ordered by it; the uid alone finds an object).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) struct ObjectKey {
     pub(crate) namespace: String,
@@ -76,19 +77,19 @@ impl Change {
 struct Data {
     /// Values by key, then by object (ordered, so stores read deterministically).
     by_key: HashMap<IndexKey, BTreeMap<Arc<ObjectKey>, Value>>,
-    /// The keys each object holds, for O(keys of the object) updates. The object keys are
-    /// shared with `by_key`.
-    by_object: HashMap<Arc<ObjectKey>, Vec<IndexKey>>,
+    /// Each object's full key and the index keys it holds, by uid (which alone identifies an
+    /// object: a removal needs nothing else), for O(keys of the object) updates.
+    by_object: HashMap<String, (Arc<ObjectKey>, Vec<IndexKey>)>,
 }
 
 impl Data {
     fn remove(&mut self, object: &ObjectKey) {
-        let Some(keys) = self.by_object.remove(object) else {
+        let Some((full, keys)) = self.by_object.remove(&object.uid) else {
             return;
         };
         for key in keys {
             if let Some(store) = self.by_key.get_mut(&key) {
-                store.remove(object);
+                store.remove(&full);
                 if store.is_empty() {
                     self.by_key.remove(&key);
                 }
@@ -112,7 +113,7 @@ impl Data {
                     keys.push(key);
                 }
                 if !keys.is_empty() {
-                    self.by_object.insert(shared, keys);
+                    self.by_object.insert(object.uid.clone(), (shared, keys));
                 }
             }
         }
@@ -356,8 +357,13 @@ mod tests {
         assert_eq!(index.get("web").unwrap().values(), [json!("b")]);
         assert!(index.get("db").is_none());
         assert!(index.contains_key("api"));
-        indexes.apply("by_app", &obj("b"), Change::Remove);
-        assert!(index.get("web").is_none());
+        let by_uid = ObjectKey {
+            namespace: String::new(),
+            name: String::new(),
+            uid: "uid-b".into(),
+        };
+        indexes.apply("by_app", &by_uid, Change::Remove);
+        assert!(index.get("web").is_none(), "the uid alone removes an object");
         assert_eq!(index.objects(), 2);
         indexes.clear();
         assert!(index.is_empty(), "the handle stays live across a clear");

@@ -39,6 +39,13 @@
 //! controller restarts — kopf keeps such objects out "forever" too. Failure state lives only in
 //! memory, for the failing objects.
 //!
+//! # Pauses and replaced engines
+//!
+//! An engine is replaced when dispatch resumes after a pause (freezing, a change of
+//! leadership); the handler process keeps its indexes meanwhile. The feeds of the old engine
+//! leave behind which objects may hold entries ([`Carried`]); the new feeds list again and,
+//! once listed, remove the objects that vanished in between.
+//!
 //! # Memory
 //!
 //! Per indexed object the controller keeps its uid and a bit mask of the index handlers that
@@ -124,6 +131,28 @@ impl Shared {
     }
 }
 
+/// What the feeds of a stopped engine leave to their successors: per feed, the uids of the
+/// objects that may hold entries in the handler process, with the mask of their handlers.
+/// Kept across engines by whoever replaces them; dropped for connections that are gone.
+#[derive(Clone, Default)]
+pub struct Carried(Arc<Mutex<HashMap<FeedKey, HashMap<Box<str>, u64>>>>);
+
+impl Carried {
+    fn take(&self, key: &FeedKey) -> HashMap<Box<str>, u64> {
+        self.0.lock().remove(key).unwrap_or_default()
+    }
+
+    fn put(&self, key: FeedKey, objects: HashMap<Box<str>, u64>) {
+        if !objects.is_empty() {
+            self.0.lock().insert(key, objects);
+        }
+    }
+
+    fn retain_connections(&self, open: &std::collections::HashSet<ConnectionId>) {
+        self.0.lock().retain(|(_, conn), _| open.contains(conn));
+    }
+}
+
 /// A running feed, owned by the indexer.
 struct Feed {
     handlers: Vec<Registration>,
@@ -138,12 +167,20 @@ pub struct Indexer {
     namespaces: Namespaces,
     feeds: HashMap<FeedKey, Feed>,
     next_id: u64,
+    carried: Carried,
 }
 
 impl Indexer {
-    /// An indexer with no feeds.
-    pub fn new(hub: Hub, objects: Objects, watch: k8s_watch::Settings, namespaces: Namespaces) -> Self {
+    /// An indexer with no feeds, taking over what the feeds of earlier engines left.
+    pub fn new(
+        hub: Hub,
+        objects: Objects,
+        watch: k8s_watch::Settings,
+        namespaces: Namespaces,
+        carried: Carried,
+    ) -> Self {
         Self {
+            carried,
             shared: Arc::new(Shared {
                 hub,
                 feeds: Mutex::new(HashMap::new()),
@@ -168,6 +205,9 @@ impl Indexer {
         tasks: &mut JoinSet<()>,
     ) {
         let owners: HashMap<HandlerId, ConnectionId> = self.shared.hub.index_owners().into_iter().collect();
+        // A process that is gone took its indexes along: nothing to clean up for it.
+        self.carried
+            .retain_connections(&owners.values().copied().collect());
         let mut desired: HashMap<FeedKey, Vec<Registration>> = HashMap::new();
         for (key, handlers) in groups {
             for reg in handlers
@@ -221,6 +261,7 @@ impl Indexer {
                     watch: self.watch.clone(),
                     namespaces: self.namespaces.clone(),
                     cancel: feed_cancel.clone(),
+                    carried: self.carried.clone(),
                 };
                 info!(%resource, connection = key.1, indexes = handlers.len(), "building indexes");
                 tasks.spawn(
@@ -270,6 +311,7 @@ struct FeedTask {
     watch: k8s_watch::Settings,
     namespaces: Namespaces,
     cancel: CancellationToken,
+    carried: Carried,
 }
 
 /// What a feed remembers about one object.
@@ -330,6 +372,8 @@ struct State {
     running: JoinSet<Done>,
     /// Objects with a retry pending (a subset of `tracked`).
     waiting: std::collections::HashSet<Box<str>>,
+    /// Objects an earlier feed left as possibly holding entries and not listed (yet).
+    previous: HashMap<Box<str>, u64>,
 }
 
 /// One invocation to make for an object.
@@ -370,7 +414,10 @@ impl FeedTask {
             watches.spawn(w.run(tx.clone(), self.cancel.clone()));
         }
         drop(tx);
-        let mut state = State::default();
+        let mut state = State {
+            previous: self.carried.take(&self.key),
+            ..State::default()
+        };
         let mut built = false;
         let mut next_retry: Option<SystemTime> = None;
         loop {
@@ -399,6 +446,7 @@ impl FeedTask {
                 () = tokio::time::sleep(BUILT_POLL), if !built => {
                     if statuses.iter().all(k8s_watch::Status::is_synced) && rx.is_empty() && state.running.is_empty() {
                         built = true;
+                        self.sweep(&mut state);
                         info!(objects = state.tracked.len(), "indexes built from the initial listing");
                         self.shared.built(&self.key, self.id);
                     }
@@ -407,6 +455,35 @@ impl FeedTask {
         }
         state.running.abort_all();
         watches.abort_all();
+        let mut left: HashMap<Box<str>, u64> = std::mem::take(&mut state.previous);
+        left.extend(
+            state
+                .tracked
+                .into_iter()
+                .filter(|(_, t)| t.mask != 0)
+                .map(|(uid, t)| (uid, t.mask)),
+        );
+        self.carried.put(self.key.clone(), left);
+    }
+
+    /// After the listing: the objects an earlier feed left that were not listed are gone;
+    /// their entries are removed.
+    fn sweep(&self, state: &mut State) {
+        let vanished: Vec<(Box<str>, u64)> = state.previous.drain().collect();
+        if !vanished.is_empty() {
+            info!(objects = vanished.len(), "objects that vanished while the indexes were not fed are removed");
+        }
+        for (uid, mask) in vanished {
+            let body = serde_json::json!({"metadata": {"uid": &*uid}});
+            let entry = state.tracked.entry(uid.clone()).or_default();
+            entry.mask |= mask;
+            if entry.busy {
+                entry.extra.get_or_insert_with(Box::default).next = Some((EventType::Deleted, body));
+                continue;
+            }
+            self.start(entry, &mut state.running, uid.to_string(), EventType::Deleted, body);
+            state.settle(&uid);
+        }
     }
 
     /// An event for one object: runs its index handlers, or queues it behind the running ones.
@@ -425,7 +502,11 @@ impl FeedTask {
                 .hub
                 .object_gone(&processing::object_ref(&self.resource, &body));
         }
+        let carried = state.previous.remove(uid.as_str());
         let entry = state.tracked.entry(uid.clone().into_boxed_str()).or_default();
+        if let Some(mask) = carried {
+            entry.mask |= mask;
+        }
         if entry.busy {
             // Only the latest state matters for an index: a newer event supersedes a queued one.
             entry.extra.get_or_insert_with(Box::default).next = Some((event_type, body));
