@@ -257,7 +257,11 @@ async fn capstan_cli(env: &TestEnv, args: &[&str]) -> Result<String> {
         .output()
         .await?;
     if !out.status.success() {
-        bail!("capstan {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "capstan {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -266,10 +270,14 @@ async fn capstan_cli(env: &TestEnv, args: &[&str]) -> Result<String> {
 async fn objects_deleted_while_frozen_leave_the_index_on_resume() -> Result<()> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
-    let yaml = std::fs::read_to_string(capstan_tests::testenv::repo_root().join("controller/crds/peering.yaml"))?;
+    let yaml =
+        std::fs::read_to_string(capstan_tests::testenv::repo_root().join("controller/crds/peering.yaml"))?;
     env.apply_crds(
         &yaml,
-        &["capstanpeerings.capstan.dev", "clustercapstanpeerings.capstan.dev"],
+        &[
+            "capstanpeerings.capstan.dev",
+            "clustercapstanpeerings.capstan.dev",
+        ],
     )
     .await?;
     let client = env.client().await?;
@@ -296,9 +304,12 @@ async fn objects_deleted_while_frozen_leave_the_index_on_resume() -> Result<()> 
     // Give the frozen controller time to see both events (they wait for dispatch).
     tokio::time::sleep(Duration::from_secs(2)).await;
     capstan_cli(&s.env, &["resume"]).await?;
-    s.wait("x", T, "the index lost the deleted ConfigMap and gained the new one", |o| {
-        peek(o) == Some(entries(&[("web", "web-b"), ("web", "web-c")]))
-    })
+    s.wait(
+        "x",
+        T,
+        "the index lost the deleted ConfigMap and gained the new one",
+        |o| peek(o) == Some(entries(&[("web", "web-b"), ("web", "web-c")])),
+    )
     .await?;
     Ok(())
 }

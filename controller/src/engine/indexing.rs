@@ -135,14 +135,17 @@ impl Shared {
 /// objects that may hold entries in the handler process, with the mask of their handlers.
 /// Kept across engines by whoever replaces them; dropped for connections that are gone.
 #[derive(Clone, Default)]
-pub struct Carried(Arc<Mutex<HashMap<FeedKey, HashMap<Box<str>, u64>>>>);
+pub struct Carried(Arc<Mutex<HashMap<FeedKey, Masks>>>);
+
+/// The handler masks of objects, by uid.
+type Masks = HashMap<Box<str>, u64>;
 
 impl Carried {
-    fn take(&self, key: &FeedKey) -> HashMap<Box<str>, u64> {
+    fn take(&self, key: &FeedKey) -> Masks {
         self.0.lock().remove(key).unwrap_or_default()
     }
 
-    fn put(&self, key: FeedKey, objects: HashMap<Box<str>, u64>) {
+    fn put(&self, key: FeedKey, objects: Masks) {
         if !objects.is_empty() {
             self.0.lock().insert(key, objects);
         }
@@ -373,7 +376,7 @@ struct State {
     /// Objects with a retry pending (a subset of `tracked`).
     waiting: std::collections::HashSet<Box<str>>,
     /// Objects an earlier feed left as possibly holding entries and not listed (yet).
-    previous: HashMap<Box<str>, u64>,
+    previous: Masks,
 }
 
 /// One invocation to make for an object.
@@ -455,7 +458,7 @@ impl FeedTask {
         }
         state.running.abort_all();
         watches.abort_all();
-        let mut left: HashMap<Box<str>, u64> = std::mem::take(&mut state.previous);
+        let mut left: Masks = std::mem::take(&mut state.previous);
         left.extend(
             state
                 .tracked
@@ -471,7 +474,10 @@ impl FeedTask {
     fn sweep(&self, state: &mut State) {
         let vanished: Vec<(Box<str>, u64)> = state.previous.drain().collect();
         if !vanished.is_empty() {
-            info!(objects = vanished.len(), "objects that vanished while the indexes were not fed are removed");
+            info!(
+                objects = vanished.len(),
+                "objects that vanished while the indexes were not fed are removed"
+            );
         }
         for (uid, mask) in vanished {
             let body = serde_json::json!({"metadata": {"uid": &*uid}});
@@ -481,7 +487,13 @@ impl FeedTask {
                 entry.extra.get_or_insert_with(Box::default).next = Some((EventType::Deleted, body));
                 continue;
             }
-            self.start(entry, &mut state.running, uid.to_string(), EventType::Deleted, body);
+            self.start(
+                entry,
+                &mut state.running,
+                uid.to_string(),
+                EventType::Deleted,
+                body,
+            );
             state.settle(&uid);
         }
     }

@@ -371,13 +371,11 @@ impl Hub {
         let state = self.inner.state.lock();
         for c in state.connections.values().filter(|c| c.open && c.object_gone) {
             let handles = c.handlers.values().any(|s| {
-                std::iter::once(&s.registration)
-                    .chain(&s.also)
-                    .any(|r| {
-                        r.resource.as_ref().is_none_or(|res| {
-                            res.group == object.resource.group && res.plural == object.resource.plural
-                        })
+                std::iter::once(&s.registration).chain(&s.also).any(|r| {
+                    r.resource.as_ref().is_none_or(|res| {
+                        res.group == object.resource.group && res.plural == object.resource.plural
                     })
+                })
             });
             if handles && c.tx.try_send(message.clone()).is_err() {
                 debug!(object.uid = %object.uid, "object-gone notice not sent: the connection is congested");
