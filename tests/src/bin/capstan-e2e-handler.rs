@@ -156,6 +156,16 @@ fn note(line: &str) {
     }
 }
 
+/// Kept in an object's memo by the `memo` preset: notes `memo-dropped <name>` when the memo
+/// lets go of it (the object is gone).
+struct MemoGuard(String);
+
+impl Drop for MemoGuard {
+    fn drop(&mut self) {
+        note(&format!("memo-dropped {}", self.0));
+    }
+}
+
 /// The `index` preset's index handler: `{<e2e/app label>: <name>}`.
 async fn by_app(ctx: Context) -> HandlerResult {
     note(&format!("index {}", ctx.name()));
@@ -539,6 +549,28 @@ async fn main() -> anyhow::Result<()> {
             // A resource that does not exist when the handler process connects.
             "late" => {
                 registry.on_create("widgets.late.capstan.dev", "late_create", plain);
+            }
+            // Counts calls per object in its memo (`memo <name> <calls>`) and keeps a guard
+            // there that notes when the memo is dropped.
+            "memo" => {
+                registry.on_create(RESOURCE, "memo_fn", |ctx: Context| async move {
+                    let name = ctx.name().to_owned();
+                    ctx.memo().get_or_insert_with("guard", || MemoGuard(name.clone()));
+                    let calls = ctx
+                        .memo()
+                        .get_or_insert_with("calls", || std::sync::atomic::AtomicU32::new(0));
+                    let n = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                    note(&format!("memo {name} {n}"));
+                    Ok::<_, HandlerError>(None)
+                });
+                registry.on_update(RESOURCE, "memo_update", |ctx: Context| async move {
+                    let calls = ctx
+                        .memo()
+                        .get_or_insert_with("calls", || std::sync::atomic::AtomicU32::new(0));
+                    let n = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                    note(&format!("memo {} {n}", ctx.name()));
+                    Ok::<_, HandlerError>(None)
+                });
             }
             "index" => {
                 registry
