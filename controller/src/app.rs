@@ -225,6 +225,7 @@ impl Core {
                 .as_ref()
                 .map(|(rx, _)| (self.discovery.clone(), rx.clone())),
             current: tokio::sync::Mutex::new(None),
+            index_memory: engine::indexing::Carried::default(),
         })
     }
 }
@@ -497,6 +498,8 @@ struct Engines {
         tokio::sync::watch::Receiver<k8s::crds::Snapshot>,
     )>,
     current: tokio::sync::Mutex<Option<(CancellationToken, JoinHandle<()>)>>,
+    /// Index feeds' state handed from each engine to the next.
+    index_memory: engine::indexing::Carried,
 }
 
 impl Engines {
@@ -530,7 +533,8 @@ impl Engines {
                 self.settings.clone(),
                 self.health.clone(),
             )
-            .with_activities(self.activities.clone());
+            .with_activities(self.activities.clone())
+            .with_index_memory(self.index_memory.clone());
             if let Some((discovery, crds)) = &self.discovery {
                 engine = engine.with_discovery(discovery.clone(), crds.clone());
             }

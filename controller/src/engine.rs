@@ -19,6 +19,7 @@ pub mod daemons;
 pub mod diff;
 pub mod essence;
 pub mod execution;
+pub mod indexing;
 pub mod matching;
 pub mod namespaces;
 pub mod nodes;
@@ -48,13 +49,14 @@ use queue::Queue;
 use registry::{Registry, ResourceKey};
 
 /// The handler kinds the engine runs.
-pub const SUPPORTED_KINDS: [HandlerKind; 12] = [
+pub const SUPPORTED_KINDS: [HandlerKind; 13] = [
     HandlerKind::Create,
     HandlerKind::Update,
     HandlerKind::Delete,
     HandlerKind::Resume,
     HandlerKind::Field,
     HandlerKind::Event,
+    HandlerKind::Index,
     HandlerKind::Daemon,
     HandlerKind::Timer,
     HandlerKind::Startup,
@@ -122,6 +124,8 @@ pub struct Engine {
     /// The workers of stopped queues that may still run: a new watch of the same resource
     /// waits for them before it processes anything.
     retired: parking_lot::Mutex<Vec<(ResolvedResource, TaskTracker)>>,
+    /// What the index feeds of the engine this one replaces left behind.
+    carried: indexing::Carried,
 }
 
 /// How long a new watch of a resource waits for the workers of its stopped predecessor (their
@@ -152,7 +156,16 @@ impl Engine {
             health,
             activities: None,
             discovery: None,
+            carried: indexing::Carried::default(),
         }
+    }
+
+    /// Takes over what the index feeds of a replaced engine left behind (and leaves its own
+    /// there), so that objects that vanished in between leave the handler processes' indexes.
+    #[must_use]
+    pub fn with_index_memory(mut self, carried: indexing::Carried) -> Self {
+        self.carried = carried;
+        self
     }
 
     /// Gates watching on the operator's login and startup handlers.
@@ -247,6 +260,13 @@ impl Engine {
         let mut follow_ups = 0u32;
         let mut last_pending = Vec::new();
         let mut last_gate: Option<String> = None;
+        let mut indexer = indexing::Indexer::new(
+            self.hub.clone(),
+            self.objects.clone(),
+            self.settings.watch.clone(),
+            self.settings.namespaces.clone(),
+            self.carried.clone(),
+        );
         loop {
             let connected = registrations.borrow_and_update().clone();
             registry.update(&connected);
@@ -269,6 +289,19 @@ impl Engine {
             }
             last_gate = gate.as_ref().err().cloned();
             let groups = registry.by_resource();
+            // Index handlers are fed by the indexer; the queues run everything else.
+            indexer.sync(&groups, gate.is_ok(), &cancel, &mut tasks);
+            let groups: BTreeMap<ResourceKey, Arc<Vec<Registration>>> = groups
+                .into_iter()
+                .filter_map(|(key, handlers)| {
+                    let rest: Vec<Registration> = handlers
+                        .iter()
+                        .filter(|h| h.kind != HandlerKind::Index)
+                        .cloned()
+                        .collect();
+                    (!rest.is_empty()).then(|| (key, Arc::new(rest)))
+                })
+                .collect();
             let stale: Vec<ResourceKey> = watched
                 .keys()
                 .filter(|k| !groups.contains_key(*k))
@@ -337,6 +370,7 @@ impl Engine {
                 () = cancel.cancelled() => break,
             }
         }
+        indexer.stop();
         for (_, w) in std::mem::take(&mut watched) {
             self.stop(w);
         }

@@ -583,7 +583,7 @@ func TestShutdownLetsInvocationsFinishThenCancelsThem(t *testing.T) {
 
 func TestNoAcceptedHandlerIsFatalAndRejectionsAreSurvived(t *testing.T) {
 	ctl := capstantest.NewController(t)
-	ctl.Reject("tick", "UNSUPPORTED_HANDLER_KIND")
+	ctl.Reject("tick", "BAD_FILTER")
 	reg := capstan.NewRegistry()
 	reg.OnCreate(res, "fn", func(context.Context, *capstan.Invocation) (any, error) { return "ok", nil })
 	reg.Timer(res, "tick", time.Second, noop)

@@ -30,12 +30,28 @@ func dispatch(ctx context.Context, h *handler, inv *Invocation, states []*pb.Sub
 	if h.spec.when != nil && !h.spec.when(inv) {
 		return &pb.InvocationResult{Outcome: &pb.InvocationResult_Skipped{Skipped: &pb.Skipped{}}}
 	}
+	if h.spec.kind == KindIndex && inv.IndexDeleted {
+		// The object left the index: its entries go, and the handler is not called (kopf).
+		if x := inv.indexes.get(h.spec.id, false); x != nil {
+			x.drop(inv.objectKey())
+		}
+		return &pb.InvocationResult{Outcome: &pb.InvocationResult_Success{Success: &pb.Success{}}}
+	}
 	value, err := call(ctx, h.fn, inv)
+	if h.spec.kind == KindIndex {
+		foldIndex(ctx, h, inv, value, err)
+	}
 	res := &pb.InvocationResult{}
 	if err == nil {
 		var success *pb.Success
 		success, err = encodeSuccess(value, h.spec.kind)
-		if err == nil {
+		if err != nil {
+			err = fmt.Errorf("handler %q returned a value that is not JSON-serialisable: %w", h.spec.id, err)
+			if h.spec.kind == KindIndex {
+				// It would fail the same way every time: the object stays out of the index.
+				err = Permanentf("%v", err)
+			}
+		} else {
 			res.Outcome = &pb.InvocationResult_Success{Success: success}
 			if res.Patches, err = inv.patch.messages(); err == nil {
 				var byID map[string]*pb.SubhandlerState
@@ -64,6 +80,31 @@ func dispatch(ctx context.Context, h *handler, inv *Invocation, states []*pb.Sub
 		res.Outcome = &pb.InvocationResult_Cancelled{Cancelled: &pb.Cancelled{}}
 	}
 	return res
+}
+
+// foldIndex applies an index handler's outcome to its index, with kopf's rules: a result is
+// folded in; a failure drops the object's entries, except an unclassified error under the
+// IGNORED errors mode (the default of index handlers), which keeps them.
+func foldIndex(ctx context.Context, h *handler, inv *Invocation, value any, err error) {
+	x := inv.indexes.get(h.spec.id, false)
+	if x == nil {
+		return
+	}
+	if err == nil {
+		if _, encodeErr := encodeSuccess(value, KindIndex); encodeErr == nil {
+			x.fold(inv.objectKey(), value)
+			return
+		}
+	} else if _, unclassified := classify(ctx, err).(*pb.UnclassifiedError); unclassified &&
+		(h.spec.errors == "" || h.spec.errors == ErrorsIgnored) {
+		return
+	}
+	x.drop(inv.objectKey())
+}
+
+// objectKey identifies the invocation's object in an index.
+func (inv *Invocation) objectKey() objectKey {
+	return objectKey{namespace: inv.Resource.Namespace, name: inv.Resource.Name, uid: inv.Resource.UID}
 }
 
 // runSubhandlers runs the sub-handlers that parent declared and that are not finished,

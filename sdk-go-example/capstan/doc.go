@@ -26,8 +26,8 @@
 //
 // The package's API has its own types only; the generated protocol code is an implementation
 // detail. Package capstantest runs handlers against an in-process fake controller, for unit
-// tests without a cluster. Index and admission handlers are not offered until the controller
-// runs them.
+// tests without a cluster. Admission handlers are not offered until the controller runs them;
+// Run stops with an [UnsupportedError] for any handler kind the connected controller rejects.
 //
 // The protocol is documented in proto/README.md and proto/capstan/v1/*.proto.
 package capstan

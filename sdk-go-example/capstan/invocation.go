@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -51,17 +52,21 @@ type Invocation struct {
 	Restarts int
 	// Scheduled is when a timer's tick was scheduled.
 	Scheduled time.Time
+	// IndexDeleted is set for an index invocation whose object leaves the index; the handler
+	// is not called for it (its entries are dropped).
+	IndexDeleted bool
 	// Param is the registration's [Param], echoed; nil when unset.
 	Param any
 	// LastError is the previous attempt's failure, if any.
 	LastError *Diagnostic
 
-	body   atomic.Pointer[map[string]any]
-	patch  Patch
-	logger *slog.Logger
-	send   func(message)
-	memos  *memos
-	memo   *Memo
+	body    atomic.Pointer[map[string]any]
+	patch   Patch
+	logger  *slog.Logger
+	send    func(message)
+	memos   *memos
+	memo    *Memo
+	indexes *indexes
 
 	mu           sync.Mutex
 	cancelReason CancelReason
@@ -151,10 +156,11 @@ func (inv *Invocation) SendPatch(p *Patch) error {
 
 // Memo returns the object's memo: values kept in this process across the invocations of all
 // handlers for the same object (kopf's memo), e.g. a client or a cache a daemon shares with the
-// change handlers. It is dropped when the object goes away: after a DELETED event, a daemon or
-// timer cancelled because the object was deleted, or a minute after a delete handler
-// succeeded. It is not persisted: a restarted process starts with empty memos. Activities
-// share one process-wide memo.
+// change handlers. It starts as a shallow copy of [Registry.OperatorMemo]. It is dropped when
+// the object goes away: when the controller says so (ObjectGone), after a DELETED event, a
+// daemon or timer cancelled because the object was deleted, or a minute after a delete handler
+// succeeded. It is not persisted: a restarted process starts with empty memos. Activities get
+// the operator-wide memo.
 func (inv *Invocation) Memo() *Memo {
 	inv.mu.Lock()
 	defer inv.mu.Unlock()
@@ -165,6 +171,21 @@ func (inv *Invocation) Memo() *Memo {
 		inv.memo = inv.memos.get(inv.UID())
 	}
 	return inv.memo
+}
+
+// Index returns the index built by the index handler name of this process (kopf's index
+// kwarg). Other handlers run only once every index has been built from its initial listing.
+// An unknown name is a [PermanentError] naming the indexes there are.
+func (inv *Invocation) Index(name string) (*Index, error) {
+	if inv.indexes != nil {
+		if x := inv.indexes.get(name, false); x != nil {
+			return x, nil
+		}
+		if names := inv.indexes.names(); len(names) > 0 {
+			return nil, Permanentf("there is no index %q; the indexes are %s", name, strings.Join(names, ", "))
+		}
+	}
+	return nil, Permanentf("there is no index %q: this process registers no index handlers", name)
 }
 
 // CancelReason returns why the controller cancelled the invocation; empty while it is not

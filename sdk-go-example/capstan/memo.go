@@ -30,12 +30,17 @@ func (m *Memo) Delete(key string) { m.m.Delete(key) }
 // other delete handlers of the same deletion still see it.
 const memoGrace = time.Minute
 
-// memos are the memos of a process, by object uid; "" is the activities' memo.
+// memos are the memos of a process, by object uid; "" is the operator-wide memo, which the
+// activities get and every object's memo starts from (a shallow copy, as kopf makes).
 type memos struct {
-	mu     sync.Mutex
-	byUID  map[string]*Memo
-	doomed map[string]time.Time // uid → when its memo is dropped
+	mu       sync.Mutex
+	byUID    map[string]*Memo
+	doomed   map[string]time.Time // uid → when its memo is dropped
+	operator Memo
 }
+
+// operatorMemo returns the operator-wide memo.
+func (ms *memos) operatorMemo() *Memo { return &ms.operator }
 
 // get returns the memo of uid, creating it on first use, and drops expired ones.
 func (ms *memos) get(uid string) *Memo {
@@ -51,9 +56,16 @@ func (ms *memos) get(uid string) *Memo {
 	if ms.byUID == nil {
 		ms.byUID = map[string]*Memo{}
 	}
+	if uid == "" {
+		return &ms.operator
+	}
 	m := ms.byUID[uid]
 	if m == nil {
 		m = &Memo{}
+		ms.operator.m.Range(func(k, v any) bool {
+			m.m.Store(k, v)
+			return true
+		})
 		ms.byUID[uid] = m
 	}
 	return m

@@ -48,11 +48,28 @@ type Registry struct {
 	handlers []*handler
 	byID     map[string]*handler
 	memos    memos
+	indexes  indexes
 }
 
 // NewRegistry returns an empty registry.
 func NewRegistry() *Registry {
 	return &Registry{byID: map[string]*handler{}}
+}
+
+// Index registers an index handler (kopf index): it is called for every object of the
+// resource, and its results form the index that every handler of the process reads with
+// [Invocation.Index]. A map result gives keys and values, any other non-nil result goes under
+// [NoneKey], nil changes nothing; a failure drops the object's entries, except an unclassified
+// error under the default [ErrorsIgnored], which keeps them (kopf).
+func (r *Registry) Index(resource, id string, fn HandlerFunc, opts ...Option) {
+	r.indexes.get(id, true)
+	r.add(KindIndex, resource, id, fn, opts)
+}
+
+// OperatorMemo returns the operator-wide memo (kopf's kopf.run(memo=…)): fill it before Run.
+// Activities get it as their memo, and every object's memo starts as a shallow copy of it.
+func (r *Registry) OperatorMemo() *Memo {
+	return r.memos.operatorMemo()
 }
 
 // OnCreate registers a handler called once when an object is first seen (kopf on.create).

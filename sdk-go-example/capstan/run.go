@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"sort"
 	"strings"
 	"time"
 
@@ -35,6 +36,7 @@ var capabilities = []pb.Capability{
 	pb.Capability_CAPABILITY_SDK_FILTERS,
 	pb.Capability_CAPABILITY_SUBHANDLERS,
 	pb.Capability_CAPABILITY_OBJECT_UPDATES,
+	pb.Capability_CAPABILITY_OBJECT_GONE,
 }
 
 // handshakeTimeout bounds the wait for Welcome after Hello.
@@ -77,6 +79,10 @@ func (r *Registry) Run(ctx context.Context, endpoint string) error {
 		}
 		if status.Code(err) == codes.FailedPrecondition {
 			return fmt.Errorf("capstan: the controller accepted no handler: %w", err)
+		}
+		var unsupported *UnsupportedError
+		if errors.As(err, &unsupported) {
+			return err
 		}
 		if welcomed {
 			failures = 0
@@ -124,7 +130,51 @@ func (r *Registry) connect(ctx context.Context, conn *grpc.ClientConn, hello *pb
 		return true, nil // ctx was cancelled during the handshake
 	}
 	r.logWelcome(welcome)
+	if err := unsupportedKinds(welcome); err != nil {
+		_ = s.CloseSend()
+		return true, err
+	}
 	return true, newSession(r, s).serve(ctx)
+}
+
+// UnsupportedError says which handlers the connected controller does not run (their kind was
+// rejected with UNSUPPORTED_HANDLER_KIND): [Registry.Run] stops with it rather than run an
+// operator that silently misses them.
+type UnsupportedError struct {
+	// Handlers maps each handler id to the controller's explanation.
+	Handlers map[string]string
+}
+
+func (e *UnsupportedError) Error() string {
+	ids := make([]string, 0, len(e.Handlers))
+	for id := range e.Handlers {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	parts := make([]string, len(ids))
+	for i, id := range ids {
+		parts[i] = fmt.Sprintf("%q (%s)", id, e.Handlers[id])
+	}
+	return "capstan: the controller does not run these handlers' kinds: " + strings.Join(parts, ", ")
+}
+
+// unsupportedKinds returns an [UnsupportedError] when the welcome rejected a handler's kind.
+func unsupportedKinds(w *pb.Welcome) error {
+	found := map[string]string{}
+	for _, st := range w.GetRegistrations() {
+		if st.GetAccepted() {
+			continue
+		}
+		for _, d := range st.GetDiagnostics() {
+			if d.GetReason() == "UNSUPPORTED_HANDLER_KIND" {
+				found[st.GetHandlerId()] = d.GetSummary()
+			}
+		}
+	}
+	if len(found) == 0 {
+		return nil
+	}
+	return &UnsupportedError{Handlers: found}
 }
 
 // logWelcome logs the connection and every registration: rejected handlers are never

@@ -51,6 +51,9 @@ type active struct {
 
 // newSession wraps a stream whose handshake is done.
 func newSession(reg *Registry, s stream) *session {
+	// The indexes of the previous stream are gone with it: the controller feeds every object
+	// again before any other handler runs.
+	reg.indexes.clearAll()
 	ctx, cancel := context.WithCancelCause(context.Background())
 	return &session{
 		reg:     reg,
@@ -121,6 +124,8 @@ func (s *session) read() error {
 			}}})
 		case *pb.ConnectResponse_ObjectUpdate:
 			s.updateBody(msg.ObjectUpdate)
+		case *pb.ConnectResponse_ObjectGone:
+			s.reg.memos.drop(msg.ObjectGone.GetObject().GetUid(), 0)
 		case *pb.ConnectResponse_Drain:
 			s.log.Info("capstan: the controller is draining; no new invocations will come",
 				"reason", msg.Drain.GetReason(), "grace", msg.Drain.GetGracePeriod().AsDuration())
@@ -152,7 +157,7 @@ func (s *session) start(m *pb.Invocation) {
 		s.reject(id, "INVALID_INVOCATION", fmt.Sprintf("the invocation carries malformed JSON: %v", err))
 		return
 	}
-	inv.logger, inv.send, inv.memos = s.log, s.sendMessage, &s.reg.memos
+	inv.logger, inv.send, inv.memos, inv.indexes = s.log, s.sendMessage, &s.reg.memos, &s.reg.indexes
 
 	ctx, cancel := context.WithCancelCause(s.ctx)
 	stopDeadline := context.CancelFunc(func() {})

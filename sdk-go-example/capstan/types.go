@@ -5,8 +5,8 @@ import "time"
 // Kind is the kind of a handler: one value per kind of kopf handler the package registers.
 type Kind string
 
-// The handler kinds. Index, validate and mutate handlers are not offered: the controller does
-// not run them yet.
+// The handler kinds. Validate and mutate handlers are not offered: the controller does not run
+// them yet (it would reject them with UNSUPPORTED_HANDLER_KIND).
 const (
 	KindCreate  Kind = "create"  // kopf on.create; see [Registry.OnCreate]
 	KindUpdate  Kind = "update"  // kopf on.update; see [Registry.OnUpdate]
@@ -14,6 +14,7 @@ const (
 	KindResume  Kind = "resume"  // kopf on.resume; see [Registry.OnResume]
 	KindField   Kind = "field"   // kopf on.field; see [Registry.OnField]
 	KindEvent   Kind = "event"   // kopf on.event; see [Registry.OnEvent]
+	KindIndex   Kind = "index"   // kopf index; see [Registry.Index]
 	KindDaemon  Kind = "daemon"  // kopf daemon; see [Registry.Daemon]
 	KindTimer   Kind = "timer"   // kopf timer; see [Registry.Timer]
 	KindStartup Kind = "startup" // kopf on.startup; see [Registry.OnStartup]

@@ -19,6 +19,7 @@ var kinds = map[Kind]pb.HandlerKind{
 	KindCreate: pb.HandlerKind_HANDLER_KIND_CREATE, KindUpdate: pb.HandlerKind_HANDLER_KIND_UPDATE,
 	KindDelete: pb.HandlerKind_HANDLER_KIND_DELETE, KindResume: pb.HandlerKind_HANDLER_KIND_RESUME,
 	KindField: pb.HandlerKind_HANDLER_KIND_FIELD, KindEvent: pb.HandlerKind_HANDLER_KIND_EVENT,
+	KindIndex:  pb.HandlerKind_HANDLER_KIND_INDEX,
 	KindDaemon: pb.HandlerKind_HANDLER_KIND_DAEMON, KindTimer: pb.HandlerKind_HANDLER_KIND_TIMER,
 	KindStartup: pb.HandlerKind_HANDLER_KIND_STARTUP, KindCleanup: pb.HandlerKind_HANDLER_KIND_CLEANUP,
 	KindLogin: pb.HandlerKind_HANDLER_KIND_LOGIN, KindProbe: pb.HandlerKind_HANDLER_KIND_PROBE,
@@ -242,6 +243,8 @@ func newInvocation(m *pb.Invocation, kind Kind) (*Invocation, error) {
 		}
 	case *pb.Invocation_Activity:
 		inv.Activity = activities[p.Activity.GetActivity()]
+	case *pb.Invocation_Index:
+		inv.IndexDeleted = p.Index.GetDeleted()
 	}
 	return inv, nil
 }

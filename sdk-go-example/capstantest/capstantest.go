@@ -377,6 +377,16 @@ func (c *Controller) Start(t testing.TB, inv Invocation) *Running {
 	return r
 }
 
+// ObjectGone tells the process that the object with uid is gone, as the controller does once it
+// saw the object deleted.
+func (c *Controller) ObjectGone(t testing.TB, uid string) {
+	t.Helper()
+	gone := &pb.ObjectGone{Object: &pb.ResourceRef{Uid: uid}}
+	if err := c.current(t).send(&pb.ConnectResponse{Message: &pb.ConnectResponse_ObjectGone{ObjectGone: gone}}); err != nil {
+		t.Fatalf("capstantest: object gone: %v", err)
+	}
+}
+
 // Ping sends a ping and returns the in-flight count of the pong.
 func (c *Controller) Ping(t testing.TB) int {
 	t.Helper()

@@ -34,6 +34,8 @@ type Invocation struct {
 	Field    string
 	// EventType is the watch event type of event handlers.
 	EventType capstan.EventType
+	// IndexDeleted makes an index handler's invocation say that the object leaves the index.
+	IndexDeleted bool
 	// Attempt is the 1-based attempt; default 1.
 	Attempt int
 	// Started is when the first attempt started; default now.
@@ -177,6 +179,7 @@ var kindOf = map[pb.HandlerKind]capstan.Kind{
 	pb.HandlerKind_HANDLER_KIND_CREATE: capstan.KindCreate, pb.HandlerKind_HANDLER_KIND_UPDATE: capstan.KindUpdate,
 	pb.HandlerKind_HANDLER_KIND_DELETE: capstan.KindDelete, pb.HandlerKind_HANDLER_KIND_RESUME: capstan.KindResume,
 	pb.HandlerKind_HANDLER_KIND_FIELD: capstan.KindField, pb.HandlerKind_HANDLER_KIND_EVENT: capstan.KindEvent,
+	pb.HandlerKind_HANDLER_KIND_INDEX:  capstan.KindIndex,
 	pb.HandlerKind_HANDLER_KIND_DAEMON: capstan.KindDaemon, pb.HandlerKind_HANDLER_KIND_TIMER: capstan.KindTimer,
 	pb.HandlerKind_HANDLER_KIND_STARTUP: capstan.KindStartup, pb.HandlerKind_HANDLER_KIND_CLEANUP: capstan.KindCleanup,
 	pb.HandlerKind_HANDLER_KIND_LOGIN: capstan.KindLogin, pb.HandlerKind_HANDLER_KIND_PROBE: capstan.KindProbe,
@@ -322,6 +325,8 @@ func (inv Invocation) message(id string, kind capstan.Kind, param *pb.Json) (*pb
 			capstan.EventDeleted: pb.EventType_EVENT_TYPE_DELETED}[inv.EventType]}}
 	case capstan.KindDaemon:
 		m.Payload = &pb.Invocation_Daemon{Daemon: &pb.DaemonStart{}}
+	case capstan.KindIndex:
+		m.Payload = &pb.Invocation_Index{Index: &pb.IndexRequest{Deleted: inv.IndexDeleted}}
 	case capstan.KindTimer:
 		m.Payload = &pb.Invocation_Timer{Timer: &pb.TimerTick{ScheduledTime: timestamppb.Now()}}
 	default:

@@ -124,6 +124,9 @@ pub(crate) async fn run(
     stop: &CancellationToken,
     grace: Duration,
 ) -> Result<Ended> {
+    // A new stream starts with empty indexes: the controller feeds every object again before
+    // any other handler of this process runs.
+    table.indexes.clear();
     let (outbox, rx) = Outbox::channel();
     outbox.send(Up::Hello(hello)).await?;
     let mut client = pb::runtime_service_client::RuntimeServiceClient::new(channel)
@@ -300,6 +303,18 @@ impl Stream {
             Some(Down::Welcome(welcome)) => {
                 self.welcomed = true;
                 log_welcome(&welcome, self.table.registrations());
+                let unsupported = unsupported_kinds(&welcome, self.table.registrations());
+                if !unsupported.is_empty() {
+                    return Err(Error::Unsupported {
+                        handlers: unsupported,
+                    });
+                }
+            }
+            Some(Down::ObjectGone(gone)) => {
+                let uid = gone.object.as_ref().map_or("", |o| o.uid.as_str());
+                if self.table.memos.forget(uid) {
+                    tracing::debug!(object.uid = %uid, "the object is gone; its memo is dropped");
+                }
             }
             Some(Down::Invocation(invocation)) => self.start(invocation),
             Some(Down::Cancel(cancel)) => {
@@ -390,6 +405,35 @@ impl Stream {
             .instrument(span),
         );
     }
+}
+
+/// The registrations the controller rejected because it does not run their kind
+/// (`UNSUPPORTED_HANDLER_KIND`), as `(handler id, the controller's explanation)`.
+fn unsupported_kinds(
+    welcome: &pb::Welcome,
+    registrations: &[pb::HandlerRegistration],
+) -> Vec<(String, String)> {
+    welcome
+        .registrations
+        .iter()
+        .enumerate()
+        .filter(|(_, status)| !status.accepted)
+        .filter_map(|(index, status)| {
+            let diagnostic = status
+                .diagnostics
+                .iter()
+                .find(|d| d.reason == "UNSUPPORTED_HANDLER_KIND")?;
+            let id = if status.handler_id.is_empty() {
+                registrations
+                    .get(index)
+                    .map(|r| r.handler_id.clone())
+                    .unwrap_or_default()
+            } else {
+                status.handler_id.clone()
+            };
+            Some((id, diagnostic.summary.clone()))
+        })
+        .collect()
 }
 
 fn log_welcome(welcome: &pb::Welcome, registrations: &[pb::HandlerRegistration]) {

@@ -20,8 +20,8 @@ use serde_json::{Map, Value};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
 use crate::{
-    Handler, Patch, Snapshot, control::Control, convert, error::Result, outbox::Outbox, pb,
-    pb::connect_request::Message,
+    Handler, HandlerError, Index, Memo, Patch, Snapshot, control::Control, convert, error::Result,
+    index::Indexes, outbox::Outbox, pb, pb::connect_request::Message,
 };
 
 static NULL: Value = Value::Null;
@@ -120,6 +120,9 @@ struct Inner {
     patch: Patch,
     subhandlers: Option<Mutex<Vec<Subhandler>>>,
     warnings: Mutex<Vec<String>>,
+    indexes: Indexes,
+    memo: Memo,
+    operator_memo: Memo,
 }
 
 /// The invocation a handler runs for: kopf's kwargs, the logger, the patch and cancellation.
@@ -147,6 +150,12 @@ pub(crate) struct Parts {
     pub(crate) control: Control,
     pub(crate) outbox: Outbox,
     pub(crate) allow_subhandlers: bool,
+    /// The process's indexes.
+    pub(crate) indexes: Indexes,
+    /// The object's memo (the operator-wide one for activities).
+    pub(crate) memo: Memo,
+    /// The operator-wide memo.
+    pub(crate) operator_memo: Memo,
 }
 
 impl Context {
@@ -163,6 +172,9 @@ impl Context {
                 patch: Patch::new(),
                 subhandlers: parts.allow_subhandlers.then(|| Mutex::new(Vec::new())),
                 warnings: Mutex::new(Vec::new()),
+                indexes: parts.indexes,
+                memo: parts.memo,
+                operator_memo: parts.operator_memo,
             }),
         }
     }
@@ -364,6 +376,44 @@ impl Context {
     /// Adds a warning returned to the client of an admission request.
     pub fn add_warning(&self, warning: impl Into<String>) {
         self.inner.warnings.lock().push(warning.into());
+    }
+
+    // ----- indexes and memos -----------------------------------------------------------------
+
+    /// The index built by the index handler `name` of this process (kopf's index kwarg named
+    /// after the index). Handlers other than index handlers run only once every index has been
+    /// built from the initial listing.
+    ///
+    /// # Errors
+    ///
+    /// A permanent [`HandlerError`] naming the indexes there are, when this process has no
+    /// index handler `name`.
+    pub fn index(&self, name: &str) -> Result<Index, HandlerError> {
+        self.inner.indexes.get(name).ok_or_else(|| {
+            let known = self.inner.indexes.names();
+            HandlerError::permanent(if known.is_empty() {
+                format!("there is no index {name:?}: this process registers no index handlers")
+            } else {
+                format!("there is no index {name:?}; the indexes are {}", known.join(", "))
+            })
+        })
+    }
+
+    /// The object's memo (kopf's `memo`): runtime values kept between this object's handler
+    /// calls in this process, dropped when the object goes away. For activities, the
+    /// operator-wide memo.
+    pub fn memo(&self) -> &Memo {
+        &self.inner.memo
+    }
+
+    /// The process's indexes, for sub-handlers.
+    pub(crate) fn indexes(&self) -> Indexes {
+        self.inner.indexes.clone()
+    }
+
+    /// The operator-wide memo ([`crate::Registry::memo`]), shared by every object.
+    pub fn operator_memo(&self) -> &Memo {
+        &self.inner.operator_memo
     }
 
     /// The activity, for startup, cleanup and login handlers.
@@ -640,6 +690,9 @@ mod tests {
             control,
             outbox: Outbox::channel().0,
             allow_subhandlers: false,
+            indexes: Indexes::default(),
+            memo: Memo::new(),
+            operator_memo: Memo::new(),
         })
     }
 

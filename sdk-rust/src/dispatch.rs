@@ -23,6 +23,7 @@ use crate::{
     context::{Decoded, Parts},
     control::Control,
     convert,
+    index::{Change, ObjectKey},
     outbox::Outbox,
     pb,
     pb::invocation_result::Outcome,
@@ -78,6 +79,18 @@ async fn run_inner(
         .as_ref()
         .and_then(convert::timestamp_from_pb)
         .unwrap_or_else(SystemTime::now);
+    let index_of = (kind == pb::HandlerKind::Index).then(|| object_key(&invocation));
+    if let (Some(object), Some(pb::invocation::Payload::Index(request))) = (&index_of, &invocation.payload)
+        && request.deleted
+    {
+        // The object left the index (deleted, or no longer matching): its entries go, and
+        // the handler is not called (kopf).
+        table
+            .indexes
+            .apply(&invocation.handler_id, object, Change::Remove);
+        return finished(Outcome::Success(pb::Success::default()));
+    }
+    let uid = invocation.resource.as_ref().map_or("", |r| r.uid.as_str());
     let ctx = Context::from_parts(Parts {
         invocation: invocation.clone(),
         decoded: decoded.clone(),
@@ -87,6 +100,9 @@ async fn run_inner(
         control: control.clone(),
         outbox: outbox.clone(),
         allow_subhandlers: is_change(kind),
+        indexes: table.indexes.clone(),
+        memo: table.memos.object(uid),
+        operator_memo: table.memos.operator().clone(),
     });
 
     if let Some(when) = &entry.when
@@ -112,6 +128,24 @@ async fn run_inner(
         None => call.await,
     };
 
+    let outcome = outcome.and_then(|output| match &output.invalid {
+        Some(error) => Err(HandlerError::permanent(format!(
+            "handler {:?} returned a value that is not JSON-serialisable: {error}",
+            invocation.handler_id
+        ))),
+        None => Ok(output),
+    });
+    if let Some(object) = &index_of {
+        let change = match &outcome {
+            Ok(output) => Change::from_result(output.value.as_ref()),
+            // kopf: an ignored error keeps the object's values.
+            Err(HandlerError::Unclassified { .. }) if errors_ignored(entry.registration.errors_mode) => {
+                Change::Keep
+            }
+            Err(_) => Change::Remove,
+        };
+        table.indexes.apply(&invocation.handler_id, object, change);
+    }
     let output = match outcome {
         Ok(output) => output,
         Err(_) if control.token().is_cancelled() => return finished(Outcome::Cancelled(pb::Cancelled {})),
@@ -168,6 +202,25 @@ fn finished(outcome: Outcome) -> pb::InvocationResult {
         outcome: Some(outcome),
         ..pb::InvocationResult::default()
     }
+}
+
+/// The object an index invocation is for, as kopf keys it.
+fn object_key(invocation: &pb::Invocation) -> ObjectKey {
+    let r = invocation.resource.clone().unwrap_or_default();
+    ObjectKey {
+        namespace: r.namespace,
+        name: r.name,
+        uid: r.uid,
+    }
+}
+
+/// Whether unclassified errors are ignored under this registration's errors mode (IGNORED is
+/// the default of index handlers).
+fn errors_ignored(mode: i32) -> bool {
+    matches!(
+        pb::ErrorsMode::try_from(mode),
+        Ok(pb::ErrorsMode::Ignored | pb::ErrorsMode::Unspecified) | Err(_)
+    )
 }
 
 fn is_change(kind: pb::HandlerKind) -> bool {

@@ -171,7 +171,26 @@ pub enum Error {
         #[source]
         status: tonic::Status,
     },
+    /// The connected controller does not run some of the registered handler kinds (its
+    /// `Welcome` rejected them with `UNSUPPORTED_HANDLER_KIND`): the operator would silently
+    /// miss them, so it stops instead. Upgrade the controller or remove those handlers.
+    #[error(
+        "the controller does not run these handlers' kinds: {}",
+        describe_unsupported(handlers)
+    )]
+    Unsupported {
+        /// Each handler id with the controller's explanation.
+        handlers: Vec<(String, String)>,
+    },
     /// The stream to the controller is gone, so nothing more can be sent for this invocation.
     #[error("the stream to the controller is closed")]
     StreamClosed,
+}
+
+fn describe_unsupported(handlers: &[(String, String)]) -> String {
+    handlers
+        .iter()
+        .map(|(id, why)| format!("{id:?} ({why})"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -28,6 +28,9 @@ pub struct HandlerOutput {
     pub value: Option<Value>,
     /// Credentials returned by a login handler.
     pub credentials: Option<pb::Credentials>,
+    /// Why [`HandlerOutput::serialize`] could not turn the value into JSON: the invocation
+    /// fails permanently with a message naming the handler.
+    pub invalid: Option<String>,
 }
 
 impl HandlerOutput {
@@ -40,7 +43,21 @@ impl HandlerOutput {
     pub fn value(value: impl Into<Value>) -> Self {
         Self {
             value: Some(value.into()),
-            credentials: None,
+            ..Self::default()
+        }
+    }
+
+    /// A result value of any serialisable type (an index value, a status). A value that
+    /// cannot be expressed in JSON (e.g. a map whose keys are not strings) fails the invocation
+    /// permanently, with an error that names the handler; an index handler's object then
+    /// leaves the index.
+    pub fn serialize<T: serde::Serialize + ?Sized>(value: &T) -> Self {
+        match serde_json::to_value(value) {
+            Ok(value) => Self::from(value),
+            Err(error) => Self {
+                invalid: Some(error.to_string()),
+                ..Self::default()
+            },
         }
     }
 }
@@ -70,8 +87,8 @@ impl From<Option<Value>> for HandlerOutput {
 impl From<pb::Credentials> for HandlerOutput {
     fn from(credentials: pb::Credentials) -> Self {
         Self {
-            value: None,
             credentials: Some(credentials),
+            ..Self::default()
         }
     }
 }

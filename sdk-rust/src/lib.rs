@@ -33,11 +33,31 @@
 //! children of theirs with [`Context::adopt`] and the rest of kopf's helpers in
 //! [`hierarchies`].
 //!
+//! # Indexes and memos
+//!
+//! An index handler ([`Registry::index`]) is called for every object of its resource; its
+//! results form an [`Index`] that every handler of this process reads with
+//! [`Context::index`], with kopf's rules: a JSON object result gives keys and values, any other
+//! value goes under the `None` key, no result changes nothing, a failure drops the object's
+//! entries (except an unclassified error under the default IGNORED errors mode). No other
+//! handler of the process runs before every index is built from its initial listing, also
+//! after a reconnect. [`Context::memo`] is the object's [`Memo`] (runtime values kept between
+//! its calls, dropped when the controller says the object is gone); [`Registry::memo`] is the
+//! operator-wide one each object's memo starts from.
+//!
+//! # What the controller runs
+//!
+//! The controller answers `Hello` with a status per handler. A handler whose kind the connected
+//! controller does not run (rejected with `UNSUPPORTED_HANDLER_KIND`; see the protocol notes in
+//! `proto/README.md`, "What the controller runs") makes [`Operator::run`] stop with
+//! [`Error::Unsupported`] naming it, so an operator never runs without some of its handlers.
+//! Other rejections are logged and the accepted handlers run.
+//!
 //! # Modules and layering
 //!
 //! `runner` (the [`Operator`]) → `connection` (one stream) → `dispatch` (one invocation, shared
 //! with `testing`) → `subhandling` → `registry`, `context`, `patch`, `filters`, `handler`,
-//! `selector`, `hierarchies`, `classify` →
+//! `selector`, `hierarchies`, `classify`, `index`, `memo` →
 //! `snapshot`, `control`, `outbox`, `convert`, `error`, [`pb`].
 //!
 //! # Feature flags
@@ -55,6 +75,8 @@ mod error;
 mod filters;
 mod handler;
 pub mod hierarchies;
+mod index;
+mod memo;
 mod outbox;
 mod patch;
 pub mod pb;
@@ -70,6 +92,8 @@ pub use context::{Context, DiffItem, DiffOp, Reason};
 pub use error::{Error, HandlerError, Result};
 pub use filters::{MetaFilter, Presence, ValueFilter};
 pub use handler::{Handler, HandlerOutput, HandlerResult, IntoOutcome};
+pub use index::{Index, IndexKey, Store};
+pub use memo::Memo;
 pub use patch::Patch;
 pub use pb::{CancelReason, EventType, LogLevel};
 pub use registry::{ErrorsMode, HandlerOptions, Registry};

@@ -62,6 +62,7 @@ impl Entry {
 #[derive(Default)]
 pub struct Registry {
     entries: Vec<Entry>,
+    memo: crate::Memo,
 }
 
 impl std::fmt::Debug for Registry {
@@ -106,6 +107,12 @@ impl Registry {
     /// An empty registry.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The operator-wide memo (kopf's `kopf.run(memo=…)`): fill it before the operator runs.
+    /// Activities get it as their memo; every object's memo starts as a shallow copy of it.
+    pub fn memo(&self) -> &crate::Memo {
+        &self.memo
     }
 
     resource_kinds! {
@@ -269,11 +276,22 @@ impl Registry {
     /// Validates the registry and turns it into the dispatch table.
     pub(crate) fn into_table(self) -> Result<Table> {
         let registrations = self.registrations()?;
+        let indexes = crate::index::Indexes::new(
+            self.entries
+                .iter()
+                .filter(|e| e.kind() == pb::HandlerKind::Index)
+                .map(|e| e.registration.handler_id.as_str()),
+        );
         let mut by_id = HashMap::new();
         for (index, entry) in self.entries.into_iter().enumerate() {
             by_id.insert(entry.registration.handler_id.clone(), (index, Arc::new(entry)));
         }
-        Ok(Table { by_id, registrations })
+        Ok(Table {
+            by_id,
+            registrations,
+            indexes,
+            memos: crate::memo::Memos::new(self.memo),
+        })
     }
 }
 
@@ -281,6 +299,10 @@ impl Registry {
 pub(crate) struct Table {
     by_id: HashMap<String, (usize, Arc<Entry>)>,
     registrations: Vec<pb::HandlerRegistration>,
+    /// The indexes of this process's index handlers.
+    pub(crate) indexes: crate::index::Indexes,
+    /// The operator-wide memo and the objects' memos.
+    pub(crate) memos: crate::memo::Memos,
 }
 
 impl Table {

@@ -210,6 +210,9 @@ impl Run<'_> {
             control: self.control.clone(),
             outbox: self.outbox.clone(),
             allow_subhandlers: depth < MAX_DEPTH,
+            indexes: parent.indexes(),
+            memo: parent.memo().clone(),
+            operator_memo: parent.operator_memo().clone(),
         });
         let outcome = match classify::call_guarded(sub.handler.call(child.clone())).await {
             Ok(output) => {

@@ -187,6 +187,60 @@ impl TestKit {
         outcomes
     }
 
+    /// The object is listed, created or changed: runs every index handler whose filters match
+    /// it, and removes the object from the indexes whose filters it no longer matches (as the
+    /// controller does). Read the result with [`TestKit::index`].
+    pub async fn index_object(&self, body: Value) -> Outcomes {
+        let mut outcomes = Outcomes {
+            body: body.clone(),
+            outcomes: Vec::new(),
+        };
+        for entry in self.table.entries() {
+            if entry.kind() != pb::HandlerKind::Index {
+                continue;
+            }
+            let invocation = if matches(entry, None, &body, false) {
+                InvocationBuilder::index(body.clone())
+            } else {
+                InvocationBuilder::index_deleted(body.clone())
+            };
+            outcomes
+                .outcomes
+                .push(self.invoke(&entry.registration.handler_id, invocation).await);
+        }
+        outcomes
+    }
+
+    /// The object is gone: its entries leave every index and its memo is dropped.
+    pub async fn object_gone(&self, body: Value) {
+        for entry in self.table.entries() {
+            if entry.kind() == pb::HandlerKind::Index {
+                let invocation = InvocationBuilder::index_deleted(body.clone());
+                self.invoke(&entry.registration.handler_id, invocation).await;
+            }
+        }
+        let uid = body
+            .pointer("/metadata/uid")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        self.table.memos.forget(uid);
+    }
+
+    /// The index built by the index handler `name`, as handlers read it.
+    pub fn index(&self, name: &str) -> Option<crate::Index> {
+        self.table.indexes.get(name)
+    }
+
+    /// The operator-wide memo.
+    pub fn memo(&self) -> &crate::Memo {
+        self.table.memos.operator()
+    }
+
+    /// How many objects have a memo (objects seen and not gone).
+    pub fn memos(&self) -> usize {
+        self.table.memos.objects()
+    }
+
     /// Invokes a handler again and again, as the controller would, until it is done or
     /// `max_attempts` were made: after a temporary or unclassified error it waits the retry
     /// delay (a tokio timer), and while sub-handlers are unfinished it re-invokes the parent
@@ -488,6 +542,11 @@ impl InvocationBuilder {
     /// An index handler's invocation.
     pub fn index(body: Value) -> Self {
         Self::new(Some(&body), Payload::Index(pb::IndexRequest { deleted: false }))
+    }
+
+    /// An index handler's invocation for an object that leaves the index.
+    pub fn index_deleted(body: Value) -> Self {
+        Self::new(Some(&body), Payload::Index(pb::IndexRequest { deleted: true }))
     }
 
     /// An admission handler's invocation: `operation` is CREATE, UPDATE, DELETE or CONNECT.

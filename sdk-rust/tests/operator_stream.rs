@@ -371,3 +371,124 @@ async fn invalid_setups_fail_fast() {
     let bad_registry = Operator::new(duplicate).run(std::future::pending()).await;
     assert!(matches!(bad_registry, Err(Error::Register { .. })));
 }
+
+#[tokio::test]
+async fn kinds_the_controller_does_not_run_stop_the_operator_with_their_names() {
+    let (_dir, endpoint, mut sessions, server) = serve(false);
+    let mut registry = registry();
+    registry.index(
+        "examples.demo.capstan.dev",
+        "by_size",
+        |_ctx: Context| async move { Ok::<_, HandlerError>(None) },
+    );
+    let operator = tokio::spawn(
+        Operator::new(registry)
+            .endpoint(endpoint)
+            .run(std::future::pending()),
+    );
+    let mut session = sessions.recv().await.unwrap();
+    let Some(Up::Hello(hello)) = session.recv().await else {
+        panic!("expected hello");
+    };
+    let Down::Welcome(mut welcome) = welcome(&hello) else {
+        unreachable!()
+    };
+    for status in &mut welcome.registrations {
+        if status.handler_id == "by_size" {
+            status.accepted = false;
+            status.diagnostics.push(pb::Diagnostic {
+                severity: pb::Severity::Error as i32,
+                summary: "this controller does not run index handlers".into(),
+                reason: "UNSUPPORTED_HANDLER_KIND".into(),
+                field: "handlers[2].kind".into(),
+                ..Default::default()
+            });
+        }
+    }
+    session.send(Down::Welcome(welcome)).await;
+    let result = tokio::time::timeout(Duration::from_secs(10), operator)
+        .await
+        .unwrap()
+        .unwrap();
+    match result {
+        Err(error @ Error::Unsupported { .. }) => {
+            let text = error.to_string();
+            assert!(text.contains("by_size"), "{text}");
+            assert!(text.contains("does not run index handlers"), "{text}");
+        }
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+    server.abort();
+}
+
+#[tokio::test]
+async fn memos_live_per_object_until_the_controller_says_it_is_gone() {
+    let (_dir, endpoint, mut sessions, server) = serve(false);
+    let mut registry = Registry::new();
+    registry.memo().insert("greeting", "hello");
+    registry.on_create(
+        "examples.demo.capstan.dev",
+        "count_fn",
+        |ctx: Context| async move {
+            let calls = ctx
+                .memo()
+                .get_or_insert_with("calls", || std::sync::atomic::AtomicU32::new(0));
+            let n = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            let greeting = ctx.memo().get::<&str>("greeting").map(|g| *g).unwrap_or("none");
+            Ok::<_, HandlerError>(json!({"calls": n, "greeting": greeting}))
+        },
+    );
+    let operator = tokio::spawn(
+        Operator::new(registry)
+            .endpoint(endpoint)
+            .run(std::future::pending()),
+    );
+    let mut session = sessions.recv().await.unwrap();
+    let Some(Up::Hello(hello)) = session.recv().await else {
+        panic!("expected hello");
+    };
+    assert!(hello.capabilities.contains(&(pb::Capability::ObjectGone as i32)));
+    session.send(welcome(&hello)).await;
+    let call = |id: &str| {
+        let Down::Invocation(mut inv) = invocation(id, "count_fn") else {
+            unreachable!()
+        };
+        inv.resource = Some(pb::ResourceRef {
+            uid: "uid-one".into(),
+            name: "one".into(),
+            ..Default::default()
+        });
+        Down::Invocation(inv)
+    };
+    let mut results = Vec::new();
+    for id in ["i1", "i2", "i3"] {
+        if id == "i3" {
+            session
+                .send(Down::ObjectGone(pb::ObjectGone {
+                    object: Some(pb::ResourceRef {
+                        uid: "uid-one".into(),
+                        ..Default::default()
+                    }),
+                }))
+                .await;
+        }
+        session.send(call(id)).await;
+        let Some(Up::Result(result)) = session.recv_significant().await else {
+            panic!("expected a result");
+        };
+        let Some(pb::invocation_result::Outcome::Success(success)) = result.outcome else {
+            panic!("expected success");
+        };
+        let value: serde_json::Value = serde_json::from_slice(&success.result.unwrap().json).unwrap();
+        results.push(value);
+    }
+    assert_eq!(
+        results[0],
+        json!({"calls": 1, "greeting": "hello"}),
+        "copied from the operator memo"
+    );
+    assert_eq!(results[1]["calls"], 2, "kept between calls of one object");
+    assert_eq!(results[2]["calls"], 1, "dropped once the object is gone");
+    operator.abort();
+    server.abort();
+}

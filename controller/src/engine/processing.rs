@@ -47,12 +47,19 @@ use crate::{
 pub trait Invoker: Send + Sync {
     /// Runs one piece of work to its outcome, steered by `control`.
     fn invoke(&self, work: Work, control: Control) -> BoxFuture<'static, Outcome>;
+
+    /// Tells the handler processes that an object is gone (they drop its memo).
+    fn object_gone(&self, _object: &ResourceRef) {}
 }
 
 impl Invoker for crate::grpc::Hub {
     fn invoke(&self, work: Work, control: Control) -> BoxFuture<'static, Outcome> {
         let hub = self.clone();
         Box::pin(async move { hub.dispatch(work, control).await })
+    }
+
+    fn object_gone(&self, object: &ResourceRef) {
+        crate::grpc::Hub::object_gone(self, object);
     }
 }
 

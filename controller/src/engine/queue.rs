@@ -381,6 +381,9 @@ impl Queue {
         if event_type == EventType::Deleted {
             self.forget_locally(uid).await;
             self.ctx.daemons.forget(uid);
+            self.ctx
+                .invoker
+                .object_gone(&processing::object_ref(&self.ctx.resource, &body));
             let mut slots = self.slots.lock();
             if let Some(slot) = slots.get_mut(uid) {
                 if let Some(t) = slot.timer.take() {

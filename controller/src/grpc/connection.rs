@@ -93,12 +93,13 @@ impl Default for Settings {
 }
 
 /// The capabilities this controller supports.
-const SUPPORTED: [pb::Capability; 5] = [
+const SUPPORTED: [pb::Capability; 6] = [
     pb::Capability::ResultAck,
     pb::Capability::InvocationUpdates,
     pb::Capability::SdkFilters,
     pb::Capability::Subhandlers,
     pb::Capability::ObjectUpdates,
+    pb::Capability::ObjectGone,
 ];
 
 /// The response stream of one connection.
@@ -206,6 +207,9 @@ pub async fn accept(
     let (out_tx, out_rx) = mpsc::channel(64);
     let object_updates = capabilities.contains(&pb::Capability::ObjectUpdates);
     let (conn, taken) = hub.attach(out_tx, max_in_flight, object_updates, accepted);
+    if capabilities.contains(&pb::Capability::ObjectGone) {
+        hub.send_object_gone(conn);
+    }
     for reg in &taken {
         reject_taken(&mut statuses, &reg.id);
     }

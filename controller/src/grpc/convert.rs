@@ -520,6 +520,21 @@ pub fn resource_ref(r: &pb::ResourceRef) -> ResourceRef {
     }
 }
 
+/// An object reference for the wire.
+pub fn resource_ref_to_pb(o: &ResourceRef) -> pb::ResourceRef {
+    pb::ResourceRef {
+        group: o.resource.group.clone(),
+        version: o.resource.version.clone(),
+        kind: o.resource.kind.clone(),
+        plural: o.resource.plural.clone(),
+        namespace: o.namespace.clone(),
+        name: o.name.clone(),
+        uid: o.uid.clone(),
+        resource_version: o.resource_version.clone(),
+        generation: o.generation,
+    }
+}
+
 /// A log record as a posting about `object`.
 pub fn posting(record: &pb::LogRecord, object: ResourceRef) -> Posting {
     Posting {

@@ -92,11 +92,16 @@ struct Conn {
     open: bool,
     /// The process accepts `ObjectUpdate` messages.
     object_updates: bool,
+    /// The process wants `ObjectGone` messages.
+    object_gone: bool,
     max_in_flight: u32,
     in_flight: u32,
     handlers: HashMap<HandlerId, HandlerSlot>,
     /// Handler ids in the order of the connection's hello.
     order: Vec<HandlerId>,
+    /// The connection's index handlers whose index is not built yet: until it is empty, the
+    /// connection gets no resource work other than indexing (kopf's readiness gate).
+    unbuilt: HashSet<HandlerId>,
 }
 
 struct HandlerSlot {
@@ -218,6 +223,7 @@ impl Hub {
         let mut handlers = HashMap::new();
         let mut order = Vec::new();
         let mut taken = Vec::new();
+        let mut unbuilt = HashSet::new();
         for reg in registrations {
             if let Some(slot) = handlers.get_mut(&reg.id) {
                 // Another selector of a handler of this same connection.
@@ -231,6 +237,9 @@ impl Hub {
             }
             state.owners.insert(reg.id.clone(), id);
             order.push(reg.id.clone());
+            if reg.kind == crate::model::HandlerKind::Index {
+                unbuilt.insert(reg.id.clone());
+            }
             handlers.insert(
                 reg.id.clone(),
                 HandlerSlot {
@@ -248,10 +257,12 @@ impl Hub {
                 tx,
                 open: false,
                 object_updates,
+                object_gone: false,
                 max_in_flight,
                 in_flight: 0,
                 handlers,
                 order,
+                unbuilt,
             },
         );
         (id, taken)
@@ -340,6 +351,68 @@ impl Hub {
             }
         }
         state.pump_conn(conn);
+    }
+
+    /// Makes connection `conn` receive `ObjectGone` (it negotiated `CAPABILITY_OBJECT_GONE`).
+    pub(crate) fn send_object_gone(&self, conn: ConnectionId) {
+        if let Some(c) = self.inner.state.lock().connections.get_mut(&conn) {
+            c.object_gone = true;
+        }
+    }
+
+    /// Tells every connection that wants it and has handlers for the object's resource that
+    /// the object is gone. Best effort: a congested connection misses it.
+    pub fn object_gone(&self, object: &ResourceRef) {
+        let message = pb::ConnectResponse {
+            message: Some(pb::connect_response::Message::ObjectGone(pb::ObjectGone {
+                object: Some(convert::resource_ref_to_pb(object)),
+            })),
+        };
+        let state = self.inner.state.lock();
+        for c in state.connections.values().filter(|c| c.open && c.object_gone) {
+            let handles = c.handlers.values().any(|s| {
+                std::iter::once(&s.registration).chain(&s.also).any(|r| {
+                    r.resource.as_ref().is_none_or(|res| {
+                        res.group == object.resource.group && res.plural == object.resource.plural
+                    })
+                })
+            });
+            if handles && c.tx.try_send(message.clone()).is_err() {
+                debug!(object.uid = %object.uid, "object-gone notice not sent: the connection is congested");
+            }
+        }
+    }
+
+    /// The index handlers of open connections, with the connection that owns each.
+    pub fn index_owners(&self) -> Vec<(HandlerId, ConnectionId)> {
+        let state = self.inner.state.lock();
+        let mut owners: Vec<(HandlerId, ConnectionId)> = state
+            .connections
+            .iter()
+            .filter(|(_, c)| c.open)
+            .flat_map(|(conn, c)| {
+                c.handlers
+                    .values()
+                    .filter(|s| s.registration.kind == crate::model::HandlerKind::Index)
+                    .map(|s| (s.registration.id.clone(), *conn))
+            })
+            .collect();
+        owners.sort();
+        owners
+    }
+
+    /// Records that `handler`'s index on connection `conn` is built (every object of its
+    /// listing went through it once). When the connection's last index is built, the rest of
+    /// its work is dispatched.
+    pub fn index_built(&self, conn: ConnectionId, handler: &HandlerId) {
+        let mut state = self.inner.state.lock();
+        let Some(c) = state.connections.get_mut(&conn) else {
+            return;
+        };
+        if c.unbuilt.remove(handler) && c.unbuilt.is_empty() {
+            debug!(connection = conn, "every index of the handler process is built");
+            state.pump_conn(conn);
+        }
     }
 
     /// Pauses or resumes all dispatch (drain at shutdown, freezing, loss of leadership).
@@ -765,9 +838,13 @@ impl State {
                 let Some(c) = self.connections.get_mut(&conn) else {
                     return;
                 };
+                let indexing = !c.unbuilt.is_empty();
                 let Some(slot) = c.handlers.get_mut(&handler) else {
                     break;
                 };
+                if indexing && held_while_indexing(slot.registration.kind) {
+                    break;
+                }
                 if !slot.uncapped && c.in_flight >= c.max_in_flight {
                     break;
                 }
@@ -805,6 +882,15 @@ impl State {
         }
         self.pump_conn(conn);
     }
+}
+
+/// Whether work of `kind` waits while its process's indexes are being built: resource
+/// handlers other than the indexes themselves. Activities are not held (startup and login run
+/// before anything is watched, kopf gives them no index guarantee), nor is admission (the API
+/// server waits for its answer).
+fn held_while_indexing(kind: crate::model::HandlerKind) -> bool {
+    use crate::model::HandlerKind as K;
+    kind.is_resource_kind() && !matches!(kind, K::Index | K::Validate | K::Mutate)
 }
 
 /// Withdraws a waiting request (and any capacity granted to it) when `acquire` is dropped.
@@ -922,6 +1008,98 @@ mod tests {
         );
         assert_eq!(task.await.unwrap(), Outcome::success(None));
         assert_eq!(hub.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn resource_work_waits_until_the_process_indexes_are_built() {
+        let hub = Hub::default();
+        let regs = vec![
+            Registration::new("by_label", HandlerKind::Index, None),
+            Registration::new("create_fn", HandlerKind::Create, None),
+            reg("probe_fn", None),
+        ];
+        let (conn, mut rx) = attach(&hub, regs, 8);
+        assert_eq!(hub.index_owners(), vec![(HandlerId::from("by_label"), conn)]);
+        let change = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.invoke(Work::new("create_fn", "c", Payload::Probe)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            rx.try_recv().is_err(),
+            "a change handler ran before the index was built"
+        );
+        let index = tokio::spawn({
+            let hub = hub.clone();
+            async move {
+                hub.invoke(Work::new("by_label", "i", Payload::Index { deleted: false }))
+                    .await
+            }
+        });
+        let probe = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.invoke(Work::new("probe_fn", "p", Payload::Probe)).await }
+        });
+        let mut first = vec![
+            invocation_of(rx.recv().await.unwrap()),
+            invocation_of(rx.recv().await.unwrap()),
+        ];
+        first.sort_by(|a, b| a.handler_id.cmp(&b.handler_id));
+        assert_eq!(first[0].handler_id, "by_label", "index work is not held");
+        assert_eq!(first[1].handler_id, "probe_fn", "activities are not held");
+        for inv in &first {
+            hub.complete(conn, &success(&inv.invocation_id)).unwrap();
+        }
+        index.await.unwrap();
+        probe.await.unwrap();
+        assert!(rx.try_recv().is_err(), "still held");
+        hub.index_built(conn, &HandlerId::from("by_label"));
+        let held = invocation_of(rx.recv().await.unwrap());
+        assert_eq!(held.handler_id, "create_fn");
+        hub.complete(conn, &success(&held.invocation_id)).unwrap();
+        assert_eq!(change.await.unwrap(), Outcome::success(None));
+    }
+
+    #[tokio::test]
+    async fn object_gone_reaches_the_processes_that_asked_and_handle_the_resource() {
+        let hub = Hub::default();
+        let examples = crate::model::ResolvedResource {
+            group: "demo.capstan.dev".into(),
+            version: "v1".into(),
+            plural: "examples".into(),
+            kind: "Example".into(),
+            namespaced: true,
+            status_subresource: false,
+        };
+        let mut others = examples.clone();
+        others.plural = "others".into();
+        let with = |id: &str, resource: &crate::model::ResolvedResource| {
+            let mut r = Registration::new(id, HandlerKind::Create, None);
+            r.resource = Some(resource.clone());
+            r
+        };
+        let (wants, mut wants_rx) = attach(&hub, vec![with("a", &examples)], 8);
+        hub.send_object_gone(wants);
+        let (_silent, mut silent_rx) = attach(&hub, vec![with("b", &examples)], 8);
+        let (elsewhere, mut elsewhere_rx) = attach(&hub, vec![with("c", &others)], 8);
+        hub.send_object_gone(elsewhere);
+        let object = ResourceRef {
+            resource: examples,
+            namespace: "default".into(),
+            name: "one".into(),
+            uid: "uid-one".into(),
+            resource_version: "1".into(),
+            generation: 1,
+        };
+        hub.object_gone(&object);
+        match wants_rx.try_recv().map(|m| m.message) {
+            Ok(Some(pb::connect_response::Message::ObjectGone(gone))) => {
+                assert_eq!(gone.object.unwrap().uid, "uid-one");
+            }
+            other => panic!("expected object_gone, got {other:?}"),
+        }
+        assert!(silent_rx.try_recv().is_err(), "sent without the capability");
+        assert!(elsewhere_rx.try_recv().is_err(), "sent for another resource");
     }
 
     #[tokio::test]

@@ -17,6 +17,12 @@
 //! - `spec.unfinalize.<id>: true` patches `metadata.finalizers` to null;
 //!
 //! and `E2E_FAIL_FIRST=N` makes every handler of this process fail its first N attempts.
+//!
+//! The `index` preset indexes ConfigMaps labelled `e2e/app` by that label (`by_app`: app →
+//! ConfigMap names), noting `index <name>` per call; `lookup_fn` (create) answers
+//! `status.lookup_fn.configmaps` with the names under the example's `spec.app` and notes
+//! `lookup <name> <indexed objects>`; the `peek` timer writes the whole index to
+//! `status.peek` every second and notes `peek <pid> <indexed objects>`.
 
 use std::{io::Write, time::Duration};
 
@@ -148,6 +154,70 @@ fn note(line: &str) {
     if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
         let _ = f.write_all(format!("{line}\n").as_bytes());
     }
+}
+
+/// Kept in an object's memo by the `memo` preset: notes `memo-dropped <name>` when the memo
+/// lets go of it (the object is gone).
+struct MemoGuard(String);
+
+impl Drop for MemoGuard {
+    fn drop(&mut self) {
+        note(&format!("memo-dropped {}", self.0));
+    }
+}
+
+/// The `index` preset's index handler: `{<e2e/app label>: <name>}`.
+async fn by_app(ctx: Context) -> HandlerResult {
+    note(&format!("index {}", ctx.name()));
+    // A ConfigMap annotated `e2e/slow` takes 3 s to index: a handler let through before the
+    // index is built would show.
+    if ctx.annotations().contains_key("e2e/slow") {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    // `e2e/index-fail: permanent` fails for good; `e2e/index-fail: "N"` fails temporarily
+    // (retried after 1 s) on the first N attempts.
+    match ctx.annotations().get("e2e/index-fail").and_then(Value::as_str) {
+        Some("permanent") => return Err(HandlerError::permanent("this ConfigMap cannot be indexed")),
+        Some(n) if n.parse::<u32>().is_ok_and(|n| ctx.retry() < n) => {
+            note(&format!("index-retry {} {}", ctx.name(), ctx.retry() + 1));
+            return Err(HandlerError::temporary("not yet", Duration::from_secs(1)));
+        }
+        _ => {}
+    }
+    let app = ctx
+        .labels()
+        .get("e2e/app")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    Ok(app.map(|app| json!({ app: ctx.name() })))
+}
+
+/// The `index` preset's readers: the names under the example's `spec.app`, and the whole index.
+async fn lookup(ctx: Context) -> HandlerResult {
+    let index = ctx.index("by_app")?;
+    note(&format!("lookup {} {}", ctx.name(), index.objects()));
+    let app = ctx.spec()["app"].as_str().unwrap_or_default().to_owned();
+    let names = index.get(&app).map(|s| s.values().to_vec()).unwrap_or_default();
+    Ok(Some(json!({ "configmaps": names })))
+}
+
+async fn peek(ctx: Context) -> HandlerResult {
+    let index = ctx.index("by_app")?;
+    note(&format!("peek {} {}", std::process::id(), index.objects()));
+    // `<key>=<name>` entries, sorted: a list, so that a merge patch replaces it whole.
+    let mut entries: Vec<String> = index
+        .snapshot()
+        .into_iter()
+        .flat_map(|(key, store)| {
+            let key = key.unwrap_or_else(|| "None".into());
+            store
+                .into_iter()
+                .map(move |v| format!("{key}={}", v.as_str().unwrap_or_default()))
+        })
+        .collect();
+    entries.sort();
+    ctx.patch().status("peek", json!(entries));
+    Ok(None)
 }
 
 /// Reports progress with an interim patch, then runs until cancelled (or fails first when
@@ -680,6 +750,37 @@ async fn main() -> anyhow::Result<()> {
             // A resource that does not exist when the handler process connects.
             "late" => {
                 registry.on_create("widgets.late.capstan.dev", "late_create", plain);
+            }
+            // Counts calls per object in its memo (`memo <name> <calls>`) and keeps a guard
+            // there that notes when the memo is dropped.
+            "memo" => {
+                registry.on_create(RESOURCE, "memo_fn", |ctx: Context| async move {
+                    let name = ctx.name().to_owned();
+                    ctx.memo().get_or_insert_with("guard", || MemoGuard(name.clone()));
+                    let calls = ctx
+                        .memo()
+                        .get_or_insert_with("calls", || std::sync::atomic::AtomicU32::new(0));
+                    let n = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                    note(&format!("memo {name} {n}"));
+                    Ok::<_, HandlerError>(None)
+                });
+                registry.on_update(RESOURCE, "memo_update", |ctx: Context| async move {
+                    let calls = ctx
+                        .memo()
+                        .get_or_insert_with("calls", || std::sync::atomic::AtomicU32::new(0));
+                    let n = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                    note(&format!("memo {} {n}", ctx.name()));
+                    Ok::<_, HandlerError>(None)
+                });
+            }
+            "index" => {
+                registry
+                    .index("configmaps", "by_app", by_app)
+                    .label("e2e/app", Presence::Present);
+                registry.on_create(RESOURCE, "lookup_fn", lookup);
+                registry
+                    .timer(RESOURCE, "peek", peek)
+                    .interval(Duration::from_secs(1));
             }
             "" => {}
             other => anyhow::bail!("unknown preset {other:?}"),

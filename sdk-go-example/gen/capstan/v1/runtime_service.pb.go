@@ -42,17 +42,22 @@ const (
 	// The controller sends ObjectUpdate with the latest body of the object of a running
 	// invocation (daemons), and the handler process shows it to the running handler.
 	Capability_CAPABILITY_OBJECT_UPDATES Capability = 5
+	// The controller sends ObjectGone when an object of a resource the process has handlers for
+	// is deleted, so that the handler process can drop what it keeps per object (kopf's
+	// per-object memo).
+	Capability_CAPABILITY_OBJECT_GONE Capability = 10
 )
 
 // Enum value maps for Capability.
 var (
 	Capability_name = map[int32]string{
-		0: "CAPABILITY_UNSPECIFIED",
-		1: "CAPABILITY_RESULT_ACK",
-		2: "CAPABILITY_INVOCATION_UPDATES",
-		3: "CAPABILITY_SDK_FILTERS",
-		4: "CAPABILITY_SUBHANDLERS",
-		5: "CAPABILITY_OBJECT_UPDATES",
+		0:  "CAPABILITY_UNSPECIFIED",
+		1:  "CAPABILITY_RESULT_ACK",
+		2:  "CAPABILITY_INVOCATION_UPDATES",
+		3:  "CAPABILITY_SDK_FILTERS",
+		4:  "CAPABILITY_SUBHANDLERS",
+		5:  "CAPABILITY_OBJECT_UPDATES",
+		10: "CAPABILITY_OBJECT_GONE",
 	}
 	Capability_value = map[string]int32{
 		"CAPABILITY_UNSPECIFIED":        0,
@@ -61,6 +66,7 @@ var (
 		"CAPABILITY_SDK_FILTERS":        3,
 		"CAPABILITY_SUBHANDLERS":        4,
 		"CAPABILITY_OBJECT_UPDATES":     5,
+		"CAPABILITY_OBJECT_GONE":        10,
 	}
 )
 
@@ -392,6 +398,7 @@ type ConnectResponse struct {
 	//	*ConnectResponse_ResultAck
 	//	*ConnectResponse_Notice
 	//	*ConnectResponse_ObjectUpdate
+	//	*ConnectResponse_ObjectGone
 	Message       isConnectResponse_Message `protobuf_oneof:"message"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -506,6 +513,15 @@ func (x *ConnectResponse) GetObjectUpdate() *ObjectUpdate {
 	return nil
 }
 
+func (x *ConnectResponse) GetObjectGone() *ObjectGone {
+	if x != nil {
+		if x, ok := x.Message.(*ConnectResponse_ObjectGone); ok {
+			return x.ObjectGone
+		}
+	}
+	return nil
+}
+
 type isConnectResponse_Message interface {
 	isConnectResponse_Message()
 }
@@ -551,6 +567,12 @@ type ConnectResponse_ObjectUpdate struct {
 	ObjectUpdate *ObjectUpdate `protobuf:"bytes,8,opt,name=object_update,json=objectUpdate,proto3,oneof"`
 }
 
+type ConnectResponse_ObjectGone struct {
+	// An object the process has handlers for is gone (deleted); sent only with
+	// CAPABILITY_OBJECT_GONE.
+	ObjectGone *ObjectGone `protobuf:"bytes,20,opt,name=object_gone,json=objectGone,proto3,oneof"`
+}
+
 func (*ConnectResponse_Welcome) isConnectResponse_Message() {}
 
 func (*ConnectResponse_Invocation) isConnectResponse_Message() {}
@@ -566,6 +588,8 @@ func (*ConnectResponse_ResultAck) isConnectResponse_Message() {}
 func (*ConnectResponse_Notice) isConnectResponse_Message() {}
 
 func (*ConnectResponse_ObjectUpdate) isConnectResponse_Message() {}
+
+func (*ConnectResponse_ObjectGone) isConnectResponse_Message() {}
 
 // Describes the software on one side of the stream, for diagnostics only.
 type SoftwareInfo struct {
@@ -1443,6 +1467,55 @@ func (x *ObjectUpdate) GetBody() *Json {
 	return nil
 }
 
+// An object is gone: the controller saw it deleted (its last finalizer removed). Sent only
+// with CAPABILITY_OBJECT_GONE, to the handler processes with handlers for its resource, best
+// effort (a congested stream misses it). Nothing is invoked for the object any more, except
+// index handlers, which get their own `IndexRequest.deleted`.
+type ObjectGone struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The object; `uid` identifies it.
+	Object        *ResourceRef `protobuf:"bytes,1,opt,name=object,proto3" json:"object,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ObjectGone) Reset() {
+	*x = ObjectGone{}
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ObjectGone) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ObjectGone) ProtoMessage() {}
+
+func (x *ObjectGone) ProtoReflect() protoreflect.Message {
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ObjectGone.ProtoReflect.Descriptor instead.
+func (*ObjectGone) Descriptor() ([]byte, []int) {
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *ObjectGone) GetObject() *ResourceRef {
+	if x != nil {
+		return x.Object
+	}
+	return nil
+}
+
 var File_capstan_v1_runtime_service_proto protoreflect.FileDescriptor
 
 const file_capstan_v1_runtime_service_proto_rawDesc = "" +
@@ -1457,7 +1530,7 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x04pong\x18\x05 \x01(\v2\x10.capstan.v1.PongH\x00R\x04pong\x12<\n" +
 	"\fflow_control\x18\x06 \x01(\v2\x17.capstan.v1.FlowControlH\x00R\vflowControl\x12/\n" +
 	"\agoodbye\x18\a \x01(\v2\x13.capstan.v1.GoodbyeH\x00R\agoodbyeB\t\n" +
-	"\amessage\"\xaf\x03\n" +
+	"\amessage\"\xea\x03\n" +
 	"\x0fConnectResponse\x12/\n" +
 	"\awelcome\x18\x01 \x01(\v2\x13.capstan.v1.WelcomeH\x00R\awelcome\x128\n" +
 	"\n" +
@@ -1469,7 +1542,9 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\n" +
 	"result_ack\x18\x06 \x01(\v2\x15.capstan.v1.ResultAckH\x00R\tresultAck\x12,\n" +
 	"\x06notice\x18\a \x01(\v2\x12.capstan.v1.NoticeH\x00R\x06notice\x12?\n" +
-	"\robject_update\x18\b \x01(\v2\x18.capstan.v1.ObjectUpdateH\x00R\fobjectUpdateB\t\n" +
+	"\robject_update\x18\b \x01(\v2\x18.capstan.v1.ObjectUpdateH\x00R\fobjectUpdate\x129\n" +
+	"\vobject_gone\x18\x14 \x01(\v2\x16.capstan.v1.ObjectGoneH\x00R\n" +
+	"objectGoneB\t\n" +
 	"\amessage\"X\n" +
 	"\fSoftwareInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
@@ -1532,7 +1607,10 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\vdiagnostics\x18\x02 \x03(\v2\x16.capstan.v1.DiagnosticR\vdiagnostics\"Y\n" +
 	"\fObjectUpdate\x12#\n" +
 	"\rinvocation_id\x18\x01 \x01(\tR\finvocationId\x12$\n" +
-	"\x04body\x18\x02 \x01(\v2\x10.capstan.v1.JsonR\x04body*\xbd\x01\n" +
+	"\x04body\x18\x02 \x01(\v2\x10.capstan.v1.JsonR\x04body\"=\n" +
+	"\n" +
+	"ObjectGone\x12/\n" +
+	"\x06object\x18\x01 \x01(\v2\x17.capstan.v1.ResourceRefR\x06object*\xd9\x01\n" +
 	"\n" +
 	"Capability\x12\x1a\n" +
 	"\x16CAPABILITY_UNSPECIFIED\x10\x00\x12\x19\n" +
@@ -1540,7 +1618,9 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x1dCAPABILITY_INVOCATION_UPDATES\x10\x02\x12\x1a\n" +
 	"\x16CAPABILITY_SDK_FILTERS\x10\x03\x12\x1a\n" +
 	"\x16CAPABILITY_SUBHANDLERS\x10\x04\x12\x1d\n" +
-	"\x19CAPABILITY_OBJECT_UPDATES\x10\x05*z\n" +
+	"\x19CAPABILITY_OBJECT_UPDATES\x10\x05\x12\x1a\n" +
+	"\x16CAPABILITY_OBJECT_GONE\x10\n" +
+	"*z\n" +
 	"\bLogLevel\x12\x19\n" +
 	"\x15LOG_LEVEL_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fLOG_LEVEL_DEBUG\x10\x01\x12\x12\n" +
@@ -1570,7 +1650,7 @@ func file_capstan_v1_runtime_service_proto_rawDescGZIP() []byte {
 }
 
 var file_capstan_v1_runtime_service_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_capstan_v1_runtime_service_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_capstan_v1_runtime_service_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_capstan_v1_runtime_service_proto_goTypes = []any{
 	(Capability)(0),               // 0: capstan.v1.Capability
 	(LogLevel)(0),                 // 1: capstan.v1.LogLevel
@@ -1590,63 +1670,66 @@ var file_capstan_v1_runtime_service_proto_goTypes = []any{
 	(*ResultAck)(nil),             // 15: capstan.v1.ResultAck
 	(*Notice)(nil),                // 16: capstan.v1.Notice
 	(*ObjectUpdate)(nil),          // 17: capstan.v1.ObjectUpdate
-	nil,                           // 18: capstan.v1.LogRecord.FieldsEntry
-	(*InvocationResult)(nil),      // 19: capstan.v1.InvocationResult
-	(*InvocationUpdate)(nil),      // 20: capstan.v1.InvocationUpdate
-	(*Invocation)(nil),            // 21: capstan.v1.Invocation
-	(*Cancel)(nil),                // 22: capstan.v1.Cancel
-	(*HandlerRegistration)(nil),   // 23: capstan.v1.HandlerRegistration
-	(*durationpb.Duration)(nil),   // 24: google.protobuf.Duration
-	(*RegistrationStatus)(nil),    // 25: capstan.v1.RegistrationStatus
-	(*timestamppb.Timestamp)(nil), // 26: google.protobuf.Timestamp
-	(*ResourceRef)(nil),           // 27: capstan.v1.ResourceRef
-	(*Diagnostic)(nil),            // 28: capstan.v1.Diagnostic
-	(*Json)(nil),                  // 29: capstan.v1.Json
+	(*ObjectGone)(nil),            // 18: capstan.v1.ObjectGone
+	nil,                           // 19: capstan.v1.LogRecord.FieldsEntry
+	(*InvocationResult)(nil),      // 20: capstan.v1.InvocationResult
+	(*InvocationUpdate)(nil),      // 21: capstan.v1.InvocationUpdate
+	(*Invocation)(nil),            // 22: capstan.v1.Invocation
+	(*Cancel)(nil),                // 23: capstan.v1.Cancel
+	(*HandlerRegistration)(nil),   // 24: capstan.v1.HandlerRegistration
+	(*durationpb.Duration)(nil),   // 25: google.protobuf.Duration
+	(*RegistrationStatus)(nil),    // 26: capstan.v1.RegistrationStatus
+	(*timestamppb.Timestamp)(nil), // 27: google.protobuf.Timestamp
+	(*ResourceRef)(nil),           // 28: capstan.v1.ResourceRef
+	(*Diagnostic)(nil),            // 29: capstan.v1.Diagnostic
+	(*Json)(nil),                  // 30: capstan.v1.Json
 }
 var file_capstan_v1_runtime_service_proto_depIdxs = []int32{
 	6,  // 0: capstan.v1.ConnectRequest.hello:type_name -> capstan.v1.Hello
-	19, // 1: capstan.v1.ConnectRequest.result:type_name -> capstan.v1.InvocationResult
-	20, // 2: capstan.v1.ConnectRequest.update:type_name -> capstan.v1.InvocationUpdate
+	20, // 1: capstan.v1.ConnectRequest.result:type_name -> capstan.v1.InvocationResult
+	21, // 2: capstan.v1.ConnectRequest.update:type_name -> capstan.v1.InvocationUpdate
 	9,  // 3: capstan.v1.ConnectRequest.log:type_name -> capstan.v1.LogRecord
 	11, // 4: capstan.v1.ConnectRequest.pong:type_name -> capstan.v1.Pong
 	12, // 5: capstan.v1.ConnectRequest.flow_control:type_name -> capstan.v1.FlowControl
 	13, // 6: capstan.v1.ConnectRequest.goodbye:type_name -> capstan.v1.Goodbye
 	8,  // 7: capstan.v1.ConnectResponse.welcome:type_name -> capstan.v1.Welcome
-	21, // 8: capstan.v1.ConnectResponse.invocation:type_name -> capstan.v1.Invocation
-	22, // 9: capstan.v1.ConnectResponse.cancel:type_name -> capstan.v1.Cancel
+	22, // 8: capstan.v1.ConnectResponse.invocation:type_name -> capstan.v1.Invocation
+	23, // 9: capstan.v1.ConnectResponse.cancel:type_name -> capstan.v1.Cancel
 	10, // 10: capstan.v1.ConnectResponse.ping:type_name -> capstan.v1.Ping
 	14, // 11: capstan.v1.ConnectResponse.drain:type_name -> capstan.v1.Drain
 	15, // 12: capstan.v1.ConnectResponse.result_ack:type_name -> capstan.v1.ResultAck
 	16, // 13: capstan.v1.ConnectResponse.notice:type_name -> capstan.v1.Notice
 	17, // 14: capstan.v1.ConnectResponse.object_update:type_name -> capstan.v1.ObjectUpdate
-	0,  // 15: capstan.v1.Hello.capabilities:type_name -> capstan.v1.Capability
-	5,  // 16: capstan.v1.Hello.sdk:type_name -> capstan.v1.SoftwareInfo
-	23, // 17: capstan.v1.Hello.handlers:type_name -> capstan.v1.HandlerRegistration
-	24, // 18: capstan.v1.Limits.ping_interval:type_name -> google.protobuf.Duration
-	24, // 19: capstan.v1.Limits.ping_timeout:type_name -> google.protobuf.Duration
-	24, // 20: capstan.v1.Limits.cancel_grace_period:type_name -> google.protobuf.Duration
-	0,  // 21: capstan.v1.Welcome.capabilities:type_name -> capstan.v1.Capability
-	5,  // 22: capstan.v1.Welcome.runtime:type_name -> capstan.v1.SoftwareInfo
-	7,  // 23: capstan.v1.Welcome.limits:type_name -> capstan.v1.Limits
-	25, // 24: capstan.v1.Welcome.registrations:type_name -> capstan.v1.RegistrationStatus
-	1,  // 25: capstan.v1.LogRecord.level:type_name -> capstan.v1.LogLevel
-	26, // 26: capstan.v1.LogRecord.time:type_name -> google.protobuf.Timestamp
-	18, // 27: capstan.v1.LogRecord.fields:type_name -> capstan.v1.LogRecord.FieldsEntry
-	2,  // 28: capstan.v1.LogRecord.posting:type_name -> capstan.v1.EventPosting
-	27, // 29: capstan.v1.LogRecord.object:type_name -> capstan.v1.ResourceRef
-	26, // 30: capstan.v1.Ping.sent_time:type_name -> google.protobuf.Timestamp
-	24, // 31: capstan.v1.Drain.grace_period:type_name -> google.protobuf.Duration
-	26, // 32: capstan.v1.Drain.start_time:type_name -> google.protobuf.Timestamp
-	28, // 33: capstan.v1.ResultAck.diagnostics:type_name -> capstan.v1.Diagnostic
-	28, // 34: capstan.v1.Notice.diagnostics:type_name -> capstan.v1.Diagnostic
-	29, // 35: capstan.v1.ObjectUpdate.body:type_name -> capstan.v1.Json
-	3,  // 36: capstan.v1.RuntimeService.Connect:input_type -> capstan.v1.ConnectRequest
-	4,  // 37: capstan.v1.RuntimeService.Connect:output_type -> capstan.v1.ConnectResponse
-	37, // [37:38] is the sub-list for method output_type
-	36, // [36:37] is the sub-list for method input_type
-	36, // [36:36] is the sub-list for extension type_name
-	36, // [36:36] is the sub-list for extension extendee
-	0,  // [0:36] is the sub-list for field type_name
+	18, // 15: capstan.v1.ConnectResponse.object_gone:type_name -> capstan.v1.ObjectGone
+	0,  // 16: capstan.v1.Hello.capabilities:type_name -> capstan.v1.Capability
+	5,  // 17: capstan.v1.Hello.sdk:type_name -> capstan.v1.SoftwareInfo
+	24, // 18: capstan.v1.Hello.handlers:type_name -> capstan.v1.HandlerRegistration
+	25, // 19: capstan.v1.Limits.ping_interval:type_name -> google.protobuf.Duration
+	25, // 20: capstan.v1.Limits.ping_timeout:type_name -> google.protobuf.Duration
+	25, // 21: capstan.v1.Limits.cancel_grace_period:type_name -> google.protobuf.Duration
+	0,  // 22: capstan.v1.Welcome.capabilities:type_name -> capstan.v1.Capability
+	5,  // 23: capstan.v1.Welcome.runtime:type_name -> capstan.v1.SoftwareInfo
+	7,  // 24: capstan.v1.Welcome.limits:type_name -> capstan.v1.Limits
+	26, // 25: capstan.v1.Welcome.registrations:type_name -> capstan.v1.RegistrationStatus
+	1,  // 26: capstan.v1.LogRecord.level:type_name -> capstan.v1.LogLevel
+	27, // 27: capstan.v1.LogRecord.time:type_name -> google.protobuf.Timestamp
+	19, // 28: capstan.v1.LogRecord.fields:type_name -> capstan.v1.LogRecord.FieldsEntry
+	2,  // 29: capstan.v1.LogRecord.posting:type_name -> capstan.v1.EventPosting
+	28, // 30: capstan.v1.LogRecord.object:type_name -> capstan.v1.ResourceRef
+	27, // 31: capstan.v1.Ping.sent_time:type_name -> google.protobuf.Timestamp
+	25, // 32: capstan.v1.Drain.grace_period:type_name -> google.protobuf.Duration
+	27, // 33: capstan.v1.Drain.start_time:type_name -> google.protobuf.Timestamp
+	29, // 34: capstan.v1.ResultAck.diagnostics:type_name -> capstan.v1.Diagnostic
+	29, // 35: capstan.v1.Notice.diagnostics:type_name -> capstan.v1.Diagnostic
+	30, // 36: capstan.v1.ObjectUpdate.body:type_name -> capstan.v1.Json
+	28, // 37: capstan.v1.ObjectGone.object:type_name -> capstan.v1.ResourceRef
+	3,  // 38: capstan.v1.RuntimeService.Connect:input_type -> capstan.v1.ConnectRequest
+	4,  // 39: capstan.v1.RuntimeService.Connect:output_type -> capstan.v1.ConnectResponse
+	39, // [39:40] is the sub-list for method output_type
+	38, // [38:39] is the sub-list for method input_type
+	38, // [38:38] is the sub-list for extension type_name
+	38, // [38:38] is the sub-list for extension extendee
+	0,  // [0:38] is the sub-list for field type_name
 }
 
 func init() { file_capstan_v1_runtime_service_proto_init() }
@@ -1675,6 +1758,7 @@ func file_capstan_v1_runtime_service_proto_init() {
 		(*ConnectResponse_ResultAck)(nil),
 		(*ConnectResponse_Notice)(nil),
 		(*ConnectResponse_ObjectUpdate)(nil),
+		(*ConnectResponse_ObjectGone)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1682,7 +1766,7 @@ func file_capstan_v1_runtime_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_capstan_v1_runtime_service_proto_rawDesc), len(file_capstan_v1_runtime_service_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   16,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

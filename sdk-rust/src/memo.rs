@@ -1,0 +1,203 @@
+//! Memos (kopf's `memo`): runtime-only values kept in this process between handler calls.
+//!
+//! Every object has its own [`Memo`], which lives from the first invocation for the object
+//! until the controller says the object is gone (`ObjectGone`; without that capability, until
+//! the process ends). It starts as a shallow copy of the operator-wide memo
+//! ([`crate::Registry::memo`]): the same values, shared, under the same keys; keys added later
+//! to either side stay on that side. Activities (startup, cleanup, login, probe) get the
+//! operator-wide memo itself, as in kopf.
+//!
+//! Values are any `Send + Sync + 'static` Rust value (a client, a channel, a counter), stored
+//! behind an `Arc`; nothing is serialised, nothing is written to the cluster. A new connection
+//! to the controller keeps the memos: they belong to the process, not to the stream.
+
+use std::{
+    any::Any,
+    collections::{BTreeMap, HashMap},
+    sync::Arc,
+};
+
+use parking_lot::Mutex;
+
+type Value = Arc<dyn Any + Send + Sync>;
+
+/// A map of runtime values (kopf's `kopf.Memo`). Cheap to clone: clones share the same map.
+#[derive(Clone, Default)]
+pub struct Memo {
+    values: Arc<Mutex<BTreeMap<String, Value>>>,
+}
+
+impl std::fmt::Debug for Memo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Memo").field("keys", &self.keys()).finish()
+    }
+}
+
+impl Memo {
+    /// An empty memo.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The value under `key`, if there is one of type `T`.
+    pub fn get<T: Any + Send + Sync>(&self, key: &str) -> Option<Arc<T>> {
+        self.values
+            .lock()
+            .get(key)
+            .cloned()
+            .and_then(|v| v.downcast::<T>().ok())
+    }
+
+    /// Stores `value` under `key`, replacing what was there.
+    pub fn insert<T: Any + Send + Sync>(&self, key: impl Into<String>, value: T) {
+        self.values.lock().insert(key.into(), Arc::new(value));
+    }
+
+    /// The value under `key`; when there is none of type `T`, stores `make()` first. The check
+    /// and the store are one step, so concurrent handlers of the same object agree.
+    pub fn get_or_insert_with<T: Any + Send + Sync>(&self, key: &str, make: impl FnOnce() -> T) -> Arc<T> {
+        let mut values = self.values.lock();
+        if let Some(existing) = values.get(key).cloned().and_then(|v| v.downcast::<T>().ok()) {
+            return existing;
+        }
+        let made = Arc::new(make());
+        values.insert(key.to_owned(), made.clone());
+        made
+    }
+
+    /// Removes the value under `key`; returns whether there was one.
+    pub fn remove(&self, key: &str) -> bool {
+        self.values.lock().remove(key).is_some()
+    }
+
+    /// Whether there is a value under `key`.
+    pub fn contains_key(&self, key: &str) -> bool {
+        self.values.lock().contains_key(key)
+    }
+
+    /// The keys, sorted.
+    pub fn keys(&self) -> Vec<String> {
+        self.values.lock().keys().cloned().collect()
+    }
+
+    /// How many values.
+    pub fn len(&self) -> usize {
+        self.values.lock().len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A new memo with the same values (shared) under the same keys.
+    fn shallow_copy(&self) -> Self {
+        Self {
+            values: Arc::new(Mutex::new(self.values.lock().clone())),
+        }
+    }
+}
+
+/// The operator-wide memo and the memos of the objects seen, by uid.
+#[derive(Clone, Default, Debug)]
+pub(crate) struct Memos {
+    operator: Memo,
+    objects: Arc<Mutex<HashMap<String, Memo>>>,
+}
+
+impl Memos {
+    /// Memos starting from `operator`.
+    pub(crate) fn new(operator: Memo) -> Self {
+        Self {
+            operator,
+            objects: Arc::default(),
+        }
+    }
+
+    /// The operator-wide memo.
+    pub(crate) fn operator(&self) -> &Memo {
+        &self.operator
+    }
+
+    /// The memo of the object `uid`, made on first sight from the operator-wide memo.
+    pub(crate) fn object(&self, uid: &str) -> Memo {
+        if uid.is_empty() {
+            return self.operator.clone();
+        }
+        self.objects
+            .lock()
+            .entry(uid.to_owned())
+            .or_insert_with(|| self.operator.shallow_copy())
+            .clone()
+    }
+
+    /// Drops the memo of an object that went away.
+    pub(crate) fn forget(&self, uid: &str) -> bool {
+        self.objects.lock().remove(uid).is_some()
+    }
+
+    /// How many objects have a memo.
+    pub(crate) fn objects(&self) -> usize {
+        self.objects.lock().len()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+
+    #[test]
+    fn values_of_any_type_are_kept_and_typed() {
+        let memo = Memo::new();
+        memo.insert("count", 3_u32);
+        assert_eq!(*memo.get::<u32>("count").unwrap(), 3);
+        assert!(
+            memo.get::<String>("count").is_none(),
+            "a different type is not there"
+        );
+        let counter = memo.get_or_insert_with("calls", || AtomicU32::new(0));
+        counter.fetch_add(1, Ordering::SeqCst);
+        let again = memo.get_or_insert_with("calls", || AtomicU32::new(100));
+        assert_eq!(again.load(Ordering::SeqCst), 1, "the same value is returned");
+        assert_eq!(memo.keys(), ["calls", "count"]);
+        assert!(memo.remove("count"));
+        assert!(!memo.contains_key("count"));
+        assert_eq!(memo.len(), 1);
+    }
+
+    #[test]
+    fn object_memos_start_as_a_shallow_copy_of_the_operator_memo() {
+        let operator = Memo::new();
+        operator.insert("shared", AtomicU32::new(0));
+        let memos = Memos::new(operator.clone());
+        let a = memos.object("uid-a");
+        a.get::<AtomicU32>("shared")
+            .unwrap()
+            .fetch_add(1, Ordering::SeqCst);
+        assert_eq!(
+            operator
+                .get::<AtomicU32>("shared")
+                .unwrap()
+                .load(Ordering::SeqCst),
+            1,
+            "values are shared"
+        );
+        a.insert("own", "a");
+        assert!(!operator.contains_key("own"), "keys are not");
+        assert!(memos.object("uid-a").contains_key("own"), "kept between calls");
+        assert!(!memos.object("uid-b").contains_key("own"), "per object");
+        assert!(memos.forget("uid-a"));
+        assert!(
+            !memos.object("uid-a").contains_key("own"),
+            "dropped when the object goes away"
+        );
+        assert_eq!(memos.objects(), 2);
+        assert!(
+            memos.object("").contains_key("shared"),
+            "no object: the operator memo"
+        );
+    }
+}
