@@ -19,6 +19,7 @@ from capstan.errors import (  # noqa: E402
 )
 from capstan.events import event, exception, info, warn  # noqa: E402
 from capstan.filters import all_, any_, none_  # noqa: E402
+from capstan.indexes import Index, Store  # noqa: E402
 from capstan.invoke import register, subhandler  # noqa: E402
 from capstan.on import daemon, index, timer  # noqa: E402
 from capstan.owners import (  # noqa: E402
@@ -40,5 +41,5 @@ __all__ = [
     "SyncDaemonStopped", "DaemonStoppingReason", "ConnectionInfo", "PRESENT", "ABSENT", "Registry", "Resource",
     "default_registry", "adopt", "append_owner_reference", "remove_owner_reference", "build_owner_reference",
     "harmonize_naming", "adjust_namespace", "label", "event", "info", "warn", "exception",
-    "all_", "any_", "none_", "Reason",
+    "all_", "any_", "none_", "Reason", "Index", "Store",
 ]

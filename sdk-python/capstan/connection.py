@@ -20,6 +20,7 @@ import grpc
 
 from capstan import __version__, events, wire
 from capstan.errors import ConnectionFatal
+from capstan.indexes import Indexes
 from capstan.invoke import Running, run
 from capstan.registry import Registry
 from capstan.structs import DaemonStoppingReason, Memo
@@ -136,6 +137,8 @@ class Operator:
         self.instance_id = str(uuid.uuid4())
         self.executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="capstan-handler")
         self.by_id = {h.id: h for h in registry.handlers}
+        registry.check()
+        self.indexes = Indexes(registry.index_names())
         self.flow = {}  # handler id ("" for the process) -> the cap set with set_max_in_flight
         self.session = None
 
@@ -156,7 +159,7 @@ class Operator:
     def hello(self):
         return rs.ConnectRequest(hello=rs.Hello(
             capabilities=[rs.CAPABILITY_RESULT_ACK, rs.CAPABILITY_SDK_FILTERS, rs.CAPABILITY_SUBHANDLERS,
-                          rs.CAPABILITY_OBJECT_UPDATES],
+                          rs.CAPABILITY_OBJECT_UPDATES, rs.CAPABILITY_OBJECT_GONE],
             sdk=rs.SoftwareInfo(name="capstan-python", version=__version__, language="python"),
             instance_id=self.instance_id,
             handlers=[wire.registration(h) for h in self.registry.handlers],
@@ -208,6 +211,8 @@ class Operator:
             writer = asyncio.create_task(self._writer(session))
             stopper = asyncio.create_task(self._stop_on_signal(session))
             self.session = session
+            # The controller feeds every object to the index handlers again on a new stream.
+            self.indexes.clear()
             try:
                 await session.queue.put(self.hello())
                 # Caps set with set_max_in_flight hold on every connection (0, a pause, has no
@@ -281,6 +286,9 @@ class Operator:
                 entry = session.running.get(message.object_update.invocation_id)
                 if entry is not None and message.object_update.body.json:
                     entry[0].body._replace(json.loads(message.object_update.body.json))
+            elif which == "object_gone":
+                # The object is gone: its memo goes with it (kopf drops memos of deleted objects).
+                self.memos.forget(message.object_gone.object.uid)
             elif which == "drain":
                 session.draining = True
                 log.info("the controller is draining (%s)", message.drain.reason)
@@ -323,6 +331,7 @@ class Operator:
         call.event_sink = session.event_sink(message.invocation_id)
         uid = (call.body.get("metadata") or {}).get("uid") if isinstance(call.body, dict) else None
         call.memo = self.memos.of(uid)
+        call.indexes = self.indexes
         running = Running(call)
         task = asyncio.create_task(self._invoke(session, running, uid))
         session.running[message.invocation_id] = (running, task)

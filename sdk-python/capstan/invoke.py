@@ -20,6 +20,7 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 from capstan.errors import PermanentError, RegistrationError, TemporaryError
+from capstan.indexes import KEEP, REMOVE, change_of
 from capstan.registry import Handler, build_handler
 from capstan.structs import (
     Body, DaemonStopped, Diff, Memo, Patch, SyncDaemonStopped, _Stop,
@@ -61,6 +62,10 @@ class Call:
     log_sink: Optional[Callable[[int, str], None]] = None
     event_sink: Optional[Callable[[dict], None]] = None
     invocation_id: str = ""
+    # This process's indexes (every handler reads them by name), and for an index handler's
+    # call whether its object is leaving the index.
+    indexes: Any = None
+    index_deleted: bool = False
 
 
 @dataclasses.dataclass
@@ -185,6 +190,8 @@ def kwargs_for(call: Call, handler: Handler, running: Running, logger, patch, re
         values.update(event={"type": call.event_type, "object": body._data}, type=call.event_type)
     if handler.kind == "daemon":
         values["stopped"] = DaemonStopped(running.stop) if handler.is_async else SyncDaemonStopped(running.stop)
+    if call.indexes is not None:
+        values.update(call.indexes.views())
     if handler.takes is not None:
         values = {k: v for k, v in values.items() if k in handler.takes}
     return values
@@ -330,6 +337,8 @@ async def run(running: Running, executor=None) -> Outcome:
     patch = Patch()
     token = _current.set(running)
     try:
+        if handler.kind == "index":
+            return await _run_index(running, handler, logger, retry, executor)
         if handler.sdk_filters:
             kwargs_all = kwargs_for(call, dataclasses.replace(handler, takes=None), running, logger, patch, retry,
                                     call.started)
@@ -361,6 +370,48 @@ async def run(running: Running, executor=None) -> Outcome:
     finally:
         _current.reset(token)
         logger.close()
+
+
+async def _run_index(running: Running, handler: Handler, logger, retry, executor) -> Outcome:
+    """An index handler's call: folds its result into the process's index (kopf's rules, see
+    `capstan.indexes`); an object leaving the index loses its entries without a call."""
+    call = running.call
+    meta = call.body.get("metadata") or {}
+    obj = (meta.get("namespace") or "", meta.get("name") or "", meta.get("uid") or "")
+    indexes = call.indexes
+    if call.index_deleted:
+        if indexes is not None:
+            indexes.apply(handler.id, obj, REMOVE)
+        return Outcome("success")
+    if handler.sdk_filters:
+        kwargs_all = kwargs_for(call, dataclasses.replace(handler, takes=None), running, logger, None, retry, call.started)
+        if not _sdk_filters_pass(handler, kwargs_all):
+            return Outcome("skipped")
+    try:
+        value = await _execute(handler, kwargs_for(call, handler, running, logger, None, retry, call.started), executor)
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:  # the handler's failure: its object leaves the index (or keeps it)
+        outcome = _classify(error, handler.id)
+    else:
+        try:
+            change = change_of(handler.id, value)
+        except TypeError as error:  # a result the index cannot hold: the handler's mistake
+            outcome = Outcome("permanent", message=str(error), error_type="TypeError")
+        else:
+            if indexes is not None:
+                indexes.apply(handler.id, obj, change)
+            return Outcome("success")
+    mode = handler.errors.value if handler.errors is not None else "ignored"
+    if outcome.status == "unclassified" and mode == "ignored":
+        change = KEEP  # kopf keeps the stale values of an ignored error
+    else:
+        change = REMOVE
+    if indexes is not None:
+        indexes.apply(handler.id, obj, change)
+    logger.log(logging.ERROR if outcome.status != "temporary" else logging.WARNING,
+               "Index handler %r failed: %s", handler.id, outcome.message)
+    return outcome
 
 
 async def _run_subhandlers(parent: Running, outcome: Outcome, logger, executor, prefix):

@@ -3,7 +3,7 @@
 that handlers remain plain functions for tests.
 
 Unknown options are not lost in `**kwargs`: they fail at decoration with the handler's name.
-Kinds that this controller does not run yet (index, validate, mutate) fail at decoration too.
+Kinds that this controller does not run yet (validate, mutate) fail at decoration too.
 """
 
 from capstan.errors import RegistrationError
@@ -111,7 +111,13 @@ def _unsupported(kind):
 
 validate = _unsupported("validate")
 mutate = _unsupported("mutate")
-index = _unsupported("index")
+
+
+def index(*resource, **options):
+    """kopf's index: called for every object of the resource (and on every change); its
+    results form an index that every handler of this process reads by the index's name as a
+    kwarg. No other handler runs before every index is built."""
+    return _decorator("index", resource, options, allowed=_COMMON + _FILTERS)
 
 _DAEMON_OPTIONS = ("initial_delay", "cancellation_backoff", "cancellation_timeout",
                    "cancellation_polling", "requires_finalizer")

@@ -20,11 +20,10 @@ from capstan.structs import ABSENT, PRESENT
 
 #: Kinds the SDK registers with the controller (kopf's names).
 CHANGE_KINDS = ("create", "update", "delete", "resume", "field")
-RESOURCE_KINDS = CHANGE_KINDS + ("event", "daemon", "timer")
+RESOURCE_KINDS = CHANGE_KINDS + ("event", "daemon", "timer", "index")
 ACTIVITY_KINDS = ("startup", "cleanup", "login", "probe")
 #: Kinds this controller rejects with UNSUPPORTED_HANDLER_KIND today.
 UNSUPPORTED_KINDS = {
-    "index": "capstan.index (in-memory indices)",
     "validate": "capstan.on.validate (validating admission webhooks)",
     "mutate": "capstan.on.mutate (mutating admission webhooks)",
 }
@@ -43,6 +42,8 @@ KWARGS = {
     "event": _RESOURCE_KWARGS | {"event", "type"},
     "daemon": _RESOURCE_KWARGS | {"stopped"},
     "timer": _RESOURCE_KWARGS,
+    # Index handlers change nothing: what they return is the index.
+    "index": _RESOURCE_KWARGS - {"patch"},
     "startup": _ACTIVITY_KWARGS,
     "cleanup": _ACTIVITY_KWARGS,
     "login": _ACTIVITY_KWARGS,
@@ -51,8 +52,8 @@ KWARGS = {
 #: kopf kwargs that need parts of kopf this controller does not have, and what to do instead.
 _UNSUPPORTED_KWARGS = {
     "settings": "operator settings belong to the controller: use its command-line flags",
-    "indices": "indices are not supported by this controller yet",
-    "indexes": "indices are not supported by this controller yet",
+    "indices": "read an index by its name as a kwarg (kopf's way), e.g. def fn(by_label, **_)",
+    "indexes": "read an index by its name as a kwarg (kopf's way), e.g. def fn(by_label, **_)",
     "warnings": "admission handlers are not supported by this controller yet",
     "userinfo": "admission handlers are not supported by this controller yet",
     "dryrun": "admission handlers are not supported by this controller yet",
@@ -157,6 +158,9 @@ class Handler:
     options: Dict[str, Any] = dataclasses.field(default_factory=dict)
     is_async: bool = False
     takes: Optional[frozenset] = None  # None: the handler takes **kwargs
+    # Kwargs the handler names that are no kwarg of its kind: they must be index names, which
+    # are known only once every handler is registered (`Registry.check`).
+    wants: frozenset = frozenset()
 
     @functools.cached_property
     def sdk_filters(self):
@@ -195,15 +199,17 @@ def _check_json(fn_name, option, value):
 
 
 def _signature(fn, kind, handler_id):
-    """The kwargs the handler accepts (None for **kwargs), checked against the kind's."""
+    """The kwargs the handler accepts (None for **kwargs), and those it needs that are no kwarg
+    of its kind (they must be index names: `Registry.check`)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        return None
-    takes = set()
+        return None, frozenset()
+    takes, wants = set(), set()
     for p in sig.parameters.values():
         if p.kind is inspect.Parameter.VAR_KEYWORD:
-            return None
+            # **kwargs takes everything; the names before it must still be given.
+            return None, frozenset(wants)
         if p.kind is inspect.Parameter.VAR_POSITIONAL:
             continue
         if p.kind is inspect.Parameter.POSITIONAL_ONLY:
@@ -212,15 +218,10 @@ def _signature(fn, kind, handler_id):
             continue
         if p.name in _UNSUPPORTED_KWARGS:
             raise RegistrationError(f"handler {handler_id!r}: kwarg {p.name!r} is not supported: {_UNSUPPORTED_KWARGS[p.name]}")
-        if p.name not in KWARGS[kind]:
-            if p.default is not inspect.Parameter.empty:
-                continue
-            raise RegistrationError(
-                f"handler {handler_id!r}: unknown kwarg {p.name!r} for {kind} handlers "
-                f"(known: {', '.join(sorted(KWARGS[kind]))})"
-            )
         takes.add(p.name)
-    return frozenset(takes)
+        if p.name not in KWARGS[kind] and p.default is inspect.Parameter.empty:
+            wants.add(p.name)
+    return frozenset(takes), frozenset(wants)
 
 
 def _qualname(fn):
@@ -246,6 +247,24 @@ class Registry:
                 raise RegistrationError(f"handler {handler.id!r} is registered twice for {handler.resource or 'the operator'}; give one of them another id=")
         self.handlers.append(handler)
         return handler
+
+    def index_names(self):
+        """The ids of the index handlers: the kwargs that give handlers their indexes."""
+        return [h.id for h in self.handlers if h.kind == "index"]
+
+    def check(self):
+        """Checks what only the whole registry can tell: every kwarg a handler names that is
+        no kwarg of its kind must be an index's name. Raises `RegistrationError`."""
+        indexes = set(self.index_names())
+        for h in self.handlers:
+            unknown = sorted(h.wants - indexes)
+            if unknown:
+                known = sorted(KWARGS[h.kind] | indexes)
+                what = "kwarg" if len(unknown) == 1 else "kwargs"
+                raise RegistrationError(
+                    f"handler {h.id!r}: unknown {what} {', '.join(map(repr, unknown))} for {h.kind} handlers "
+                    f"(known: {', '.join(known)}; indexes are kwargs by their names)"
+                )
 
 
 def build_handler(kind, fn, *, id=None, resource=None, errors=None, retries=None, backoff=None,
@@ -300,14 +319,14 @@ def build_handler(kind, fn, *, id=None, resource=None, errors=None, retries=None
         raise RegistrationError(f"handler {handler_id!r}: deleted= applies to resume handlers only")
     if kind in ACTIVITY_KINDS and any(x is not None for x in (labels, annotations, field, value, when)):
         raise RegistrationError(f"handler {handler_id!r}: {kind} handlers take no object filters")
-    takes = _signature(fn, kind, handler_id)
+    takes, wants = _signature(fn, kind, handler_id)
     return Handler(
         fn=fn, kind=kind, id=handler_id, resource=resource, errors=errors, retries=retries,
         backoff=backoff, timeout=timeout, param=param, max_in_flight=max_in_flight, labels=labels,
         annotations=annotations, field=field_path, value=value, old=old, new=new, when=when, optional=bool(optional),
         deleted=bool(deleted), options=dict(options or {}),
         is_async=asyncio.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn),
-        takes=takes,
+        takes=takes, wants=wants,
     )
 
 

@@ -19,6 +19,7 @@ import logging
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
+from capstan.indexes import Indexes
 from capstan.invoke import Call, Outcome, Running, SubState, run
 from capstan.registry import Registry, default_registry
 from capstan.structs import DaemonStoppingReason, Diff, DiffItem, DiffOperation, Memo, Reason
@@ -85,7 +86,10 @@ class TestKit:
 
     def __init__(self, registry: Optional[Registry] = None, memo: Optional[Memo] = None):
         self.registry = registry or default_registry
+        self.registry.check()
         self.memo = memo if memo is not None else Memo()
+        #: The indexes, filled by `index()` as the controller would before other handlers run.
+        self.indexes = Indexes(self.registry.index_names())
 
     def handler(self, handler_id):
         for h in self.registry.handlers:
@@ -99,7 +103,7 @@ class TestKit:
         raise KeyError(f"no handler {handler_id!r} is registered (registered: {known})")
 
     def _call(self, handler_id, body, *, reason=None, old=None, new=None, diff=None, attempt=1, event_type=None,
-              subhandlers=None, started=None, logs=None, events=None):
+              subhandlers=None, started=None, logs=None, events=None, deleted=False):
         handler = self.handler(handler_id)
         if reason is None and handler.kind in ("create", "update", "delete", "resume"):
             reason = handler.kind
@@ -118,7 +122,8 @@ class TestKit:
         return Call(handler=handler, body=dict(body or {}), attempt=attempt, reason=reason, old=old, new=new,
                     diff=diff, event_type=event_type, memo=self.memo, subhandlers=states, log_sink=sink,
                     event_sink=events.append if events is not None else None,
-                    started=started or datetime.datetime.now(datetime.timezone.utc), invocation_id="test")
+                    started=started or datetime.datetime.now(datetime.timezone.utc), invocation_id="test",
+                    indexes=self.indexes, index_deleted=deleted)
 
     def invoke(self, handler_id, body=None, **call) -> Result:
         """Runs one handler once and returns what it did. `reason`, `old`, `new`, `diff`
@@ -132,6 +137,12 @@ class TestKit:
         running = Running(self._call(handler_id, body, logs=logs, events=events, **call))
         outcome = await run(running)
         return Result(outcome, logs, events)
+
+    def index(self, handler_id, body, *, deleted=False) -> Result:
+        """Feeds one object to an index handler (`deleted=True`: the object leaves the index,
+        without a call), as the controller does for every object; every handler invoked
+        afterwards reads the index by its name."""
+        return self.invoke(handler_id, body, deleted=deleted)
 
     def daemon(self, handler_id, body=None) -> "DaemonRun":
         """Starts a daemon in a background loop; `stop()` asks it to stop and returns its

@@ -21,6 +21,7 @@ _KINDS = {
     "daemon": reg.HANDLER_KIND_DAEMON, "timer": reg.HANDLER_KIND_TIMER,
     "startup": reg.HANDLER_KIND_STARTUP, "cleanup": reg.HANDLER_KIND_CLEANUP,
     "login": reg.HANDLER_KIND_LOGIN, "probe": reg.HANDLER_KIND_PROBE,
+    "index": reg.HANDLER_KIND_INDEX,
 }
 _ERRORS = {
     ErrorsMode.TEMPORARY: reg.ERRORS_MODE_TEMPORARY,
@@ -157,6 +158,8 @@ def call_of(msg: inv.Invocation, handler: Handler) -> Call:
         )
     elif payload == "event":
         call.event_type = _EVENTS.get(msg.event.type)
+    elif payload == "index":
+        call.index_deleted = msg.index.deleted
     for st in msg.subhandlers:
         call.subhandlers[st.subhandler_id] = SubState(
             retries=st.retries, success=st.success, failure=st.failure,

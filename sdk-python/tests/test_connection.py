@@ -314,3 +314,58 @@ def test_flow_control_is_sent_at_once_from_a_handler_and_again_after_a_reconnect
             await server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_index_invocations_fill_the_index_and_object_gone_drops_the_memo(socket_path):
+    registry = Registry()
+
+    @capstan.index("examples", registry=registry, id="by_field")
+    def by_field(spec, **_):
+        return {spec.get("field"): True}
+
+    @capstan.on.create("examples", registry=registry, id="reader")
+    def reader(by_field, memo, **_):
+        memo.seen = memo.get("seen", 0) + 1
+        return {"keys": sorted(by_field), "seen": memo.seen}
+
+    async def scenario():
+        server, fake = await _serve(socket_path)
+        stop = asyncio.Event()
+        op = Operator(registry, endpoint=f"unix://{socket_path}", stop=stop)
+        runner = asyncio.create_task(op.run())
+        try:
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            from capstan.v1 import registration_pb2 as reg
+            assert [h.kind for h in hello.handlers] == [reg.HANDLER_KIND_INDEX, reg.HANDLER_KIND_CREATE]
+            assert rs.CAPABILITY_OBJECT_GONE in hello.capabilities
+            await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(
+                connection_id="c1", registrations=_registration_status(hello))))
+
+            async def call(i, handler, body, **payload):
+                await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
+                    invocation_id=i, handler_id=handler, attempt=1, body=body, **payload)))
+                return await _next(incoming, "result")
+
+            for i, (name, field) in enumerate([("one", "a"), ("two", "b")]):
+                r = await call(f"x{i}", "by_field", _body(name, field), index=inv.IndexRequest())
+                assert r.WhichOneof("outcome") == "success"
+            r = await call("r1", "reader", _body("one", "a"), change=inv.ResourceChange(reason=inv.CHANGE_REASON_CREATE))
+            assert json.loads(r.success.result.json) == {"keys": ["a", "b"], "seen": 1}
+            # Leaving the index: no call, the entries go.
+            r = await call("x9", "by_field", _body("two", "b"), index=inv.IndexRequest(deleted=True))
+            assert r.WhichOneof("outcome") == "success"
+            r = await call("r2", "reader", _body("one", "a"), change=inv.ResourceChange(reason=inv.CHANGE_REASON_CREATE))
+            assert json.loads(r.success.result.json) == {"keys": ["a"], "seen": 2}
+            # The object is gone: its memo goes with it.
+            await outgoing.put(rs.ConnectResponse(object_gone=rs.ObjectGone(object=common.ResourceRef(uid="u-one"))))
+            r = await call("r3", "reader", _body("one", "a"), change=inv.ResourceChange(reason=inv.CHANGE_REASON_CREATE))
+            assert json.loads(r.success.result.json) == {"keys": ["a"], "seen": 1}
+            stop.set()
+            await outgoing.put(None)
+            await asyncio.wait_for(runner, T)
+        finally:
+            runner.cancel()
+            await server.stop(0)
+
+    asyncio.run(scenario())
