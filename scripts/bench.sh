@@ -93,7 +93,7 @@ fi
 # The fleet simulation: per-node operators at scale (tests/bench/cmd/bench/fleet.go).
 fleet() {
 	"$bin/bench" fleet --out "$1" --testenv "$testenv" --capstan "$rust_bin/capstan" \
-		--rust-handler "$rust_bin/capstan-e2e-handler" --crd "$root/examples/crd.yaml" "${@:2}" &
+		--rust-handler "$rust_bin/capstan-e2e-handler" --crd "$root/examples/crd.yaml" --profile "$profile" "${@:2}" &
 	driver_pid=$!
 	local status=0
 	wait "$driver_pid" || status=$?
