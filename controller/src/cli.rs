@@ -1,4 +1,4 @@
-//! The command line: `capstan run | freeze | resume | crds | version`.
+//! The command line: `capstan run | freeze | resume | crds | version | check | status`.
 //!
 //! Every flag can also be given as an environment variable (`CAPSTAN_…`), which is how the Helm
 //! chart configures the sidecar. The mapping onto [`Settings`] is mechanical and logic-free.
@@ -53,6 +53,75 @@ pub enum Command {
     /// 200 and a handler process is connected (the chart's `helm test`). Keeps trying until
     /// the timeout; exits non-zero saying what failed.
     Check(CheckArgs),
+    /// Show what the handlers of objects have done: per object and handler, done, running,
+    /// waiting for a retry (and when) or failed for good, with attempts and the last message.
+    ///
+    /// Reads the objects with the kubeconfig (KUBECONFIG or ~/.kube/config), as kubectl does,
+    /// and understands every storage Capstan supports (annotations, status, smart, per-node
+    /// prefixes) and kopf's own records. As a kubectl plugin: install the binary (or a link to
+    /// it) as `kubectl-capstan` on the PATH and run `kubectl capstan status …`.
+    Status(StatusArgs),
+}
+
+/// Flags of `capstan status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The resource: plural, kind, short name, or plural.group (e.g. examples.demo.capstan.dev).
+    pub resource: String,
+
+    /// One object; without it, every object in the namespace.
+    pub name: Option<String>,
+
+    /// The namespace [default: the kubeconfig context's].
+    #[arg(long, short = 'n', conflicts_with = "all_namespaces")]
+    pub namespace: Option<String>,
+
+    /// Every namespace.
+    #[arg(long, short = 'A')]
+    pub all_namespaces: bool,
+
+    /// Only objects with these labels (a label selector, as kubectl -l).
+    #[arg(long, short = 'l')]
+    pub selector: Option<String>,
+
+    /// Output format: aligned columns by default; wide, json or yaml.
+    #[arg(long, short = 'o', value_enum, default_value_t = crate::inspection::render::Output::Table)]
+    pub output: crate::inspection::render::Output,
+
+    /// Annotation prefixes of the operators to report on (repeatable; per-node prefixes
+    /// `<node>.<prefix>` are included) [default: capstan.dev and kopf.zalando.org].
+    #[arg(long = "prefix", value_delimiter = ',')]
+    pub prefixes: Vec<String>,
+
+    /// Status stanzas of the status storages (repeatable; per-node `<field>-<node>` are
+    /// included) [default: capstan and kopf].
+    #[arg(long = "status-field", value_delimiter = ',')]
+    pub status_fields: Vec<String>,
+}
+
+impl StatusArgs {
+    /// The query these flags ask for.
+    pub fn query(&self) -> crate::inspection::Query {
+        use crate::inspection::Namespaces;
+        let mut scope = crate::persistence::survey::Scope::default();
+        if !self.prefixes.is_empty() {
+            scope.prefixes.clone_from(&self.prefixes);
+        }
+        if !self.status_fields.is_empty() {
+            scope.status_fields.clone_from(&self.status_fields);
+        }
+        crate::inspection::Query {
+            resource: self.resource.clone(),
+            name: self.name.clone(),
+            namespaces: match (&self.namespace, self.all_namespaces) {
+                (_, true) => Namespaces::All,
+                (Some(ns), false) => Namespaces::One(ns.clone()),
+                (None, false) => Namespaces::Current,
+            },
+            selector: self.selector.clone(),
+            scope,
+        }
+    }
 }
 
 /// Flags of `capstan check`.

@@ -26,6 +26,9 @@
 //! `check` (the `capstan check` command) stands apart: it speaks HTTP to a running
 //! controller's admin endpoint and imports nothing of the crate.
 //!
+//! `inspection` (the `capstan status` command) reads objects through `k8s` and decodes
+//! their stored state through `persistence`; nothing imports it.
+//!
 //! `grpc` never imports `k8s`: resources are resolved through the [`grpc::Resolver`] that the
 //! app supplies, and work crosses as [`model::Work`] and [`model::Outcome`].
 
@@ -36,6 +39,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod grpc;
+pub mod inspection;
 pub mod k8s;
 pub mod model;
 pub mod observability;
