@@ -1,0 +1,257 @@
+//! End to end: operating Capstan — `capstan status` on objects in every state (done,
+//! retrying with a next attempt, failed for good, per node, handled by kopf, malformed), its
+//! JSON, and its messages for bad input; `capstan retry`; status conditions; trace ids across
+//! the gRPC hop.
+//!
+//! Everything runs for real: the testenv API server, the `capstan` binary (as the controller
+//! and as the terminal command, with a kubeconfig like kubectl's), the e2e handler process,
+//! and kopf from PyPI for the kopf-handled object.
+
+use std::{path::Path, time::Duration};
+
+use anyhow::{Context as _, Result, bail};
+use capstan_tests::{
+    helm::impersonating_kubeconfig,
+    kopf,
+    process::{Controller, Process, capstan_binary, start_handler},
+    scenario::{Scenario, annotation, tail},
+    testenv::TestEnv,
+};
+use serde_json::{Value, json};
+
+const T: Duration = Duration::from_secs(60);
+
+/// What a terminal command printed.
+struct Run {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+/// Runs the `capstan` binary as a terminal command with `kubeconfig`.
+async fn capstan(kubeconfig: &Path, args: &[&str]) -> Result<Run> {
+    let out = tokio::process::Command::new(capstan_binary().await?)
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .env_remove("NO_COLOR")
+        .output()
+        .await
+        .context("running capstan")?;
+    Ok(Run {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    })
+}
+
+/// `capstan status … -o json`, parsed.
+async fn status_json(kubeconfig: &Path, args: &[&str]) -> Result<Value> {
+    let mut all = vec!["status"];
+    all.extend_from_slice(args);
+    all.extend(["-o", "json"]);
+    let run = capstan(kubeconfig, &all).await?;
+    if !run.ok {
+        bail!("capstan {} failed: {}", all.join(" "), run.stderr);
+    }
+    serde_json::from_str(&run.stdout).with_context(|| format!("not JSON: {}", run.stdout))
+}
+
+/// The handler entries of one object in a JSON report, by (handler, node).
+fn entry<'a>(report: &'a Value, object: &str, handler: &str, node: Option<&str>) -> Option<&'a Value> {
+    report["items"]
+        .as_array()?
+        .iter()
+        .find(|o| o["name"] == object)?["handlers"]
+        .as_array()?
+        .iter()
+        .find(|h| h["handler"] == handler && h["node"].as_str() == node)
+}
+
+/// The row of a table that mentions all of `words`.
+fn row<'a>(table: &'a str, words: &[&str]) -> Option<&'a str> {
+    table
+        .lines()
+        .find(|l| words.iter().all(|w| l.split_whitespace().any(|x| x == *w)))
+}
+
+fn record_says(obj: &Value, key: &str, check: impl Fn(&Value) -> bool) -> bool {
+    annotation(obj, key)
+        .and_then(|t| serde_json::from_str::<Value>(t).ok())
+        .is_some_and(|r| check(&r))
+}
+
+/// A per-node operator (controller + handler process) on the scenario's API server.
+async fn node_operator(env: &TestEnv, node: &str, presets: &str) -> Result<(Controller, Process)> {
+    let mut controller = Controller::start(env, &format!("capstan-{node}"), &["--node-name", node]).await?;
+    let calls = env.scratch().join(format!("calls-{node}.log"));
+    let handler = start_handler(
+        env,
+        &format!("handler-{node}"),
+        &controller.endpoint(),
+        &[("E2E_HANDLERS", presets), ("E2E_LOG", &calls.to_string_lossy())],
+    )?;
+    controller.process.wait_for("handler process connected", T).await?;
+    Ok((controller, handler))
+}
+
+#[tokio::test]
+async fn status_explains_every_state_and_every_storage() -> Result<()> {
+    let s = Scenario::start("create3", &[]).await?;
+    let (node, _node_handler) = node_operator(&s.env, "node-1", "create3").await?;
+    let kubeconfig = s.env.kubeconfig.clone();
+
+    s.create("quiet", json!({})).await?;
+    // create_b waits ten minutes for its retry; create_a and create_c are done meanwhile.
+    let waiting = json!({"temporary": {"create_b": 1000}, "retryDelay": {"create_b": 600}});
+    s.create("waiting", waiting.clone()).await?;
+    // create_a fails for good while create_b waits: the failure stays visible.
+    let mut broken = waiting;
+    broken["permanent"] = json!({"create_a": true});
+    s.create("broken", broken).await?;
+
+    s.wait("quiet", T, "handled by both operators", |o| {
+        annotation(o, "capstan.dev/last-handled-configuration").is_some()
+            && annotation(o, "node-1.capstan.dev/last-handled-configuration").is_some()
+    })
+    .await?;
+    for name in ["waiting", "broken"] {
+        for prefix in ["capstan.dev", "node-1.capstan.dev"] {
+            s.wait(name, T, "create_b waiting for its retry", |o| {
+                record_says(o, &format!("{prefix}/create_b"), |r| r["retries"] == 1)
+                    && record_says(o, &format!("{prefix}/create_c"), |r| r["success"] == true)
+            })
+            .await?;
+        }
+    }
+    // A record nobody can read, beside the good ones.
+    s.patch(
+        "quiet",
+        json!({"metadata": {"annotations": {"capstan.dev/create_x": "{garbage"}}}),
+    )
+    .await?;
+
+    // The table.
+    let table = capstan(&kubeconfig, &["status", "examples", "-n", "default"]).await?;
+    assert!(table.ok, "{}", table.stderr);
+    eprintln!("$ capstan status examples\n{}", table.stdout);
+    assert!(!table.stdout.contains('\x1b'), "no colours off a terminal");
+    let lines: Vec<&str> = table.stdout.lines().collect();
+    let header = lines.first().copied().unwrap_or_default();
+    for column in ["NAME", "NODE", "HANDLER", "STATE", "RETRIES", "NEXT ATTEMPT", "MESSAGE"] {
+        assert!(header.contains(column), "{header}");
+    }
+    let state_at = header.find("STATE");
+    assert!(
+        lines
+            .iter()
+            .skip(1)
+            .all(|l| ["done", "running", "retrying", "failed", "malformed", "handled"]
+                .iter()
+                .any(|w| l.get(state_at.unwrap_or(0)..).is_some_and(|rest| rest.starts_with(w)))),
+        "the STATE column is aligned:\n{}",
+        table.stdout
+    );
+    let waiting_row = row(&table.stdout, &["waiting", "-", "create_b", "retrying", "1"])
+        .with_context(|| format!("no retrying row:\n{}", table.stdout))?;
+    assert!(
+        waiting_row.contains("in 9m") || waiting_row.contains("in 10m"),
+        "{waiting_row}"
+    );
+    assert!(waiting_row.contains("temporary failure 1 of 1000"), "{waiting_row}");
+    assert!(row(&table.stdout, &["broken", "-", "create_a", "failed"]).is_some(), "{}", table.stdout);
+    assert!(row(&table.stdout, &["broken", "node-1", "create_a", "failed"]).is_some(), "{}", table.stdout);
+    assert!(row(&table.stdout, &["waiting", "node-1", "create_b", "retrying"]).is_some(), "{}", table.stdout);
+    assert!(row(&table.stdout, &["waiting", "-", "create_c", "done"]).is_some(), "{}", table.stdout);
+    let malformed = row(&table.stdout, &["quiet", "create_x", "malformed"])
+        .with_context(|| format!("no malformed row:\n{}", table.stdout))?;
+    assert!(malformed.contains("not a progress record"), "{malformed}");
+
+    // JSON for scripts.
+    let report = status_json(&kubeconfig, &["examples", "-n", "default"]).await?;
+    let b = entry(&report, "waiting", "create_b", None).context("create_b of waiting")?;
+    assert_eq!(b["state"], "retrying", "{b}");
+    assert_eq!(b["retries"], 1);
+    assert_eq!(b["purpose"], "create");
+    assert_eq!(b["message"], "temporary failure 1 of 1000");
+    assert_eq!(b["storedIn"], "annotation capstan.dev/create_b");
+    let next = b["nextAttemptInSeconds"].as_i64().unwrap_or_default();
+    assert!((400..=600).contains(&next), "{b}");
+    assert!(b["nextAttempt"].as_str().is_some_and(|t| t.ends_with("+00:00")), "{b}");
+    let a = entry(&report, "broken", "create_a", None).context("create_a of broken")?;
+    assert_eq!(a["state"], "failed", "{a}");
+    assert_eq!(a["message"], "permanent failure on purpose");
+    let per_node = entry(&report, "broken", "create_a", Some("node-1")).context("node-1's create_a")?;
+    assert_eq!(per_node["state"], "failed", "{per_node}");
+    assert_eq!(per_node["storedIn"], "annotation node-1.capstan.dev/create_a");
+    let quiet = report["items"]
+        .as_array()
+        .and_then(|i| i.iter().find(|o| o["name"] == "quiet"))
+        .context("quiet")?;
+    assert_eq!(quiet["handledBy"], json!(["capstan.dev", "capstan.dev (node node-1)"]));
+
+    // One object, YAML, another scope.
+    let one = capstan(&kubeconfig, &["status", "examples.demo.capstan.dev", "waiting", "-o", "yaml"]).await?;
+    assert!(one.ok && one.stdout.contains("state: retrying") && !one.stdout.contains("broken"), "{}{}", one.stdout, one.stderr);
+    let all = capstan(&kubeconfig, &["status", "Example", "-A", "-o", "wide"]).await?;
+    assert!(all.ok && all.stdout.starts_with("NAMESPACE") && all.stdout.contains("STORED IN"), "{}", all.stdout);
+    eprintln!("$ capstan status Example -A -o wide\n{}", all.stdout);
+
+    // Bad input: a clear message each, a failure exit, no crash.
+    let unknown = capstan(&kubeconfig, &["status", "nonesuch"]).await?;
+    assert!(!unknown.ok && unknown.stderr.contains("cannot find the resource \"nonesuch\""), "{}", unknown.stderr);
+    let missing = capstan(&kubeconfig, &["status", "examples", "ghost"]).await?;
+    assert!(!missing.ok && missing.stderr.contains("\"ghost\" not found in namespace default"), "{}", missing.stderr);
+    let nobody = impersonating_kubeconfig(&s.env, "system:serviceaccount:default:nobody").await?;
+    let denied = capstan(&nobody, &["status", "examples", "-n", "default"]).await?;
+    assert!(
+        !denied.ok && denied.stderr.contains("forbidden: cannot list examples.demo.capstan.dev in namespace default"),
+        "{}",
+        denied.stderr
+    );
+    for run in [&unknown, &missing, &denied] {
+        assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
+        eprintln!("{}", run.stderr.trim());
+    }
+    drop(node);
+    let Scenario { env, .. } = s;
+    env.stop().await
+}
+
+#[tokio::test]
+async fn status_explains_objects_handled_by_kopf() -> Result<()> {
+    let kopf_bin = kopf::binary().await?;
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let log = env.scratch().join("kopf-calls.log");
+    let mut operator = kopf::start(&env, &kopf_bin, "kopf", &log).await?;
+    let client = env.client().await?;
+    let api = capstan_tests::testenv::examples(&client, "default");
+    capstan_tests::testenv::create_example(&env, "by-kopf", json!({"temporary": {"create_fn": 100_000}})).await?;
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        let obj = serde_json::to_value(api.get("by-kopf").await?)?;
+        if record_says(&obj, "kopf.zalando.org/create_fn", |r| r["retries"].as_u64() >= Some(1)) {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("kopf stored no retry record: {obj}\n{}", tail(&operator.output(), 40));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let report = status_json(&env.kubeconfig, &["examples", "by-kopf"]).await?;
+    let record = entry(&report, "by-kopf", "create_fn", None).context("kopf's create_fn")?;
+    assert_eq!(record["owner"], "kopf.zalando.org", "{record}");
+    assert_eq!(record["state"], "retrying", "{record}");
+    assert_eq!(record["purpose"], "create");
+    assert!(record["retries"].as_u64() >= Some(1), "{record}");
+    assert!(
+        record["message"].as_str().is_some_and(|m| m.starts_with("temporary failure")),
+        "{record}"
+    );
+    let table = capstan(&env.kubeconfig, &["status", "examples", "by-kopf"]).await?;
+    assert!(row(&table.stdout, &["by-kopf", "create_fn", "retrying"]).is_some(), "{}{}", table.stdout, table.stderr);
+    eprintln!("$ capstan status examples by-kopf\n{}", table.stdout);
+    operator.terminate().await?;
+    drop(operator);
+    env.stop().await
+}
