@@ -1,4 +1,4 @@
-//! The command line: `capstan run | freeze | resume | crds | version | check | status`.
+//! The command line: `capstan run | freeze | resume | crds | version | check | status | retry`.
 //!
 //! Every flag can also be given as an environment variable (`CAPSTAN_…`), which is how the Helm
 //! chart configures the sidecar. The mapping onto [`Settings`] is mechanical and logic-free.
@@ -61,6 +61,53 @@ pub enum Command {
     /// prefixes) and kopf's own records. As a kubectl plugin: install the binary (or a link to
     /// it) as `kubectl-capstan` on the PATH and run `kubectl capstan status …`.
     Status(StatusArgs),
+    /// Run failed (even permanently failed) or delayed handlers of an object again, now.
+    ///
+    /// Writes a retry request annotation (`<prefix>/retry-request`) that the controller
+    /// consumes in its next cycle of the object, removing it in that cycle's write and posting
+    /// an Event that names who asked. Says so, and writes nothing, when the object has
+    /// nothing to retry.
+    Retry(RetryArgs),
+}
+
+/// Flags of `capstan retry`.
+#[derive(Debug, Args)]
+pub struct RetryArgs {
+    /// The resource: plural, kind, short name, or plural.group.
+    pub resource: String,
+
+    /// The object's name.
+    pub name: String,
+
+    /// Only this handler (repeatable); without it, every failed or delayed handler.
+    #[arg(long = "handler", value_delimiter = ',')]
+    pub handlers: Vec<String>,
+
+    /// The namespace [default: the kubeconfig context's].
+    #[arg(long, short = 'n')]
+    pub namespace: Option<String>,
+
+    /// The node of a per-node operator (DaemonSet mode) whose handlers to retry.
+    #[arg(long)]
+    pub node: Option<String>,
+
+    /// The operator's persistence prefix [default: the one whose records the object carries].
+    #[arg(long)]
+    pub prefix: Option<String>,
+}
+
+impl RetryArgs {
+    /// What these flags ask for.
+    pub fn ask(&self) -> crate::steering::Ask {
+        crate::steering::Ask {
+            resource: self.resource.clone(),
+            name: self.name.clone(),
+            namespace: self.namespace.clone(),
+            handlers: self.handlers.clone(),
+            node: self.node.clone(),
+            prefix: self.prefix.clone(),
+        }
+    }
 }
 
 /// Flags of `capstan status`.

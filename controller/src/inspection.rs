@@ -53,7 +53,9 @@ pub enum Error {
         source: crate::k8s::discovery::Error,
     },
     /// The API server refused the read.
-    #[error("forbidden: cannot {verb} {resource}{scope} (check with: kubectl auth can-i {verb} {resource}{scope_flag}): {message}")]
+    #[error(
+        "forbidden: cannot {verb} {resource}{scope} (check with: kubectl auth can-i {verb} {resource}{scope_flag}): {message}"
+    )]
     Forbidden {
         /// get or list.
         verb: &'static str,
@@ -272,7 +274,9 @@ pub fn api_error(
     name: Option<&str>,
 ) -> Error {
     let resource_name = qualified(resource);
-    let scope = namespace.map(|ns| format!(" in namespace {ns}")).unwrap_or_default();
+    let scope = namespace
+        .map(|ns| format!(" in namespace {ns}"))
+        .unwrap_or_default();
     match &error {
         kube::Error::Api(status) if status.code == 403 => Error::Forbidden {
             verb,
@@ -501,6 +505,12 @@ mod tests {
         assert_eq!(report.handlers[1].next_attempt_in_seconds, Some(30));
         assert_eq!(report.finalizers, ["capstan.dev/finalizer"]);
         assert!(report.handled_by.is_empty());
-        assert!(report.handlers[4].message.as_deref().unwrap_or_default().contains("not a progress record"));
+        assert!(
+            report.handlers[4]
+                .message
+                .as_deref()
+                .unwrap_or_default()
+                .contains("not a progress record")
+        );
     }
 }

@@ -40,6 +40,11 @@ fn main() -> ExitCode {
             .map_err(capstan::inspection::Error::Render)?;
             Ok(vec![text])
         }),
+        Command::Retry(args) => terminal(async move {
+            capstan::steering::retry(client().await?, &args.ask())
+                .await
+                .map_err(Into::into)
+        }),
         Command::Crds => {
             print!("{}", capstan::peering::commands::CRDS);
             ExitCode::SUCCESS

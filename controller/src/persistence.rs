@@ -10,6 +10,7 @@ pub mod diffbase;
 pub mod keys;
 pub mod node;
 pub mod progress;
+pub mod retry;
 pub mod survey;
 pub mod time;
 

@@ -58,10 +58,7 @@ async fn status_json(kubeconfig: &Path, args: &[&str]) -> Result<Value> {
 
 /// The handler entries of one object in a JSON report, by (handler, node).
 fn entry<'a>(report: &'a Value, object: &str, handler: &str, node: Option<&str>) -> Option<&'a Value> {
-    report["items"]
-        .as_array()?
-        .iter()
-        .find(|o| o["name"] == object)?["handlers"]
+    report["items"].as_array()?.iter().find(|o| o["name"] == object)?["handlers"]
         .as_array()?
         .iter()
         .find(|h| h["handler"] == handler && h["node"].as_str() == node)
@@ -90,7 +87,10 @@ async fn node_operator(env: &TestEnv, node: &str, presets: &str) -> Result<(Cont
         &controller.endpoint(),
         &[("E2E_HANDLERS", presets), ("E2E_LOG", &calls.to_string_lossy())],
     )?;
-    controller.process.wait_for("handler process connected", T).await?;
+    controller
+        .process
+        .wait_for("handler process connected", T)
+        .await?;
     Ok((controller, handler))
 }
 
@@ -137,17 +137,26 @@ async fn status_explains_every_state_and_every_storage() -> Result<()> {
     assert!(!table.stdout.contains('\x1b'), "no colours off a terminal");
     let lines: Vec<&str> = table.stdout.lines().collect();
     let header = lines.first().copied().unwrap_or_default();
-    for column in ["NAME", "NODE", "HANDLER", "STATE", "RETRIES", "NEXT ATTEMPT", "MESSAGE"] {
+    for column in [
+        "NAME",
+        "NODE",
+        "HANDLER",
+        "STATE",
+        "RETRIES",
+        "NEXT ATTEMPT",
+        "MESSAGE",
+    ] {
         assert!(header.contains(column), "{header}");
     }
     let state_at = header.find("STATE");
     assert!(
-        lines
-            .iter()
-            .skip(1)
-            .all(|l| ["done", "running", "retrying", "failed", "malformed", "handled"]
+        lines.iter().skip(1).all(
+            |l| ["done", "running", "retrying", "failed", "malformed", "handled"]
                 .iter()
-                .any(|w| l.get(state_at.unwrap_or(0)..).is_some_and(|rest| rest.starts_with(w)))),
+                .any(|w| l
+                    .get(state_at.unwrap_or(0)..)
+                    .is_some_and(|rest| rest.starts_with(w)))
+        ),
         "the STATE column is aligned:\n{}",
         table.stdout
     );
@@ -157,11 +166,30 @@ async fn status_explains_every_state_and_every_storage() -> Result<()> {
         waiting_row.contains("in 9m") || waiting_row.contains("in 10m"),
         "{waiting_row}"
     );
-    assert!(waiting_row.contains("temporary failure 1 of 1000"), "{waiting_row}");
-    assert!(row(&table.stdout, &["broken", "-", "create_a", "failed"]).is_some(), "{}", table.stdout);
-    assert!(row(&table.stdout, &["broken", "node-1", "create_a", "failed"]).is_some(), "{}", table.stdout);
-    assert!(row(&table.stdout, &["waiting", "node-1", "create_b", "retrying"]).is_some(), "{}", table.stdout);
-    assert!(row(&table.stdout, &["waiting", "-", "create_c", "done"]).is_some(), "{}", table.stdout);
+    assert!(
+        waiting_row.contains("temporary failure 1 of 1000"),
+        "{waiting_row}"
+    );
+    assert!(
+        row(&table.stdout, &["broken", "-", "create_a", "failed"]).is_some(),
+        "{}",
+        table.stdout
+    );
+    assert!(
+        row(&table.stdout, &["broken", "node-1", "create_a", "failed"]).is_some(),
+        "{}",
+        table.stdout
+    );
+    assert!(
+        row(&table.stdout, &["waiting", "node-1", "create_b", "retrying"]).is_some(),
+        "{}",
+        table.stdout
+    );
+    assert!(
+        row(&table.stdout, &["waiting", "-", "create_c", "done"]).is_some(),
+        "{}",
+        table.stdout
+    );
     let malformed = row(&table.stdout, &["quiet", "create_x", "malformed"])
         .with_context(|| format!("no malformed row:\n{}", table.stdout))?;
     assert!(malformed.contains("not a progress record"), "{malformed}");
@@ -176,7 +204,10 @@ async fn status_explains_every_state_and_every_storage() -> Result<()> {
     assert_eq!(b["storedIn"], "annotation capstan.dev/create_b");
     let next = b["nextAttemptInSeconds"].as_i64().unwrap_or_default();
     assert!((400..=600).contains(&next), "{b}");
-    assert!(b["nextAttempt"].as_str().is_some_and(|t| t.ends_with("+00:00")), "{b}");
+    assert!(
+        b["nextAttempt"].as_str().is_some_and(|t| t.ends_with("+00:00")),
+        "{b}"
+    );
     let a = entry(&report, "broken", "create_a", None).context("create_a of broken")?;
     assert_eq!(a["state"], "failed", "{a}");
     assert_eq!(a["message"], "permanent failure on purpose");
@@ -187,24 +218,54 @@ async fn status_explains_every_state_and_every_storage() -> Result<()> {
         .as_array()
         .and_then(|i| i.iter().find(|o| o["name"] == "quiet"))
         .context("quiet")?;
-    assert_eq!(quiet["handledBy"], json!(["capstan.dev", "capstan.dev (node node-1)"]));
+    assert_eq!(
+        quiet["handledBy"],
+        json!(["capstan.dev", "capstan.dev (node node-1)"])
+    );
 
     // One object, YAML, another scope.
-    let one = capstan(&kubeconfig, &["status", "examples.demo.capstan.dev", "waiting", "-o", "yaml"]).await?;
-    assert!(one.ok && one.stdout.contains("state: retrying") && !one.stdout.contains("broken"), "{}{}", one.stdout, one.stderr);
+    let one = capstan(
+        &kubeconfig,
+        &["status", "examples.demo.capstan.dev", "waiting", "-o", "yaml"],
+    )
+    .await?;
+    assert!(
+        one.ok && one.stdout.contains("state: retrying") && !one.stdout.contains("broken"),
+        "{}{}",
+        one.stdout,
+        one.stderr
+    );
     let all = capstan(&kubeconfig, &["status", "Example", "-A", "-o", "wide"]).await?;
-    assert!(all.ok && all.stdout.starts_with("NAMESPACE") && all.stdout.contains("STORED IN"), "{}", all.stdout);
+    assert!(
+        all.ok && all.stdout.starts_with("NAMESPACE") && all.stdout.contains("STORED IN"),
+        "{}",
+        all.stdout
+    );
     eprintln!("$ capstan status Example -A -o wide\n{}", all.stdout);
 
     // Bad input: a clear message each, a failure exit, no crash.
     let unknown = capstan(&kubeconfig, &["status", "nonesuch"]).await?;
-    assert!(!unknown.ok && unknown.stderr.contains("cannot find the resource \"nonesuch\""), "{}", unknown.stderr);
+    assert!(
+        !unknown.ok && unknown.stderr.contains("cannot find the resource \"nonesuch\""),
+        "{}",
+        unknown.stderr
+    );
     let missing = capstan(&kubeconfig, &["status", "examples", "ghost"]).await?;
-    assert!(!missing.ok && missing.stderr.contains("\"ghost\" not found in namespace default"), "{}", missing.stderr);
+    assert!(
+        !missing.ok
+            && missing
+                .stderr
+                .contains("\"ghost\" not found in namespace default"),
+        "{}",
+        missing.stderr
+    );
     let nobody = impersonating_kubeconfig(&s.env, "system:serviceaccount:default:nobody").await?;
     let denied = capstan(&nobody, &["status", "examples", "-n", "default"]).await?;
     assert!(
-        !denied.ok && denied.stderr.contains("forbidden: cannot list examples.demo.capstan.dev in namespace default"),
+        !denied.ok
+            && denied
+                .stderr
+                .contains("forbidden: cannot list examples.demo.capstan.dev in namespace default"),
         "{}",
         denied.stderr
     );
@@ -226,15 +287,21 @@ async fn status_explains_objects_handled_by_kopf() -> Result<()> {
     let mut operator = kopf::start(&env, &kopf_bin, "kopf", &log).await?;
     let client = env.client().await?;
     let api = capstan_tests::testenv::examples(&client, "default");
-    capstan_tests::testenv::create_example(&env, "by-kopf", json!({"temporary": {"create_fn": 100_000}})).await?;
+    capstan_tests::testenv::create_example(&env, "by-kopf", json!({"temporary": {"create_fn": 100_000}}))
+        .await?;
     let deadline = tokio::time::Instant::now() + T;
     loop {
         let obj = serde_json::to_value(api.get("by-kopf").await?)?;
-        if record_says(&obj, "kopf.zalando.org/create_fn", |r| r["retries"].as_u64() >= Some(1)) {
+        if record_says(&obj, "kopf.zalando.org/create_fn", |r| {
+            r["retries"].as_u64() >= Some(1)
+        }) {
             break;
         }
         if tokio::time::Instant::now() > deadline {
-            bail!("kopf stored no retry record: {obj}\n{}", tail(&operator.output(), 40));
+            bail!(
+                "kopf stored no retry record: {obj}\n{}",
+                tail(&operator.output(), 40)
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -245,13 +312,228 @@ async fn status_explains_objects_handled_by_kopf() -> Result<()> {
     assert_eq!(record["purpose"], "create");
     assert!(record["retries"].as_u64() >= Some(1), "{record}");
     assert!(
-        record["message"].as_str().is_some_and(|m| m.starts_with("temporary failure")),
+        record["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("temporary failure")),
         "{record}"
     );
     let table = capstan(&env.kubeconfig, &["status", "examples", "by-kopf"]).await?;
-    assert!(row(&table.stdout, &["by-kopf", "create_fn", "retrying"]).is_some(), "{}{}", table.stdout, table.stderr);
+    assert!(
+        row(&table.stdout, &["by-kopf", "create_fn", "retrying"]).is_some(),
+        "{}{}",
+        table.stdout,
+        table.stderr
+    );
     eprintln!("$ capstan status examples by-kopf\n{}", table.stdout);
     operator.terminate().await?;
     drop(operator);
+    env.stop().await
+}
+
+/// The Events about example `name` with `reason`, as (type, message).
+async fn events(env: &TestEnv, name: &str, reason: &str) -> Result<Vec<(String, String)>> {
+    let out = env
+        .kubectl_ok(&[
+            "get",
+            "events",
+            "-A",
+            "-o",
+            "json",
+            "--field-selector",
+            &format!("involvedObject.name={name},reason={reason}"),
+        ])
+        .await?;
+    let list: Value = serde_json::from_str(&out)?;
+    Ok(list["items"]
+        .as_array()
+        .map(|items| {
+            items
+                .iter()
+                .map(|e| {
+                    (
+                        e["type"].as_str().unwrap_or_default().to_owned(),
+                        e["message"].as_str().unwrap_or_default().to_owned(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
+/// Polls for an Event.
+async fn wait_event(env: &TestEnv, name: &str, reason: &str, needle: &str) -> Result<(String, String)> {
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        if let Some(e) = events(env, name, reason)
+            .await?
+            .into_iter()
+            .find(|(_, m)| m.contains(needle))
+        {
+            return Ok(e);
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "no {reason} Event about {name} saying {needle:?}: {:?}",
+                events(env, name, reason).await?
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn calls_of(log: &Path, handler: &str, name: &str) -> usize {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.split_whitespace().take(2).eq([handler, name]))
+        .count()
+}
+
+#[tokio::test]
+async fn retry_reruns_a_permanently_failed_handler_once_in_one_write() -> Result<()> {
+    let s = Scenario::start("create3", &[]).await?;
+    let (node, _node_handler) = node_operator(&s.env, "node-1", "create3").await?;
+    let node_calls = s.env.scratch().join("calls-node-1.log");
+    let kubeconfig = s.env.kubeconfig.clone();
+    // create_a fails for good; create_b waits ten minutes for its retry, so the cause is not
+    // done and create_a's failure stays on record.
+    s.create(
+        "broken",
+        json!({"permanent": {"create_a": true}, "temporary": {"create_b": 1000}, "retryDelay": {"create_b": 600}}),
+    )
+    .await?;
+    for prefix in ["capstan.dev", "node-1.capstan.dev"] {
+        s.wait("broken", T, "create_a failed, create_b waiting", |o| {
+            record_says(o, &format!("{prefix}/create_a"), |r| r["failure"] == true)
+                && record_says(o, &format!("{prefix}/create_b"), |r| r["retries"] == 1)
+                && record_says(o, &format!("{prefix}/create_c"), |r| r["success"] == true)
+        })
+        .await?;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(s.count("create_a", "broken"), 1);
+
+    // Bad input first: an unknown handler lists the known ones, a done one has nothing to retry.
+    let unknown = capstan(&kubeconfig, &["retry", "examples", "broken", "--handler", "nope"]).await?;
+    assert!(!unknown.ok, "{}", unknown.stdout);
+    assert!(
+        unknown
+            .stderr
+            .contains("has no record of handler \"nope\"; handlers with records: create_a (failed), create_b (retrying), create_c (done)"),
+        "{}",
+        unknown.stderr
+    );
+    let done = capstan(
+        &kubeconfig,
+        &["retry", "examples", "broken", "--handler", "create_c"],
+    )
+    .await?;
+    assert!(
+        done.ok
+            && done
+                .stdout
+                .starts_with("Nothing to retry on examples.demo.capstan.dev/broken"),
+        "{}{}",
+        done.stdout,
+        done.stderr
+    );
+    let nothing = capstan(&kubeconfig, &["retry", "examples", "ghost"]).await?;
+    assert!(
+        !nothing.ok && nothing.stderr.contains("\"ghost\" not found"),
+        "{}",
+        nothing.stderr
+    );
+    eprintln!("{}\n{}", unknown.stderr.trim(), done.stdout.trim());
+
+    // The retry: one write by the command, one by the controller, one more call.
+    let before = s.writes("broken").len();
+    let asked = capstan(
+        &kubeconfig,
+        &["retry", "examples", "broken", "--handler", "create_a"],
+    )
+    .await?;
+    assert!(asked.ok, "{}", asked.stderr);
+    eprintln!(
+        "$ capstan retry examples broken --handler create_a\n{}",
+        asked.stdout
+    );
+    let after = s
+        .wait("broken", T, "the request consumed", |o| {
+            annotation(o, "capstan.dev/retry-request").is_none()
+        })
+        .await?;
+    let (kind, message) = wait_event(&s.env, "broken", "RetryRequested", "'create_a' run again now").await?;
+    eprintln!("Event {kind} RetryRequested: {message}");
+    assert_eq!(kind, "Normal");
+    assert!(
+        !message.ends_with("requested by someone."),
+        "the requester is named: {message}"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        s.count("create_a", "broken"),
+        2,
+        "exactly one more call: {:?}",
+        s.calls()
+    );
+    assert_eq!(s.count("create_b", "broken"), 1, "create_b keeps waiting");
+    assert_eq!(
+        calls_of(&node_calls, "create_a", "broken"),
+        1,
+        "node-1 was not asked"
+    );
+    let writes = s.writes("broken");
+    assert_eq!(
+        writes.len() - before,
+        2,
+        "the command's patch and the controller's: {writes:?}"
+    );
+    assert!(
+        record_says(&after, "capstan.dev/create_a", |r| r["failure"] == true),
+        "{after}"
+    );
+
+    // Per node.
+    let asked = capstan(&kubeconfig, &["retry", "examples", "broken", "--node", "node-1"]).await?;
+    assert!(
+        asked.ok && asked.stdout.contains("node-1.capstan.dev/retry-request"),
+        "{}{}",
+        asked.stdout,
+        asked.stderr
+    );
+    let deadline = tokio::time::Instant::now() + T;
+    while calls_of(&node_calls, "create_a", "broken") < 2 || calls_of(&node_calls, "create_b", "broken") < 2 {
+        if tokio::time::Instant::now() > deadline {
+            bail!("node-1 did not retry:\n{}", tail(&node.process.output(), 40));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    s.wait("broken", T, "node-1's request consumed", |o| {
+        annotation(o, "node-1.capstan.dev/retry-request").is_none()
+    })
+    .await?;
+    assert_eq!(
+        s.count("create_a", "broken"),
+        2,
+        "the other operator was not asked"
+    );
+
+    // Garbage is removed with a warning.
+    s.patch(
+        "broken",
+        json!({"metadata": {"annotations": {"capstan.dev/retry-request": "please"}}}),
+    )
+    .await?;
+    s.wait("broken", T, "the garbage removed", |o| {
+        annotation(o, "capstan.dev/retry-request").is_none()
+    })
+    .await?;
+    let (kind, message) = wait_event(&s.env, "broken", "RetryRequestIgnored", "malformed").await?;
+    eprintln!("Event {kind} RetryRequestIgnored: {message}");
+    assert_eq!(kind, "Warning");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(s.count("create_a", "broken"), 2);
+    drop(node);
+    let Scenario { env, .. } = s;
     env.stop().await
 }

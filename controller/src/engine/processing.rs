@@ -184,6 +184,8 @@ pub struct Plan {
     pub interrupted: bool,
     /// What to report as Kubernetes Events: handler outcomes and the cause's completion.
     pub notes: Vec<(Level, String)>,
+    /// Events with a reason of their own, always posted (a consumed retry request).
+    pub announcements: Vec<(Level, &'static str, String)>,
 }
 
 impl Plan {
@@ -199,6 +201,7 @@ impl Plan {
             done: false,
             interrupted: false,
             notes: Vec::new(),
+            announcements: Vec::new(),
         }
     }
 }
@@ -380,6 +383,7 @@ fn compose(
         done,
         interrupted: false,
         notes: Vec::new(),
+        announcements: Vec::new(),
     }
 }
 

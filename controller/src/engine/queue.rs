@@ -423,6 +423,18 @@ impl Queue {
                 format!("The API server refused Capstan's write: {message}"),
             ));
         }
+        if !plan.announcements.is_empty() {
+            let object = processing::object_ref(&self.ctx.resource, &body);
+            for (level, reason, message) in &plan.announcements {
+                self.ctx.poster.post(crate::model::Posting {
+                    object: object.clone(),
+                    level: *level,
+                    reason: (*reason).into(),
+                    message: message.clone(),
+                    policy: crate::model::Policy::Always,
+                });
+            }
+        }
         if !notes.is_empty() {
             let object = processing::object_ref(&self.ctx.resource, &body);
             for (level, message) in &notes {

@@ -49,11 +49,14 @@ struct List<'a> {
 ///
 /// # Errors
 /// [`Error`] when serialisation fails (it does not for these types).
-pub fn render(reports: &[ObjectReport], output: Output, namespaced: bool, colour: bool) -> Result<String, Error> {
+pub fn render(
+    reports: &[ObjectReport],
+    output: Output,
+    namespaced: bool,
+    colour: bool,
+) -> Result<String, Error> {
     match output {
-        Output::Json => {
-            serde_json::to_string_pretty(&List { items: reports }).map_err(Error::Json)
-        }
+        Output::Json => serde_json::to_string_pretty(&List { items: reports }).map_err(Error::Json),
         Output::Yaml => serde_saphyr::to_string(&List { items: reports }).map_err(Error::Yaml),
         Output::Table | Output::Wide => Ok(table(reports, output == Output::Wide, namespaced, colour)),
     }
@@ -92,12 +95,7 @@ fn table(reports: &[ObjectReport], wide: bool, namespaced: bool, colour: bool) -
                 row.push("-".into());
             }
             let (state, message) = idle(r);
-            row.extend([
-                "-".into(),
-                state.into(),
-                "-".into(),
-                "-".into(),
-            ]);
+            row.extend(["-".into(), state.into(), "-".into(), "-".into()]);
             if wide {
                 row.extend(["-".into(), "-".into(), "-".into()]);
             }
@@ -116,7 +114,11 @@ fn table(reports: &[ObjectReport], wide: bool, namespaced: bool, colour: bool) -
                 _ => "-".into(),
             };
             row.extend([
-                if h.handler.is_empty() { "-".into() } else { h.handler.clone() },
+                if h.handler.is_empty() {
+                    "-".into()
+                } else {
+                    h.handler.clone()
+                },
                 h.state.word().into(),
                 h.retries.to_string(),
                 next,
@@ -129,7 +131,11 @@ fn table(reports: &[ObjectReport], wide: bool, namespaced: bool, colour: bool) -
                 ]);
             }
             let message = one_line(h.message.as_deref().unwrap_or("-"));
-            row.push(if wide { message } else { cut(&message, MESSAGE_WIDTH) });
+            row.push(if wide {
+                message
+            } else {
+                cut(&message, MESSAGE_WIDTH)
+            });
             rows.push((row, Some(h.state)));
         }
     }
@@ -157,7 +163,10 @@ fn idle(r: &ObjectReport) -> (&'static str, String) {
     } else if !r.handled_by.is_empty() {
         (
             "handled",
-            format!("every handler of the last change is done ({})", r.handled_by.join(", ")),
+            format!(
+                "every handler of the last change is done ({})",
+                r.handled_by.join(", ")
+            ),
         )
     } else {
         ("-", "no handler progress recorded".into())
@@ -252,12 +261,20 @@ mod tests {
         let text = render(&reports(), Output::Table, false, false).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 4, "{text}");
-        let at = |l: &str| l.find("STATE").or_else(|| l.find("failed")).or_else(|| l.find("running")).or_else(|| l.find("handled"));
+        let at = |l: &str| {
+            l.find("STATE")
+                .or_else(|| l.find("failed"))
+                .or_else(|| l.find("running"))
+                .or_else(|| l.find("handled"))
+        };
         let columns: Vec<Option<usize>> = lines.iter().map(|l| at(l)).collect();
         assert!(columns.windows(2).all(|w| w[0] == w[1]), "{text}");
         assert!(text.contains("permanent failure"), "{text}");
         assert!(!text.contains('\x1b'));
-        assert!(lines[0].starts_with("NAME") && lines[0].contains("NODE"), "{text}");
+        assert!(
+            lines[0].starts_with("NAME") && lines[0].contains("NODE"),
+            "{text}"
+        );
         let coloured = render(&reports(), Output::Table, false, true).unwrap();
         assert!(coloured.contains("\x1b[31mfailed\x1b[0m"));
     }

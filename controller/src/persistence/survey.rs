@@ -17,11 +17,7 @@ use serde_json::Value;
 use super::{ProgressRecord, keys::NAME_LIMIT};
 
 /// The annotation names under a prefix that are not progress records.
-pub const NOT_RECORDS: [&str; 3] = ["last-handled-configuration", "kopf-managed", RETRY_REQUEST_NAME];
-
-/// The name (under the storage prefix) of the annotation that asks the controller to retry
-/// handlers now (see `engine::retrying`).
-pub const RETRY_REQUEST_NAME: &str = "retry-request";
+pub const NOT_RECORDS: [&str; 3] = ["last-handled-configuration", "kopf-managed", super::retry::NAME];
 
 /// Where to look: the storage prefixes and status fields of the operators of interest.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -88,9 +84,7 @@ pub struct Handled {
 pub fn records(scope: &Scope, body: &Value) -> Vec<Found> {
     let mut found = annotation_records(scope, body);
     found.extend(status_records(scope, body));
-    found.sort_by(|a, b| {
-        (&a.owner, &a.node, &a.handler).cmp(&(&b.owner, &b.node, &b.handler))
-    });
+    found.sort_by(|a, b| (&a.owner, &a.node, &a.handler).cmp(&(&b.owner, &b.node, &b.handler)));
     found
 }
 
@@ -286,7 +280,9 @@ mod tests {
         assert!(summary.contains(&("c", Some("node-1"), 2)));
         assert!(summary.contains(&("d", Some("node-2"), 3)));
         assert!(
-            summary.iter().any(|(h, n, r)| h.len() == NAME_LIMIT && n.is_none() && *r == 4),
+            summary
+                .iter()
+                .any(|(h, n, r)| h.len() == NAME_LIMIT && n.is_none() && *r == 4),
             "kopf's V1 twin is reported once: {summary:?}"
         );
         assert_eq!(diffbases(&Scope::default(), &body).len(), 1);

@@ -13,7 +13,10 @@ use super::*;
 pub(super) async fn run(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
     let mut cycle = match Cycle::begin(&input) {
         Ok(cycle) => cycle,
-        Err(plan) => return plan,
+        Err(mut plan) => {
+            consume_retry(&input, &mut plan, &[]);
+            return plan;
+        }
     };
     let subject = Subject {
         body: input.body,
@@ -48,6 +51,10 @@ struct Cycle<'i, 'a> {
     steps: Vec<Step>,
     interrupted: bool,
     notes: Vec<(Level, String)>,
+    /// A retry request on the object (`persistence::retry`), if it decodes.
+    retry: Option<crate::persistence::retry::Request>,
+    /// The handlers run again because of it.
+    retried: Vec<String>,
 }
 
 impl<'i, 'a> Cycle<'i, 'a> {
@@ -126,6 +133,8 @@ impl<'i, 'a> Cycle<'i, 'a> {
             steps: Vec::new(),
             interrupted: false,
             notes: Vec::new(),
+            retry: crate::persistence::retry::read(&storage.keys, body).and_then(Result::ok),
+            retried: Vec::new(),
         })
     }
 
@@ -158,11 +167,27 @@ impl<'i, 'a> Cycle<'i, 'a> {
         if self.interrupted && step.fetched.is_none() {
             return;
         }
+        // A retry request runs a failed or delayed handler once more, now, whatever its limits.
+        let forced = !self.interrupted
+            && step.fetched.is_some()
+            && !record.success
+            && (record.failure || record.delayed.is_some())
+            && self
+                .retry
+                .as_ref()
+                .is_some_and(|r| r.wants(&reg.id.0, &storage.keys));
+        if forced {
+            info!(handler.id = %reg.id, requested.by = self.retry.as_ref().map(|r| r.requester()).unwrap_or_default(), "handler retried on request");
+            record.failure = false;
+            record.stopped = None;
+            record.delayed = None;
+            self.retried.push(reg.id.0.clone());
+        }
         if self.interrupted || record.finished() || record.sleeping(now) {
             self.steps.push(step.with(record));
             return;
         }
-        if let Some(message) = execution::exhausted(reg, &record, now) {
+        if !forced && let Some(message) = execution::exhausted(reg, &record, now) {
             warn!(handler.id = %reg.id, %message, "handler gives up");
             record.stopped = Some(time::format(now));
             record.failure = true;
@@ -397,7 +422,67 @@ impl<'i, 'a> Cycle<'i, 'a> {
             plan.done = false;
             plan.wake_at = None;
         }
+        consume_retry(self.input, &mut plan, &self.retried);
         plan
+    }
+}
+
+/// Consumes the object's retry request, if any: it leaves in this cycle's write (so a request
+/// costs no write of its own), with an Event that names who asked and what ran again — or
+/// that there was nothing to retry, or that the request was malformed. A cycle that ran no
+/// handler because it only adds the finalizer, or was interrupted, leaves the request for the
+/// next one.
+fn consume_retry(input: &Input<'_>, plan: &mut Plan, retried: &[String]) {
+    use crate::persistence::retry;
+    let keys = &input.storage.keys;
+    let Some(request) = retry::read(keys, input.body) else {
+        return;
+    };
+    if plan.interrupted || plan.finalizer == FinalizerChange::Add || plan.cause == Cause::Gone {
+        return;
+    }
+    let announcement = match request {
+        Ok(request) if !retried.is_empty() => (
+            Level::Info,
+            "RetryRequested",
+            format!(
+                "Handler(s) {} run again now, as requested by {}.",
+                retried
+                    .iter()
+                    .map(|id| format!("'{id}'"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                request.requester()
+            ),
+        ),
+        Ok(request) => (
+            Level::Info,
+            "RetryRequested",
+            format!(
+                "Nothing to retry (requested by {} for {}): no such handler has failed or waits for a retry.",
+                request.requester(),
+                if request.handlers.is_empty() {
+                    "every handler".to_owned()
+                } else {
+                    request.handlers.join(", ")
+                }
+            ),
+        ),
+        Err(why) => {
+            warn!(problem = %why, "malformed retry request ignored");
+            (
+                Level::Warning,
+                "RetryRequestIgnored",
+                format!("Ignored a malformed retry request ({}): {why}", retry::key(keys)),
+            )
+        }
+    };
+    plan.announcements.push(announcement);
+    let mut desired = plan.desired.take().unwrap_or_else(|| plan.base.clone());
+    retry::remove(keys, &mut desired);
+    plan.desired = Some(desired);
+    if let Some(fallback) = plan.fallback.as_mut() {
+        retry::remove(keys, fallback);
     }
 }
 
