@@ -334,6 +334,12 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_PROGRESS_STORAGE", value_enum, default_value_t = ProgressKind::Annotations)]
     pub progress_storage: ProgressKind,
 
+    /// Maintain status conditions Ready, Progressing and Degraded on handled objects (written
+    /// with each cycle's own write), so that `kubectl wait --for=condition=Ready` works. Not in
+    /// per-node mode.
+    #[arg(long, env = "CAPSTAN_CONDITIONS")]
+    pub conditions: bool,
+
     /// Where the last handled state (diff-base) is kept.
     #[arg(long, env = "CAPSTAN_DIFFBASE_STORAGE", value_enum, default_value_t = DiffBaseKind::Annotations)]
     pub diffbase_storage: DiffBaseKind,
@@ -699,6 +705,7 @@ impl RunArgs {
             progress,
             diffbase,
             finalizers,
+            conditions: self.conditions && node.is_none(),
         }
     }
 }

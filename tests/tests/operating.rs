@@ -537,3 +537,112 @@ async fn retry_reruns_a_permanently_failed_handler_once_in_one_write() -> Result
     let Scenario { env, .. } = s;
     env.stop().await
 }
+
+/// The condition of `kind` on an object.
+fn condition<'a>(obj: &'a Value, kind: &str) -> Option<&'a Value> {
+    obj.pointer("/status/conditions")?
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == kind)
+}
+
+fn condition_is(obj: &Value, kind: &str, status: &str, generation: i64) -> bool {
+    condition(obj, kind).is_some_and(|c| c["status"] == status && c["observedGeneration"] == generation)
+}
+
+#[tokio::test]
+async fn conditions_follow_progress_and_kubectl_waits_for_them() -> Result<()> {
+    let s = Scenario::start("create,update", &["--conditions"]).await?;
+
+    // Progressing while create_fn waits for its retry, then Ready.
+    s.create(
+        "c1",
+        json!({"temporary": {"create_fn": 1}, "retryDelay": {"create_fn": 3}}),
+    )
+    .await?;
+    let progressing = s
+        .wait("c1", T, "Progressing while create_fn waits", |o| {
+            condition_is(o, "Progressing", "True", 1) && condition_is(o, "Ready", "False", 1)
+        })
+        .await?;
+    let p = condition(&progressing, "Progressing")
+        .cloned()
+        .unwrap_or_default();
+    eprintln!("Progressing: {p}");
+    assert_eq!(p["reason"], "Retrying");
+    assert!(
+        p["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("temporary failure 1 of 1")),
+        "{p}"
+    );
+    assert!(
+        p["lastTransitionTime"]
+            .as_str()
+            .is_some_and(|t| t.len() == 20 && t.ends_with('Z')),
+        "{p}"
+    );
+    let waited = s
+        .env
+        .kubectl_ok(&[
+            "wait",
+            "--for=condition=Ready",
+            "examples/c1",
+            "-n",
+            "default",
+            "--timeout=60s",
+        ])
+        .await?;
+    assert!(waited.contains("condition met"), "{waited}");
+    let ready = s.get("c1").await?.context("c1")?;
+    assert!(condition_is(&ready, "Ready", "True", 1), "{ready}");
+    assert!(condition_is(&ready, "Progressing", "False", 1), "{ready}");
+    assert!(condition_is(&ready, "Degraded", "False", 1), "{ready}");
+    eprintln!(
+        "{}",
+        serde_json::to_string_pretty(&ready["status"]["conditions"]).unwrap_or_default()
+    );
+
+    // A permanent failure of the update: Degraded, not Ready, at the new generation.
+    s.patch(
+        "c1",
+        json!({"spec": {"field": "new", "permanent": {"update_fn": true}}}),
+    )
+    .await?;
+    s.env
+        .kubectl_ok(&[
+            "wait",
+            "--for=condition=Degraded",
+            "examples/c1",
+            "-n",
+            "default",
+            "--timeout=60s",
+        ])
+        .await?;
+    let degraded = s
+        .wait("c1", T, "Degraded at generation 2", |o| {
+            condition_is(o, "Degraded", "True", 2)
+                && condition_is(o, "Ready", "False", 2)
+                && condition_is(o, "Progressing", "False", 2)
+        })
+        .await?;
+    let d = condition(&degraded, "Degraded").cloned().unwrap_or_default();
+    eprintln!("Degraded: {d}");
+    assert_eq!(d["reason"], "HandlerFailed");
+    assert!(
+        d["message"].as_str().is_some_and(|m| m.contains("update_fn")),
+        "{d}"
+    );
+
+    // The conditions ride in the cycle's own writes: a change handled at once costs the
+    // object's PATCH and the status subresource's, nothing per condition.
+    s.create("c2", json!({})).await?;
+    s.wait("c2", T, "Ready", |o| condition_is(o, "Ready", "True", 1))
+        .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let writes = s.writes("c2");
+    eprintln!("writes for a handled creation with conditions: {writes:?}");
+    assert!(writes.len() <= 2, "{writes:?}");
+    let Scenario { env, .. } = s;
+    env.stop().await
+}

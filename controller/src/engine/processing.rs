@@ -74,6 +74,8 @@ pub struct Storage {
     pub diffbase: DiffBaseStorage,
     /// Add finalizers when handlers need them (off in per-node mode unless asked for).
     pub finalizers: bool,
+    /// Maintain `status.conditions` (`engine::conditions`); off by default, never per node.
+    pub conditions: bool,
 }
 
 impl Storage {
@@ -85,6 +87,7 @@ impl Storage {
             diffbase: DiffBaseStorage::Annotations(keys.clone()),
             keys,
             finalizers: true,
+            conditions: false,
         }
     }
 }

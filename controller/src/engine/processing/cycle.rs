@@ -14,6 +14,21 @@ pub(super) async fn run(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
     let mut cycle = match Cycle::begin(&input) {
         Ok(cycle) => cycle,
         Err(mut plan) => {
+            if input.storage.conditions
+                && plan.cause == Cause::Noop
+                && plan.done
+                && !super::super::conditions::present(input.body)
+            {
+                // Conditions turned on for an object handled before: it is ready as it is.
+                let summary = super::super::conditions::Summary {
+                    done: true,
+                    cause: "last change".into(),
+                    ..Default::default()
+                };
+                let mut desired = plan.base.clone();
+                super::super::conditions::apply(&mut desired, &summary, SystemTime::now());
+                plan.desired = Some(desired);
+            }
             consume_retry(&input, &mut plan, &[]);
             return plan;
         }
@@ -391,9 +406,10 @@ impl<'i, 'a> Cycle<'i, 'a> {
     /// Folds the steps into the plan. An interrupted cycle (shutdown, pause) still records
     /// what finished before it.
     fn finish(mut self) -> Plan {
+        let running = std::mem::take(&mut self.running);
         let mut plan = compose(
             &self.base,
-            self.running,
+            running,
             &self.steps,
             self.input,
             self.cause,
@@ -416,14 +432,60 @@ impl<'i, 'a> Cycle<'i, 'a> {
                 format!("{what} is processed: {succeeded} succeeded; {failed} failed."),
             ));
         }
-        plan.notes = self.notes;
+        plan.notes = std::mem::take(&mut self.notes);
         plan.interrupted = self.interrupted;
         if self.interrupted {
             plan.done = false;
             plan.wake_at = None;
         }
+        if self.input.storage.conditions && !self.interrupted {
+            self.set_conditions(&mut plan);
+        }
         consume_retry(self.input, &mut plan, &self.retried);
         plan
+    }
+
+    /// Sets the status conditions in the plan's desired body (and in its fallback, where the
+    /// handlers whose patches the API rejects become retried attempts).
+    fn set_conditions(&self, plan: &mut Plan) {
+        use super::super::conditions::{Summary, apply};
+        let message = |r: &ProgressRecord| r.message.clone().unwrap_or_default();
+        let summary = Summary {
+            done: plan.done,
+            failed: self
+                .steps
+                .iter()
+                .filter(|s| s.record.failure)
+                .map(|s| (s.registration.id.0.clone(), message(&s.record)))
+                .collect(),
+            retrying: self
+                .steps
+                .iter()
+                .filter(|s| !s.record.finished() && s.record.delayed.is_some())
+                .map(|s| (s.registration.id.0.clone(), message(&s.record)))
+                .collect(),
+            cause: causes::purpose(self.reason).to_owned(),
+        };
+        let mut desired = plan.desired.take().unwrap_or_else(|| plan.base.clone());
+        apply(&mut desired, &summary, self.now);
+        plan.desired = (desired != plan.base).then_some(desired);
+        if let Some(fallback) = plan.fallback.as_mut() {
+            let rejected = Summary {
+                done: false,
+                retrying: plan
+                    .patched
+                    .iter()
+                    .map(|p| {
+                        (
+                            p.registration.id.0.clone(),
+                            "the API server rejected its patch".to_owned(),
+                        )
+                    })
+                    .collect(),
+                ..summary
+            };
+            apply(fallback, &rejected, self.now);
+        }
     }
 }
 
