@@ -646,3 +646,95 @@ async fn conditions_follow_progress_and_kubectl_waits_for_them() -> Result<()> {
     let Scenario { env, .. } = s;
     env.stop().await
 }
+
+/// `text` without ANSI colour sequences.
+fn plain(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The trace ids (`trace.id=<32 hex digits>`) in the lines of `log` that contain all `words`.
+fn trace_ids(log: &str, words: &[&str]) -> Vec<String> {
+    plain(log)
+        .lines()
+        .filter(|l| words.iter().all(|w| l.contains(w)))
+        .filter_map(|l| {
+            let at = l.find("trace.id=")? + "trace.id=".len();
+            let id = l.get(at..at + 32)?;
+            id.bytes().all(|b| b.is_ascii_hexdigit()).then(|| id.to_owned())
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn one_trace_id_in_the_controller_log_and_the_handler_log() -> Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let mut controller = Controller::start(&env, "capstan", &[]).await?;
+    let calls = env.scratch().join("calls.log");
+    let handler = start_handler(
+        &env,
+        "handler",
+        &controller.endpoint(),
+        &[
+            ("E2E_HANDLERS", "create3"),
+            ("E2E_LOG", &calls.to_string_lossy()),
+            ("RUST_LOG", "info,capstan_sdk=debug"),
+        ],
+    )?;
+    controller
+        .process
+        .wait_for("handler process connected", T)
+        .await?;
+    capstan_tests::testenv::create_example(&env, "traced", json!({})).await?;
+    // create_c logs "create_c says hello to traced" through the SDK: the handler process
+    // logs it, and the controller logs the record it receives.
+    let deadline = tokio::time::Instant::now() + T;
+    let (ours, theirs) = loop {
+        let ours = trace_ids(
+            &controller.process.output(),
+            &["capstan::handler", "create_c says hello to traced"],
+        );
+        let theirs = trace_ids(&handler.output(), &["create_c says hello to traced"]);
+        if !ours.is_empty() && !theirs.is_empty() {
+            break (ours, theirs);
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "no traced log lines:\ncontroller:\n{}\nhandler:\n{}",
+                tail(&controller.process.output(), 30),
+                tail(&handler.output(), 30)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    eprintln!("trace id {ours:?} (controller) and {theirs:?} (handler)");
+    assert_eq!(ours, theirs, "one invocation, one trace id");
+    let id = ours.first().cloned().unwrap_or_default();
+    // The controller's spans of the object and of the invocation carry it too.
+    let invoking = trace_ids(&controller.process.output(), &["invoking", "handler.id=create_c"]);
+    assert!(invoking.contains(&id), "{invoking:?} vs {id}");
+    let started = trace_ids(
+        &handler.output(),
+        &["invocation started", "handler.id=create_c", "traced"],
+    );
+    assert!(started.contains(&id), "{started:?} vs {id}");
+    // Every handler of the cycle is a span of the same trace.
+    let create_a = trace_ids(&controller.process.output(), &["invoking", "handler.id=create_a"]);
+    assert!(create_a.contains(&id), "{create_a:?} vs {id}");
+    drop(handler);
+    drop(controller);
+    env.stop().await
+}

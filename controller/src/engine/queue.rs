@@ -334,7 +334,7 @@ impl Queue {
                 .and_then(Value::as_str)
                 .unwrap_or_default()
                 .to_owned();
-            let span = info_span!("object", object.resource = %self.ctx.resource.plural, object.namespace = %namespace, object.name = %name, object.uid = %uid);
+            let span = info_span!("object", object.resource = %self.ctx.resource.plural, object.namespace = %namespace, object.name = %name, object.uid = %uid, trace.id = tracing::field::Empty);
             let cycle = self
                 .process(&uid, event_type, body, memory)
                 .instrument(span.clone());

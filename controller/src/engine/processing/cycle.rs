@@ -70,6 +70,8 @@ struct Cycle<'i, 'a> {
     retry: Option<crate::persistence::retry::Request>,
     /// The handlers run again because of it.
     retried: Vec<String>,
+    /// The cycle's trace; each invocation is a span of it (`model::trace`).
+    trace: crate::model::TraceContext,
 }
 
 impl<'i, 'a> Cycle<'i, 'a> {
@@ -133,6 +135,9 @@ impl<'i, 'a> Cycle<'i, 'a> {
             plan.done = cause == Cause::Noop;
             return Err(plan);
         };
+        let trace = crate::model::TraceContext::root();
+        tracing::Span::current().record("trace.id", tracing::field::display(trace.trace_id()));
+        debug!(%cause, trace.id = %trace.trace_id(), "cycle started");
         Ok(Self {
             input,
             now: SystemTime::now(),
@@ -150,6 +155,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
             notes: Vec::new(),
             retry: crate::persistence::retry::read(&storage.keys, body).and_then(Result::ok),
             retried: Vec::new(),
+            trace,
         })
     }
 
@@ -244,7 +250,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
         invoker: &dyn Invoker,
     ) -> (Outcome, bool) {
         let children = child_states(self.input.storage, reg, self.input.body, record);
-        let work = work(
+        let mut work = work(
             self.input,
             reg,
             self.reason,
@@ -254,7 +260,8 @@ impl<'i, 'a> Cycle<'i, 'a> {
             &self.new,
             children,
         );
-        debug!(handler.id = %reg.id, attempt = work.attempt, "invoking");
+        work.trace = self.trace.child();
+        debug!(handler.id = %reg.id, attempt = work.attempt, trace.id = %work.trace.trace_id(), "invoking");
         let token = self.input.cancel.child_token();
         let withdrawn = Arc::new(AtomicBool::new(false));
         let invocation = withdrawable(
