@@ -32,7 +32,7 @@ pub struct Summary {
     pub failed: Vec<(String, String)>,
     /// Handlers waiting for a retry, with their last messages.
     pub retrying: Vec<(String, String)>,
-    /// The cause, for messages (`create`, `update`, …).
+    /// The cause, for messages (`creation`, `update`, `deletion`, `resumption`).
     pub cause: String,
 }
 

@@ -471,7 +471,13 @@ impl<'i, 'a> Cycle<'i, 'a> {
                 .filter(|s| !s.record.finished() && s.record.delayed.is_some())
                 .map(|s| (s.registration.id.0.clone(), message(&s.record)))
                 .collect(),
-            cause: causes::purpose(self.reason).to_owned(),
+            cause: match self.cause {
+                Cause::Create => "creation",
+                Cause::Update => "update",
+                Cause::Delete => "deletion",
+                _ => "resumption",
+            }
+            .to_owned(),
         };
         let mut desired = plan.desired.take().unwrap_or_else(|| plan.base.clone());
         apply(&mut desired, &summary, self.now);
