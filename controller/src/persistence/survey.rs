@@ -136,13 +136,16 @@ fn split_field(scope: &Scope, field: &str) -> Option<(String, Option<String>)> {
     })
 }
 
+/// An operator: its base prefix and node label.
+type Operator = (String, Option<String>);
+
 fn annotation_records(scope: &Scope, body: &Value) -> Vec<Found> {
     let Some(annotations) = body.pointer("/metadata/annotations").and_then(Value::as_object) else {
         return Vec::new();
     };
     let mut found: Vec<Found> = Vec::new();
     // Values already reported per (owner, node): kopf's V1 twin of a long V2 key is skipped.
-    let mut seen: BTreeMap<(String, Option<String>), Vec<(String, String)>> = BTreeMap::new();
+    let mut seen: BTreeMap<Operator, Vec<(String, String)>> = BTreeMap::new();
     let mut keys: Vec<&String> = annotations.keys().collect();
     // Longer names first: a V2 key (name up to 63 characters) before its shorter V1 twin.
     keys.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
