@@ -700,3 +700,6 @@ mod cycle;
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod operating_tests;
