@@ -243,6 +243,24 @@ async fn status_explains_every_state_and_every_storage() -> Result<()> {
     );
     eprintln!("$ capstan status Example -A -o wide\n{}", all.stdout);
 
+    // As a kubectl plugin: the binary named kubectl-capstan on the PATH.
+    let plugins = s.env.scratch().join("plugins");
+    std::fs::create_dir_all(&plugins)?;
+    std::os::unix::fs::symlink(capstan_binary().await?, plugins.join("kubectl-capstan"))?;
+    let path = format!("{}:{}", plugins.display(), std::env::var("PATH").unwrap_or_default());
+    let plugin = tokio::process::Command::new("kubectl")
+        .args(["capstan", "status", "examples", "waiting"])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("PATH", &path)
+        .output()
+        .await?;
+    let plugin_out = String::from_utf8_lossy(&plugin.stdout);
+    assert!(
+        plugin.status.success() && row(&plugin_out, &["waiting", "-", "create_b", "retrying"]).is_some(),
+        "kubectl capstan status: {plugin_out}{}",
+        String::from_utf8_lossy(&plugin.stderr)
+    );
+
     // Bad input: a clear message each, a failure exit, no crash.
     let unknown = capstan(&kubeconfig, &["status", "nonesuch"]).await?;
     assert!(
