@@ -79,7 +79,19 @@ fn record_says(obj: &Value, key: &str, check: impl Fn(&Value) -> bool) -> bool {
 
 /// A per-node operator (controller + handler process) on the scenario's API server.
 async fn node_operator(env: &TestEnv, node: &str, presets: &str) -> Result<(Controller, Process)> {
-    let mut controller = Controller::start(env, &format!("capstan-{node}"), &["--node-name", node]).await?;
+    node_operator_with(env, node, presets, &[]).await
+}
+
+/// A per-node operator with extra controller flags.
+async fn node_operator_with(
+    env: &TestEnv,
+    node: &str,
+    presets: &str,
+    extra: &[&str],
+) -> Result<(Controller, Process)> {
+    let mut args = vec!["--node-name", node];
+    args.extend_from_slice(extra);
+    let mut controller = Controller::start(env, &format!("capstan-{node}"), &args).await?;
     let calls = env.scratch().join(format!("calls-{node}.log"));
     let handler = start_handler(
         env,
@@ -98,6 +110,9 @@ async fn node_operator(env: &TestEnv, node: &str, presets: &str) -> Result<(Cont
 async fn status_explains_every_state_and_every_storage() -> Result<()> {
     let s = Scenario::start("create3", &[]).await?;
     let (node, _node_handler) = node_operator(&s.env, "node-1", "create3").await?;
+    // A third operator keeps its records in the status (`status.capstan-node-2.progress`).
+    let (status_node, _status_handler) =
+        node_operator_with(&s.env, "node-2", "create3", &["--progress-storage", "status"]).await?;
     let kubeconfig = s.env.kubeconfig.clone();
 
     s.create("quiet", json!({})).await?;
@@ -112,6 +127,7 @@ async fn status_explains_every_state_and_every_storage() -> Result<()> {
     s.wait("quiet", T, "handled by both operators", |o| {
         annotation(o, "capstan.dev/last-handled-configuration").is_some()
             && annotation(o, "node-1.capstan.dev/last-handled-configuration").is_some()
+            && annotation(o, "node-2.capstan.dev/last-handled-configuration").is_some()
     })
     .await?;
     for name in ["waiting", "broken"] {
@@ -123,6 +139,10 @@ async fn status_explains_every_state_and_every_storage() -> Result<()> {
             .await?;
         }
     }
+    s.wait("waiting", T, "node-2's create_b waiting in the status", |o| {
+        o.pointer("/status/capstan-node-2/progress/create_b/retries") == Some(&json!(1))
+    })
+    .await?;
     // A record nobody can read, beside the good ones.
     s.patch(
         "quiet",
@@ -214,13 +234,21 @@ async fn status_explains_every_state_and_every_storage() -> Result<()> {
     let per_node = entry(&report, "broken", "create_a", Some("node-1")).context("node-1's create_a")?;
     assert_eq!(per_node["state"], "failed", "{per_node}");
     assert_eq!(per_node["storedIn"], "annotation node-1.capstan.dev/create_a");
+    let in_status = entry(&report, "waiting", "create_b", Some("node-2")).context("node-2's create_b")?;
+    assert_eq!(in_status["state"], "retrying", "{in_status}");
+    assert_eq!(in_status["storedIn"], "status.capstan-node-2.progress");
+    assert_eq!(in_status["owner"], "capstan");
     let quiet = report["items"]
         .as_array()
         .and_then(|i| i.iter().find(|o| o["name"] == "quiet"))
         .context("quiet")?;
     assert_eq!(
         quiet["handledBy"],
-        json!(["capstan.dev", "capstan.dev (node node-1)"])
+        json!([
+            "capstan.dev",
+            "capstan.dev (node node-1)",
+            "capstan.dev (node node-2)"
+        ])
     );
 
     // One object, YAML, another scope.
@@ -247,7 +275,11 @@ async fn status_explains_every_state_and_every_storage() -> Result<()> {
     let plugins = s.env.scratch().join("plugins");
     std::fs::create_dir_all(&plugins)?;
     std::os::unix::fs::symlink(capstan_binary().await?, plugins.join("kubectl-capstan"))?;
-    let path = format!("{}:{}", plugins.display(), std::env::var("PATH").unwrap_or_default());
+    let path = format!(
+        "{}:{}",
+        plugins.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
     let plugin = tokio::process::Command::new("kubectl")
         .args(["capstan", "status", "examples", "waiting"])
         .env("KUBECONFIG", &kubeconfig)
@@ -292,6 +324,7 @@ async fn status_explains_every_state_and_every_storage() -> Result<()> {
         eprintln!("{}", run.stderr.trim());
     }
     drop(node);
+    drop(status_node);
     let Scenario { env, .. } = s;
     env.stop().await
 }

@@ -80,11 +80,12 @@ pub struct Handled {
     pub owner: String,
 }
 
-/// Every record on `body` within `scope`, in a stable order (owner, node, handler).
+/// Every record on `body` within `scope`, in a stable order (node, owner, handler).
 pub fn records(scope: &Scope, body: &Value) -> Vec<Found> {
     let mut found = annotation_records(scope, body);
     found.extend(status_records(scope, body));
-    found.sort_by(|a, b| (&a.owner, &a.node, &a.handler).cmp(&(&b.owner, &b.node, &b.handler)));
+    // The operator without a node first, then by node, operator and handler.
+    found.sort_by(|a, b| (&a.node, &a.owner, &a.handler).cmp(&(&b.node, &b.owner, &b.handler)));
     found
 }
 
