@@ -49,7 +49,7 @@ pub fn apply(body: &mut Value, summary: &Summary, now: SystemTime) {
         (
             "True",
             "Handled",
-            format!("Every {} handler succeeded.", summary.cause),
+            format!("Every handler of the {} succeeded.", summary.cause),
         )
     } else if degraded {
         ("False", "HandlerFailed", failures.clone())
