@@ -1,4 +1,4 @@
-//! The command line: `capstan run | freeze | resume | crds | version`.
+//! The command line: `capstan run | freeze | resume | crds | version | check | status | retry`.
 //!
 //! Every flag can also be given as an environment variable (`CAPSTAN_…`), which is how the Helm
 //! chart configures the sidecar. The mapping onto [`Settings`] is mechanical and logic-free.
@@ -56,6 +56,122 @@ pub enum Command {
     /// 200 and a handler process is connected (the chart's `helm test`). Keeps trying until
     /// the timeout; exits non-zero saying what failed.
     Check(CheckArgs),
+    /// Show what the handlers of objects have done: per object and handler, done, running,
+    /// waiting for a retry (and when) or failed for good, with attempts and the last message.
+    ///
+    /// Reads the objects with the kubeconfig (KUBECONFIG or ~/.kube/config), as kubectl does,
+    /// and understands every storage Capstan supports (annotations, status, smart, per-node
+    /// prefixes) and kopf's own records. As a kubectl plugin: install the binary (or a link to
+    /// it) as `kubectl-capstan` on the PATH and run `kubectl capstan status …`.
+    Status(StatusArgs),
+    /// Run failed (even permanently failed) or delayed handlers of an object again, now.
+    ///
+    /// Writes a retry request annotation (`<prefix>/retry-request`) that the controller
+    /// consumes in its next cycle of the object, removing it in that cycle's write and posting
+    /// an Event that names who asked. Says so, and writes nothing, when the object has
+    /// nothing to retry.
+    Retry(RetryArgs),
+}
+
+/// Flags of `capstan retry`.
+#[derive(Debug, Args)]
+pub struct RetryArgs {
+    /// The resource: plural, kind, short name, or plural.group.
+    pub resource: String,
+
+    /// The object's name.
+    pub name: String,
+
+    /// Only this handler (repeatable); without it, every failed or delayed handler.
+    #[arg(long = "handler", value_delimiter = ',')]
+    pub handlers: Vec<String>,
+
+    /// The namespace [default: the kubeconfig context's].
+    #[arg(long, short = 'n')]
+    pub namespace: Option<String>,
+
+    /// The node of a per-node operator (DaemonSet mode) whose handlers to retry.
+    #[arg(long)]
+    pub node: Option<String>,
+
+    /// The operator's persistence prefix [default: the one whose records the object carries].
+    #[arg(long)]
+    pub prefix: Option<String>,
+}
+
+impl RetryArgs {
+    /// What these flags ask for.
+    pub fn ask(&self) -> crate::steering::Ask {
+        crate::steering::Ask {
+            resource: self.resource.clone(),
+            name: self.name.clone(),
+            namespace: self.namespace.clone(),
+            handlers: self.handlers.clone(),
+            node: self.node.clone(),
+            prefix: self.prefix.clone(),
+        }
+    }
+}
+
+/// Flags of `capstan status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The resource: plural, kind, short name, or plural.group (e.g. examples.demo.capstan.dev).
+    pub resource: String,
+
+    /// One object; without it, every object in the namespace.
+    pub name: Option<String>,
+
+    /// The namespace [default: the kubeconfig context's].
+    #[arg(long, short = 'n', conflicts_with = "all_namespaces")]
+    pub namespace: Option<String>,
+
+    /// Every namespace.
+    #[arg(long, short = 'A')]
+    pub all_namespaces: bool,
+
+    /// Only objects with these labels (a label selector, as kubectl -l).
+    #[arg(long, short = 'l')]
+    pub selector: Option<String>,
+
+    /// Output format: aligned columns by default; wide, json or yaml.
+    #[arg(long, short = 'o', value_enum, default_value_t = crate::inspection::render::Output::Table)]
+    pub output: crate::inspection::render::Output,
+
+    /// Annotation prefixes of the operators to report on (repeatable; per-node prefixes
+    /// `<node>.<prefix>` are included) [default: capstan.dev and kopf.zalando.org].
+    #[arg(long = "prefix", value_delimiter = ',')]
+    pub prefixes: Vec<String>,
+
+    /// Status stanzas of the status storages (repeatable; per-node `<field>-<node>` are
+    /// included) [default: capstan and kopf].
+    #[arg(long = "status-field", value_delimiter = ',')]
+    pub status_fields: Vec<String>,
+}
+
+impl StatusArgs {
+    /// The query these flags ask for.
+    pub fn query(&self) -> crate::inspection::Query {
+        use crate::inspection::Namespaces;
+        let mut scope = crate::persistence::survey::Scope::default();
+        if !self.prefixes.is_empty() {
+            scope.prefixes.clone_from(&self.prefixes);
+        }
+        if !self.status_fields.is_empty() {
+            scope.status_fields.clone_from(&self.status_fields);
+        }
+        crate::inspection::Query {
+            resource: self.resource.clone(),
+            name: self.name.clone(),
+            namespaces: match (&self.namespace, self.all_namespaces) {
+                (_, true) => Namespaces::All,
+                (Some(ns), false) => Namespaces::One(ns.clone()),
+                (None, false) => Namespaces::Current,
+            },
+            selector: self.selector.clone(),
+            scope,
+        }
+    }
 }
 
 /// Flags of `capstan prepare-storage`.
@@ -256,6 +372,12 @@ pub struct RunArgs {
     /// reads (never writes) records in status.<status-field>.progress, as kopf does.
     #[arg(long, env = "CAPSTAN_PROGRESS_STORAGE", value_enum, default_value_t = ProgressKind::Annotations)]
     pub progress_storage: ProgressKind,
+
+    /// Maintain status conditions Ready, Progressing and Degraded on handled objects (written
+    /// with each cycle's own write), so that `kubectl wait --for=condition=Ready` works. Not in
+    /// per-node mode.
+    #[arg(long, env = "CAPSTAN_CONDITIONS")]
+    pub conditions: bool,
 
     /// Where the last handled state (diff-base) is kept.
     #[arg(long, env = "CAPSTAN_DIFFBASE_STORAGE", value_enum, default_value_t = DiffBaseKind::Annotations)]
@@ -668,6 +790,7 @@ impl RunArgs {
             diffbase,
             finalizers,
             local: None,
+            conditions: self.conditions && node.is_none(),
         }
     }
 }

@@ -15,6 +15,7 @@
 
 pub mod activities;
 pub mod causes;
+pub mod conditions;
 pub mod daemons;
 pub mod diff;
 pub mod essence;

@@ -26,6 +26,10 @@
 //! `check` (the `capstan check` command) stands apart: it speaks HTTP to a running
 //! controller's admin endpoint and imports nothing of the crate.
 //!
+//! `inspection` (the `capstan status` command) reads objects through `k8s` and decodes
+//! their stored state through `persistence`; `steering` (`capstan retry`) builds on it and
+//! writes the retry request that `engine` consumes. Nothing else imports either.
+//!
 //! `grpc` never imports `k8s`: resources are resolved through the [`grpc::Resolver`] that the
 //! app supplies, and work crosses as [`model::Work`] and [`model::Outcome`].
 
@@ -36,11 +40,13 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod grpc;
+pub mod inspection;
 pub mod k8s;
 pub mod model;
 pub mod observability;
 pub mod peering;
 pub mod persistence;
 pub mod signal;
+pub mod steering;
 
 pub use error::{Error, Result};

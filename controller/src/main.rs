@@ -26,6 +26,25 @@ fn main() -> ExitCode {
                 .await
                 .map_err(Into::into)
         }),
+        Command::Status(args) => terminal(async move {
+            let query = args.query();
+            let reports = capstan::inspection::report(client().await?, &query).await?;
+            let colour = std::io::IsTerminal::is_terminal(&std::io::stdout())
+                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+            let text = capstan::inspection::render::render(
+                &reports,
+                args.output,
+                query.namespaces == capstan::inspection::Namespaces::All,
+                colour,
+            )
+            .map_err(capstan::inspection::Error::Render)?;
+            Ok(vec![text])
+        }),
+        Command::Retry(args) => terminal(async move {
+            capstan::steering::retry(client().await?, &args.ask())
+                .await
+                .map_err(Into::into)
+        }),
         Command::Crds => {
             print!("{}", capstan::peering::commands::CRDS);
             ExitCode::SUCCESS

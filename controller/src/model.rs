@@ -11,6 +11,7 @@ pub mod invocation;
 pub mod posting;
 pub mod resource;
 pub mod selector;
+pub mod trace;
 
 pub use diagnostic::{Diagnostic, Severity};
 pub use handler::{
@@ -24,3 +25,4 @@ pub use invocation::{
 pub use posting::{Level, Policy, Posting};
 pub use resource::{ResolvedResource, ResourceRef, ResourceSelector};
 pub use selector::{ObjectSelector, SelectorError};
+pub use trace::TraceContext;

@@ -11,6 +11,8 @@ pub mod keys;
 pub mod node;
 pub mod node_store;
 pub mod progress;
+pub mod retry;
+pub mod survey;
 pub mod time;
 
 pub use diffbase::DiffBaseStorage;

@@ -183,7 +183,7 @@ func (inv *Invocation) child(id string, st *pb.SubhandlerState) *Invocation {
 		ID: inv.ID, HandlerID: inv.HandlerID + "/" + id, Kind: inv.Kind,
 		Attempt: int(st.GetRetries()) + 1, Retry: int(st.GetRetries()), IdempotencyKey: inv.IdempotencyKey + "/" + id,
 		Started: time.Now(), Resource: inv.Resource, Reason: inv.Reason, Old: inv.Old, New: inv.New,
-		Diff: inv.Diff, Field: inv.Field, Param: inv.Param,
+		Diff: inv.Diff, Field: inv.Field, Param: inv.Param, Traceparent: inv.Traceparent,
 		logger: inv.logger, send: inv.send, memos: inv.memos, canDeclare: true,
 	}
 	if t := st.GetStartedTime(); t != nil {

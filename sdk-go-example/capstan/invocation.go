@@ -59,6 +59,10 @@ type Invocation struct {
 	Param any
 	// LastError is the previous attempt's failure, if any.
 	LastError *Diagnostic
+	// Traceparent is the W3C trace context of this invocation: the controller traces every
+	// processing cycle of an object and each invocation is a span of it. Pass it on (HTTP
+	// headers, messages) to continue the trace; empty when the controller sent none.
+	Traceparent string
 
 	body    atomic.Pointer[map[string]any]
 	patch   Patch
@@ -277,11 +281,26 @@ func (inv *Invocation) Log(level LogLevel, msg string) {
 			local = slog.LevelError
 		}
 		inv.logger.Log(context.Background(), local, msg, "handler", inv.HandlerID,
-			"object", inv.Namespace()+"/"+inv.Name(), "invocation", inv.ID)
+			"object", inv.Namespace()+"/"+inv.Name(), "invocation", inv.ID, "trace_id", inv.TraceID())
 	}
 	if inv.send != nil {
 		inv.send(message{id: inv.ID, log: &logRecord{level: level, message: msg, time: time.Now()}})
 	}
+}
+
+// TraceID returns the trace id of [Invocation.Traceparent] (32 hex digits, as the controller
+// logs it), or "" when there is no well-formed traceparent.
+func (inv *Invocation) TraceID() string {
+	parts := strings.Split(inv.Traceparent, "-")
+	if len(parts) != 4 || len(parts[1]) != 32 {
+		return ""
+	}
+	for _, c := range parts[1] {
+		if !strings.ContainsRune("0123456789abcdef", c) {
+			return ""
+		}
+	}
+	return parts[1]
 }
 
 // section returns m[key] as a map, or an empty map.

@@ -203,6 +203,7 @@ func newInvocation(m *pb.Invocation, kind Kind) (*Invocation, error) {
 		Attempt:        int(m.GetAttempt()),
 		Retry:          max(int(m.GetAttempt())-1, 0),
 		IdempotencyKey: m.GetIdempotencyKey(),
+		Traceparent:    m.GetTraceContext()["traceparent"],
 		Started:        time.Now(),
 		canDeclare:     kind.isChange(),
 	}

@@ -386,6 +386,7 @@ impl Stream {
             invocation.id = %invocation.invocation_id,
             attempt = invocation.attempt,
             object = %object_name(invocation.resource.as_ref()),
+            trace.id = %crate::context::trace_id(&invocation).unwrap_or_default(),
         );
         let control = Control::new();
         let invocation_id = invocation.invocation_id.clone();

@@ -442,6 +442,22 @@ impl Context {
         &self.inner.invocation.invocation_id
     }
 
+    /// The invocation's W3C `traceparent`: the controller traces every processing cycle, and
+    /// each invocation is a span of that trace. Pass it on (HTTP headers, messages) to continue
+    /// the trace; it is also a field of this invocation's `tracing` span (`trace.id`).
+    pub fn traceparent(&self) -> Option<&str> {
+        self.inner
+            .invocation
+            .trace_context
+            .get("traceparent")
+            .map(String::as_str)
+    }
+
+    /// The trace id of [`Context::traceparent`] (32 hex digits), as the controller logs it.
+    pub fn trace_id(&self) -> Option<&str> {
+        trace_id(&self.inner.invocation)
+    }
+
     /// Stable across all attempts of the same piece of work: use it to make side effects
     /// idempotent.
     pub fn idempotency_key(&self) -> &str {
@@ -613,6 +629,9 @@ impl Context {
     fn record(&self, level: pb::LogLevel, message: String) -> pb::LogRecord {
         let mut fields = HashMap::new();
         fields.insert("handler_id".to_owned(), self.inner.handler_id.clone());
+        if let Some(trace) = self.trace_id() {
+            fields.insert("trace_id".to_owned(), trace.to_owned());
+        }
         pb::LogRecord {
             invocation_id: self.invocation_id().to_owned(),
             level: level as i32,
@@ -663,6 +682,14 @@ fn annotations(body: &Value) -> &Map<String, Value> {
         .get("annotations")
         .and_then(Value::as_object)
         .unwrap_or(&EMPTY)
+}
+
+/// The trace id of an invocation's `traceparent` (`00-<trace id>-<span id>-<flags>`), when it
+/// has a well-formed one.
+pub(crate) fn trace_id(invocation: &pb::Invocation) -> Option<&str> {
+    let traceparent = invocation.trace_context.get("traceparent")?;
+    let id = traceparent.split('-').nth(1)?;
+    (id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
 }
 
 #[cfg(test)]

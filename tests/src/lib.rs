@@ -8,6 +8,7 @@
 pub mod faults;
 pub mod grpc;
 pub mod helm;
+pub mod kopf;
 pub mod process;
 pub mod proxy;
 pub mod scenario;

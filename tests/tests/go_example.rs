@@ -105,6 +105,14 @@ async fn go_operator_handles_changes_subhandlers_a_live_daemon_a_timer_and_activ
         .await?;
     assert_eq!(label(&obj, "demo.capstan.dev/handled-by"), Some("go"));
     assert_eq!(obj["status"]["create_fn"]["message"], "hello one from go");
+    // The Go handler continues the controller's trace: its log line and the controller's log
+    // of the record it sent back carry the same trace id.
+    let go_trace = trace_id_after(&s.handler.output(), r#"msg="created one""#, "trace_id=");
+    let controller_trace = trace_id_after(&s.controller.process.output(), "created one", "trace.id=");
+    assert!(
+        go_trace.is_some() && go_trace == controller_trace,
+        "trace ids: go {go_trace:?}, controller {controller_trace:?}"
+    );
     assert_eq!(
         annotation(&obj, "demo.capstan.dev/field"),
         Some("none->a"),
@@ -203,6 +211,14 @@ async fn go_operator_handles_changes_subhandlers_a_live_daemon_a_timer_and_activ
         "a handler panicked:\n{output}"
     );
     Ok(())
+}
+
+/// The 32 hex digits after `field` on the first line of `log` that contains `needle`.
+fn trace_id_after(log: &str, needle: &str, field: &str) -> Option<String> {
+    let line = log.lines().find(|l| l.contains(needle) && l.contains(field))?;
+    let at = line.find(field)? + field.len();
+    let id = line.get(at..at + 32)?;
+    id.bytes().all(|b| b.is_ascii_hexdigit()).then(|| id.to_owned())
 }
 
 /// Whether the controller accepted the Go operator's registration of `handler`.

@@ -85,6 +85,8 @@ pub struct Storage {
     /// not on the objects (they are overlaid on the bodies the cycles see, and taken out of
     /// every write).
     pub local: Option<std::sync::Arc<crate::persistence::node_store::NodeStore>>,
+    /// Maintain `status.conditions` (`engine::conditions`); off by default, never per node.
+    pub conditions: bool,
 }
 
 impl Storage {
@@ -97,6 +99,7 @@ impl Storage {
             keys,
             finalizers: true,
             local: None,
+            conditions: false,
         }
     }
 }
@@ -196,6 +199,8 @@ pub struct Plan {
     pub interrupted: bool,
     /// What to report as Kubernetes Events: handler outcomes and the cause's completion.
     pub notes: Vec<(Level, String)>,
+    /// Events with a reason of their own, always posted (a consumed retry request).
+    pub announcements: Vec<(Level, &'static str, String)>,
 }
 
 impl Plan {
@@ -211,6 +216,7 @@ impl Plan {
             done: false,
             interrupted: false,
             notes: Vec::new(),
+            announcements: Vec::new(),
         }
     }
 }
@@ -392,6 +398,7 @@ fn compose(
         done,
         interrupted: false,
         notes: Vec::new(),
+        announcements: Vec::new(),
     }
 }
 
@@ -705,3 +712,6 @@ mod cycle;
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod operating_tests;

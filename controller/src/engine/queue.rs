@@ -334,7 +334,7 @@ impl Queue {
                 .and_then(Value::as_str)
                 .unwrap_or_default()
                 .to_owned();
-            let span = info_span!("object", object.resource = %self.ctx.resource.plural, object.namespace = %namespace, object.name = %name, object.uid = %uid);
+            let span = info_span!("object", object.resource = %self.ctx.resource.plural, object.namespace = %namespace, object.name = %name, object.uid = %uid, trace.id = tracing::field::Empty);
             let cycle = self
                 .process(&uid, event_type, body, memory)
                 .instrument(span.clone());
@@ -429,6 +429,18 @@ impl Queue {
                 crate::model::Level::Error,
                 format!("The API server refused Capstan's write: {message}"),
             ));
+        }
+        if !plan.announcements.is_empty() {
+            let object = processing::object_ref(&self.ctx.resource, &body);
+            for (level, reason, message) in &plan.announcements {
+                self.ctx.poster.post(crate::model::Posting {
+                    object: object.clone(),
+                    level: *level,
+                    reason: (*reason).into(),
+                    message: message.clone(),
+                    policy: crate::model::Policy::Always,
+                });
+            }
         }
         if !notes.is_empty() {
             let object = processing::object_ref(&self.ctx.resource, &body);

@@ -646,17 +646,20 @@ impl Connection {
         };
         let inv = record.invocation_id.as_str();
         let msg = record.message.as_str();
+        let trace = self.hub.trace_of(inv).map(|t| t.trace_id()).unwrap_or_default();
         match level {
             Level::DEBUG => {
-                debug!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}")
+                debug!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, trace.id = %trace, "{msg}")
             }
             Level::WARN => {
-                warn!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}")
+                warn!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, trace.id = %trace, "{msg}")
             }
             Level::ERROR => {
-                tracing::error!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}")
+                tracing::error!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, trace.id = %trace, "{msg}")
             }
-            _ => info!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, "{msg}"),
+            _ => {
+                info!(target: "capstan::handler", handler_id = %handler, invocation_id = %inv, trace.id = %trace, "{msg}")
+            }
         }
         let target = record
             .object

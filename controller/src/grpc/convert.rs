@@ -667,7 +667,7 @@ pub fn invocation(
             generation: o.generation,
         }),
         body: opt_json(work.body.as_ref()),
-        trace_context: Default::default(),
+        trace_context: [("traceparent".to_owned(), work.trace.traceparent())].into(),
         last_error: work.last_error.as_ref().map(diagnostic_to_pb),
         param: opt_json(work.param.as_ref()),
         subhandlers: work

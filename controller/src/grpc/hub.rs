@@ -126,6 +126,7 @@ struct InFlight {
     conn: ConnectionId,
     handler: HandlerId,
     object: Option<ResourceRef>,
+    trace: crate::model::TraceContext,
     reply: oneshot::Sender<Delivery>,
     updates: Option<mpsc::UnboundedSender<Vec<Patch>>>,
 }
@@ -518,6 +519,16 @@ impl Hub {
             .map(|f| (f.handler.clone(), f.object.clone()))
     }
 
+    /// The trace of an invocation in flight, for logs of its records.
+    pub(crate) fn trace_of(&self, invocation_id: &str) -> Option<crate::model::TraceContext> {
+        self.inner
+            .state
+            .lock()
+            .in_flight
+            .get(invocation_id)
+            .map(|f| f.trace)
+    }
+
     /// Publishes a record that may become a Kubernetes Event (best effort: a lagging
     /// subscriber loses the oldest records).
     pub(crate) fn post(&self, posting: Posting) {
@@ -571,7 +582,7 @@ impl Hub {
     /// # Cancel safety
     /// As [`Hub::invoke`].
     pub async fn dispatch(&self, mut work: Work, control: Control) -> Outcome {
-        let span = info_span!("invocation", handler.id = %work.handler_id, key = %work.idempotency_key);
+        let span = info_span!("invocation", handler.id = %work.handler_id, key = %work.idempotency_key, trace.id = %work.trace.trace_id());
         async move {
             let mut losses = 0u32;
             loop {
@@ -665,6 +676,7 @@ impl Hub {
                     conn: grant.conn,
                     handler: work.handler_id.clone(),
                     object: work.object.clone(),
+                    trace: work.trace,
                     reply: reply_tx,
                     updates: control.updates.clone(),
                 },

@@ -183,6 +183,8 @@ pub struct Work {
     /// the next one itself, so that attempt numbers and the poison-pill guard survive the
     /// absence of every handler process and a restart of the controller.
     pub report_losses: bool,
+    /// The invocation's span in its trace (`traceparent` on the wire).
+    pub trace: super::TraceContext,
 }
 
 impl Work {
@@ -202,6 +204,7 @@ impl Work {
             payload,
             cancel_grace: None,
             report_losses: false,
+            trace: super::TraceContext::root(),
         }
     }
 }

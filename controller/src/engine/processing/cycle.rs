@@ -13,7 +13,25 @@ use super::*;
 pub(super) async fn run(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
     let mut cycle = match Cycle::begin(&input) {
         Ok(cycle) => cycle,
-        Err(plan) => return plan,
+        Err(mut plan) => {
+            if input.storage.conditions
+                && plan.cause == Cause::Noop
+                && plan.done
+                && !super::super::conditions::present(input.body)
+            {
+                // Conditions turned on for an object handled before: it is ready as it is.
+                let summary = super::super::conditions::Summary {
+                    done: true,
+                    cause: "last change".into(),
+                    ..Default::default()
+                };
+                let mut desired = plan.base.clone();
+                super::super::conditions::apply(&mut desired, &summary, SystemTime::now());
+                plan.desired = Some(desired);
+            }
+            consume_retry(&input, &mut plan, &[]);
+            return plan;
+        }
     };
     let subject = Subject {
         body: input.body,
@@ -48,6 +66,12 @@ struct Cycle<'i, 'a> {
     steps: Vec<Step>,
     interrupted: bool,
     notes: Vec<(Level, String)>,
+    /// A retry request on the object (`persistence::retry`), if it decodes.
+    retry: Option<crate::persistence::retry::Request>,
+    /// The handlers run again because of it.
+    retried: Vec<String>,
+    /// The cycle's trace; each invocation is a span of it (`model::trace`).
+    trace: crate::model::TraceContext,
 }
 
 impl<'i, 'a> Cycle<'i, 'a> {
@@ -111,6 +135,9 @@ impl<'i, 'a> Cycle<'i, 'a> {
             plan.done = cause == Cause::Noop;
             return Err(plan);
         };
+        let trace = crate::model::TraceContext::root();
+        tracing::Span::current().record("trace.id", tracing::field::display(trace.trace_id()));
+        debug!(%cause, trace.id = %trace.trace_id(), "cycle started");
         Ok(Self {
             input,
             now: SystemTime::now(),
@@ -126,6 +153,9 @@ impl<'i, 'a> Cycle<'i, 'a> {
             steps: Vec::new(),
             interrupted: false,
             notes: Vec::new(),
+            retry: crate::persistence::retry::read(&storage.keys, body).and_then(Result::ok),
+            retried: Vec::new(),
+            trace,
         })
     }
 
@@ -158,11 +188,27 @@ impl<'i, 'a> Cycle<'i, 'a> {
         if self.interrupted && step.fetched.is_none() {
             return;
         }
+        // A retry request runs a failed or delayed handler once more, now, whatever its limits.
+        let forced = !self.interrupted
+            && step.fetched.is_some()
+            && !record.success
+            && (record.failure || record.delayed.is_some())
+            && self
+                .retry
+                .as_ref()
+                .is_some_and(|r| r.wants(&reg.id.0, &storage.keys));
+        if forced {
+            info!(handler.id = %reg.id, requested.by = self.retry.as_ref().map(|r| r.requester()).unwrap_or_default(), "handler retried on request");
+            record.failure = false;
+            record.stopped = None;
+            record.delayed = None;
+            self.retried.push(reg.id.0.clone());
+        }
         if self.interrupted || record.finished() || record.sleeping(now) {
             self.steps.push(step.with(record));
             return;
         }
-        if let Some(message) = execution::exhausted(reg, &record, now) {
+        if !forced && let Some(message) = execution::exhausted(reg, &record, now) {
             warn!(handler.id = %reg.id, %message, "handler gives up");
             record.stopped = Some(time::format(now));
             record.failure = true;
@@ -204,7 +250,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
         invoker: &dyn Invoker,
     ) -> (Outcome, bool) {
         let children = child_states(self.input.storage, reg, self.input.body, record);
-        let work = work(
+        let mut work = work(
             self.input,
             reg,
             self.reason,
@@ -214,7 +260,8 @@ impl<'i, 'a> Cycle<'i, 'a> {
             &self.new,
             children,
         );
-        debug!(handler.id = %reg.id, attempt = work.attempt, "invoking");
+        work.trace = self.trace.child();
+        debug!(handler.id = %reg.id, attempt = work.attempt, trace.id = %work.trace.trace_id(), "invoking");
         let token = self.input.cancel.child_token();
         let withdrawn = Arc::new(AtomicBool::new(false));
         let invocation = withdrawable(
@@ -366,9 +413,10 @@ impl<'i, 'a> Cycle<'i, 'a> {
     /// Folds the steps into the plan. An interrupted cycle (shutdown, pause) still records
     /// what finished before it.
     fn finish(mut self) -> Plan {
+        let running = std::mem::take(&mut self.running);
         let mut plan = compose(
             &self.base,
-            self.running,
+            running,
             &self.steps,
             self.input,
             self.cause,
@@ -391,13 +439,125 @@ impl<'i, 'a> Cycle<'i, 'a> {
                 format!("{what} is processed: {succeeded} succeeded; {failed} failed."),
             ));
         }
-        plan.notes = self.notes;
+        plan.notes = std::mem::take(&mut self.notes);
         plan.interrupted = self.interrupted;
         if self.interrupted {
             plan.done = false;
             plan.wake_at = None;
         }
+        if self.input.storage.conditions && !self.interrupted {
+            self.set_conditions(&mut plan);
+        }
+        consume_retry(self.input, &mut plan, &self.retried);
         plan
+    }
+
+    /// Sets the status conditions in the plan's desired body (and in its fallback, where the
+    /// handlers whose patches the API rejects become retried attempts).
+    fn set_conditions(&self, plan: &mut Plan) {
+        use super::super::conditions::{Summary, apply};
+        let message = |r: &ProgressRecord| r.message.clone().unwrap_or_default();
+        let summary = Summary {
+            done: plan.done,
+            failed: self
+                .steps
+                .iter()
+                .filter(|s| s.record.failure)
+                .map(|s| (s.registration.id.0.clone(), message(&s.record)))
+                .collect(),
+            retrying: self
+                .steps
+                .iter()
+                .filter(|s| !s.record.finished() && s.record.delayed.is_some())
+                .map(|s| (s.registration.id.0.clone(), message(&s.record)))
+                .collect(),
+            cause: match self.cause {
+                Cause::Create => "creation",
+                Cause::Update => "update",
+                Cause::Delete => "deletion",
+                _ => "resumption",
+            }
+            .to_owned(),
+        };
+        let mut desired = plan.desired.take().unwrap_or_else(|| plan.base.clone());
+        apply(&mut desired, &summary, self.now);
+        plan.desired = (desired != plan.base).then_some(desired);
+        if let Some(fallback) = plan.fallback.as_mut() {
+            let rejected = Summary {
+                done: false,
+                retrying: plan
+                    .patched
+                    .iter()
+                    .map(|p| {
+                        (
+                            p.registration.id.0.clone(),
+                            "the API server rejected its patch".to_owned(),
+                        )
+                    })
+                    .collect(),
+                ..summary
+            };
+            apply(fallback, &rejected, self.now);
+        }
+    }
+}
+
+/// Consumes the object's retry request, if any: it leaves in this cycle's write (so a request
+/// costs no write of its own), with an Event that names who asked and what ran again — or
+/// that there was nothing to retry, or that the request was malformed. A cycle that ran no
+/// handler because it only adds the finalizer, or was interrupted, leaves the request for the
+/// next one.
+fn consume_retry(input: &Input<'_>, plan: &mut Plan, retried: &[String]) {
+    use crate::persistence::retry;
+    let keys = &input.storage.keys;
+    let Some(request) = retry::read(keys, input.body) else {
+        return;
+    };
+    if plan.interrupted || plan.finalizer == FinalizerChange::Add || plan.cause == Cause::Gone {
+        return;
+    }
+    let announcement = match request {
+        Ok(request) if !retried.is_empty() => (
+            Level::Info,
+            "RetryRequested",
+            format!(
+                "Handler(s) {} run again now, as requested by {}.",
+                retried
+                    .iter()
+                    .map(|id| format!("'{id}'"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                request.requester()
+            ),
+        ),
+        Ok(request) => (
+            Level::Info,
+            "RetryRequested",
+            format!(
+                "Nothing to retry (requested by {} for {}): no such handler has failed or waits for a retry.",
+                request.requester(),
+                if request.handlers.is_empty() {
+                    "every handler".to_owned()
+                } else {
+                    request.handlers.join(", ")
+                }
+            ),
+        ),
+        Err(why) => {
+            warn!(problem = %why, "malformed retry request ignored");
+            (
+                Level::Warning,
+                "RetryRequestIgnored",
+                format!("Ignored a malformed retry request ({}): {why}", retry::key(keys)),
+            )
+        }
+    };
+    plan.announcements.push(announcement);
+    let mut desired = plan.desired.take().unwrap_or_else(|| plan.base.clone());
+    retry::remove(keys, &mut desired);
+    plan.desired = Some(desired);
+    if let Some(fallback) = plan.fallback.as_mut() {
+        retry::remove(keys, fallback);
     }
 }
 

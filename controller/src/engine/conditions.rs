@@ -1,0 +1,215 @@
+//! Status conditions: `Ready`, `Progressing` and `Degraded` in `status.conditions`, kept by
+//! the controller for resources that opt in (`capstan run --conditions`).
+//!
+//! They follow the Kubernetes API conventions for conditions (`type`, `status` `True` /
+//! `False`, a CamelCase `reason`, a human `message`, `lastTransitionTime` changed only when
+//! `status` changes, `observedGeneration` of the generation handled), so `kubectl wait
+//! --for=condition=Ready` and generic tooling work on users' resources:
+//!
+//! - `Ready`: every handler of the last change succeeded;
+//! - `Progressing`: a cause is being handled, or a handler waits for its retry;
+//! - `Degraded`: a handler of the last change failed permanently.
+//!
+//! Conditions of other types (the user's own) are kept as they are. They are set in the
+//! cycle's desired body, so they travel in the cycle's own write: the one PATCH, or for a
+//! resource with a status subresource the cycle's `/status` PATCH (`engine::writing`) — never
+//! a write of their own for a handled change. An unchanged condition is not rewritten. A
+//! processing cycle composes them (`engine::processing::cycle`); this module only knows their
+//! shape. Per-node operators do not keep conditions (the nodes would overwrite each other's).
+
+use std::time::SystemTime;
+
+use serde_json::{Value, json};
+
+use crate::persistence::{progress::object_at, time};
+
+/// What a cycle found, for the conditions.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Summary {
+    /// Every handler of the cause has finished (successfully or not).
+    pub done: bool,
+    /// Handlers that failed permanently, with their messages.
+    pub failed: Vec<(String, String)>,
+    /// Handlers waiting for a retry, with their last messages.
+    pub retrying: Vec<(String, String)>,
+    /// The cause, for messages (`creation`, `update`, `deletion`, `resumption`).
+    pub cause: String,
+}
+
+/// Sets the three conditions in a local copy of `body` (the cycle's desired body), keeping
+/// `lastTransitionTime` of those whose status does not change and every other condition.
+pub fn apply(body: &mut Value, summary: &Summary, now: SystemTime) {
+    let generation = body
+        .pointer("/metadata/generation")
+        .and_then(Value::as_i64)
+        .unwrap_or(0);
+    let degraded = !summary.failed.is_empty();
+    let failures = list(&summary.failed);
+    let ready = if summary.done && !degraded {
+        (
+            "True",
+            "Handled",
+            format!("Every handler of the {} succeeded.", summary.cause),
+        )
+    } else if degraded {
+        ("False", "HandlerFailed", failures.clone())
+    } else {
+        (
+            "False",
+            "Processing",
+            format!("The {} is being handled.", summary.cause),
+        )
+    };
+    let progressing = if summary.done {
+        ("False", "Handled", format!("The {} is handled.", summary.cause))
+    } else if !summary.retrying.is_empty() {
+        ("True", "Retrying", list(&summary.retrying))
+    } else {
+        (
+            "True",
+            "Processing",
+            format!("The {} is being handled.", summary.cause),
+        )
+    };
+    let degraded = if degraded {
+        ("True", "HandlerFailed", failures)
+    } else {
+        ("False", "NoFailures", "No handler failed permanently.".to_owned())
+    };
+    let stamp = rfc3339(now);
+    let status = object_at(body, &["status"]);
+    let mut conditions: Vec<Value> = status
+        .get("conditions")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    for (kind, (state, reason, message)) in [
+        ("Ready", ready),
+        ("Progressing", progressing),
+        ("Degraded", degraded),
+    ] {
+        let existing = conditions.iter().position(|c| c["type"] == kind);
+        let transition = existing
+            .and_then(|i| conditions.get(i))
+            .filter(|c| c["status"] == state)
+            .and_then(|c| c.get("lastTransitionTime").cloned())
+            .unwrap_or_else(|| Value::String(stamp.clone()));
+        let condition = json!({
+            "type": kind,
+            "status": state,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": transition,
+            "observedGeneration": generation,
+        });
+        match existing.and_then(|i| conditions.get_mut(i)) {
+            Some(slot) => *slot = condition,
+            None => conditions.push(condition),
+        }
+    }
+    status.insert("conditions".into(), Value::Array(conditions));
+}
+
+/// Whether `body` carries the three conditions already.
+pub fn present(body: &Value) -> bool {
+    let Some(conditions) = body.pointer("/status/conditions").and_then(Value::as_array) else {
+        return false;
+    };
+    ["Ready", "Progressing", "Degraded"]
+        .iter()
+        .all(|kind| conditions.iter().any(|c| c["type"] == *kind))
+}
+
+fn list(handlers: &[(String, String)]) -> String {
+    handlers
+        .iter()
+        .map(|(id, message)| {
+            if message.is_empty() {
+                format!("Handler '{id}'.")
+            } else {
+                format!("Handler '{id}': {message}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `2026-12-01T10:00:00Z`: metav1.Time's format (seconds, UTC).
+fn rfc3339(t: SystemTime) -> String {
+    let full = time::format(t);
+    format!("{}Z", full.get(..19).unwrap_or(&full))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::Map;
+
+    use super::*;
+
+    fn by_type(body: &Value) -> Map<String, Value> {
+        body.pointer("/status/conditions")
+            .and_then(Value::as_array)
+            .map(|c| {
+                c.iter()
+                    .filter_map(|c| Some((c["type"].as_str()?.to_owned(), c.clone())))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn conditions_move_and_keep_their_transition_times() {
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let mut body = json!({"metadata": {"generation": 3}, "status": {"conditions": [
+            {"type": "Mine", "status": "True"}
+        ]}});
+        let progressing = Summary {
+            retrying: vec![("create_fn".into(), "later".into())],
+            cause: "creation".into(),
+            ..Summary::default()
+        };
+        apply(&mut body, &progressing, t0);
+        let c = by_type(&body);
+        assert_eq!(c["Progressing"]["status"], "True");
+        assert_eq!(c["Progressing"]["reason"], "Retrying");
+        assert_eq!(c["Progressing"]["message"], "Handler 'create_fn': later");
+        assert_eq!(c["Ready"]["status"], "False");
+        assert_eq!(c["Degraded"]["status"], "False");
+        assert_eq!(c["Ready"]["observedGeneration"], 3);
+        assert_eq!(c["Ready"]["lastTransitionTime"], "1970-01-12T13:46:40Z");
+        assert!(c.contains_key("Mine") && present(&body));
+
+        let t1 = t0 + Duration::from_secs(60);
+        let ready = Summary {
+            done: true,
+            cause: "creation".into(),
+            ..Summary::default()
+        };
+        apply(&mut body, &ready, t1);
+        let c = by_type(&body);
+        assert_eq!(c["Ready"]["status"], "True");
+        assert_eq!(c["Ready"]["lastTransitionTime"], "1970-01-12T13:47:40Z");
+        assert_eq!(
+            c["Degraded"]["lastTransitionTime"], "1970-01-12T13:46:40Z",
+            "unchanged status, unchanged time"
+        );
+        let before = body.clone();
+        apply(&mut body, &ready, t1 + Duration::from_secs(5));
+        assert_eq!(body, before, "nothing to write when nothing changed");
+
+        let failed = Summary {
+            done: true,
+            failed: vec![("create_fn".into(), "no".into())],
+            cause: "update".into(),
+            ..Summary::default()
+        };
+        apply(&mut body, &failed, t1);
+        let c = by_type(&body);
+        assert_eq!(c["Degraded"]["status"], "True");
+        assert_eq!(c["Degraded"]["reason"], "HandlerFailed");
+        assert_eq!(c["Ready"]["status"], "False");
+        assert_eq!(c["Progressing"]["status"], "False");
+    }
+}

@@ -1,0 +1,229 @@
+//! Processing cycles and what operating Capstan adds to them: retry requests consumed in the
+//! cycle's own write, and status conditions.
+
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+
+use super::*;
+use crate::model::Diagnostic;
+
+/// Answers every invocation with `answer` and records the handler ids.
+struct Always {
+    answer: Outcome,
+    seen: Mutex<Vec<String>>,
+}
+
+impl Always {
+    fn new(answer: Outcome) -> Self {
+        Self {
+            answer,
+            seen: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl Invoker for Always {
+    fn invoke(&self, work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
+        self.seen.lock().push(work.handler_id.0.clone());
+        let answer = self.answer.clone();
+        Box::pin(async move { answer })
+    }
+}
+
+fn resource() -> ResolvedResource {
+    ResolvedResource {
+        group: "demo.capstan.dev".into(),
+        version: "v1".into(),
+        plural: "examples".into(),
+        kind: "Example".into(),
+        namespaced: true,
+        status_subresource: true,
+    }
+}
+
+fn handlers() -> Vec<Registration> {
+    ["create_a", "create_b"]
+        .iter()
+        .map(|id| {
+            let mut r = Registration::new(*id, HandlerKind::Create, None);
+            r.resource = Some(resource());
+            r
+        })
+        .collect()
+}
+
+fn body(annotations: Value) -> Value {
+    json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+           "metadata": {"name": "one", "namespace": "default", "uid": "u1", "resourceVersion": "10",
+                        "generation": 4, "annotations": annotations},
+           "spec": {"size": 1}})
+}
+
+async fn run(body: &Value, storage: &Storage, invoker: &Always) -> Plan {
+    let cancel = CancellationToken::new();
+    cycle(
+        Input {
+            body,
+            event: EventType::Modified,
+            resource: &resource(),
+            handlers: &handlers(),
+            memory: Memory::default(),
+            storage,
+            cancel: &cancel,
+            checkpoint: None,
+            checkpoint_after: Duration::from_secs(1),
+            daemons_alive: false,
+            max_losses: 3,
+            registered: None,
+        },
+        invoker,
+    )
+    .await
+}
+
+fn permanent() -> Outcome {
+    Outcome::Permanent {
+        diagnostics: vec![Diagnostic::error("HANDLER_FAILED", "still broken")],
+        subhandlers: Vec::new(),
+    }
+}
+
+/// create_a failed for good, create_b waits an hour for its retry.
+fn stuck(request: Option<&str>) -> Value {
+    let mut annotations = json!({
+        "capstan.dev/kopf-managed": "yes",
+        "capstan.dev/create_a": r#"{"started":"2026-12-01T10:00:00.000000+00:00","stopped":"2026-12-01T10:00:01.000000+00:00","purpose":"create","retries":1,"success":false,"failure":true,"message":"broken"}"#,
+        "capstan.dev/create_b": format!(
+            r#"{{"started":"2026-12-01T10:00:00.000000+00:00","delayed":"{}","purpose":"create","retries":1,"success":false,"failure":false}}"#,
+            time::format(SystemTime::now() + Duration::from_secs(3600))
+        ),
+    });
+    if let Some(r) = request {
+        annotations["capstan.dev/retry-request"] = json!(r);
+    }
+    body(annotations)
+}
+
+fn annotation<'a>(plan: &'a Plan, key: &str) -> Option<&'a Value> {
+    plan.desired.as_ref()?.pointer("/metadata/annotations")?.get(key)
+}
+
+#[tokio::test]
+async fn a_retry_request_reruns_a_permanently_failed_handler_once_and_leaves_in_the_same_write() {
+    let storage = Storage::annotations("capstan.dev");
+    let invoker = Always::new(permanent());
+    let idle = run(&stuck(None), &storage, &invoker).await;
+    assert!(invoker.seen.lock().is_empty(), "without a request nothing runs");
+    assert!(idle.desired.is_none());
+
+    let request = r#"{"handlers":["create_a"],"requestedBy":"alice"}"#;
+    let plan = run(&stuck(Some(request)), &storage, &invoker).await;
+    assert_eq!(*invoker.seen.lock(), ["create_a"], "create_b keeps waiting");
+    assert!(
+        annotation(&plan, "capstan.dev/retry-request").is_none(),
+        "consumed"
+    );
+    let record: ProgressRecord = serde_json::from_str(
+        annotation(&plan, "capstan.dev/create_a")
+            .and_then(Value::as_str)
+            .unwrap_or_default(),
+    )
+    .unwrap();
+    assert!(
+        record.failure && record.message.as_deref() == Some("still broken"),
+        "{record:?}"
+    );
+    assert_eq!(plan.announcements.len(), 1);
+    let (level, reason, message) = &plan.announcements[0];
+    assert_eq!((*level, *reason), (Level::Info, "RetryRequested"));
+    assert!(
+        message.contains("'create_a'") && message.contains("alice"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn a_request_for_everything_wakes_the_delayed_handler_too() {
+    let storage = Storage::annotations("capstan.dev");
+    let invoker = Always::new(Outcome::success(None));
+    let plan = run(&stuck(Some(r#"{"handlers":[]}"#)), &storage, &invoker).await;
+    assert_eq!(*invoker.seen.lock(), ["create_a", "create_b"]);
+    assert!(plan.done, "both succeeded");
+    assert!(annotation(&plan, "capstan.dev/retry-request").is_none());
+}
+
+#[tokio::test]
+async fn garbage_and_pointless_requests_are_removed_with_an_event() {
+    let storage = Storage::annotations("capstan.dev");
+    let invoker = Always::new(Outcome::success(None));
+    let plan = run(&stuck(Some("please")), &storage, &invoker).await;
+    assert!(invoker.seen.lock().is_empty());
+    assert!(annotation(&plan, "capstan.dev/retry-request").is_none());
+    assert!(plan.desired.is_some(), "the removal is written");
+    assert_eq!(plan.announcements[0].0, Level::Warning);
+    assert_eq!(plan.announcements[0].1, "RetryRequestIgnored");
+
+    // A handled object: no records, nothing to retry.
+    let handled = {
+        let mut b = body(json!({}));
+        let rules = rules(&storage, &handlers());
+        let essence = rules.essence(&b);
+        storage.diffbase.store(&essence, &mut b);
+        b["metadata"]["annotations"]["capstan.dev/retry-request"] = json!(r#"{"requestedBy":"bob"}"#);
+        b
+    };
+    let plan = run(&handled, &storage, &invoker).await;
+    assert!(invoker.seen.lock().is_empty());
+    assert!(annotation(&plan, "capstan.dev/retry-request").is_none());
+    assert!(
+        plan.announcements[0]
+            .2
+            .starts_with("Nothing to retry (requested by bob"),
+        "{:?}",
+        plan.announcements
+    );
+}
+
+#[tokio::test]
+async fn conditions_ride_in_the_cycle_write() {
+    let mut storage = Storage::annotations("capstan.dev");
+    storage.conditions = true;
+    let fresh = body(json!({}));
+    let plan = run(&fresh, &storage, &Always::new(Outcome::success(None))).await;
+    let desired = plan.desired.clone().unwrap_or_default();
+    let conditions = desired["status"]["conditions"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let ready = conditions
+        .iter()
+        .find(|c| c["type"] == "Ready")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(ready["status"], "True", "{conditions:?}");
+    assert_eq!(ready["observedGeneration"], 4);
+
+    let plan = run(&stuck(None), &storage, &Always::new(Outcome::success(None))).await;
+    let desired = plan.desired.clone().unwrap_or_default();
+    let by = |kind: &str| {
+        desired["status"]["conditions"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["type"] == kind).cloned())
+            .unwrap_or_default()
+    };
+    assert_eq!(by("Degraded")["status"], "True");
+    assert_eq!(by("Progressing")["reason"], "Retrying");
+    assert_eq!(by("Ready")["reason"], "HandlerFailed");
+
+    let mut off = storage.clone();
+    off.conditions = false;
+    let plan = run(&fresh, &off, &Always::new(Outcome::success(None))).await;
+    assert!(
+        plan.desired
+            .unwrap_or_default()
+            .pointer("/status/conditions")
+            .is_none()
+    );
+}
