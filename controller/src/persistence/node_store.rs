@@ -263,9 +263,12 @@ impl NodeStore {
         else {
             return Map::new();
         };
+        // A retry request (`capstan retry`) is written to the object by people and removed
+        // from it by the controller: it stays on the object.
+        let request = format!("{}/{}", self.keys.prefix, super::retry::NAME);
         let ours: Vec<String> = annotations
             .keys()
-            .filter(|k| self.keys.owns(k))
+            .filter(|k| self.keys.owns(k) && **k != request)
             .cloned()
             .collect();
         ours.into_iter()
@@ -506,8 +509,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = store(dir.path(), 1 << 20);
         let mut b = body();
+        b["metadata"]["annotations"]["node-a.capstan.dev/retry-request"] = json!("{}");
         let ours = s.detach(&mut b);
         assert_eq!(ours.len(), 2);
+        assert!(
+            b["metadata"]["annotations"].get("node-a.capstan.dev/retry-request").is_some(),
+            "a retry request stays on the object"
+        );
+        b["metadata"]["annotations"]
+            .as_object_mut()
+            .map(|a| a.remove("node-a.capstan.dev/retry-request"));
         assert_eq!(
             b["metadata"]["annotations"],
             json!({"team": "a"}),
