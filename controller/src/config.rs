@@ -35,6 +35,8 @@ pub struct Settings {
     pub peering: peering::Settings,
     /// Leader election among replicas.
     pub election: peering::election::Settings,
+    /// Admission webhooks.
+    pub webhooks: crate::webhooks::Settings,
 }
 
 impl Default for Settings {
@@ -50,6 +52,7 @@ impl Default for Settings {
             engine: engine::Settings::default(),
             peering: peering::Settings::default(),
             election: peering::election::Settings::default(),
+            webhooks: crate::webhooks::Settings::default(),
         }
     }
 }

@@ -24,6 +24,9 @@ pub enum Error {
     /// An operator activity stopped the controller (a startup handler failed for good).
     #[error("an operator activity failed")]
     Activity(#[from] crate::engine::activities::Error),
+    /// The admission webhooks could not start.
+    #[error("cannot start the admission webhooks")]
+    Webhooks(#[from] crate::webhooks::Error),
     /// Signal handlers could not be installed.
     #[error("cannot install signal handlers")]
     Signal(#[source] std::io::Error),

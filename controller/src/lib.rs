@@ -42,5 +42,6 @@ pub mod observability;
 pub mod peering;
 pub mod persistence;
 pub mod signal;
+pub mod webhooks;
 
 pub use error::{Error, Result};
