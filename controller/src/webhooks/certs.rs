@@ -211,8 +211,51 @@ fn stamp(dir: &Path) -> Stamp {
         .collect()
 }
 
+/// A generated CA and serving certificate, as PEM text.
+pub struct Generated {
+    /// The CA certificate.
+    pub ca: String,
+    /// The serving certificate followed by the CA certificate.
+    pub chain: String,
+    /// The serving certificate's private key (PKCS#8).
+    pub key: String,
+}
+
+impl fmt::Debug for Generated {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Generated").field("ca", &self.ca).finish_non_exhaustive()
+    }
+}
+
+/// Generates a CA and a serving certificate for `names` signed by it, as PEM files would hold
+/// them (for `--webhook-cert-dir` in development and tests).
+///
+/// # Errors
+/// When generation fails.
+pub fn generate_pem(names: &[String]) -> Result<Generated, Error> {
+    let (ca, cert, key) = issue(names)?;
+    Ok(Generated {
+        chain: format!("{}{}", cert.pem(), ca.pem()),
+        ca: ca.pem(),
+        key: key.serialize_pem(),
+    })
+}
+
 /// A CA and a serving certificate for `names` signed by it; the CA's PEM is the bundle.
 fn generate(names: &[String]) -> Result<(CertifiedKey, Vec<u8>), Error> {
+    let (ca, cert, key) = issue(names)?;
+    let der_key = PrivateKeyDer::Pkcs8(key.serialize_der().into());
+    let certified = certified(vec![cert.der().clone(), ca.der().clone()], &der_key)?;
+    Ok((certified, ca.pem().into_bytes()))
+}
+
+type Issued = (
+    rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+    rcgen::Certificate,
+    rcgen::KeyPair,
+);
+
+fn issue(names: &[String]) -> Result<Issued, Error> {
     let ca_key = rcgen::KeyPair::generate()?;
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
@@ -237,9 +280,7 @@ fn generate(names: &[String]) -> Result<(CertifiedKey, Vec<u8>), Error> {
     ];
     let key = rcgen::KeyPair::generate()?;
     let cert = params.signed_by(&key, &ca)?;
-    let der_key = PrivateKeyDer::Pkcs8(key.serialize_der().into());
-    let certified = certified(vec![cert.der().clone(), ca.der().clone()], &der_key)?;
-    Ok((certified, ca.pem().into_bytes()))
+    Ok((ca, cert, key))
 }
 
 /// Reads `tls.crt`, `tls.key` and, when present, `ca.crt` from `dir`.
