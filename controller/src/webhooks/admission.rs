@@ -336,7 +336,8 @@ fn failure(reg: &Registration, reason: &str, timed_out: bool, verdict: &mut Verd
     }
     warn!(handler = %reg.id, %reason, "admission request denied: a handler failed");
     metrics::global().admission_denial(&reg.id.0);
-    let mut denial = Verdict::deny(if timed_out { 504 } else { 500 }, reason);
+    // 500 for a timeout too: clients retry 503 and 504 answers, and a retry would only time out again.
+    let mut denial = Verdict::deny(500, reason);
     denial.warnings = std::mem::take(&mut verdict.warnings);
     Some(denial)
 }
