@@ -520,9 +520,13 @@ fn check_ci_objects(stem: &str, ns: &str, objs: &[Value]) -> Result<()> {
     let ingress = policies[0]["spec"]["ingress"]
         .as_array()
         .context("NetworkPolicy ingress rules")?;
+    // With admission webhooks the API server must reach the webhook port too.
+    let webhooks = stem.starts_with("08");
     ensure!(
-        ingress.len() == 1 && ingress[0]["ports"] == json!([{"port": "admin", "protocol": "TCP"}]),
-        "{stem}: only the admin port is reachable: {ingress:?}"
+        ingress.len() == 1 + usize::from(webhooks)
+            && ingress[0]["ports"] == json!([{"port": "admin", "protocol": "TCP"}])
+            && (!webhooks || ingress[1]["ports"] == json!([{"port": "webhook", "protocol": "TCP"}])),
+        "{stem}: only the admin port (and the webhook port) is reachable: {ingress:?}"
     );
     ensure!(
         capstan["livenessProbe"]["httpGet"]["path"] == "/healthz",
