@@ -488,7 +488,10 @@ impl RunArgs {
         if settings.webhooks.mode != crate::webhooks::Mode::Off
             && let Some(kinds) = settings.connection.supported_kinds.as_mut()
         {
-            kinds.extend([crate::model::HandlerKind::Validate, crate::model::HandlerKind::Mutate]);
+            kinds.extend([
+                crate::model::HandlerKind::Validate,
+                crate::model::HandlerKind::Mutate,
+            ]);
         }
         settings.engine.storage = self.storage();
         settings.engine.node = self.node().map(|name| crate::engine::nodes::Settings {

@@ -157,7 +157,10 @@ impl Webhooks {
             },
             None => certs::Source::SelfSigned {
                 names: certs::names(
-                    settings.service.as_ref().map(|s| (s.namespace.as_str(), s.name.as_str())),
+                    settings
+                        .service
+                        .as_ref()
+                        .map(|s| (s.namespace.as_str(), s.name.as_str())),
                     &settings.extra_names,
                 ),
             },
@@ -166,17 +169,39 @@ impl Webhooks {
         let stop = CancellationToken::new();
         let (tx, handlers) = watch::channel(Arc::new(Vec::new()));
         let mut tasks = vec![
-            tokio::spawn(follow(hub.registrations(), tx, stop.clone()).instrument(info_span!("webhook-handlers"))),
-            tokio::spawn(certs.clone().watch_files(stop.clone()).instrument(info_span!("webhook-certs"))),
+            tokio::spawn(
+                follow(hub.registrations(), tx, stop.clone()).instrument(info_span!("webhook-handlers")),
+            ),
+            tokio::spawn(
+                certs
+                    .clone()
+                    .watch_files(stop.clone())
+                    .instrument(info_span!("webhook-certs")),
+            ),
         ];
         let admission = admission::Admission::new(hub.clone(), handlers.clone());
         let bound = match settings.mode {
-            Mode::On => Some(server::Server::bind(settings.listen, &certs, admission.clone(), settings.server.clone()).await?),
+            Mode::On => Some(
+                server::Server::bind(
+                    settings.listen,
+                    &certs,
+                    admission.clone(),
+                    settings.server.clone(),
+                )
+                .await?,
+            ),
             _ => None,
         };
         tasks.push(tokio::spawn(
-            serve(settings.clone(), certs.clone(), admission, bound, handlers.clone(), stop.clone())
-                .instrument(info_span!("webhook-server")),
+            serve(
+                settings.clone(),
+                certs.clone(),
+                admission,
+                bound,
+                handlers.clone(),
+                stop.clone(),
+            )
+            .instrument(info_span!("webhook-server")),
         ));
         let manager = settings.managed.as_ref().map(|name| {
             let layout = configs::Layout {
@@ -188,15 +213,28 @@ impl Webhooks {
                         port: s.port,
                     },
                     (None, Some(url)) => configs::Endpoint::Url(url.clone()),
-                    (None, None) => configs::Endpoint::Url(format!("https://127.0.0.1:{}", settings.listen.port())),
+                    (None, None) => {
+                        configs::Endpoint::Url(format!("https://127.0.0.1:{}", settings.listen.port()))
+                    }
                 },
                 ca_bundle: Vec::new(),
-                timeout_seconds: u8::try_from(settings.server.default_timeout.as_secs().clamp(1, 30)).unwrap_or(10),
+                timeout_seconds: u8::try_from(settings.server.default_timeout.as_secs().clamp(1, 30))
+                    .unwrap_or(10),
                 namespaces: namespaces.clone(),
                 excluded_namespaces: settings.excluded_namespaces.clone(),
             };
-            let manager = managed::Manager::new(client.clone(), layout, handlers.clone(), certs.ca_bundle(), leading.clone());
-            tokio::spawn(manager.run(stop.clone()).instrument(info_span!("webhook-configurations")))
+            let manager = managed::Manager::new(
+                client.clone(),
+                layout,
+                handlers.clone(),
+                certs.ca_bundle(),
+                leading.clone(),
+            );
+            tokio::spawn(
+                manager
+                    .run(stop.clone())
+                    .instrument(info_span!("webhook-configurations")),
+            )
         });
         Ok(Some(Self {
             stop,
@@ -289,7 +327,14 @@ async fn serve(
                     changed = handlers.changed() => if changed.is_err() { return },
                 }
             }
-            match server::Server::bind(settings.listen, &certs, admission.clone(), settings.server.clone()).await {
+            match server::Server::bind(
+                settings.listen,
+                &certs,
+                admission.clone(),
+                settings.server.clone(),
+            )
+            .await
+            {
                 Ok(server) => break server,
                 Err(e) => {
                     error!(error = %crate::error::chain(&e), "the admission webhook server cannot start; trying again");

@@ -11,7 +11,9 @@ use capstan_tests::{
     process::free_port,
     scenario::{Scenario, tail},
 };
-use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
 use kube::{
     Api,
     api::{DynamicObject, PostParams},
@@ -120,7 +122,9 @@ async fn an_invalid_object_is_refused_with_the_handlers_message_and_warnings_rea
     wait_enforced(&s).await?;
     let file = s.env.scratch().join("big.yaml");
     let manifest = |name: &str, size: u32| {
-        format!("apiVersion: demo.capstan.dev/v1\nkind: Example\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  size: {size}\n")
+        format!(
+            "apiVersion: demo.capstan.dev/v1\nkind: Example\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  size: {size}\n"
+        )
     };
     std::fs::write(&file, manifest("big", 20))?;
     let out = s
@@ -130,7 +134,10 @@ async fn an_invalid_object_is_refused_with_the_handlers_message_and_warnings_rea
         .output()
         .await?;
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "kubectl apply of an invalid object succeeded");
+    assert!(
+        !out.status.success(),
+        "kubectl apply of an invalid object succeeded"
+    );
     assert!(stderr.contains("size 20 is too large"), "{stderr}");
     assert!(s.get("big").await?.is_none());
 
@@ -147,7 +154,9 @@ async fn an_invalid_object_is_refused_with_the_handlers_message_and_warnings_rea
     assert!(s.get("small").await?.is_some());
     let calls = s.notes("admission");
     assert!(
-        calls.iter().any(|c| c == &["check_size", "small", "CREATE", "dry=false"]),
+        calls
+            .iter()
+            .any(|c| c == &["check_size", "small", "CREATE", "dry=false"]),
         "{calls:?}"
     );
     let log = s.controller.process.output();
@@ -177,7 +186,10 @@ async fn two_validating_and_two_mutating_handlers_combine_and_their_changes_are_
     let stored = create(&s, "fine", json!({"size": 2}), false)
         .await?
         .map_err(|m| anyhow::anyhow!("refused: {m}"))?;
-    assert_eq!(stored.pointer("/metadata/labels/e2e~1mutated"), Some(&json!("yes")));
+    assert_eq!(
+        stored.pointer("/metadata/labels/e2e~1mutated"),
+        Some(&json!("yes"))
+    );
     assert_eq!(stored.pointer("/spec/defaulted"), Some(&json!(true)));
     // The second mutating handler saw the first one's change.
     assert_eq!(
@@ -193,10 +205,19 @@ async fn two_validating_and_two_mutating_handlers_combine_and_their_changes_are_
     // Both validators deny: the first in registration order wins, with its code.
     let refused = create(&s, "bad-both", json!({"size": 50}), false).await?;
     let message = refused.expect_err("denied");
-    assert!(message.contains("size 50 is too large") && message.contains("422"), "{message}");
+    assert!(
+        message.contains("size 50 is too large") && message.contains("422"),
+        "{message}"
+    );
 
     // A patch that does not apply is a denial naming the handler, never a silent admission.
-    let refused = create(&s, "unpatchable", json!({"size": 1, "badAdmissionPatch": true}), false).await?;
+    let refused = create(
+        &s,
+        "unpatchable",
+        json!({"size": 1, "badAdmissionPatch": true}),
+        false,
+    )
+    .await?;
     let message = refused.expect_err("denied");
     assert!(
         message.contains("add_defaults") && message.contains("does not apply"),
@@ -205,11 +226,23 @@ async fn two_validating_and_two_mutating_handlers_combine_and_their_changes_are_
     assert!(s.get("unpatchable").await?.is_none());
 
     // Each handler denying by spec: the first denial stops the mutating chain.
-    let refused = create(&s, "stopped", json!({"admission": {"add_defaults": {"deny": "not today"}}}), false).await?;
+    let refused = create(
+        &s,
+        "stopped",
+        json!({"admission": {"add_defaults": {"deny": "not today"}}}),
+        false,
+    )
+    .await?;
     let message = refused.expect_err("denied");
-    assert!(message.contains("not today") && message.contains("403"), "{message}");
     assert!(
-        !s.notes("admission").iter().any(|c| c.first().map(String::as_str) == Some("copy_label") && c.get(1).map(String::as_str) == Some("stopped")),
+        message.contains("not today") && message.contains("403"),
+        "{message}"
+    );
+    assert!(
+        !s.notes("admission")
+            .iter()
+            .any(|c| c.first().map(String::as_str) == Some("copy_label")
+                && c.get(1).map(String::as_str) == Some("stopped")),
         "the second mutating handler is not called after a denial"
     );
     Ok(())
@@ -223,7 +256,9 @@ async fn dry_run_requests_reach_handlers_flagged_as_dry_run() -> Result<()> {
     let message = refused.expect_err("the dry-run handler refuses dry runs");
     assert!(message.contains("dry run seen"), "{message}");
     assert!(
-        s.notes("admission").iter().any(|c| c == &["dry_check", "dry", "CREATE", "dry=true"]),
+        s.notes("admission")
+            .iter()
+            .any(|c| c == &["dry_check", "dry", "CREATE", "dry=true"]),
         "{:?}",
         s.notes("admission")
     );
@@ -241,13 +276,27 @@ async fn a_handler_that_times_out_or_whose_process_is_down_follows_ignore_failur
     wait_enforced(&s).await?;
 
     // The lenient handler times out: left out, the request is admitted before the timeout.
-    let started = std::time::Instant::now();
-    create(&s, "slow-lenient", json!({"size": 1, "admission": {"lenient": {"sleep": 30}}}), false)
-        .await?
-        .map_err(|m| anyhow::anyhow!("refused: {m}"))?;
-    assert!(started.elapsed() < Duration::from_secs(4), "answered before the webhook's timeout");
+    let started = tokio::time::Instant::now();
+    create(
+        &s,
+        "slow-lenient",
+        json!({"size": 1, "admission": {"lenient": {"sleep": 30}}}),
+        false,
+    )
+    .await?
+    .map_err(|m| anyhow::anyhow!("refused: {m}"))?;
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "answered before the webhook's timeout"
+    );
     // The strict one times out: denied with a clear message.
-    let refused = create(&s, "slow-strict", json!({"size": 1, "admission": {"check_size": {"sleep": 30}}}), false).await?;
+    let refused = create(
+        &s,
+        "slow-strict",
+        json!({"size": 1, "admission": {"check_size": {"sleep": 30}}}),
+        false,
+    )
+    .await?;
     let message = refused.expect_err("denied");
     assert!(message.contains("check_size did not answer in time"), "{message}");
     // The cancelled invocations were told so.
@@ -257,8 +306,18 @@ async fn a_handler_that_times_out_or_whose_process_is_down_follows_ignore_failur
     })
     .await?;
     // A failing strict handler denies too.
-    let refused = create(&s, "failing", json!({"admission": {"check_size": {"fail": true}}}), false).await?;
-    assert!(refused.expect_err("denied").contains("check_size failed on purpose"));
+    let refused = create(
+        &s,
+        "failing",
+        json!({"admission": {"check_size": {"fail": true}}}),
+        false,
+    )
+    .await?;
+    assert!(
+        refused
+            .expect_err("denied")
+            .contains("check_size failed on purpose")
+    );
 
     // The process is down: the strict handler denies, naming the reason.
     s.handler.kill().await?;
@@ -313,14 +372,22 @@ async fn managed_configurations_follow_the_registrations_and_are_removed_on_exit
     s.handler.kill().await?;
     s.presets = "mutate".into();
     s.restart_handler().await?;
-    eventually(&s, "the configurations to follow the new registrations", LONG, || async {
-        let v = webhooks_of(&validating(&s)).await?.unwrap_or_default();
-        let m = webhooks_of(&mutating(&s)).await?.unwrap_or_default();
-        Ok((v.is_empty() && m.len() == 1).then_some(()))
-    })
+    eventually(
+        &s,
+        "the configurations to follow the new registrations",
+        LONG,
+        || async {
+            let v = webhooks_of(&validating(&s)).await?.unwrap_or_default();
+            let m = webhooks_of(&mutating(&s)).await?.unwrap_or_default();
+            Ok((v.is_empty() && m.len() == 1).then_some(()))
+        },
+    )
     .await?;
     let m = webhooks_of(&mutating(&s)).await?.unwrap_or_default();
-    assert_eq!(m[0]["clientConfig"]["url"], format!("https://127.0.0.1:{port}/mutate"));
+    assert_eq!(
+        m[0]["clientConfig"]["url"],
+        format!("https://127.0.0.1:{port}/mutate")
+    );
     eventually(&s, "the mutating webhook to be called", LONG, || async {
         Ok(create(&s, "mutated", json!({"size": 1}), false)
             .await?

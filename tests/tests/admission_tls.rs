@@ -38,10 +38,11 @@ fn connector(ca_pem: &str) -> Result<TlsConnector> {
     for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
         roots.add(cert?)?;
     }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let config =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
     Ok(TlsConnector::from(Arc::new(config)))
 }
 
@@ -49,7 +50,8 @@ fn connector(ca_pem: &str) -> Result<TlsConnector> {
 async fn https(port: u16, ca_pem: &str, head: &str, body: &[u8]) -> Result<(u16, String)> {
     let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
     let name = ServerName::try_from("127.0.0.1")?.to_owned();
-    let mut tls = tokio::time::timeout(Duration::from_secs(10), connector(ca_pem)?.connect(name, tcp)).await??;
+    let mut tls =
+        tokio::time::timeout(Duration::from_secs(10), connector(ca_pem)?.connect(name, tcp)).await??;
     tls.write_all(head.as_bytes()).await?;
     // The server may answer (413) and close before it has read everything.
     let _ = tls.write_all(body).await;
@@ -62,7 +64,10 @@ async fn https(port: u16, ca_pem: &str, head: &str, body: &[u8]) -> Result<(u16,
         .nth(1)
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| anyhow!("no HTTP response: {text:?}"))?;
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
     Ok((status, body))
 }
 
@@ -104,19 +109,35 @@ async fn bad_input_is_answered_with_400_413_or_404_and_plaintext_is_refused() ->
     let cert_dir = dir.path().to_string_lossy().into_owned();
     let s = Scenario::start(
         "validate",
-        &["--webhooks", "on", "--webhook-listen", &listen, "--webhook-cert-dir", &cert_dir, "--webhook-max-body", "65536"],
+        &[
+            "--webhooks",
+            "on",
+            "--webhook-listen",
+            &listen,
+            "--webhook-cert-dir",
+            &cert_dir,
+            "--webhook-max-body",
+            "65536",
+        ],
     )
     .await?;
 
     let (status, body) = post(port, &first.ca, "/validate", b"{not json").await?;
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("not a valid AdmissionReview"), "{body}");
-    let (status, body) = post(port, &first.ca, "/validate", br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#).await?;
+    let (status, body) = post(
+        port,
+        &first.ca,
+        "/validate",
+        br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#,
+    )
+    .await?;
     assert_eq!(status, 400);
     assert!(body.contains("request is missing"), "{body}");
 
     // Declared too large: refused before the body is sent.
-    let head = "POST /validate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\nConnection: close\r\n\r\n";
+    let head =
+        "POST /validate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\nConnection: close\r\n\r\n";
     let (status, _) = https(port, &first.ca, head, b"").await?;
     assert_eq!(status, 413);
     // Not declared (chunked) and too large: refused once the limit is passed.
@@ -171,7 +192,16 @@ async fn certificate_files_replaced_on_disk_are_served_without_a_restart() -> Re
     let cert_dir = dir.path().to_string_lossy().into_owned();
     let s = Scenario::start(
         "validate",
-        &["--webhooks", "on", "--webhook-listen", &listen, "--webhook-cert-dir", &cert_dir, "--webhook-cert-poll", "300ms"],
+        &[
+            "--webhooks",
+            "on",
+            "--webhook-listen",
+            &listen,
+            "--webhook-cert-dir",
+            &cert_dir,
+            "--webhook-cert-poll",
+            "300ms",
+        ],
     )
     .await?;
     // Unmanaged: the configuration is the user's, trusting the second CA only.
@@ -198,11 +228,18 @@ async fn certificate_files_replaced_on_disk_are_served_without_a_restart() -> Re
     // Served now: the first certificate.
     let (status, _) = post(port, &first.ca, "/validate", &review("examples", 1)).await?;
     assert_eq!(status, 200);
-    assert!(post(port, &second.ca, "/validate", &review("examples", 1)).await.is_err());
+    assert!(
+        post(port, &second.ca, "/validate", &review("examples", 1))
+            .await
+            .is_err()
+    );
 
     write_certs(dir.path(), &second)?;
     let deadline = tokio::time::Instant::now() + LONG;
-    while post(port, &second.ca, "/validate", &review("examples", 1)).await.is_err() {
+    while post(port, &second.ca, "/validate", &review("examples", 1))
+        .await
+        .is_err()
+    {
         if tokio::time::Instant::now() > deadline {
             bail!(
                 "the replaced certificate is not served\n{}",
@@ -211,7 +248,11 @@ async fn certificate_files_replaced_on_disk_are_served_without_a_restart() -> Re
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(post(port, &first.ca, "/validate", &review("examples", 1)).await.is_err());
+    assert!(
+        post(port, &first.ca, "/validate", &review("examples", 1))
+            .await
+            .is_err()
+    );
     // And the API server, trusting only the new CA, gets the handler's verdict.
     let deadline = tokio::time::Instant::now() + LONG;
     loop {
@@ -229,6 +270,11 @@ async fn certificate_files_replaced_on_disk_are_served_without_a_restart() -> Re
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    assert!(s.controller.process.output().contains("webhook certificate reloaded"));
+    assert!(
+        s.controller
+            .process
+            .output()
+            .contains("webhook certificate reloaded")
+    );
     Ok(())
 }

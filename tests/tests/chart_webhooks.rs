@@ -118,17 +118,36 @@ async fn the_chart_renders_the_webhook_pieces_in_each_certificate_mode() -> Resu
     ensure!(!has_kind(&docs, "Certificate", "web-capstan-webhook"));
     ensure!(!has_kind(&docs, "ClusterRole", "web-capstan-webhooks"));
     ensure!(env_value(&docs, "CAPSTAN_WEBHOOK_MANAGED").is_none());
-    ensure!(env_value(&docs, "CAPSTAN_WEBHOOK_EXCLUDE_NAMESPACES").as_deref() == Some("kube-system,ops,monitoring"));
+    ensure!(
+        env_value(&docs, "CAPSTAN_WEBHOOK_EXCLUDE_NAMESPACES").as_deref()
+            == Some("kube-system,ops,monitoring")
+    );
 
     // Combinations that cannot work say what to change.
     for (set, says) in [
-        (vec!["webhooks.enabled=true", "webhooks.configurations=unmanaged"], "needs webhooks.configurations=managed"),
         (
-            vec!["webhooks.enabled=true", "replicas=2", "leaderElection.enabled=true"],
+            vec!["webhooks.enabled=true", "webhooks.configurations=unmanaged"],
+            "needs webhooks.configurations=managed",
+        ),
+        (
+            vec![
+                "webhooks.enabled=true",
+                "replicas=2",
+                "leaderElection.enabled=true",
+            ],
             "works with one replica only",
         ),
-        (vec!["webhooks.enabled=true", "webhooks.certificate.source=certManager"], "issuerName"),
-        (vec!["webhooks.enabled=true", "webhooks.certificate.source=existingSecret"], "existingSecret"),
+        (
+            vec!["webhooks.enabled=true", "webhooks.certificate.source=certManager"],
+            "issuerName",
+        ),
+        (
+            vec![
+                "webhooks.enabled=true",
+                "webhooks.certificate.source=existingSecret",
+            ],
+            "existingSecret",
+        ),
     ] {
         let mut all = BASE.to_vec();
         all.extend(set.iter().copied());
@@ -140,7 +159,11 @@ async fn the_chart_renders_the_webhook_pieces_in_each_certificate_mode() -> Resu
         }
         .outcome()
         .await?;
-        ensure!(!outcome.success && outcome.stderr.contains(says), "{set:?}: {}", outcome.stderr);
+        ensure!(
+            !outcome.success && outcome.stderr.contains(says),
+            "{set:?}: {}",
+            outcome.stderr
+        );
     }
     Ok(())
 }
@@ -157,7 +180,11 @@ async fn the_charts_webhook_rbac_is_enough_to_manage_the_configurations() -> Res
         release: "web",
         namespace: ns,
         set,
-        show_only: vec!["templates/serviceaccount.yaml", "templates/rbac.yaml", "templates/webhook.yaml"],
+        show_only: vec![
+            "templates/serviceaccount.yaml",
+            "templates/rbac.yaml",
+            "templates/webhook.yaml",
+        ],
         ..Render::default()
     }
     .manifests()
@@ -205,7 +232,11 @@ async fn the_charts_webhook_rbac_is_enough_to_manage_the_configurations() -> Res
         .audit_events()?
         .into_iter()
         .filter(|e| e["stage"] == "ResponseComplete")
-        .filter(|e| e["userAgent"].as_str().is_some_and(|ua| ua.starts_with("capstan/")))
+        .filter(|e| {
+            e["userAgent"]
+                .as_str()
+                .is_some_and(|ua| ua.starts_with("capstan/"))
+        })
         .filter(|e| e["responseStatus"]["code"] == 403)
         .collect();
     ensure!(refused.is_empty(), "the controller was refused: {refused:?}");

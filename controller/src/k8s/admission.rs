@@ -6,7 +6,9 @@
 //! configuration is the controller's, and a replica that takes over from another (or a user who
 //! edited it) is overwritten as a whole, like kopf's managed configurations.
 
-use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
 use kube::{
     Api, Client,
     api::{DeleteParams, Patch, PatchParams},

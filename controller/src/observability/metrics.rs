@@ -170,7 +170,8 @@ impl AdmissionFamilies {
             "Admission reviews answered, by phase (validate, mutate) and result (allowed, denied, invalid, too_large, unknown).",
             requests.clone(),
         );
-        let durations = Family::<PhaseLabels, Histogram>::new_with_constructor(histogram as fn() -> Histogram);
+        let durations =
+            Family::<PhaseLabels, Histogram>::new_with_constructor(histogram as fn() -> Histogram);
         registry.register(
             "capstan_admission_duration_seconds",
             "Time from an admission review's arrival to its answer, by phase.",

@@ -103,7 +103,13 @@ impl Admission {
 
     /// Answers `review` for `phase` before `deadline`; `only` restricts it to one handler id
     /// (a webhook path that names a handler, as kopf's).
-    pub async fn review(&self, phase: Phase, only: Option<&str>, review: &Review, deadline: Instant) -> Answer {
+    pub async fn review(
+        &self,
+        phase: Phase,
+        only: Option<&str>,
+        review: &Review,
+        deadline: Instant,
+    ) -> Answer {
         let handlers = self.handlers.borrow().clone();
         let for_resource: Vec<&Registration> = handlers
             .iter()
@@ -117,7 +123,11 @@ impl Admission {
             .collect();
         if for_resource.is_empty() {
             return Answer::Unknown(match only {
-                Some(id) => format!("no {} handler {id:?} for {}", phase.as_str(), review.resource_name()),
+                Some(id) => format!(
+                    "no {} handler {id:?} for {}",
+                    phase.as_str(),
+                    review.resource_name()
+                ),
                 None => format!("no {} handler for {}", phase.as_str(), review.resource_name()),
             });
         }
@@ -141,7 +151,13 @@ impl Admission {
         .await
     }
 
-    async fn validate(&self, handlers: &[&Registration], review: &Review, body: &Value, deadline: Instant) -> Verdict {
+    async fn validate(
+        &self,
+        handlers: &[&Registration],
+        review: &Review,
+        body: &Value,
+        deadline: Instant,
+    ) -> Verdict {
         let mut calls: FuturesOrdered<_> = handlers
             .iter()
             .map(|reg| async move { (*reg, self.call(reg, review, body, deadline).await) })
@@ -169,7 +185,13 @@ impl Admission {
         verdict
     }
 
-    async fn mutate(&self, handlers: &[&Registration], review: &Review, original: Value, deadline: Instant) -> Verdict {
+    async fn mutate(
+        &self,
+        handlers: &[&Registration],
+        review: &Review,
+        original: Value,
+        deadline: Instant,
+    ) -> Verdict {
         let mut verdict = Verdict::allow();
         let mut current = original.clone();
         for reg in handlers {
@@ -182,13 +204,19 @@ impl Admission {
                         return denied(reg, answer, verdict.warnings);
                     }
                     if review.object.is_none() && !patches.is_empty() {
-                        verdict.warn(format!("the changes of handler {} were dropped: there is no object to change in a {}", reg.id, review.operation));
+                        verdict.warn(format!(
+                            "the changes of handler {} were dropped: there is no object to change in a {}",
+                            reg.id, review.operation
+                        ));
                         continue;
                     }
                     match apply(&current, &patches) {
                         Ok(next) => current = next,
                         Err(e) => {
-                            let message = format!("the patch of admission handler {} does not apply to the object: {e}", reg.id);
+                            let message = format!(
+                                "the patch of admission handler {} does not apply to the object: {e}",
+                                reg.id
+                            );
                             warn!(handler = %reg.id, error = %e, "admission request denied: a mutating handler's patch does not apply");
                             metrics::global().admission_denial(&reg.id.0);
                             let mut denial = Verdict::deny(500, message);
@@ -247,10 +275,13 @@ impl Admission {
                 .to_owned(),
             uid: text(body, "/metadata/uid"),
             resource_version: text(body, "/metadata/resourceVersion"),
-            generation: body.pointer("/metadata/generation").and_then(Value::as_i64).unwrap_or(0),
+            generation: body
+                .pointer("/metadata/generation")
+                .and_then(Value::as_i64)
+                .unwrap_or(0),
         });
         work.body = Some(body.clone());
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let outcome = tokio::time::timeout_at(deadline, self.hub.dispatch(work, Control::default())).await;
         debug!(handler = %reg.id, elapsed = ?started.elapsed(), "admission handler answered");
         match outcome {
@@ -279,7 +310,9 @@ impl Admission {
                 reason: format!(
                     "admission handler {} failed: {}",
                     reg.id,
-                    diagnostics.first().map_or("no reason given", |d| d.summary.as_str())
+                    diagnostics
+                        .first()
+                        .map_or("no reason given", |d| d.summary.as_str())
                 ),
                 timed_out: false,
             },
@@ -307,7 +340,7 @@ fn applies(reg: &Registration, review: &Review, body: &Value) -> bool {
     let operation_ok = if operations.is_empty() {
         !(reg.kind == HandlerKind::Mutate && review.operation == "DELETE")
     } else {
-        operations.iter().any(|o| *o == review.operation)
+        operations.contains(&review.operation)
     };
     operation_ok
         && prematch(
@@ -345,7 +378,10 @@ fn failure(reg: &Registration, reason: &str, timed_out: bool, verdict: &mut Verd
 fn denied(reg: &Registration, answer: AdmissionVerdict, warnings: Vec<String>) -> Verdict {
     metrics::global().admission_denial(&reg.id.0);
     info!(handler = %reg.id, message = %answer.message, "denied by admission handler");
-    let code = u16::try_from(answer.code).ok().filter(|c| (400..600).contains(c)).unwrap_or(400);
+    let code = u16::try_from(answer.code)
+        .ok()
+        .filter(|c| (400..600).contains(c))
+        .unwrap_or(400);
     let mut verdict = Verdict::deny(code, answer.message);
     verdict.warnings = warnings;
     verdict
@@ -408,7 +444,10 @@ mod tests {
         let mut reg = Registration::new("m", HandlerKind::Mutate, None);
         reg.options = KindOptions::Admission(AdmissionOptions::default());
         assert!(applies(&reg, &review("CREATE"), &body));
-        assert!(!applies(&reg, &review("DELETE"), &body), "mutating handlers skip DELETE by default");
+        assert!(
+            !applies(&reg, &review("DELETE"), &body),
+            "mutating handlers skip DELETE by default"
+        );
         reg.options = KindOptions::Admission(AdmissionOptions {
             operations: vec!["DELETE".into()],
             ..AdmissionOptions::default()
@@ -475,7 +514,10 @@ mod tests {
             admission.review(Phase::Validating, None, &other, deadline).await,
             Answer::Unknown(_)
         ));
-        let Answer::Verdict(v) = admission.review(Phase::Validating, None, &review("CREATE"), deadline).await else {
+        let Answer::Verdict(v) = admission
+            .review(Phase::Validating, None, &review("CREATE"), deadline)
+            .await
+        else {
             panic!("a verdict");
         };
         assert!(!v.allowed);
@@ -485,7 +527,10 @@ mod tests {
             ..AdmissionOptions::default()
         });
         tx.send_replace(Arc::new(vec![reg]));
-        let Answer::Verdict(v) = admission.review(Phase::Validating, None, &review("CREATE"), deadline).await else {
+        let Answer::Verdict(v) = admission
+            .review(Phase::Validating, None, &review("CREATE"), deadline)
+            .await
+        else {
             panic!("a verdict");
         };
         assert!(v.allowed);

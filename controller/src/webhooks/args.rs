@@ -68,7 +68,12 @@ pub struct WebhookArgs {
 
     /// Namespaces the managed configurations never send to the webhooks (comma-separated), so
     /// that a failing handler cannot lock the cluster out of them.
-    #[arg(long, env = "CAPSTAN_WEBHOOK_EXCLUDE_NAMESPACES", value_delimiter = ',', default_value = "kube-system")]
+    #[arg(
+        long,
+        env = "CAPSTAN_WEBHOOK_EXCLUDE_NAMESPACES",
+        value_delimiter = ',',
+        default_value = "kube-system"
+    )]
     pub webhook_exclude_namespaces: Vec<String>,
 }
 
@@ -85,7 +90,9 @@ impl WebhookArgs {
             listen: self.webhook_listen,
             server: super::server::Settings {
                 max_body_bytes: self.webhook_max_body.max(1024),
-                default_timeout: self.webhook_timeout.clamp(Duration::from_secs(1), Duration::from_secs(30)),
+                default_timeout: self
+                    .webhook_timeout
+                    .clamp(Duration::from_secs(1), Duration::from_secs(30)),
             },
             cert_dir: self.webhook_cert_dir.clone(),
             cert_poll: self.webhook_cert_poll,

@@ -179,7 +179,9 @@ impl Certificates {
                     info!(dir = %dir.display(), "webhook certificate reloaded");
                 }
                 // Possibly caught between the writes of the pair: looked at again next time.
-                Err(e) => warn!(dir = %dir.display(), error = %e, "webhook certificate not reloaded; the previous one is still served"),
+                Err(e) => {
+                    warn!(dir = %dir.display(), error = %e, "webhook certificate not reloaded; the previous one is still served")
+                }
             }
         }
     }
@@ -223,7 +225,9 @@ pub struct Generated {
 
 impl fmt::Debug for Generated {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Generated").field("ca", &self.ca).finish_non_exhaustive()
+        f.debug_struct("Generated")
+            .field("ca", &self.ca)
+            .finish_non_exhaustive()
     }
 }
 
@@ -332,7 +336,10 @@ pub fn names(service: Option<(&str, &str)>, extra: &[String]) -> Vec<String> {
         names.push(format!("{name}.{namespace}"));
         names.push(name.to_owned());
     }
-    for n in extra.iter().chain(&["localhost".to_owned(), "127.0.0.1".to_owned(), "::1".to_owned()]) {
+    for n in extra
+        .iter()
+        .chain(&["localhost".to_owned(), "127.0.0.1".to_owned(), "::1".to_owned()])
+    {
         if !names.contains(n) {
             names.push(n.clone());
         }
@@ -366,8 +373,11 @@ mod tests {
             .self_signed(&key)
             .expect("cert");
         std::fs::write(dir.path().join(CERT_FILE), cert.pem()).expect("write");
-        std::fs::write(dir.path().join(KEY_FILE), "-----BEGIN PRIVATE KEY-----\nc2VjcmV0\n-----END PRIVATE KEY-----\n")
-            .expect("write");
+        std::fs::write(
+            dir.path().join(KEY_FILE),
+            "-----BEGIN PRIVATE KEY-----\nc2VjcmV0\n-----END PRIVATE KEY-----\n",
+        )
+        .expect("write");
         let err = Certificates::new(Source::Files {
             dir: dir.path().into(),
             poll: MIN_POLL,

@@ -86,7 +86,9 @@ pub fn build(phase: Phase, registrations: &[Registration], layout: &Layout) -> V
     }
     let webhooks: Vec<Value> = groups
         .iter()
-        .map(|((group, version, plural, subresource), regs)| webhook(phase, layout, (group, version, plural, subresource), regs))
+        .map(|((group, version, plural, subresource), regs)| {
+            webhook(phase, layout, (group, version, plural, subresource), regs)
+        })
         .collect();
     let kind = match phase {
         Phase::Validating => "ValidatingWebhookConfiguration",
@@ -133,11 +135,17 @@ fn webhook(
     let path = format!("/{}", phase.as_str());
     let ca = serde_json::to_value(k8s_openapi::ByteString(layout.ca_bundle.clone())).unwrap_or_default();
     let client = match &layout.endpoint {
-        Endpoint::Service { namespace, name, port } => json!({
+        Endpoint::Service {
+            namespace,
+            name,
+            port,
+        } => json!({
             "service": {"namespace": namespace, "name": name, "port": port, "path": path},
             "caBundle": ca,
         }),
-        Endpoint::Url(base) => json!({"url": format!("{}{path}", base.trim_end_matches('/')), "caBundle": ca}),
+        Endpoint::Url(base) => {
+            json!({"url": format!("{}{path}", base.trim_end_matches('/')), "caBundle": ca})
+        }
     };
     let side_effects = regs
         .iter()
@@ -167,7 +175,8 @@ fn webhook(
     if namespaced {
         let mut expressions = Vec::new();
         if let Some(names) = &layout.namespaces {
-            expressions.push(json!({"key": "kubernetes.io/metadata.name", "operator": "In", "values": names}));
+            expressions
+                .push(json!({"key": "kubernetes.io/metadata.name", "operator": "In", "values": names}));
         }
         if !layout.excluded_namespaces.is_empty() {
             expressions.push(json!({"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": layout.excluded_namespaces}));
@@ -205,7 +214,13 @@ fn webhook_name(plural: &str, subresource: &str, group: &str, configuration: &st
         let s: String = s
             .to_ascii_lowercase()
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '.' || c == '-' { c } else { '-' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+                    c
+                } else {
+                    '-'
+                }
+            })
             .collect();
         s.trim_matches(|c| c == '-' || c == '.').to_owned()
     };
@@ -213,7 +228,11 @@ fn webhook_name(plural: &str, subresource: &str, group: &str, configuration: &st
     if !subresource.is_empty() {
         first = format!("{first}-{}", clean(subresource));
     }
-    let group = if group.is_empty() { "core".to_owned() } else { clean(group) };
+    let group = if group.is_empty() {
+        "core".to_owned()
+    } else {
+        clean(group)
+    };
     let mut name = format!("{first}.{group}.{}", clean(configuration));
     name.truncate(253);
     name.trim_end_matches(['-', '.']).to_owned()
@@ -285,7 +304,10 @@ mod tests {
         assert_eq!(hook["sideEffects"], "NoneOnDryRun");
         assert_eq!(hook["clientConfig"]["url"], "https://127.0.0.1:9443/validate");
         assert_eq!(hook["clientConfig"]["caBundle"], "UEVN");
-        assert_eq!(hook["objectSelector"]["matchExpressions"][0]["operator"], "Exists");
+        assert_eq!(
+            hook["objectSelector"]["matchExpressions"][0]["operator"],
+            "Exists"
+        );
         assert_eq!(
             hook["namespaceSelector"]["matchExpressions"][1],
             json!({"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system"]})
@@ -300,7 +322,10 @@ mod tests {
 
     #[test]
     fn names_are_valid_and_services_are_addressed() {
-        assert_eq!(webhook_name("pods", "status", "", "capstan"), "pods-status.core.capstan");
+        assert_eq!(
+            webhook_name("pods", "status", "", "capstan"),
+            "pods-status.core.capstan"
+        );
         let mut l = layout();
         l.endpoint = Endpoint::Service {
             namespace: "ops".into(),

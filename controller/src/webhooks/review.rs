@@ -107,20 +107,34 @@ pub fn parse(body: &[u8]) -> Result<Review, String> {
         .get("request")
         .filter(|r| r.is_object())
         .ok_or("request is missing")?;
-    let text = |key: &str| request.get(key).and_then(Value::as_str).unwrap_or_default().to_owned();
+    let text = |key: &str| {
+        request
+            .get(key)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
     let uid = text("uid");
     if uid.is_empty() || uid.len() > MAX_UID {
         return Err("request.uid is missing or too long".into());
     }
     let operation = text("operation");
     if !matches!(operation.as_str(), "CREATE" | "UPDATE" | "DELETE" | "CONNECT") {
-        return Err(format!("request.operation {operation:?} is not CREATE, UPDATE, DELETE or CONNECT"));
+        return Err(format!(
+            "request.operation {operation:?} is not CREATE, UPDATE, DELETE or CONNECT"
+        ));
     }
     let resource = request
         .get("resource")
         .filter(|r| r.is_object())
         .ok_or("request.resource is missing")?;
-    let field = |key: &str| resource.get(key).and_then(Value::as_str).unwrap_or_default().to_owned();
+    let field = |key: &str| {
+        resource
+            .get(key)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
     let plural = field("resource");
     if plural.is_empty() {
         return Err("request.resource.resource is missing".into());
@@ -312,12 +326,18 @@ mod tests {
             serde_json::from_slice::<Value>(&patch.0).expect("json"),
             json!([{"op": "add", "path": "/spec/x", "value": 1}])
         );
-        assert_eq!(doc["response"]["warnings"].as_array().map(Vec::len), Some(MAX_WARNINGS));
+        assert_eq!(
+            doc["response"]["warnings"].as_array().map(Vec::len),
+            Some(MAX_WARNINGS)
+        );
         let denied = Verdict::deny(403, "x".repeat(10_000));
         let doc: Value = serde_json::from_slice(&render(&review, &denied)).expect("json");
         assert_eq!(doc["response"]["allowed"], false);
         assert_eq!(doc["response"]["status"]["code"], 403);
-        assert_eq!(doc["response"]["status"]["message"].as_str().map(str::len), Some(MAX_MESSAGE_BYTES));
+        assert_eq!(
+            doc["response"]["status"]["message"].as_str().map(str::len),
+            Some(MAX_MESSAGE_BYTES)
+        );
         assert!(doc["response"].get("patch").is_none());
     }
 }

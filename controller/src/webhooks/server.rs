@@ -163,7 +163,10 @@ impl Server {
 async fn handle(admission: &Admission, settings: &Settings, req: Request<Incoming>) -> Response<Full<Bytes>> {
     let arrived = Instant::now();
     if req.method() != Method::POST {
-        return text(StatusCode::METHOD_NOT_ALLOWED, "admission reviews are POSTed\n".into());
+        return text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "admission reviews are POSTed\n".into(),
+        );
     }
     let path = req.uri().path().trim_matches('/').to_owned();
     let (phase, only) = match path.split_once('/') {
@@ -171,7 +174,12 @@ async fn handle(admission: &Admission, settings: &Settings, req: Request<Incomin
         Some(("mutate", id)) => (Phase::Mutating, Some(id.to_owned())),
         None if path == "validate" => (Phase::Validating, None),
         None if path == "mutate" => (Phase::Mutating, None),
-        _ => return text(StatusCode::NOT_FOUND, "not found: use /validate or /mutate\n".into()),
+        _ => {
+            return text(
+                StatusCode::NOT_FOUND,
+                "not found: use /validate or /mutate\n".into(),
+            );
+        }
     };
     let timeout = req
         .uri()
@@ -184,7 +192,10 @@ async fn handle(admission: &Admission, settings: &Settings, req: Request<Incomin
     let margin = (timeout / 10).max(MIN_MARGIN);
     let deadline = arrived + timeout.saturating_sub(margin).max(MIN_MARGIN);
     let too_large = || {
-        warn!(limit = settings.max_body_bytes, "admission review refused: the body is too large");
+        warn!(
+            limit = settings.max_body_bytes,
+            "admission review refused: the body is too large"
+        );
         metrics::global().admission_request(phase.as_str(), "too_large", arrived.elapsed());
         text(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -199,12 +210,18 @@ async fn handle(admission: &Admission, settings: &Settings, req: Request<Incomin
     if declared.is_some_and(|n| n > settings.max_body_bytes) {
         return too_large();
     }
-    let body = match Limited::new(req.into_body(), settings.max_body_bytes).collect().await {
+    let body = match Limited::new(req.into_body(), settings.max_body_bytes)
+        .collect()
+        .await
+    {
         Ok(b) => b.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => return too_large(),
         Err(e) => {
             debug!(error = %e, "reading an admission review failed");
-            return text(StatusCode::BAD_REQUEST, format!("the body could not be read: {e}\n"));
+            return text(
+                StatusCode::BAD_REQUEST,
+                format!("the body could not be read: {e}\n"),
+            );
         }
     };
     let review = match review::parse(&body) {
@@ -212,7 +229,10 @@ async fn handle(admission: &Admission, settings: &Settings, req: Request<Incomin
         Err(why) => {
             warn!(%why, "admission review refused: not a valid AdmissionReview");
             metrics::global().admission_request(phase.as_str(), "invalid", arrived.elapsed());
-            return text(StatusCode::BAD_REQUEST, format!("not a valid AdmissionReview: {why}\n"));
+            return text(
+                StatusCode::BAD_REQUEST,
+                format!("not a valid AdmissionReview: {why}\n"),
+            );
         }
     };
     match admission.review(phase, only.as_deref(), &review, deadline).await {
@@ -236,8 +256,9 @@ async fn handle(admission: &Admission, settings: &Settings, req: Request<Incomin
 fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain"));
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain"),
+    );
     response
 }

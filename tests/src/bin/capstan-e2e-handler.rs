@@ -220,7 +220,11 @@ async fn admission_behave(ctx: &Context) -> Result<(), HandlerError> {
     let id = ctx.handler_id().to_owned();
     ctx.add_warning(format!("checked by {id}"));
     let setting = ctx.spec().get("admission").and_then(|a| a.get(&id)).cloned();
-    if let Some(secs) = setting.as_ref().and_then(|s| s.get("sleep")).and_then(Value::as_f64) {
+    if let Some(secs) = setting
+        .as_ref()
+        .and_then(|s| s.get("sleep"))
+        .and_then(Value::as_f64)
+    {
         tokio::select! {
             () = tokio::time::sleep(Duration::from_secs_f64(secs)) => {}
             () = ctx.cancelled() => {
@@ -229,10 +233,19 @@ async fn admission_behave(ctx: &Context) -> Result<(), HandlerError> {
             }
         }
     }
-    if setting.as_ref().and_then(|s| s.get("fail")).and_then(Value::as_bool) == Some(true) {
+    if setting
+        .as_ref()
+        .and_then(|s| s.get("fail"))
+        .and_then(Value::as_bool)
+        == Some(true)
+    {
         return Err(HandlerError::permanent(format!("{id} failed on purpose")));
     }
-    if let Some(message) = setting.as_ref().and_then(|s| s.get("deny")).and_then(Value::as_str) {
+    if let Some(message) = setting
+        .as_ref()
+        .and_then(|s| s.get("deny"))
+        .and_then(Value::as_str)
+    {
         return Err(HandlerError::deny(message.to_owned(), 403));
     }
     Ok(())
@@ -254,7 +267,9 @@ fn admission_preset(registry: &mut Registry, preset: &str) -> bool {
             registry.on_validate(RESOURCE, "check_size", |ctx: Context| async move {
                 admission_behave(&ctx).await?;
                 match ctx.spec().get("size").and_then(Value::as_i64) {
-                    Some(size) if size > 10 => Err(HandlerError::deny(format!("size {size} is too large"), 422)),
+                    Some(size) if size > 10 => {
+                        Err(HandlerError::deny(format!("size {size} is too large"), 422))
+                    }
                     _ => Ok::<_, HandlerError>(None),
                 }
             });
@@ -262,7 +277,10 @@ fn admission_preset(registry: &mut Registry, preset: &str) -> bool {
                 registry.on_validate(RESOURCE, "check_name", |ctx: Context| async move {
                     admission_behave(&ctx).await?;
                     if ctx.name().starts_with("bad-") {
-                        return Err(HandlerError::deny(format!("the name {} is not allowed", ctx.name()), 0));
+                        return Err(HandlerError::deny(
+                            format!("the name {} is not allowed", ctx.name()),
+                            0,
+                        ));
                     }
                     Ok::<_, HandlerError>(None)
                 });
@@ -272,7 +290,8 @@ fn admission_preset(registry: &mut Registry, preset: &str) -> bool {
             registry.on_mutate(RESOURCE, "add_defaults", |ctx: Context| async move {
                 admission_behave(&ctx).await?;
                 if ctx.spec().get("badAdmissionPatch").and_then(Value::as_bool) == Some(true) {
-                    ctx.patch().json_op(json!({"op": "remove", "path": "/spec/doesNotExist"}));
+                    ctx.patch()
+                        .json_op(json!({"op": "remove", "path": "/spec/doesNotExist"}));
                     return Ok::<_, HandlerError>(None);
                 }
                 ctx.patch().label("e2e/mutated", "yes");
