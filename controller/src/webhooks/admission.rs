@@ -492,6 +492,75 @@ mod tests {
         assert!(apply(&object, &[bad]).is_err());
     }
 
+    fn validator() -> Registration {
+        let mut reg = Registration::new("v", HandlerKind::Validate, None);
+        reg.resource = Some(crate::model::ResolvedResource {
+            group: "demo.capstan.dev".into(),
+            version: "v1".into(),
+            plural: "examples".into(),
+            kind: "Example".into(),
+            namespaced: true,
+            status_subresource: false,
+        });
+        reg.options = KindOptions::Admission(AdmissionOptions::default());
+        reg
+    }
+
+    #[tokio::test]
+    async fn admission_is_served_while_dispatch_is_paused() {
+        use capstan_proto::pb;
+        let hub = Hub::default();
+        let (tx, mut rx) = tokio::sync::mpsc::channel(8);
+        let (conn, taken) = hub.attach(tx, 8, false, vec![validator()]);
+        assert!(taken.is_empty());
+        hub.open(conn);
+        hub.set_paused(true);
+        let (_keep, handlers) = watch::channel(Arc::new(vec![validator()]));
+        let admission = Admission::new(hub.clone(), handlers);
+        let task = tokio::spawn(async move {
+            admission
+                .review(
+                    Phase::Validating,
+                    None,
+                    &review("CREATE"),
+                    Instant::now() + Duration::from_secs(10),
+                )
+                .await
+        });
+        let sent = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("dispatched while paused")
+            .expect("a message");
+        let Some(pb::connect_response::Message::Invocation(invocation)) = sent.message else {
+            panic!("an invocation");
+        };
+        assert!(matches!(
+            invocation.payload,
+            Some(pb::invocation::Payload::Admission(_))
+        ));
+        let verdict = pb::AdmissionVerdict {
+            allowed: false,
+            message: "not while frozen? yes, while frozen".into(),
+            code: 403,
+            warnings: vec!["w".into()],
+        };
+        let result = pb::InvocationResult {
+            invocation_id: invocation.invocation_id,
+            outcome: Some(pb::invocation_result::Outcome::Success(pb::Success {
+                result: None,
+                kind_result: Some(pb::success::KindResult::Admission(verdict)),
+            })),
+            ..Default::default()
+        };
+        hub.complete(conn, &result).expect("in flight");
+        let Answer::Verdict(v) = task.await.expect("joined") else {
+            panic!("a verdict");
+        };
+        assert!(!v.allowed);
+        assert_eq!(v.code, 403);
+        assert_eq!(v.warnings, vec!["w".to_owned()]);
+    }
+
     #[tokio::test]
     async fn unknown_resources_and_absent_processes_follow_the_failure_policy() {
         let hub = Hub::default();
