@@ -126,6 +126,8 @@ impl Server {
                     }
                 },
             };
+            // Answers are small and latency matters: no Nagle delay behind a delayed ACK.
+            let _ = stream.set_nodelay(true);
             let acceptor = self.acceptor.clone();
             let admission = self.admission.clone();
             let settings = self.settings.clone();

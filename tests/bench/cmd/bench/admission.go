@@ -26,6 +26,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/rest"
 )
 
 var (
@@ -82,6 +83,8 @@ func runAdmission(args []string) error {
 	if err != nil {
 		return err
 	}
+	// Every request comes back with the handlers' warnings; they are expected.
+	cfg.WarningHandler = rest.NoWarnings{}
 	dyn, err := dynamic.NewForConfig(cfg)
 	if err != nil {
 		return err
