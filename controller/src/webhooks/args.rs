@@ -113,3 +113,67 @@ impl WebhookArgs {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[derive(clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        webhook: WebhookArgs,
+    }
+
+    fn settings(args: &[&str]) -> Settings {
+        let mut all = vec!["capstan"];
+        all.extend_from_slice(args);
+        Flags::try_parse_from(all).expect("valid flags").webhook.settings()
+    }
+
+    #[test]
+    fn defaults_serve_on_9443_when_needed_and_manage_nothing() {
+        let s = settings(&[]);
+        assert_eq!(s.mode, Mode::Auto);
+        assert_eq!(s.listen, SocketAddr::from(([0, 0, 0, 0], 9443)));
+        assert_eq!(s.managed, None);
+        assert_eq!(s.service, None);
+        assert_eq!(s.excluded_namespaces, vec!["kube-system".to_owned()]);
+        assert_eq!(s.server.default_timeout, Duration::from_secs(10));
+    }
+
+    #[test]
+    fn flags_map_onto_settings_within_their_ranges() {
+        let s = settings(&[
+            "--webhooks",
+            "on",
+            "--webhook-service",
+            "op-webhook",
+            "--webhook-service-namespace",
+            "ops",
+            "--webhook-managed",
+            "op",
+            "--webhook-timeout",
+            "90s",
+            "--webhook-exclude-namespaces",
+            "kube-system,ops",
+            "--webhook-cert-dir",
+            "/certs",
+        ]);
+        assert_eq!(s.mode, Mode::On);
+        assert_eq!(
+            s.service,
+            Some(Service {
+                namespace: "ops".into(),
+                name: "op-webhook".into(),
+                port: 443
+            })
+        );
+        assert_eq!(s.managed.as_deref(), Some("op"));
+        assert_eq!(s.server.default_timeout, Duration::from_secs(30), "capped at the API server's limit");
+        assert_eq!(s.excluded_namespaces, vec!["kube-system".to_owned(), "ops".to_owned()]);
+        assert_eq!(s.cert_dir, Some(PathBuf::from("/certs")));
+        assert_eq!(settings(&["--webhooks", "off"]).mode, Mode::Off);
+    }
+}
