@@ -129,7 +129,10 @@ mod tests {
     fn settings(args: &[&str]) -> Settings {
         let mut all = vec!["capstan"];
         all.extend_from_slice(args);
-        Flags::try_parse_from(all).expect("valid flags").webhook.settings()
+        Flags::try_parse_from(all)
+            .expect("valid flags")
+            .webhook
+            .settings()
     }
 
     #[test]
@@ -171,8 +174,15 @@ mod tests {
             })
         );
         assert_eq!(s.managed.as_deref(), Some("op"));
-        assert_eq!(s.server.default_timeout, Duration::from_secs(30), "capped at the API server's limit");
-        assert_eq!(s.excluded_namespaces, vec!["kube-system".to_owned(), "ops".to_owned()]);
+        assert_eq!(
+            s.server.default_timeout,
+            Duration::from_secs(30),
+            "capped at the API server's limit"
+        );
+        assert_eq!(
+            s.excluded_namespaces,
+            vec!["kube-system".to_owned(), "ops".to_owned()]
+        );
         assert_eq!(s.cert_dir, Some(PathBuf::from("/certs")));
         assert_eq!(settings(&["--webhooks", "off"]).mode, Mode::Off);
     }
