@@ -85,6 +85,8 @@ pub struct Settings {
     pub url: Option<String>,
     /// The name of the managed configurations; `None`: unmanaged.
     pub managed: Option<String>,
+    /// Keep the managed configurations when the controller stops.
+    pub keep_on_exit: bool,
     /// Namespaces the managed configurations never send to the webhooks.
     pub excluded_namespaces: Vec<String>,
 }
@@ -101,6 +103,7 @@ impl Default for Settings {
             service: None,
             url: None,
             managed: None,
+            keep_on_exit: false,
             excluded_namespaces: vec!["kube-system".into()],
         }
     }
@@ -229,7 +232,8 @@ impl Webhooks {
                 handlers.clone(),
                 certs.ca_bundle(),
                 leading.clone(),
-            );
+            )
+            .keep_on_exit(settings.keep_on_exit);
             tokio::spawn(
                 manager
                     .run(stop.clone())

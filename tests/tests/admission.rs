@@ -402,3 +402,17 @@ async fn managed_configurations_follow_the_registrations_and_are_removed_on_exit
     assert!(mutating(&s).get_opt("capstan-e2e").await?.is_none());
     Ok(())
 }
+
+#[tokio::test]
+async fn kept_configurations_stay_after_exit() -> Result<()> {
+    let (mut s, _) = start("validate", &["--webhook-keep-on-exit"]).await?;
+    wait_enforced(&s).await?;
+    s.controller.process.terminate().await?;
+    let hooks = webhooks_of(&validating(&s)).await?.context("kept")?;
+    assert_eq!(hooks.len(), 1);
+    // Nothing serves it now: the failure policy (Fail) refuses, as with kopf's persistent
+    // webhooks.
+    let refused = create(&s, "unserved", json!({"size": 1}), true).await?;
+    assert!(refused.is_err(), "refused while no controller serves the webhook");
+    Ok(())
+}

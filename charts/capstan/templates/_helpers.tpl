@@ -249,6 +249,10 @@ The environment of the capstan container: how the chart configures `capstan run`
 {{- if eq .Values.webhooks.configurations "managed" }}
 - name: CAPSTAN_WEBHOOK_MANAGED
   value: {{ include "capstan.fullname" . | quote }}
+{{- if .Values.webhooks.keepOnExit }}
+- name: CAPSTAN_WEBHOOK_KEEP_ON_EXIT
+  value: "true"
+{{- end }}
 {{- end }}
 {{- if ne .Values.webhooks.certificate.source "selfSigned" }}
 - name: CAPSTAN_WEBHOOK_CERT_DIR

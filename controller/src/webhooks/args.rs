@@ -57,6 +57,12 @@ pub struct WebhookArgs {
     #[arg(long, env = "CAPSTAN_WEBHOOK_MANAGED")]
     pub webhook_managed: Option<String>,
 
+    /// Keep the managed configurations when the controller stops (kopf's `persistent`
+    /// webhooks, for all handlers): admission stays enforced while no controller runs, and a
+    /// rolling update leaves no gap between the old leader's exit and the new one's write.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_KEEP_ON_EXIT")]
+    pub webhook_keep_on_exit: bool,
+
     /// The webhooks' timeout (`timeoutSeconds`, 1–30 s), and the one assumed when the API
     /// server does not say.
     #[arg(long, env = "CAPSTAN_WEBHOOK_TIMEOUT", value_parser = parse_duration, default_value = "10s")]
@@ -104,6 +110,7 @@ impl WebhookArgs {
             }),
             url: self.webhook_url.clone(),
             managed: self.webhook_managed.clone().filter(|n| !n.is_empty()),
+            keep_on_exit: self.webhook_keep_on_exit,
             excluded_namespaces: self
                 .webhook_exclude_namespaces
                 .iter()

@@ -1,7 +1,8 @@
 //! Keeps the managed webhook configurations in step with the known admission handlers and the
 //! CA bundle: written when they change (and once the first admission handler is known, never
 //! before: an operator without webhooks leaves no configurations behind), retried with a
-//! backoff when the API server refuses, and removed on exit.
+//! backoff when the API server refuses, and removed on exit (unless kept: kopf's `persistent`,
+//! for all handlers).
 //!
 //! With leader election only the leader writes (the configurations are cluster-wide; two
 //! replicas writing would only fight over the same content); every replica serves the
@@ -42,6 +43,8 @@ pub struct Manager {
     leading: Leading,
     /// What was last written (validating, mutating), `None` before the first write.
     written: Option<(Value, Value)>,
+    /// Leave the configurations in place on exit.
+    keep: bool,
 }
 
 impl Manager {
@@ -60,7 +63,15 @@ impl Manager {
             ca_bundle,
             leading,
             written: None,
+            keep: false,
         }
+    }
+
+    /// Leaves the configurations in place when the controller stops (kopf's `persistent`).
+    #[must_use]
+    pub fn keep_on_exit(mut self, keep: bool) -> Self {
+        self.keep = keep;
+        self
     }
 
     /// Writes the configurations whenever they change until `stop`; then removes them if this
@@ -96,7 +107,9 @@ impl Manager {
                 () = tokio::time::sleep(wait) => {}
             }
         }
-        if self.written.is_some() && (self.leading)() {
+        if self.keep {
+            info!(name = %self.layout.name, "managed webhook configurations kept (--webhook-keep-on-exit)");
+        } else if self.written.is_some() && (self.leading)() {
             self.remove().await;
         }
     }
