@@ -416,3 +416,105 @@ async fn kept_configurations_stay_after_exit() -> Result<()> {
     assert!(refused.is_err(), "refused while no controller serves the webhook");
     Ok(())
 }
+
+/// With leader election every replica serves the webhooks, but only the leader writes the
+/// managed configurations; a standby that takes over writes them.
+#[tokio::test]
+async fn only_the_leader_manages_the_configurations_and_every_replica_serves() -> Result<()> {
+    use capstan_tests::{
+        process::{Controller, start_handler},
+        testenv::TestEnv,
+    };
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let election = [
+        "--leader-election",
+        "--lease-duration",
+        "4s",
+        "--renew-deadline",
+        "3s",
+        "--retry-period",
+        "1s",
+        "--shutdown-grace",
+        "2s",
+        "--webhook-managed",
+        "capstan-e2e",
+    ];
+    let start = |name: &'static str| {
+        let env = &env;
+        async move {
+            let listen = format!("127.0.0.1:{}", free_port()?);
+            let mut args: Vec<&str> = election.to_vec();
+            args.extend(["--webhook-listen", &listen]);
+            let mut c = Controller::start(env, name, &args).await?;
+            let h = start_handler(
+                env,
+                &format!("{name}-handler"),
+                &c.endpoint(),
+                &[("E2E_HANDLERS", "validate")],
+            )?;
+            c.process.wait_for("handler process connected", LONG).await?;
+            Ok::<_, anyhow::Error>((c, h, listen))
+        }
+    };
+    let (mut a, mut a_handler, _) = start("a").await?;
+    a.process.wait_for("became the leader", LONG).await?;
+    a.process
+        .wait_for("managed webhook configurations written", LONG)
+        .await?;
+    let (mut b, _b_handler, b_listen) = start("b").await?;
+    // The standby's webhook server runs too (the API server may call any replica)...
+    b.process
+        .wait_for("admission webhook server listening", LONG)
+        .await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // ...but writes no configuration.
+    assert!(
+        !b.process
+            .output()
+            .contains("managed webhook configurations written"),
+        "the standby wrote the configurations:\n{}",
+        tail(&b.process.output(), 30)
+    );
+    let client = env.client().await?;
+    let api: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+    let url = |config: &ValidatingWebhookConfiguration| {
+        config
+            .webhooks
+            .as_ref()
+            .and_then(|w| w.first())
+            .and_then(|w| w.client_config.url.clone())
+            .unwrap_or_default()
+    };
+    let written = api.get("capstan-e2e").await?;
+    assert!(
+        !url(&written).contains(&b_listen),
+        "written by the leader, with its own address"
+    );
+
+    // The leader goes away: the standby takes over and writes them (pointing at itself).
+    a.process.kill().await?;
+    a_handler.kill().await?;
+    b.process.wait_for("became the leader", LONG).await?;
+    let deadline = tokio::time::Instant::now() + LONG;
+    loop {
+        if let Some(config) = api.get_opt("capstan-e2e").await?
+            && url(&config).contains(&b_listen)
+        {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "the new leader did not write the configurations\n{}",
+                tail(&b.process.output(), 40)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    b.process.terminate().await?;
+    assert!(
+        api.get_opt("capstan-e2e").await?.is_none(),
+        "removed by the leader on exit"
+    );
+    Ok(())
+}
