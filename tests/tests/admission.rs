@@ -518,3 +518,24 @@ async fn only_the_leader_manages_the_configurations_and_every_replica_serves() -
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn with_webhooks_off_admission_handlers_are_refused_with_a_reason() -> Result<()> {
+    let (s, port) = start("validate,create", &["--webhooks", "off"]).await?;
+    eventually(&s, "the refusal to reach the handler process", LONG, || async {
+        Ok(s.handler
+            .output()
+            .contains("admission webhooks are off (--webhooks=off)")
+            .then_some(()))
+    })
+    .await?;
+    // The other handlers work, and nothing listens for webhooks.
+    s.create("plain", json!({})).await?;
+    s.wait("plain", LONG, "handled", |o| {
+        o.pointer("/metadata/annotations/capstan.dev~1last-handled-configuration")
+            .is_some()
+    })
+    .await?;
+    assert!(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err());
+    Ok(())
+}
