@@ -13,7 +13,8 @@
 # (cargo, release), the Go SDK handler and the benchmark driver (Go, GOTOOLCHAIN=local), the
 # Python SDK's venv (sdk-python/scripts/venv.sh) for its handler, and a Python venv with the
 # pinned kopf (tests/bench/requirements.txt). Writes
-# tests/bench/results/latest.md and latest.json (--smoke: tests/bench/results/smoke/, not
+# tests/bench/results/latest.md and latest.json, and admission.md and admission.json for the
+# admission round trip (--smoke: tests/bench/results/smoke/, not
 # committed; override either with BENCH_OUT=DIR). Every process it
 # starts is stopped on exit.
 #
@@ -154,6 +155,24 @@ args+=(${BENCH_ARGS:-})
 "$bin/bench" run "${args[@]}" &
 driver_pid=$!
 status=0
+wait "$driver_pid" || status=$?
+driver_pid=''
+
+step "admission round trip (capstan's webhook server and kopf's)"
+admission=(
+	--out "$out"
+	--testenv "$testenv"
+	--capstan "$rust_bin/capstan"
+	--rust-handler "$rust_bin/capstan-e2e-handler"
+	--kopf "$venv/bin/kopf"
+	--kopf-operator "$root/tests/bench/kopf/operator.py"
+	--crd "$root/examples/crd.yaml"
+)
+if $smoke; then
+	admission+=(--requests 20 --warmup 5)
+fi
+"$bin/bench" admission "${admission[@]}" &
+driver_pid=$!
 wait "$driver_pid" || status=$?
 driver_pid=''
 if $smoke; then

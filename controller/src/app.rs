@@ -88,6 +88,14 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
     )
     .await?;
     let admin = Admin::bind(settings.admin_listen, core.health.clone()).await?;
+    let webhooks = crate::webhooks::Webhooks::start(
+        &settings.webhooks,
+        &core.hub,
+        core.client.clone(),
+        settings.engine.namespaces.exact(),
+        pausing.leading.clone(),
+    )
+    .await?;
     info!(listen = %server.local(), admin = ?admin.local_addr(), version = env!("CARGO_PKG_VERSION"), "capstan started");
 
     let engines = core.engines(&settings, &background);
@@ -110,6 +118,10 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
     let _ = gate_task.await;
     if failed.is_none() {
         drain(&core.hub, settings.shutdown_grace).await;
+    }
+    // Still the leader: the managed webhook configurations are removed.
+    if let Some(webhooks) = webhooks {
+        webhooks.stop().await;
     }
     pausing.stop_election().await;
     engines.stop().await;
@@ -321,6 +333,9 @@ async fn probe_reachability(switch: k8s::switch::Switchable, stop: CancellationT
 /// Freezing by peers and leader election: both pause dispatch through the gate.
 struct Pausing {
     gate: Gate,
+    /// Whether this replica leads (always, without election): it writes the managed webhook
+    /// configurations.
+    leading: crate::webhooks::managed::Leading,
     peering: Option<Peering>,
     election_stop: CancellationToken,
     elector: Option<JoinHandle<Elector>>,
@@ -346,6 +361,7 @@ impl Pausing {
         )
         .await?;
         let election_stop = CancellationToken::new();
+        let mut leading: crate::webhooks::managed::Leading = Arc::new(|| true);
         let elector = election.enabled.then(|| {
             let namespace = election.namespace();
             let store = Arc::new(k8s::lease::Leases::new(
@@ -357,9 +373,11 @@ impl Pausing {
             info!(lease = lease.as_deref().unwrap_or_default(), %identity, "leader election started");
             let mut elector = Elector::new(election.clone(), identity, store, gate.clone());
             let status = elector.status();
-            let leading = status.clone();
+            let sampled = status.clone();
             crate::observability::metrics::global()
-                .sample(Sampled::Leader, move || i64::from(leading.lock().leading));
+                .sample(Sampled::Leader, move || i64::from(sampled.lock().leading));
+            let webhooks = status.clone();
+            leading = Arc::new(move || webhooks.lock().leading);
             core.health
                 .readiness("leadership", move || Check::pass(status.lock().describe()));
             let stop = election_stop.clone();
@@ -373,6 +391,7 @@ impl Pausing {
         });
         Ok(Self {
             gate,
+            leading,
             peering,
             election_stop,
             elector,

@@ -485,6 +485,10 @@ pub struct RunArgs {
     /// How often the Lease is acquired or renewed.
     #[arg(long, env = "CAPSTAN_RETRY_PERIOD", value_parser = parse_duration, default_value = "2s")]
     pub retry_period: Duration,
+
+    /// Admission webhooks.
+    #[command(flatten)]
+    pub webhook: crate::webhooks::args::WebhookArgs,
 }
 
 /// Validates one `--namespace` pattern at parse time.
@@ -645,6 +649,15 @@ impl RunArgs {
         settings.hub.cancel_grace = self.cancel_grace;
         settings.hub.max_losses = self.max_losses.max(1);
         settings.connection.supported_kinds = Some(crate::engine::SUPPORTED_KINDS.to_vec());
+        settings.webhooks = self.webhook.settings();
+        if settings.webhooks.mode != crate::webhooks::Mode::Off
+            && let Some(kinds) = settings.connection.supported_kinds.as_mut()
+        {
+            kinds.extend([
+                crate::model::HandlerKind::Validate,
+                crate::model::HandlerKind::Mutate,
+            ]);
+        }
         settings.engine.storage = self.storage();
         settings.node_store = self.node_store_spec();
         settings.engine.node = self.node().map(|name| crate::engine::nodes::Settings {

@@ -37,6 +37,8 @@ pub struct Settings {
     pub election: peering::election::Settings,
     /// Node-local storage of per-node state (per-node mode only).
     pub node_store: Option<crate::persistence::node_store::Spec>,
+    /// Admission webhooks.
+    pub webhooks: crate::webhooks::Settings,
 }
 
 impl Default for Settings {
@@ -53,6 +55,7 @@ impl Default for Settings {
             peering: peering::Settings::default(),
             election: peering::election::Settings::default(),
             node_store: None,
+            webhooks: crate::webhooks::Settings::default(),
         }
     }
 }

@@ -270,6 +270,12 @@ impl Engine {
         );
         loop {
             let connected = registrations.borrow_and_update().clone();
+            // Admission handlers are the webhook server's: they watch nothing.
+            let connected: Vec<_> = connected
+                .iter()
+                .filter(|r| !r.kind.is_admission())
+                .cloned()
+                .collect();
             registry.update(&connected);
             let pending = registry.pending();
             if self.discovery.is_some() && !pending.is_empty() && pending != last_pending {

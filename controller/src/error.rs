@@ -27,6 +27,9 @@ pub enum Error {
     /// The node-local storage cannot be used.
     #[error("cannot open the node-local storage")]
     NodeStore(#[from] crate::persistence::node_store::Error),
+    /// The admission webhooks could not start.
+    #[error("cannot start the admission webhooks")]
+    Webhooks(#[from] crate::webhooks::Error),
     /// Signal handlers could not be installed.
     #[error("cannot install signal handlers")]
     Signal(#[source] std::io::Error),

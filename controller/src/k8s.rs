@@ -4,6 +4,7 @@
 //! "resolve this selector", "watch this resource", "patch this object" — and this layer turns
 //! that into API calls with kube-rs.
 
+pub mod admission;
 pub mod client;
 pub mod crds;
 pub mod discovery;

@@ -48,5 +48,6 @@ pub mod peering;
 pub mod persistence;
 pub mod signal;
 pub mod steering;
+pub mod webhooks;
 
 pub use error::{Error, Result};

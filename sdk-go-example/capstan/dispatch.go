@@ -42,6 +42,20 @@ func dispatch(ctx context.Context, h *handler, inv *Invocation, states []*pb.Sub
 		foldIndex(ctx, h, inv, value, err)
 	}
 	res := &pb.InvocationResult{}
+	if h.spec.kind.IsAdmission() {
+		if verdict, ok := admissionVerdict(ctx, inv, err); ok {
+			res.Outcome = &pb.InvocationResult_Success{Success: &pb.Success{
+				KindResult: &pb.Success_Admission{Admission: verdict}}}
+			if verdict.GetAllowed() {
+				if res.Patches, err = inv.patch.messages(); err == nil {
+					return res
+				}
+				res.Outcome = nil
+			} else {
+				return res
+			}
+		}
+	}
 	if err == nil {
 		var success *pb.Success
 		success, err = encodeSuccess(value, h.spec.kind)
@@ -266,6 +280,20 @@ func classify(ctx context.Context, err error) any {
 		return &pb.PermanentError{Diagnostics: diagnostics(err, "PERMANENT_ERROR")}
 	}
 	return &pb.UnclassifiedError{Diagnostics: diagnostics(err, "HANDLER_ERROR")}
+}
+
+// admissionVerdict is the verdict of an admission handler that returned err: admitted (nil),
+// denied (an [AdmissionError]), or no verdict (any other error, which fails the request).
+func admissionVerdict(ctx context.Context, inv *Invocation, err error) (*pb.AdmissionVerdict, bool) {
+	var denial *AdmissionError
+	switch {
+	case err == nil:
+		return &pb.AdmissionVerdict{Allowed: true, Warnings: inv.takeWarnings()}, true
+	case ctx.Err() == nil && errors.As(err, &denial):
+		return &pb.AdmissionVerdict{Allowed: false, Message: denial.Message, Code: denial.Code,
+			Warnings: inv.takeWarnings()}, true
+	}
+	return nil, false
 }
 
 // encodeSuccess encodes a handler's return value: credentials for login handlers, JSON for

@@ -41,6 +41,23 @@ func Permanentf(format string, args ...any) error {
 	return &PermanentError{Err: fmt.Errorf(format, args...)}
 }
 
+// AdmissionError denies an admission request (kopf AdmissionError): return it from a validate
+// or mutate handler. Other errors of an admission handler fail the request (or, with
+// [IgnoreFailures], leave the handler out).
+type AdmissionError struct {
+	// Message is shown to the user.
+	Message string
+	// Code is the HTTP status code; 0 means 400.
+	Code int32
+}
+
+func (e *AdmissionError) Error() string { return "admission denied: " + e.Message }
+
+// Deny returns an [AdmissionError] with HTTP status code and a formatted message.
+func Deny(code int32, format string, args ...any) error {
+	return &AdmissionError{Message: fmt.Sprintf(format, args...), Code: code}
+}
+
 // CancelledError is the cause (see [context.Cause]) of a handler context that was cancelled:
 // by the controller's Cancel, because the stream was lost, or because the process is stopping.
 type CancelledError struct {

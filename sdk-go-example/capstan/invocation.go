@@ -63,6 +63,8 @@ type Invocation struct {
 	// processing cycle of an object and each invocation is a span of it. Pass it on (HTTP
 	// headers, messages) to continue the trace; empty when the controller sent none.
 	Traceparent string
+	// Admission is the request of a validate or mutate handler; nil for other kinds.
+	Admission *AdmissionRequest
 
 	body    atomic.Pointer[map[string]any]
 	patch   Patch
@@ -74,6 +76,7 @@ type Invocation struct {
 
 	mu           sync.Mutex
 	cancelReason CancelReason
+	warnings     []string
 	subhandlers  []subhandler
 	canDeclare   bool
 }
@@ -91,6 +94,22 @@ type logRecord struct {
 	level   LogLevel
 	message string
 	time    time.Time
+}
+
+// AddWarning adds a warning returned to the client of an admission request (kopf's
+// `warnings`).
+func (inv *Invocation) AddWarning(format string, args ...any) {
+	inv.mu.Lock()
+	defer inv.mu.Unlock()
+	inv.warnings = append(inv.warnings, fmt.Sprintf(format, args...))
+}
+
+func (inv *Invocation) takeWarnings() []string {
+	inv.mu.Lock()
+	defer inv.mu.Unlock()
+	w := inv.warnings
+	inv.warnings = nil
+	return w
 }
 
 // Body returns the object's latest body (nil for activities): the body the invocation carried,

@@ -69,6 +69,11 @@ type spec struct {
 	interval time.Duration
 	idle     time.Duration
 	sharp    bool
+
+	operations     []Operation
+	subresource    string
+	sideEffects    bool
+	ignoreFailures bool
 }
 
 // selector is a resource selector: kopf's resource name with an optional group and version.
@@ -266,6 +271,29 @@ func Sharp() Option {
 }
 
 // check validates a registration as kopf does at decoration time.
+// Operations sets the admission operations a validate or mutate handler intercepts; default
+// all (a mutate handler without operations is not called for DELETE, as in kopf).
+func Operations(ops ...Operation) Option {
+	return option("Operations", only(func(s *spec) { s.operations = ops }, KindValidate, KindMutate))
+}
+
+// Subresource sets the subresource a validate or mutate handler intercepts, e.g. "status".
+func Subresource(name string) Option {
+	return option("Subresource", only(func(s *spec) { s.subresource = name }, KindValidate, KindMutate))
+}
+
+// SideEffects declares that a validate or mutate handler has side effects (it then must do
+// nothing when [AdmissionRequest.DryRun] is set).
+func SideEffects() Option {
+	return option("SideEffects", only(func(s *spec) { s.sideEffects = true }, KindValidate, KindMutate))
+}
+
+// IgnoreFailures admits requests when the handler fails, times out or is not connected,
+// instead of denying them (kopf's ignore_failures, failurePolicy: Ignore).
+func IgnoreFailures() Option {
+	return option("IgnoreFailures", only(func(s *spec) { s.ignoreFailures = true }, KindValidate, KindMutate))
+}
+
 func (s *spec) check() error {
 	if s.timeout < 0 || s.backoff < 0 || s.interval < 0 || s.idle < 0 || s.initialDelay < 0 {
 		return fmt.Errorf("negative duration")

@@ -144,6 +144,20 @@ func (r *Registry) OnProbe(id string, fn HandlerFunc, opts ...Option) {
 	r.add(KindProbe, "", id, fn, opts)
 }
 
+// OnValidate registers a validating admission handler (kopf on.validate): return a [Deny]
+// error to refuse the request; [Invocation.AddWarning] adds warnings. The controller serves the
+// webhook and calls the handler for every matching request.
+func (r *Registry) OnValidate(resource, id string, fn HandlerFunc, opts ...Option) {
+	r.add(KindValidate, resource, id, fn, opts)
+}
+
+// OnMutate registers a mutating admission handler (kopf on.mutate): changes made with
+// [Invocation.Patch] are applied to the object before it is stored. Later mutating handlers
+// see them.
+func (r *Registry) OnMutate(resource, id string, fn HandlerFunc, opts ...Option) {
+	r.add(KindMutate, resource, id, fn, opts)
+}
+
 // add registers one handler. An empty or duplicate id, a nil function, and an option that does
 // not apply to the kind are programming errors and panic, as a duplicate pattern does in
 // net/http.ServeMux.

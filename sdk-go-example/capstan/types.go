@@ -5,8 +5,7 @@ import "time"
 // Kind is the kind of a handler: one value per kind of kopf handler the package registers.
 type Kind string
 
-// The handler kinds. Validate and mutate handlers are not offered: the controller does not run
-// them yet (it would reject them with UNSUPPORTED_HANDLER_KIND).
+// The handler kinds.
 const (
 	KindCreate  Kind = "create"  // kopf on.create; see [Registry.OnCreate]
 	KindUpdate  Kind = "update"  // kopf on.update; see [Registry.OnUpdate]
@@ -21,7 +20,41 @@ const (
 	KindCleanup Kind = "cleanup" // kopf on.cleanup; see [Registry.OnCleanup]
 	KindLogin   Kind = "login"   // kopf on.login; see [Registry.OnLogin]
 	KindProbe   Kind = "probe"   // kopf on.probe; see [Registry.OnProbe]
+
+	KindValidate Kind = "validate" // kopf on.validate; see [Registry.OnValidate]
+	KindMutate   Kind = "mutate"   // kopf on.mutate; see [Registry.OnMutate]
 )
+
+// IsAdmission reports whether handlers of the kind answer admission reviews (validate, mutate).
+func (k Kind) IsAdmission() bool { return k == KindValidate || k == KindMutate }
+
+// Operation is an admission operation.
+type Operation string
+
+// The admission operations.
+const (
+	OperationCreate  Operation = "CREATE"
+	OperationUpdate  Operation = "UPDATE"
+	OperationDelete  Operation = "DELETE"
+	OperationConnect Operation = "CONNECT"
+)
+
+// AdmissionRequest is what a validating or mutating handler is asked about (kopf's webhook
+// kwargs); the object under review is [Invocation.Body].
+type AdmissionRequest struct {
+	// UID is the review's uid.
+	UID string
+	// Operation is CREATE, UPDATE, DELETE or CONNECT.
+	Operation Operation
+	// SubResource is the subresource, if any.
+	SubResource string
+	// DryRun says that nothing will be stored: no side effects.
+	DryRun bool
+	// OldObject is the object before the operation (UPDATE, DELETE); nil otherwise.
+	OldObject any
+	// UserInfo is the requesting user (username, uid, groups, extra), decoded.
+	UserInfo any
+}
 
 // IsActivity reports whether handlers of the kind belong to the operator, not to an object
 // (startup, cleanup, login, probe).

@@ -23,6 +23,12 @@ var kinds = map[Kind]pb.HandlerKind{
 	KindDaemon: pb.HandlerKind_HANDLER_KIND_DAEMON, KindTimer: pb.HandlerKind_HANDLER_KIND_TIMER,
 	KindStartup: pb.HandlerKind_HANDLER_KIND_STARTUP, KindCleanup: pb.HandlerKind_HANDLER_KIND_CLEANUP,
 	KindLogin: pb.HandlerKind_HANDLER_KIND_LOGIN, KindProbe: pb.HandlerKind_HANDLER_KIND_PROBE,
+	KindValidate: pb.HandlerKind_HANDLER_KIND_VALIDATE, KindMutate: pb.HandlerKind_HANDLER_KIND_MUTATE,
+}
+
+var operations = map[Operation]pb.Operation{
+	OperationCreate: pb.Operation_OPERATION_CREATE, OperationUpdate: pb.Operation_OPERATION_UPDATE,
+	OperationDelete: pb.Operation_OPERATION_DELETE, OperationConnect: pb.Operation_OPERATION_CONNECT,
 }
 
 var errorsModes = map[ErrorsMode]pb.ErrorsMode{
@@ -130,6 +136,13 @@ func (s *spec) registration() (*pb.HandlerRegistration, error) {
 		reg.KindOptions = &pb.HandlerRegistration_Delete{Delete: &pb.DeleteOptions{Optional: s.optional}}
 	case KindResume:
 		reg.KindOptions = &pb.HandlerRegistration_Resume{Resume: &pb.ResumeOptions{Deleted: s.deleted}}
+	case KindValidate, KindMutate:
+		options := &pb.AdmissionOptions{Subresource: s.subresource, SideEffects: s.sideEffects,
+			IgnoreFailures: s.ignoreFailures}
+		for _, op := range s.operations {
+			options.Operations = append(options.Operations, operations[op])
+		}
+		reg.KindOptions = &pb.HandlerRegistration_Admission{Admission: options}
 	}
 	return reg, nil
 }
@@ -246,6 +259,16 @@ func newInvocation(m *pb.Invocation, kind Kind) (*Invocation, error) {
 		inv.Activity = activities[p.Activity.GetActivity()]
 	case *pb.Invocation_Index:
 		inv.IndexDeleted = p.Index.GetDeleted()
+	case *pb.Invocation_Admission:
+		a := p.Admission
+		inv.Admission = &AdmissionRequest{UID: a.GetUid(), Operation: Operation(a.GetOperation()),
+			SubResource: a.GetSubresource(), DryRun: a.GetDryRun()}
+		if inv.Admission.OldObject, err = decode(a.GetOldObject()); err != nil {
+			return nil, fmt.Errorf("admission.old_object: %w", err)
+		}
+		if inv.Admission.UserInfo, err = decode(a.GetUserInfo()); err != nil {
+			return nil, fmt.Errorf("admission.user_info: %w", err)
+		}
 	}
 	return inv, nil
 }

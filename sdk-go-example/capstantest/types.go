@@ -46,6 +46,22 @@ type Invocation struct {
 	LastError string
 	// Subhandlers is the persisted state of sub-handlers from earlier attempts.
 	Subhandlers []SubhandlerState
+	// Operation, DryRun and OldObject are the admission request of validate and mutate
+	// handlers; Operation defaults to CREATE.
+	Operation capstan.Operation
+	DryRun    bool
+	OldObject map[string]any
+}
+
+// Verdict is the answer of a validate or mutate handler.
+type Verdict struct {
+	// Allowed says whether the request is admitted.
+	Allowed bool
+	// Message and Code are a denial's.
+	Message string
+	Code    int32
+	// Warnings are returned to the client.
+	Warnings []string
 }
 
 // SubhandlerState is the persisted state of one sub-handler, as the controller sends it with a
@@ -88,6 +104,8 @@ type Result struct {
 	Value any
 	// Credentials is a login handler's result.
 	Credentials *capstan.Credentials
+	// Verdict is a validate or mutate handler's answer.
+	Verdict *Verdict
 	// Patch holds the patches sent with the result.
 	Patch Patch
 	// Delay is a temporary error's retry delay (0: the handler's backoff).
@@ -329,6 +347,20 @@ func (inv Invocation) message(id string, kind capstan.Kind, param *pb.Json) (*pb
 		m.Payload = &pb.Invocation_Index{Index: &pb.IndexRequest{Deleted: inv.IndexDeleted}}
 	case capstan.KindTimer:
 		m.Payload = &pb.Invocation_Timer{Timer: &pb.TimerTick{ScheduledTime: timestamppb.Now()}}
+	case capstan.KindValidate, capstan.KindMutate:
+		op := inv.Operation
+		if op == "" {
+			op = capstan.OperationCreate
+		}
+		old, err := encode(inv.OldObject)
+		if err != nil {
+			return nil, err
+		}
+		if inv.OldObject == nil {
+			old = nil
+		}
+		m.Payload = &pb.Invocation_Admission{Admission: &pb.AdmissionRequest{Uid: "uid-review", Operation: string(op),
+			DryRun: inv.DryRun, OldObject: old}}
 	default:
 		change, err := inv.change(kind)
 		if err != nil {
@@ -413,6 +445,10 @@ func resultOf(r *pb.InvocationResult) Result {
 		res.Value, _ = decode(o.Success.GetResult())
 		if c := o.Success.GetCredentials(); c != nil {
 			res.Credentials = credentialsOf(c)
+		}
+		if a := o.Success.GetAdmission(); a != nil {
+			res.Verdict = &Verdict{Allowed: a.GetAllowed(), Message: a.GetMessage(), Code: a.GetCode(),
+				Warnings: a.GetWarnings()}
 		}
 	case *pb.InvocationResult_TemporaryError:
 		res.Outcome, res.Delay, diags = Temporary, o.TemporaryError.GetRetryAfter().AsDuration(), o.TemporaryError.GetDiagnostics()

@@ -138,7 +138,7 @@ async fn node_local_storage_mounts_a_host_directory_prepared_with_only_chown() -
     let out = Render {
         release: "ci",
         namespace: "ops",
-        values: vec![ci_file("08")?],
+        values: vec![ci_file("09")?],
         ..Render::default()
     }
     .manifests()
@@ -574,9 +574,13 @@ fn check_ci_objects(stem: &str, ns: &str, objs: &[Value]) -> Result<()> {
     let ingress = policies[0]["spec"]["ingress"]
         .as_array()
         .context("NetworkPolicy ingress rules")?;
+    // With admission webhooks the API server must reach the webhook port too.
+    let webhooks = stem.starts_with("08");
     ensure!(
-        ingress.len() == 1 && ingress[0]["ports"] == json!([{"port": "admin", "protocol": "TCP"}]),
-        "{stem}: only the admin port is reachable: {ingress:?}"
+        ingress.len() == 1 + usize::from(webhooks)
+            && ingress[0]["ports"] == json!([{"port": "admin", "protocol": "TCP"}])
+            && (!webhooks || ingress[1]["ports"] == json!([{"port": "webhook", "protocol": "TCP"}])),
+        "{stem}: only the admin port (and the webhook port) is reachable: {ingress:?}"
     );
     ensure!(
         capstan["livenessProbe"]["httpGet"]["path"] == "/healthz",

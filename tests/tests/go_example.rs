@@ -229,3 +229,45 @@ fn accepted(s: &Scenario, handler: &str) -> bool {
         .lines()
         .any(|l| l.contains("handler registered") && l.contains(&line))
 }
+
+/// The Go SDK's admission handlers (`OnValidate`, `OnMutate`) behind the controller's webhook
+/// server, called by the real API server.
+#[tokio::test]
+async fn go_operator_validates_and_mutates_admission_requests() -> Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let binary = build_go_operator(env.scratch()).await?;
+    let listen = format!("127.0.0.1:{}", capstan_tests::process::free_port()?);
+    let controller = Controller::start(
+        &env,
+        "capstan",
+        &["--webhook-listen", &listen, "--webhook-managed", "go-example"],
+    )
+    .await?;
+    let vars = HashMap::from([
+        ("CAPSTAN_ENDPOINT".to_owned(), controller.endpoint()),
+        ("CAPSTAN_EXAMPLE_WEBHOOKS".to_owned(), "true".to_owned()),
+    ]);
+    let operator = Process::spawn("go-operator", &binary, &[], &vars, env.scratch())?;
+    let s = Scenario::with_operator(env, controller, operator, T).await?;
+    let deadline = Instant::now() + T;
+    let message = loop {
+        match s.create("huge", json!({"size": 500})).await {
+            Err(e) if e.to_string().contains("above 100") => break e.to_string(),
+            other => {
+                if Instant::now() > deadline {
+                    bail!("the Go validating handler was not called: {other:?}");
+                }
+                if other.is_ok() {
+                    s.delete("huge").await?;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    assert!(message.contains("spec.size 500 is above 100"), "{message}");
+    let stored = s.create("defaulted", json!({"field": "x"})).await?;
+    assert_eq!(stored.pointer("/spec/size"), Some(&json!(1)), "{stored}");
+    assert_eq!(label(&stored, "demo.capstan.dev/admitted-by"), Some("go"));
+    Ok(())
+}

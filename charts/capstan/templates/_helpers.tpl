@@ -149,6 +149,21 @@ says what to change. Rendered by templates/validate.yaml.
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) -}}
 {{- fail "\n\nmetrics.serviceMonitor.enabled=true needs metrics.enabled=true (the ServiceMonitor scrapes the metrics Service)." -}}
 {{- end -}}
+{{- if .Values.webhooks.enabled -}}
+{{- $source := .Values.webhooks.certificate.source -}}
+{{- if and (eq $source "selfSigned") (ne .Values.webhooks.configurations "managed") -}}
+{{- fail "\n\nwebhooks.certificate.source=selfSigned needs webhooks.configurations=managed: the generated CA exists only inside the controller, which puts it into the configurations it manages. Use certManager or existingSecret to write the configurations yourself." -}}
+{{- end -}}
+{{- if and (eq $source "selfSigned") (or (eq .Values.mode "daemonset") (gt (int .Values.replicas) 1)) -}}
+{{- fail "\n\nwebhooks.certificate.source=selfSigned works with one replica only: every pod would generate its own CA, and the API server trusts one. Use webhooks.certificate.source=certManager or existingSecret." -}}
+{{- end -}}
+{{- if and (eq $source "certManager") (not .Values.webhooks.certificate.certManager.issuerName) -}}
+{{- fail "\n\nwebhooks.certificate.source=certManager needs webhooks.certificate.certManager.issuerName: the cert-manager Issuer or ClusterIssuer that signs the webhook's certificate." -}}
+{{- end -}}
+{{- if and (eq $source "existingSecret") (not .Values.webhooks.certificate.existingSecret) -}}
+{{- fail "\n\nwebhooks.certificate.source=existingSecret needs webhooks.certificate.existingSecret: the name of a kubernetes.io/tls Secret in the release namespace." -}}
+{{- end -}}
+{{- end -}}
 {{- range .Values.rbac.resources -}}
 {{- range .resources -}}
 {{- if contains "*" . -}}
@@ -225,6 +240,37 @@ The environment of the capstan container: how the chart configures `capstan run`
 - name: CAPSTAN_NO_CRD_WATCH
   value: "true"
 {{- end }}
+{{- if .Values.webhooks.enabled }}
+- name: CAPSTAN_WEBHOOKS
+  value: "on"
+- name: CAPSTAN_WEBHOOK_LISTEN
+  value: {{ printf "0.0.0.0:%d" (int .Values.webhooks.port) | quote }}
+- name: CAPSTAN_WEBHOOK_SERVICE
+  value: {{ include "capstan.webhookService" . | quote }}
+- name: CAPSTAN_WEBHOOK_SERVICE_NAMESPACE
+  value: {{ .Release.Namespace | quote }}
+- name: CAPSTAN_WEBHOOK_SERVICE_PORT
+  value: "443"
+- name: CAPSTAN_WEBHOOK_TIMEOUT
+  value: {{ printf "%ds" (int .Values.webhooks.timeoutSeconds) | quote }}
+- name: CAPSTAN_WEBHOOK_EXCLUDE_NAMESPACES
+  value: {{ include "capstan.webhookExcludedNamespaces" . | quote }}
+{{- if eq .Values.webhooks.configurations "managed" }}
+- name: CAPSTAN_WEBHOOK_MANAGED
+  value: {{ include "capstan.fullname" . | quote }}
+{{- if .Values.webhooks.keepOnExit }}
+- name: CAPSTAN_WEBHOOK_KEEP_ON_EXIT
+  value: "true"
+{{- end }}
+{{- end }}
+{{- if ne .Values.webhooks.certificate.source "selfSigned" }}
+- name: CAPSTAN_WEBHOOK_CERT_DIR
+  value: /run/capstan-webhook-tls
+{{- end }}
+{{- else }}
+- name: CAPSTAN_WEBHOOKS
+  value: "off"
+{{- end }}
 {{- with .Values.capstan.extraEnv }}
 {{ toYaml . }}
 {{- end }}
@@ -269,6 +315,11 @@ The capstan container. As a native sidecar (an initContainer) it carries
     - name: admin
       containerPort: {{ .Values.capstan.adminPort }}
       protocol: TCP
+    {{- if .Values.webhooks.enabled }}
+    - name: webhook
+      containerPort: {{ .Values.webhooks.port }}
+      protocol: TCP
+    {{- end }}
   {{- if .Values.capstan.startupProbe.enabled }}
   startupProbe:
     {{- include "capstan.probe" (list .Values.capstan.startupProbe "/healthz") | nindent 4 }}
@@ -298,6 +349,11 @@ The capstan container. As a native sidecar (an initContainer) it carries
     {{- if include "capstan.nodeStorage" . }}
     - name: capstan-node-storage
       mountPath: /var/lib/capstan
+    {{- end }}
+    {{- if include "capstan.webhookSecret" . }}
+    - name: webhook-tls
+      mountPath: /run/capstan-webhook-tls
+      readOnly: true
     {{- end }}
 {{- end -}}
 
@@ -448,6 +504,12 @@ spec:
                   fieldRef:
                     apiVersion: v1
                     fieldPath: metadata.namespace
+    {{- with include "capstan.webhookSecret" . }}
+    # The webhook server's certificate (reloaded by the controller when the Secret changes).
+    - name: webhook-tls
+      secret:
+        secretName: {{ . }}
+    {{- end }}
     {{- if .Values.handler.apiAccess }}
     # The handler's own identity (token, ca.crt and namespace, filled in by the cluster).
     - name: handler-api-access
@@ -529,4 +591,31 @@ workload's selector labels never match it.
 {{- define "capstan.testLabels" -}}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: helm-test
+{{- end -}}
+
+{{/*
+The webhook Service's name.
+*/}}
+{{- define "capstan.webhookService" -}}
+{{- printf "%s-webhook" (include "capstan.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+The Secret holding the webhook certificate; empty when the controller generates it.
+*/}}
+{{- define "capstan.webhookSecret" -}}
+{{- if .Values.webhooks.enabled -}}
+{{- if eq .Values.webhooks.certificate.source "certManager" -}}
+{{- printf "%s-webhook-tls" (include "capstan.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- else if eq .Values.webhooks.certificate.source "existingSecret" -}}
+{{- .Values.webhooks.certificate.existingSecret -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Namespaces never sent to the webhooks: kube-system, the release namespace and the extra ones.
+*/}}
+{{- define "capstan.webhookExcludedNamespaces" -}}
+{{- concat (list "kube-system" .Release.Namespace) .Values.webhooks.excludeNamespaces | uniq | join "," -}}
 {{- end -}}

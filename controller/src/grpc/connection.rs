@@ -319,7 +319,14 @@ async fn validate(
             Ok(reg) if supported.is_some_and(|kinds| !kinds.contains(&reg.kind)) => Err(vec![
                 Diagnostic::error(
                     "UNSUPPORTED_HANDLER_KIND",
-                    format!("this controller does not run {} handlers", reg.kind),
+                    if reg.kind.is_admission() {
+                        format!(
+                            "this controller does not run {} handlers: its admission webhooks are off (--webhooks=off)",
+                            reg.kind
+                        )
+                    } else {
+                        format!("this controller does not run {} handlers", reg.kind)
+                    },
                 )
                 .at(format!("handlers[{index}].kind")),
             ]),

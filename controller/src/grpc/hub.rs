@@ -828,21 +828,26 @@ pub(crate) async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
 impl State {
     /// Hands capacity on `conn` to the handlers' waiters, first come first served.
     fn pump_conn(&mut self, conn: ConnectionId) {
-        if self.paused {
-            return;
-        }
         let Some(c) = self.connections.get(&conn) else {
             return;
         };
         if !c.open {
             return;
         }
+        // While paused, only admission handlers are served: the API server waits for them,
+        // and admission is never frozen (kopf serves webhooks on paused operators).
+        let admitted = |h: &HandlerId| {
+            !self.paused
+                || c.handlers
+                    .get(h)
+                    .is_some_and(|s| s.registration.kind.is_admission())
+        };
         // Only the handlers that have waiting work: linear in what waits, not in what is
         // registered.
         let handlers: Vec<HandlerId> = self
             .waiters
             .iter()
-            .filter(|(h, q)| !q.is_empty() && self.owners.get(*h) == Some(&conn))
+            .filter(|(h, q)| !q.is_empty() && self.owners.get(*h) == Some(&conn) && admitted(h))
             .map(|(h, _)| h.clone())
             .collect();
         for handler in handlers {

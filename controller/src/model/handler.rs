@@ -78,6 +78,12 @@ impl HandlerKind {
         )
     }
 
+    /// Whether the kind is an admission webhook (validate, mutate): served by the webhook
+    /// server, never by the engine.
+    pub fn is_admission(self) -> bool {
+        matches!(self, Self::Validate | Self::Mutate)
+    }
+
     /// kopf's default errors mode for the kind.
     pub fn default_errors_mode(self) -> ErrorsMode {
         match self {

@@ -47,6 +47,17 @@ struct OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AdmissionLabels {
+    phase: String,
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabels {
+    phase: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResourceLabels {
     resource: String,
 }
@@ -163,7 +174,52 @@ pub struct Metrics {
     pending: Family<ResourceLabels, Gauge>,
     writes: Family<ResourceLabels, Counter>,
     events_dropped: Family<HandlerLabels, Counter>,
+    admission: AdmissionFamilies,
     samplers: Arc<Samplers>,
+}
+
+/// The admission webhook families.
+struct AdmissionFamilies {
+    requests: Family<AdmissionLabels, Counter>,
+    durations: Family<PhaseLabels, Histogram>,
+    denials: Family<HandlerLabels, Counter>,
+    timeouts: Family<HandlerLabels, Counter>,
+}
+
+impl AdmissionFamilies {
+    fn register(registry: &mut Registry) -> Self {
+        let requests = Family::<AdmissionLabels, Counter>::default();
+        registry.register(
+            "capstan_admission_requests",
+            "Admission reviews answered, by phase (validate, mutate) and result (allowed, denied, invalid, too_large, unknown).",
+            requests.clone(),
+        );
+        let durations =
+            Family::<PhaseLabels, Histogram>::new_with_constructor(histogram as fn() -> Histogram);
+        registry.register(
+            "capstan_admission_duration_seconds",
+            "Time from an admission review's arrival to its answer, by phase.",
+            durations.clone(),
+        );
+        let denials = Family::<HandlerLabels, Counter>::default();
+        registry.register(
+            "capstan_admission_denials",
+            "Admission requests denied, by the handler that denied or failed them.",
+            denials.clone(),
+        );
+        let timeouts = Family::<HandlerLabels, Counter>::default();
+        registry.register(
+            "capstan_admission_timeouts",
+            "Admission handler invocations that did not answer before the review's deadline, by handler.",
+            timeouts.clone(),
+        );
+        Self {
+            requests,
+            durations,
+            denials,
+            timeouts,
+        }
+    }
 }
 
 impl Default for Metrics {
@@ -206,6 +262,7 @@ impl Default for Metrics {
             "Watch events not passed to a fire-and-forget event handler because its invocations were at their limit, by handler.",
             events_dropped.clone(),
         );
+        let admission = AdmissionFamilies::register(&mut registry);
         let samplers = Arc::new(Samplers::default());
         registry.register_collector(Box::new(samplers.clone()));
         Self {
@@ -216,6 +273,7 @@ impl Default for Metrics {
             pending,
             writes,
             events_dropped,
+            admission,
             samplers,
         }
     }
@@ -279,6 +337,45 @@ impl Metrics {
     /// invocations were at their limit (`capstan_events_dropped_total`).
     pub fn event_dropped(&self, handler: &str) {
         self.events_dropped
+            .get_or_create(&HandlerLabels {
+                handler: handler.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Records one answered admission review (`capstan_admission_requests_total`,
+    /// `capstan_admission_duration_seconds`).
+    pub fn admission_request(&self, phase: &str, result: &str, duration: Duration) {
+        self.admission
+            .durations
+            .get_or_create(&PhaseLabels {
+                phase: phase.to_owned(),
+            })
+            .observe(duration.as_secs_f64());
+        self.admission
+            .requests
+            .get_or_create(&AdmissionLabels {
+                phase: phase.to_owned(),
+                result: result.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts an admission request denied by (or because of) `handler`
+    /// (`capstan_admission_denials_total`).
+    pub fn admission_denial(&self, handler: &str) {
+        self.admission
+            .denials
+            .get_or_create(&HandlerLabels {
+                handler: handler.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts an admission handler invocation that timed out (`capstan_admission_timeouts_total`).
+    pub fn admission_timeout(&self, handler: &str) {
+        self.admission
+            .timeouts
             .get_or_create(&HandlerLabels {
                 handler: handler.to_owned(),
             })

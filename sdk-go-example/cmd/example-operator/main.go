@@ -2,7 +2,8 @@
 // resource examples.demo.capstan.dev (kind Example, short name cex) and shows the common
 // patterns of an operator: results stored in the status, retries, sub-handlers, a daemon that
 // follows its object and writes progress while it runs, a timer, and the operator's startup,
-// cleanup and probe activities.
+// cleanup and probe activities, and (with CAPSTAN_EXAMPLE_WEBHOOKS=true, for a controller
+// that serves admission webhooks) a validating and a mutating admission handler.
 //
 // Run it next to a capstan controller; it dials CAPSTAN_ENDPOINT (default
 // unix:///run/capstan/capstan.sock) and stops on SIGTERM or SIGINT.
@@ -145,6 +146,28 @@ func show(v any) string {
 }
 
 // registry registers the handlers.
+// validateFn refuses examples whose spec.size is above 100, and warns about examples without
+// spec.field (kopf on.validate).
+func validateFn(_ context.Context, inv *capstan.Invocation) (any, error) {
+	if _, ok := inv.Spec()["field"]; !ok {
+		inv.AddWarning("%s has no spec.field", inv.Name())
+	}
+	if size := number(inv.Spec()["size"]); size > 100 {
+		return nil, capstan.Deny(422, "spec.size %d is above 100", size)
+	}
+	return nil, nil
+}
+
+// mutateFn defaults spec.size to 1 and labels the object as admitted by this operator (kopf
+// on.mutate). The change is made before the object is stored.
+func mutateFn(_ context.Context, inv *capstan.Invocation) (any, error) {
+	if _, ok := inv.Spec()["size"]; !ok {
+		inv.Patch().Set([]string{"spec", "size"}, 1)
+	}
+	inv.Patch().Label("demo.capstan.dev/admitted-by", "go")
+	return nil, nil
+}
+
 func registry() *capstan.Registry {
 	reg := capstan.NewRegistry()
 	reg.OnStartup("startup_fn", startupFn)
@@ -157,6 +180,11 @@ func registry() *capstan.Registry {
 	reg.OnDelete(resource, "delete_fn", deleteFn)
 	reg.Daemon(resource, "monitor", monitor, capstan.CancellationTimeout(10*time.Second))
 	reg.Timer(resource, "tick", 5*time.Second, tick)
+	if os.Getenv("CAPSTAN_EXAMPLE_WEBHOOKS") == "true" {
+		reg.OnValidate(resource, "validate_fn", validateFn,
+			capstan.Operations(capstan.OperationCreate, capstan.OperationUpdate))
+		reg.OnMutate(resource, "mutate_fn", mutateFn, capstan.Operations(capstan.OperationCreate))
+	}
 	return reg
 }
 

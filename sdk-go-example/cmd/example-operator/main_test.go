@@ -77,3 +77,33 @@ func TestNumberReadsOnlyJSONIntegers(t *testing.T) {
 		}
 	}
 }
+
+func TestTheAdmissionHandlersAgainstAFakeController(t *testing.T) {
+	t.Setenv("CAPSTAN_EXAMPLE_WEBHOOKS", "true")
+	ctl := capstantest.NewController(t)
+	ctl.Serve(t, registry())
+
+	r := ctl.Invoke(t, capstantest.Invocation{Handler: "validate_fn", Body: object("big", map[string]any{"size": 500})})
+	if r.Outcome != capstantest.Success || r.Verdict == nil || r.Verdict.Allowed ||
+		r.Verdict.Code != 422 || r.Verdict.Message != "spec.size 500 is above 100" {
+		t.Fatalf("validate big: %+v %+v", r, r.Verdict)
+	}
+	if len(r.Verdict.Warnings) != 1 || r.Verdict.Warnings[0] != "big has no spec.field" {
+		t.Fatalf("warnings: %+v", r.Verdict.Warnings)
+	}
+	r = ctl.Invoke(t, capstantest.Invocation{Handler: "validate_fn", Body: object("ok", map[string]any{"size": 5, "field": "x"}),
+		Operation: capstan.OperationUpdate, DryRun: true})
+	if r.Verdict == nil || !r.Verdict.Allowed || len(r.Verdict.Warnings) != 0 {
+		t.Fatalf("validate ok: %+v", r.Verdict)
+	}
+
+	r = ctl.Invoke(t, capstantest.Invocation{Handler: "mutate_fn", Body: object("m", map[string]any{})})
+	if r.Verdict == nil || !r.Verdict.Allowed {
+		t.Fatalf("mutate: %+v", r)
+	}
+	spec, _ := r.Patch.Object["spec"].(map[string]any)
+	labels, _ := r.Patch.Object["metadata"].(map[string]any)["labels"].(map[string]any)
+	if spec["size"] != json.Number("1") || labels["demo.capstan.dev/admitted-by"] != "go" {
+		t.Fatalf("mutate patch: %+v", r.Patch.Object)
+	}
+}

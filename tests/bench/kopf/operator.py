@@ -80,3 +80,41 @@ def configure(settings: kopf.OperatorSettings, **_):
     # Defaults throughout, as the benchmark compares against kopf as shipped; only the peering
     # scan is off (standalone) and the watch reconnects promptly.
     settings.peering.standalone = True
+
+
+# Admission (the admission workload of `bench admission`): the same handlers as the Rust SDK
+# handler's `validate` and `mutate` presets, served by kopf's own webhook server on loopback
+# with the certificate in BENCH_WEBHOOK_CERT / BENCH_WEBHOOK_KEY.
+if "validate" in PRESETS:
+
+    @kopf.on.validate(GROUP, VERSION, PLURAL, id="check_size")
+    async def check_size(spec, warnings, **_):
+        warnings.append("checked by check_size")
+        size = spec.get("size")
+        if size is not None and size > 10:
+            raise kopf.AdmissionError(f"size {size} is too large", code=422)
+
+
+if "mutate" in PRESETS:
+
+    @kopf.on.mutate(GROUP, VERSION, PLURAL, id="add_defaults")
+    async def add_defaults(patch, warnings, **_):
+        warnings.append("checked by add_defaults")
+        patch.setdefault("metadata", {}).setdefault("labels", {})["e2e/mutated"] = "yes"
+        patch.setdefault("spec", {})["defaulted"] = True
+
+
+if PRESETS & {"validate", "mutate"}:
+
+    @kopf.on.startup()
+    async def configure_admission(settings: kopf.OperatorSettings, **_):
+        cert = os.environ["BENCH_WEBHOOK_CERT"]
+        settings.admission.server = kopf.WebhookServer(
+            addr="127.0.0.1",
+            port=int(os.environ["BENCH_WEBHOOK_PORT"]),
+            host="127.0.0.1",
+            certfile=cert,
+            pkeyfile=os.environ["BENCH_WEBHOOK_KEY"],
+            cafile=cert,
+        )
+        settings.admission.managed = "bench.kopf.dev"

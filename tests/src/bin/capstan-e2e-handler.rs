@@ -408,6 +408,139 @@ async fn nest(ctx: Context) -> HandlerResult {
         },
     );
     Ok(None)
+/// Notes an admission call: `admission <id> <name> <operation> dry=<bool>`.
+fn note_admission(ctx: &Context) {
+    let request = ctx.admission();
+    note(&format!(
+        "admission {} {} {} dry={}",
+        ctx.handler_id(),
+        ctx.name(),
+        request.map_or("?", |r| r.operation.as_str()),
+        ctx.dry_run()
+    ));
+}
+
+/// What admission handlers share: note the call, warn, and sleep or fail as
+/// `spec.admission.<id>` says (`{"sleep": S}`, `{"fail": true}`, `{"deny": "message"}`).
+async fn admission_behave(ctx: &Context) -> Result<(), HandlerError> {
+    note_admission(ctx);
+    let id = ctx.handler_id().to_owned();
+    ctx.add_warning(format!("checked by {id}"));
+    let setting = ctx.spec().get("admission").and_then(|a| a.get(&id)).cloned();
+    if let Some(secs) = setting
+        .as_ref()
+        .and_then(|s| s.get("sleep"))
+        .and_then(Value::as_f64)
+    {
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs_f64(secs)) => {}
+            () = ctx.cancelled() => {
+                note(&format!("admission-cancelled {id} {}", ctx.name()));
+                return Err(HandlerError::permanent("cancelled"));
+            }
+        }
+    }
+    if setting
+        .as_ref()
+        .and_then(|s| s.get("fail"))
+        .and_then(Value::as_bool)
+        == Some(true)
+    {
+        return Err(HandlerError::permanent(format!("{id} failed on purpose")));
+    }
+    if let Some(message) = setting
+        .as_ref()
+        .and_then(|s| s.get("deny"))
+        .and_then(Value::as_str)
+    {
+        return Err(HandlerError::deny(message.to_owned(), 403));
+    }
+    Ok(())
+}
+
+/// Registers the admission presets; `false` for another name.
+///
+/// - `validate`: `check_size` denies `spec.size > 10` (422, "size N is too large");
+/// - `validate2`: also `check_name`, which denies names starting with `bad-`;
+/// - `mutate`: `add_defaults` sets the label `e2e/mutated: "yes"` and `spec.defaulted: true`;
+///   `spec.badAdmissionPatch: true` makes it send a patch that does not apply;
+/// - `mutate2`: also `copy_label`, which copies that label (as it sees it) to the annotation
+///   `e2e/seen-mutated`;
+/// - `validate-lenient`: `lenient`, which ignores failures;
+/// - `validate-dry`: `dry_check`, with side effects, denying dry runs ("dry run seen").
+fn admission_preset(registry: &mut Registry, preset: &str) -> bool {
+    match preset {
+        "validate" | "validate2" => {
+            registry.on_validate(RESOURCE, "check_size", |ctx: Context| async move {
+                admission_behave(&ctx).await?;
+                match ctx.spec().get("size").and_then(Value::as_i64) {
+                    Some(size) if size > 10 => {
+                        Err(HandlerError::deny(format!("size {size} is too large"), 422))
+                    }
+                    _ => Ok::<_, HandlerError>(None),
+                }
+            });
+            if preset == "validate2" {
+                registry.on_validate(RESOURCE, "check_name", |ctx: Context| async move {
+                    admission_behave(&ctx).await?;
+                    if ctx.name().starts_with("bad-") {
+                        return Err(HandlerError::deny(
+                            format!("the name {} is not allowed", ctx.name()),
+                            0,
+                        ));
+                    }
+                    Ok::<_, HandlerError>(None)
+                });
+            }
+        }
+        "mutate" | "mutate2" => {
+            registry.on_mutate(RESOURCE, "add_defaults", |ctx: Context| async move {
+                admission_behave(&ctx).await?;
+                if ctx.spec().get("badAdmissionPatch").and_then(Value::as_bool) == Some(true) {
+                    ctx.patch()
+                        .json_op(json!({"op": "remove", "path": "/spec/doesNotExist"}));
+                    return Ok::<_, HandlerError>(None);
+                }
+                ctx.patch().label("e2e/mutated", "yes");
+                ctx.patch().spec("defaulted", true);
+                Ok(None)
+            });
+            if preset == "mutate2" {
+                registry.on_mutate(RESOURCE, "copy_label", |ctx: Context| async move {
+                    admission_behave(&ctx).await?;
+                    let seen = ctx
+                        .labels()
+                        .get("e2e/mutated")
+                        .and_then(Value::as_str)
+                        .unwrap_or("none")
+                        .to_owned();
+                    ctx.patch().annotation("e2e/seen-mutated", seen);
+                    Ok::<_, HandlerError>(None)
+                });
+            }
+        }
+        "validate-lenient" => {
+            registry
+                .on_validate(RESOURCE, "lenient", |ctx: Context| async move {
+                    admission_behave(&ctx).await?;
+                    Ok::<_, HandlerError>(None)
+                })
+                .ignore_failures(true);
+        }
+        "validate-dry" => {
+            registry
+                .on_validate(RESOURCE, "dry_check", |ctx: Context| async move {
+                    admission_behave(&ctx).await?;
+                    if ctx.dry_run() {
+                        return Err(HandlerError::deny("dry run seen", 0));
+                    }
+                    Ok::<_, HandlerError>(None)
+                })
+                .side_effects(true);
+        }
+        _ => return false,
+    }
+    true
 }
 
 #[tokio::main]
@@ -783,6 +916,7 @@ async fn main() -> anyhow::Result<()> {
                     .interval(Duration::from_secs(1));
             }
             "" => {}
+            other if admission_preset(&mut registry, other) => {}
             other => anyhow::bail!("unknown preset {other:?}"),
         }
     }

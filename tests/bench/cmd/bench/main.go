@@ -3,6 +3,7 @@
 //
 //	bench run [flags]   run the benchmark and write results/latest.{md,json}
 //	bench null          the null controller of B0 (started by `bench run`)
+//	bench admission     the admission round trip, Capstan's webhook server beside kopf's
 //	bench hop [flags]   B3: a fake controller that drives a handler process over a Unix socket
 //	bench fleet [flags] per-node operators at fleet scale (fleet.{md,json,svg})
 package main
@@ -43,6 +44,8 @@ func main() {
 		err = runNull(os.Args[2:])
 	case "fleet":
 		err = runFleet(os.Args[2:])
+	case "admission":
+		err = runAdmission(os.Args[2:])
 	default:
 		err = fmt.Errorf("unknown command %q", os.Args[1])
 	}

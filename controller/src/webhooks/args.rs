@@ -1,0 +1,196 @@
+//! The `capstan run` flags of the admission webhooks, mapped onto [`super::Settings`].
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::Args;
+
+use super::{Mode, Service, Settings};
+use crate::config::parse_duration;
+
+/// Admission webhooks (validate and mutate handlers).
+#[derive(Args, Debug, Clone)]
+pub struct WebhookArgs {
+    /// When the HTTPS webhook server runs: `auto` once a validate or mutate handler is
+    /// registered, `on` from the start, `off` never (admission handlers are then rejected).
+    #[arg(long = "webhooks", env = "CAPSTAN_WEBHOOKS", value_enum, default_value_t = Mode::Auto)]
+    pub webhooks: Mode,
+
+    /// Where the webhook server listens (HTTPS).
+    #[arg(long, env = "CAPSTAN_WEBHOOK_LISTEN", default_value = "0.0.0.0:9443")]
+    pub webhook_listen: SocketAddr,
+
+    /// A directory with `tls.crt` and `tls.key` (and `ca.crt`), e.g. a mounted Secret issued by
+    /// cert-manager; reloaded when the files change. Without it, a CA and a serving certificate
+    /// are generated at start.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_CERT_DIR")]
+    pub webhook_cert_dir: Option<PathBuf>,
+
+    /// How often the certificate files are looked at for changes.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_CERT_POLL", value_parser = parse_duration, default_value = "10s")]
+    pub webhook_cert_poll: Duration,
+
+    /// More DNS names or IP addresses for a generated certificate (comma-separated).
+    #[arg(long, env = "CAPSTAN_WEBHOOK_CERT_NAMES", value_delimiter = ',')]
+    pub webhook_cert_names: Vec<String>,
+
+    /// The Service the API server reaches the webhook server through (in a cluster). Without
+    /// it the managed configurations use a URL (development).
+    #[arg(long, env = "CAPSTAN_WEBHOOK_SERVICE")]
+    pub webhook_service: Option<String>,
+
+    /// The Service's namespace; default the pod's (`POD_NAMESPACE`).
+    #[arg(long, env = "CAPSTAN_WEBHOOK_SERVICE_NAMESPACE")]
+    pub webhook_service_namespace: Option<String>,
+
+    /// The Service's port.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_SERVICE_PORT", default_value_t = 443)]
+    pub webhook_service_port: u16,
+
+    /// The webhook server's base URL in the managed configurations when there is no Service;
+    /// default `https://127.0.0.1:<listen port>`.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_URL")]
+    pub webhook_url: Option<String>,
+
+    /// Manage one ValidatingWebhookConfiguration and one MutatingWebhookConfiguration of this
+    /// name (kopf's `admission.managed`), built from the registered handlers and removed on
+    /// exit. Without it the configurations are the user's (or the chart's).
+    #[arg(long, env = "CAPSTAN_WEBHOOK_MANAGED")]
+    pub webhook_managed: Option<String>,
+
+    /// Keep the managed configurations when the controller stops (kopf's `persistent`
+    /// webhooks, for all handlers): admission stays enforced while no controller runs, and a
+    /// rolling update leaves no gap between the old leader's exit and the new one's write.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_KEEP_ON_EXIT")]
+    pub webhook_keep_on_exit: bool,
+
+    /// The webhooks' timeout (`timeoutSeconds`, 1–30 s), and the one assumed when the API
+    /// server does not say.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_TIMEOUT", value_parser = parse_duration, default_value = "10s")]
+    pub webhook_timeout: Duration,
+
+    /// The largest admission request body accepted (bytes); larger ones get HTTP 413.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_MAX_BODY", default_value_t = 8 << 20)]
+    pub webhook_max_body: usize,
+
+    /// Namespaces the managed configurations never send to the webhooks (comma-separated), so
+    /// that a failing handler cannot lock the cluster out of them.
+    #[arg(
+        long,
+        env = "CAPSTAN_WEBHOOK_EXCLUDE_NAMESPACES",
+        value_delimiter = ',',
+        default_value = "kube-system"
+    )]
+    pub webhook_exclude_namespaces: Vec<String>,
+}
+
+impl WebhookArgs {
+    /// Maps the flags onto settings.
+    pub fn settings(&self) -> Settings {
+        let namespace = self
+            .webhook_service_namespace
+            .clone()
+            .or_else(|| std::env::var("POD_NAMESPACE").ok())
+            .unwrap_or_else(|| "default".into());
+        Settings {
+            mode: self.webhooks,
+            listen: self.webhook_listen,
+            server: super::server::Settings {
+                max_body_bytes: self.webhook_max_body.max(1024),
+                default_timeout: self
+                    .webhook_timeout
+                    .clamp(Duration::from_secs(1), Duration::from_secs(30)),
+            },
+            cert_dir: self.webhook_cert_dir.clone(),
+            cert_poll: self.webhook_cert_poll,
+            extra_names: self.webhook_cert_names.clone(),
+            service: self.webhook_service.clone().map(|name| Service {
+                namespace,
+                name,
+                port: self.webhook_service_port,
+            }),
+            url: self.webhook_url.clone(),
+            managed: self.webhook_managed.clone().filter(|n| !n.is_empty()),
+            keep_on_exit: self.webhook_keep_on_exit,
+            excluded_namespaces: self
+                .webhook_exclude_namespaces
+                .iter()
+                .filter(|n| !n.is_empty())
+                .cloned()
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[derive(clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        webhook: WebhookArgs,
+    }
+
+    fn settings(args: &[&str]) -> Settings {
+        let mut all = vec!["capstan"];
+        all.extend_from_slice(args);
+        Flags::try_parse_from(all)
+            .expect("valid flags")
+            .webhook
+            .settings()
+    }
+
+    #[test]
+    fn defaults_serve_on_9443_when_needed_and_manage_nothing() {
+        let s = settings(&[]);
+        assert_eq!(s.mode, Mode::Auto);
+        assert_eq!(s.listen, SocketAddr::from(([0, 0, 0, 0], 9443)));
+        assert_eq!(s.managed, None);
+        assert_eq!(s.service, None);
+        assert_eq!(s.excluded_namespaces, vec!["kube-system".to_owned()]);
+        assert_eq!(s.server.default_timeout, Duration::from_secs(10));
+    }
+
+    #[test]
+    fn flags_map_onto_settings_within_their_ranges() {
+        let s = settings(&[
+            "--webhooks",
+            "on",
+            "--webhook-service",
+            "op-webhook",
+            "--webhook-service-namespace",
+            "ops",
+            "--webhook-managed",
+            "op",
+            "--webhook-timeout",
+            "90s",
+            "--webhook-exclude-namespaces",
+            "kube-system,ops",
+            "--webhook-cert-dir",
+            "/certs",
+        ]);
+        assert_eq!(s.mode, Mode::On);
+        assert_eq!(
+            s.service,
+            Some(Service {
+                namespace: "ops".into(),
+                name: "op-webhook".into(),
+                port: 443
+            })
+        );
+        assert_eq!(s.managed.as_deref(), Some("op"));
+        assert_eq!(
+            s.server.default_timeout,
+            Duration::from_secs(30),
+            "capped at the API server's limit"
+        );
+        assert_eq!(
+            s.excluded_namespaces,
+            vec!["kube-system".to_owned(), "ops".to_owned()]
+        );
+        assert_eq!(s.cert_dir, Some(PathBuf::from("/certs")));
+        assert_eq!(settings(&["--webhooks", "off"]).mode, Mode::Off);
+    }
+}

@@ -1,0 +1,158 @@
+//! Keeps the managed webhook configurations in step with the known admission handlers and the
+//! CA bundle: written when they change (and once the first admission handler is known, never
+//! before: an operator without webhooks leaves no configurations behind), retried with a
+//! backoff when the API server refuses, and removed on exit (unless kept: kopf's `persistent`,
+//! for all handlers).
+//!
+//! With leader election only the leader writes (the configurations are cluster-wide; two
+//! replicas writing would only fight over the same content); every replica serves the
+//! webhooks themselves. A standby that becomes leader writes at once.
+
+use std::{sync::Arc, time::Duration};
+
+use serde_json::Value;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::{
+    admission::Phase,
+    configs::{self, Layout},
+};
+use crate::{
+    k8s::admission::{self as api, Which},
+    model::Registration,
+};
+
+/// How often leadership is looked at.
+const LEADERSHIP_POLL: Duration = Duration::from_secs(2);
+/// The longest wait before a refused write is retried.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// How long the removal on exit may take.
+const REMOVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Whether this replica may write the configurations now.
+pub type Leading = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// The manager of the two configurations.
+pub struct Manager {
+    client: kube::Client,
+    layout: Layout,
+    handlers: watch::Receiver<Arc<Vec<Registration>>>,
+    ca_bundle: watch::Receiver<Vec<u8>>,
+    leading: Leading,
+    /// What was last written (validating, mutating), `None` before the first write.
+    written: Option<(Value, Value)>,
+    /// Leave the configurations in place on exit.
+    keep: bool,
+}
+
+impl Manager {
+    /// A manager writing `layout`'s configurations for `handlers`.
+    pub fn new(
+        client: kube::Client,
+        layout: Layout,
+        handlers: watch::Receiver<Arc<Vec<Registration>>>,
+        ca_bundle: watch::Receiver<Vec<u8>>,
+        leading: Leading,
+    ) -> Self {
+        Self {
+            client,
+            layout,
+            handlers,
+            ca_bundle,
+            leading,
+            written: None,
+            keep: false,
+        }
+    }
+
+    /// Leaves the configurations in place when the controller stops (kopf's `persistent`).
+    #[must_use]
+    pub fn keep_on_exit(mut self, keep: bool) -> Self {
+        self.keep = keep;
+        self
+    }
+
+    /// Writes the configurations whenever they change until `stop`; then removes them if this
+    /// replica wrote them.
+    pub async fn run(mut self, stop: CancellationToken) {
+        let mut backoff = Duration::from_secs(1);
+        let mut was_leading = false;
+        loop {
+            let leading = (self.leading)();
+            if leading && !was_leading {
+                // Someone else may have written meanwhile: write again.
+                self.written = None;
+            }
+            was_leading = leading;
+            let mut retry = false;
+            if leading {
+                match self.sync().await {
+                    Ok(()) => backoff = Duration::from_secs(1),
+                    Err(e) => {
+                        warn!(error = %crate::error::chain(&e), ?backoff, "the managed webhook configurations could not be written; retrying");
+                        retry = true;
+                    }
+                }
+            }
+            let wait = if retry { backoff } else { LEADERSHIP_POLL };
+            if retry {
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+            tokio::select! {
+                () = stop.cancelled() => break,
+                changed = self.handlers.changed() => if changed.is_err() { break },
+                changed = self.ca_bundle.changed() => if changed.is_err() { break },
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
+        if self.keep {
+            info!(name = %self.layout.name, "managed webhook configurations kept (--webhook-keep-on-exit)");
+        } else if self.written.is_some() && (self.leading)() {
+            self.remove().await;
+        }
+    }
+
+    async fn sync(&mut self) -> Result<(), api::Error> {
+        let handlers = self.handlers.borrow_and_update().clone();
+        if self.written.is_none() && !handlers.iter().any(|r| r.kind.is_admission()) {
+            return Ok(());
+        }
+        self.layout.ca_bundle = self.ca_bundle.borrow_and_update().clone();
+        let validating = configs::build(Phase::Validating, &handlers, &self.layout);
+        let mutating = configs::build(Phase::Mutating, &handlers, &self.layout);
+        let (old_v, old_m) = self.written.clone().unwrap_or_default();
+        if old_v != validating {
+            api::apply(&self.client, Which::Validating, &self.layout.name, &validating).await?;
+        }
+        if old_m != mutating {
+            api::apply(&self.client, Which::Mutating, &self.layout.name, &mutating).await?;
+        }
+        if self.written.as_ref() != Some(&(validating.clone(), mutating.clone())) {
+            info!(
+                name = %self.layout.name,
+                validating = validating["webhooks"].as_array().map_or(0, Vec::len),
+                mutating = mutating["webhooks"].as_array().map_or(0, Vec::len),
+                "managed webhook configurations written"
+            );
+        }
+        self.written = Some((validating, mutating));
+        Ok(())
+    }
+
+    async fn remove(&self) {
+        let removal = async {
+            for which in [Which::Validating, Which::Mutating] {
+                if let Err(e) = api::remove(&self.client, which, &self.layout.name).await {
+                    warn!(error = %crate::error::chain(&e), "a managed webhook configuration could not be removed");
+                }
+            }
+        };
+        if tokio::time::timeout(REMOVE_TIMEOUT, removal).await.is_err() {
+            warn!("the managed webhook configurations were not removed in time");
+        } else {
+            info!(name = %self.layout.name, "managed webhook configurations removed");
+        }
+    }
+}
