@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 from capstan import on  # noqa: E402
 from capstan.errors import (  # noqa: E402
-    ErrorsMode, HandlerRetriesError, HandlerTimeoutError, PermanentError, RegistrationError, TemporaryError,
+    AdmissionError, ErrorsMode, HandlerRetriesError, HandlerTimeoutError, PermanentError, RegistrationError, TemporaryError,
 )
 from capstan.events import event, exception, info, warn  # noqa: E402
 from capstan.filters import all_, any_, none_  # noqa: E402
@@ -36,7 +36,7 @@ from capstan.structs import (  # noqa: E402
 __all__ = [
     "on", "daemon", "timer", "index", "subhandler", "register", "operator", "run", "configure_logging",
     "set_max_in_flight",
-    "TemporaryError", "PermanentError", "HandlerTimeoutError", "HandlerRetriesError", "ErrorsMode",
+    "AdmissionError", "TemporaryError", "PermanentError", "HandlerTimeoutError", "HandlerRetriesError", "ErrorsMode",
     "RegistrationError", "Body", "Meta", "Patch", "Diff", "DiffItem", "DiffOperation", "Memo", "DaemonStopped",
     "SyncDaemonStopped", "DaemonStoppingReason", "ConnectionInfo", "PRESENT", "ABSENT", "Registry", "Resource",
     "default_registry", "adopt", "append_owner_reference", "remove_owner_reference", "build_owner_reference",

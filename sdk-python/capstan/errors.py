@@ -35,6 +35,16 @@ class HandlerRetriesError(PermanentError):
     """The handler ran out of its `retries` (kopf's name)."""
 
 
+class AdmissionError(HandlerError):
+    """Raised by a validating or mutating handler to deny the request (kopf's
+    `kopf.AdmissionError`): `message` is shown to the user, `code` is the HTTP status (default
+    400)."""
+
+    def __init__(self, message="", code=None):
+        super().__init__(message)
+        self.code = code
+
+
 class ErrorsMode(enum.Enum):
     """How errors that the handler did not classify are treated (kopf's `errors=`)."""
 

@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
-from capstan.errors import PermanentError, RegistrationError, TemporaryError
+from capstan.errors import AdmissionError, PermanentError, RegistrationError, TemporaryError
 from capstan.indexes import KEEP, REMOVE, change_of
 from capstan.registry import Handler, build_handler
 from capstan.structs import (
@@ -66,6 +66,8 @@ class Call:
     # call whether its object is leaving the index.
     indexes: Any = None
     index_deleted: bool = False
+    # For a validate or mutate handler's call: the admission request's parts.
+    admission: Optional[Dict[str, Any]] = None
 
 
 @dataclasses.dataclass
@@ -74,6 +76,8 @@ class Outcome:
 
     status: str  # success, temporary, permanent, unclassified, cancelled, skipped
     result: Any = None
+    # An admission handler's answer: allowed, message, code, warnings.
+    verdict: Optional[Dict[str, Any]] = None
     delay: Optional[float] = None
     message: str = ""
     error_type: str = ""
@@ -108,6 +112,8 @@ class Running:
         self.body = Body(call.body)
         self.cancelled = False
         self.declared: List[Handler] = []
+        # An admission handler's `warnings` (kopf's kwarg), returned to the client.
+        self.warnings: List[str] = []
 
 
 class _Router(logging.Handler):
@@ -190,6 +196,11 @@ def kwargs_for(call: Call, handler: Handler, running: Running, logger, patch, re
         values.update(event={"type": call.event_type, "object": body._data}, type=call.event_type)
     if handler.kind == "daemon":
         values["stopped"] = DaemonStopped(running.stop) if handler.is_async else SyncDaemonStopped(running.stop)
+    if handler.kind in ("validate", "mutate"):
+        request = call.admission or {}
+        values.update(warnings=running.warnings, userinfo=request.get("userinfo") or {},
+                      dryrun=bool(request.get("dryrun")), subresource=request.get("subresource"),
+                      operation=request.get("operation"), old=request.get("old"), new=body._data)
     if call.indexes is not None:
         values.update(call.indexes.views())
     if handler.takes is not None:
@@ -339,6 +350,8 @@ async def run(running: Running, executor=None) -> Outcome:
     try:
         if handler.kind == "index":
             return await _run_index(running, handler, logger, retry, executor)
+        if handler.kind in ("validate", "mutate"):
+            return await _run_admission(running, handler, logger, retry, executor)
         if handler.sdk_filters:
             kwargs_all = kwargs_for(call, dataclasses.replace(handler, takes=None), running, logger, patch, retry,
                                     call.started)
@@ -370,6 +383,31 @@ async def run(running: Running, executor=None) -> Outcome:
     finally:
         _current.reset(token)
         logger.close()
+
+
+async def _run_admission(running: Running, handler: Handler, logger, retry, executor) -> Outcome:
+    """A validate or mutate handler's call: its answer is a verdict — allowed (with the
+    warnings it appended, and for a mutating handler its patch), or denied by `AdmissionError`.
+    Any other failure is the handler's: the controller then admits or denies as the handler's
+    `ignore_failures` says."""
+    call = running.call
+    patch = Patch()
+    if handler.sdk_filters:
+        kwargs_all = kwargs_for(call, dataclasses.replace(handler, takes=None), running, logger, patch, retry, call.started)
+        if not _sdk_filters_pass(handler, kwargs_all):
+            return Outcome("skipped")
+    try:
+        await _execute(handler, kwargs_for(call, handler, running, logger, patch, retry, call.started), executor)
+    except AdmissionError as denial:
+        logger.info("Admission handler %r denied the request: %s", handler.id, denial)
+        return Outcome("success", verdict={"allowed": False, "message": str(denial), "code": denial.code or 0,
+                                           "warnings": list(running.warnings)})
+    outcome = Outcome("success", verdict={"allowed": True, "warnings": list(running.warnings)})
+    if handler.kind == "mutate":
+        obj, status = patch.as_documents()
+        outcome.object_patch = _encode(obj, "patch", handler.id)
+        outcome.status_patch = _encode(status, "patch", handler.id)
+    return outcome
 
 
 async def _run_index(running: Running, handler: Handler, logger, retry, executor) -> Outcome:

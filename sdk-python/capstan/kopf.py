@@ -38,10 +38,8 @@ login_with_service_account = _ControllerOwned("login_with_service_account", "the
 login_with_kubeconfig = _ControllerOwned("login_with_kubeconfig", "the controller logs in to the API itself")
 spawn_tasks = _ControllerOwned("spawn_tasks", "use capstan.operator() or capstan.run()")
 run_tasks = _ControllerOwned("run_tasks", "use capstan.operator() or capstan.run()")
-AdmissionError = _ControllerOwned("AdmissionError", "admission handlers are not supported by this controller yet")
 
 __all__ = list(_capstan_all) + [
     "SyncDaemonStopperChecker", "AsyncDaemonStopperChecker", "OperatorSettings", "login_via_client",
     "login_via_pykube", "login_with_service_account", "login_with_kubeconfig", "spawn_tasks", "run_tasks",
-    "AdmissionError",
 ]

@@ -3,11 +3,12 @@
 that handlers remain plain functions for tests.
 
 Unknown options are not lost in `**kwargs`: they fail at decoration with the handler's name.
-Kinds that this controller does not run yet (validate, mutate) fail at decoration too.
+Options that belong to the controller (for example `persistent=` of admission handlers) fail
+at decoration too, saying which flag does their job.
 """
 
 from capstan.errors import RegistrationError
-from capstan.registry import UNSUPPORTED_KINDS, _qualname, default_registry, parse_resource
+from capstan.registry import _qualname, default_registry, parse_resource
 
 # `max_in_flight` is Capstan's own: at most this many calls of the handler at once.
 _COMMON = ("id", "errors", "retries", "backoff", "timeout", "param", "max_in_flight")
@@ -94,23 +95,43 @@ def probe(**options):
     return _decorator("probe", (), options, allowed=_COMMON)
 
 
-def _unsupported(kind):
-    def decorator(*resource, **options):
-        def decorate(fn):
-            raise RegistrationError(
-                f"handler {options.get('id') or _qualname(fn)!r}: {UNSUPPORTED_KINDS[kind]} "
-                "is not supported by this controller yet"
-            )
-
-        return decorate
-
-    decorator.__name__ = kind
-    decorator.__doc__ = f"kopf's {kind}: not supported by this controller yet; fails at decoration."
-    return decorator
+_ADMISSION_OPTIONS = ("operation", "operations", "subresource", "side_effects", "ignore_failures")
+_OPERATIONS = ("CREATE", "UPDATE", "DELETE", "CONNECT")
 
 
-validate = _unsupported("validate")
-mutate = _unsupported("mutate")
+def _admission(kind, resource, options):
+    if options.get("persistent"):
+        options.pop("persistent")
+        return _reject(options, "persistent= is the controller's: run it with --webhook-keep-on-exit "
+                       "to keep the webhook configurations after it exits")
+    options.pop("persistent", None)
+    operations = options.get("operations")
+    if options.get("operation") is not None:
+        if operations is not None:
+            return _reject(options, "give operation= or operations=, not both")
+        operations = [options.pop("operation")]
+    else:
+        options.pop("operation", None)
+    if operations is not None:
+        if isinstance(operations, str) or not all(op in _OPERATIONS for op in operations):
+            return _reject(options, f"operations= must be a list of {', '.join(_OPERATIONS)}, got {operations!r}")
+        options["operations"] = list(operations)
+    return _decorator(kind, resource, options, allowed=("id", "param", "max_in_flight") + _FILTERS,
+                      kind_options=_ADMISSION_OPTIONS)
+
+
+def validate(*resource, **options):
+    """kopf's on.validate: answers the admission requests for the resource that the
+    controller's webhook server receives; raise `AdmissionError` to deny, append to
+    `warnings` to warn. Options: `operations` (or kopf's `operation`), `subresource`,
+    `side_effects`, `ignore_failures` (admit when the handler cannot answer)."""
+    return _admission("validate", resource, options)
+
+
+def mutate(*resource, **options):
+    """kopf's on.mutate: as `validate`, and the handler's `patch` changes the object under
+    review (the changes of all mutating handlers are folded into one JSONPatch)."""
+    return _admission("mutate", resource, options)
 
 
 def index(*resource, **options):

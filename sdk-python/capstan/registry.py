@@ -22,11 +22,8 @@ from capstan.structs import ABSENT, PRESENT
 CHANGE_KINDS = ("create", "update", "delete", "resume", "field")
 RESOURCE_KINDS = CHANGE_KINDS + ("event", "daemon", "timer", "index")
 ACTIVITY_KINDS = ("startup", "cleanup", "login", "probe")
-#: Kinds this controller rejects with UNSUPPORTED_HANDLER_KIND today.
-UNSUPPORTED_KINDS = {
-    "validate": "capstan.on.validate (validating admission webhooks)",
-    "mutate": "capstan.on.mutate (mutating admission webhooks)",
-}
+#: Admission kinds: answered while the API server waits (kopf's on.validate, on.mutate).
+ADMISSION_KINDS = ("validate", "mutate")
 
 _RESOURCE_KWARGS = {
     "body", "spec", "meta", "status", "name", "namespace", "uid", "labels", "annotations",
@@ -44,6 +41,9 @@ KWARGS = {
     "timer": _RESOURCE_KWARGS,
     # Index handlers change nothing: what they return is the index.
     "index": _RESOURCE_KWARGS - {"patch"},
+    # Admission: the request's parts; only mutating handlers change the object.
+    "validate": (_RESOURCE_KWARGS - {"patch"}) | {"warnings", "userinfo", "dryrun", "subresource", "operation", "old", "new"},
+    "mutate": _RESOURCE_KWARGS | {"warnings", "userinfo", "dryrun", "subresource", "operation", "old", "new"},
     "startup": _ACTIVITY_KWARGS,
     "cleanup": _ACTIVITY_KWARGS,
     "login": _ACTIVITY_KWARGS,
@@ -54,13 +54,8 @@ _UNSUPPORTED_KWARGS = {
     "settings": "operator settings belong to the controller: use its command-line flags",
     "indices": "read an index by its name as a kwarg (kopf's way), e.g. def fn(by_label, **_)",
     "indexes": "read an index by its name as a kwarg (kopf's way), e.g. def fn(by_label, **_)",
-    "warnings": "admission handlers are not supported by this controller yet",
-    "userinfo": "admission handlers are not supported by this controller yet",
-    "dryrun": "admission handlers are not supported by this controller yet",
-    "sslpeer": "admission handlers are not supported by this controller yet",
-    "headers": "admission handlers are not supported by this controller yet",
-    "subresource": "admission handlers are not supported by this controller yet",
-    "operation": "admission handlers are not supported by this controller yet",
+    "sslpeer": "the controller's webhook server does not pass the client's certificate to handlers",
+    "headers": "the controller's webhook server does not pass the request's headers to handlers",
     "vault": "credentials vaults belong to the controller",
 }
 

@@ -54,6 +54,11 @@ class Result:
         return self.outcome.delay
 
     @property
+    def verdict(self):
+        """An admission handler's answer: `allowed`, `message`, `code`, `warnings`."""
+        return self.outcome.verdict
+
+    @property
     def subhandlers(self) -> Dict[str, Outcome]:
         return {s.id: s.outcome for s in self.outcome.subhandlers}
 
@@ -103,7 +108,7 @@ class TestKit:
         raise KeyError(f"no handler {handler_id!r} is registered (registered: {known})")
 
     def _call(self, handler_id, body, *, reason=None, old=None, new=None, diff=None, attempt=1, event_type=None,
-              subhandlers=None, started=None, logs=None, events=None, deleted=False):
+              subhandlers=None, started=None, logs=None, events=None, deleted=False, admission=None):
         handler = self.handler(handler_id)
         if reason is None and handler.kind in ("create", "update", "delete", "resume"):
             reason = handler.kind
@@ -123,12 +128,14 @@ class TestKit:
                     diff=diff, event_type=event_type, memo=self.memo, subhandlers=states, log_sink=sink,
                     event_sink=events.append if events is not None else None,
                     started=started or datetime.datetime.now(datetime.timezone.utc), invocation_id="test",
-                    indexes=self.indexes, index_deleted=deleted)
+                    indexes=self.indexes, index_deleted=deleted,
+                    admission=dict(admission or {"operation": "CREATE"}) if handler.kind in ("validate", "mutate") else None)
 
     def invoke(self, handler_id, body=None, **call) -> Result:
         """Runs one handler once and returns what it did. `reason`, `old`, `new`, `diff`
-        (computed from old/new when not given), `attempt`, `event_type` and `subhandlers`
-        (id -> SubState or its fields) shape the invocation."""
+        (computed from old/new when not given), `attempt`, `event_type`, `subhandlers`
+        (id -> SubState or its fields) and, for admission handlers, `admission` (`operation`,
+        `subresource`, `dryrun`, `old`, `userinfo`) shape the invocation."""
         return asyncio.run(self.ainvoke(handler_id, body, **call))
 
     async def ainvoke(self, handler_id, body=None, **call) -> Result:

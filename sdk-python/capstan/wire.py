@@ -22,6 +22,7 @@ _KINDS = {
     "startup": reg.HANDLER_KIND_STARTUP, "cleanup": reg.HANDLER_KIND_CLEANUP,
     "login": reg.HANDLER_KIND_LOGIN, "probe": reg.HANDLER_KIND_PROBE,
     "index": reg.HANDLER_KIND_INDEX,
+    "validate": reg.HANDLER_KIND_VALIDATE, "mutate": reg.HANDLER_KIND_MUTATE,
 }
 _ERRORS = {
     ErrorsMode.TEMPORARY: reg.ERRORS_MODE_TEMPORARY,
@@ -123,6 +124,11 @@ def registration(handler: Handler) -> reg.HandlerRegistration:
         msg.delete.CopyFrom(reg.DeleteOptions(optional=True))
     elif handler.kind == "resume" and handler.deleted:
         msg.resume.CopyFrom(reg.ResumeOptions(deleted=True))
+    elif handler.kind in ("validate", "mutate"):
+        a = reg.AdmissionOptions(subresource=o.get("subresource") or "", side_effects=bool(o.get("side_effects")),
+                                 ignore_failures=bool(o.get("ignore_failures")))
+        a.operations.extend(getattr(reg, f"OPERATION_{op}") for op in o.get("operations") or ())
+        msg.admission.CopyFrom(a)
     return msg
 
 
@@ -160,6 +166,12 @@ def call_of(msg: inv.Invocation, handler: Handler) -> Call:
         call.event_type = _EVENTS.get(msg.event.type)
     elif payload == "index":
         call.index_deleted = msg.index.deleted
+    elif payload == "admission":
+        a = msg.admission
+        call.admission = {
+            "operation": a.operation, "subresource": a.subresource or None, "dryrun": a.dry_run,
+            "old": _opt_json(a, "old_object"), "userinfo": _opt_json(a, "user_info") or {},
+        }
     for st in msg.subhandlers:
         call.subhandlers[st.subhandler_id] = SubState(
             retries=st.retries, success=st.success, failure=st.failure,
@@ -179,7 +191,11 @@ def _diagnostics(outcome: Outcome, handler_id):
 
 def _success(outcome: Outcome):
     s = inv.Success()
-    if isinstance(outcome.result, ConnectionInfo):
+    if outcome.verdict is not None:
+        v = outcome.verdict
+        s.admission.CopyFrom(inv.AdmissionVerdict(allowed=v["allowed"], message=v.get("message") or "",
+                                                  code=int(v.get("code") or 0), warnings=list(v.get("warnings") or ())))
+    elif isinstance(outcome.result, ConnectionInfo):
         s.credentials.CopyFrom(credentials(outcome.result))
     elif outcome.result is not None:
         s.result.CopyFrom(json_msg(outcome.result))

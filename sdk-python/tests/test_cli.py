@@ -21,7 +21,7 @@ def _run(args, tmp_path, **kw):
 
 @pytest.mark.parametrize("source,message", [
     ("@capstan.on.create('examples')\ndef fn(bodyy): pass\n", "handler 'fn': unknown kwarg 'bodyy'"),
-    ("@capstan.on.validate('examples')\ndef fn(**_): pass\n", "not supported by this controller yet"),
+    ("@capstan.on.validate('examples', persistent=True)\ndef fn(**_): pass\n", "--webhook-keep-on-exit"),
     ("@capstan.timer('examples', interval=1, colour='red')\ndef fn(**_): pass\n", "unknown option(s) colour"),
 ])
 def test_registration_errors_exit_with_the_handlers_name(tmp_path, source, message):

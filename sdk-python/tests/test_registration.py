@@ -99,13 +99,9 @@ def test_callable_filters_are_evaluated_by_the_sdk(registry):
     assert "a" not in msg.filters.labels
 
 
-@pytest.mark.parametrize("decorator,what", [
-    (lambda: capstan.on.validate("examples"), "validating admission"),
-    (lambda: capstan.on.mutate("examples"), "mutating admission"),
-])
-def test_unsupported_kinds_fail_at_registration(decorator, what):
-    with pytest.raises(capstan.RegistrationError, match=f"fn'.*{what}.*not supported by this controller yet"):
-        @decorator()
+def test_persistent_admission_configurations_are_the_controllers(registry):
+    with pytest.raises(capstan.RegistrationError, match=r"fn'.*--webhook-keep-on-exit"):
+        @capstan.on.validate("examples", registry=registry, persistent=True)
         def fn(**_):
             pass
 
