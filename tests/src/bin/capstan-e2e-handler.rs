@@ -408,6 +408,8 @@ async fn nest(ctx: Context) -> HandlerResult {
         },
     );
     Ok(None)
+}
+
 /// Notes an admission call: `admission <id> <name> <operation> dry=<bool>`.
 fn note_admission(ctx: &Context) {
     let request = ctx.admission();
