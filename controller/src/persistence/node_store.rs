@@ -513,7 +513,9 @@ mod tests {
         let ours = s.detach(&mut b);
         assert_eq!(ours.len(), 2);
         assert!(
-            b["metadata"]["annotations"].get("node-a.capstan.dev/retry-request").is_some(),
+            b["metadata"]["annotations"]
+                .get("node-a.capstan.dev/retry-request")
+                .is_some(),
             "a retry request stays on the object"
         );
         b["metadata"]["annotations"]
