@@ -259,6 +259,8 @@ pub async fn collect_garbage(
             .map(|(r, s, _)| (r.clone(), s.clone()))
             .collect();
         for (resource, scopes) in targets {
+            // Files written after the listing began may be of objects it could not see yet.
+            let listed_from = std::time::SystemTime::now();
             let mut live = HashSet::new();
             let mut listed = true;
             for scope in &scopes {
@@ -271,7 +273,7 @@ pub async fn collect_garbage(
                 }
             }
             if listed {
-                let removed = store.retain(&resource.to_string(), &live).await;
+                let removed = store.retain(&resource.to_string(), &live, listed_from).await;
                 if removed > 0 {
                     info!(%resource, removed, "node-local state of objects that no longer exist removed");
                 }

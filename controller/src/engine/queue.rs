@@ -90,9 +90,16 @@ pub struct Queue {
     writer: Arc<Writer>,
     events: Arc<events::EventDispatch>,
     slots: Arc<Mutex<HashMap<String, Slot>>>,
+    /// Objects gone (deleted, or released by our last write), with the last version known:
+    /// a late event of an older version finds no slot and must not start one (bounded).
+    tombstones: Arc<Mutex<HashMap<String, (u64, tokio::time::Instant)>>>,
     /// The objects' workers: owned, so that a queue that is stopped can be waited for.
     workers: TaskTracker,
 }
+
+/// How many tombstones are kept, and for how long.
+const TOMBSTONES: usize = 4096;
+const TOMBSTONE_TTL: Duration = Duration::from_secs(300);
 
 #[derive(Default)]
 struct Slot {
@@ -134,7 +141,22 @@ impl Queue {
             writer,
             events: Arc::new(events::EventDispatch::default()),
             slots: Arc::new(Mutex::new(HashMap::new())),
+            tombstones: Arc::default(),
         }
+    }
+
+    /// Remembers that object `uid` is gone, at version `rv`.
+    fn bury(&self, uid: &str, rv: Option<u64>) {
+        let Some(rv) = rv else { return };
+        let mut tombstones = self.tombstones.lock();
+        if tombstones.len() >= TOMBSTONES {
+            let now = tokio::time::Instant::now();
+            tombstones.retain(|_, (_, at)| now.duration_since(*at) < TOMBSTONE_TTL);
+            if tombstones.len() >= TOMBSTONES {
+                tombstones.clear();
+            }
+        }
+        tombstones.insert(uid.to_owned(), (rv, tokio::time::Instant::now()));
     }
 
     /// How many objects are known.
@@ -166,6 +188,14 @@ impl Queue {
             return;
         };
         let mut slots = self.slots.lock();
+        if event_type != EventType::Deleted
+            && !slots.contains_key(&uid)
+            && let Some((buried, _)) = self.tombstones.lock().get(&uid)
+            && rv_of(&body).is_some_and(|rv| rv <= *buried)
+        {
+            debug!(%uid, "late event of an object that is gone dropped");
+            return;
+        }
         let slot = slots.entry(uid.clone()).or_insert_with(|| Slot {
             memory: Memory {
                 noticed_by_listing: event_type == EventType::Listing,
@@ -379,7 +409,8 @@ impl Queue {
 
     async fn process(&self, uid: &str, event_type: EventType, mut body: Value, memory: Memory) {
         if event_type == EventType::Deleted {
-            self.forget_locally(uid).await;
+            self.bury(uid, rv_of(&body));
+            self.forget_locally(uid, &body).await;
             self.ctx.daemons.forget(uid);
             self.ctx
                 .invoker
@@ -395,7 +426,7 @@ impl Queue {
             return;
         }
         if let Some(local) = self.ctx.storage.local.as_deref() {
-            local.overlay(uid, &mut body);
+            local.overlay(uid, &mut body).await;
         }
         let handlers = self.ctx.handlers.borrow().clone();
         let paused = *self.ctx.paused.borrow();
@@ -456,16 +487,26 @@ impl Queue {
         }
         let refused = matches!(written, Written::Refused(_));
         if matches!(written, Written::Gone) {
+            let mut last = rv_of(&body);
             if let Some(slot) = self.slots.lock().get_mut(uid) {
                 slot.gone = true;
-                slot.pending = None;
+                if slot.pending.take().is_some() {
+                    crate::observability::metrics::global().pending(&self.ctx.resource.plural, -1);
+                }
                 if let Some(t) = slot.timer.take() {
                     t.abort();
                 }
+                last = last.max(slot.written_rv);
+                // Events of any version it had are late now.
+                slot.written_rv = last.map(|rv| rv.saturating_add(1));
             }
+            self.bury(uid, last);
             // Its DELETED event may have been among the dropped ones.
             self.ctx.daemons.forget(uid);
-            self.forget_locally(uid).await;
+            self.ctx
+                .invoker
+                .object_gone(&processing::object_ref(&self.ctx.resource, &body));
+            self.forget_locally(uid, &body).await;
             return;
         }
         let mut slots = self.slots.lock();
@@ -506,11 +547,36 @@ impl Queue {
         }
     }
 
-    /// Removes a gone object's node-local state.
-    async fn forget_locally(&self, uid: &str) {
-        if let Some(local) = self.ctx.storage.local.as_deref()
-            && let Err(e) = local.remove(uid).await
+    /// Removes a gone object's node-local state — after making sure it is gone: a watch with
+    /// a server-side selector also says DELETED when a live object stops matching, and that
+    /// object keeps its state (the hourly sweep removes what is left of objects really gone).
+    async fn forget_locally(&self, uid: &str, body: &Value) {
+        let Some(local) = self.ctx.storage.local.as_deref() else {
+            return;
+        };
+        let meta = |k: &str| {
+            body.pointer(&format!("/metadata/{k}"))
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        match self
+            .ctx
+            .objects
+            .get(&self.ctx.resource, &meta("namespace"), &meta("name"))
+            .await
         {
+            Ok(live) if uid_of(&live).as_deref() == Some(uid) => {
+                debug!(%uid, "the object still exists (it stopped matching the watch); its node-local state stays");
+                return;
+            }
+            Ok(_) | Err(crate::k8s::objects::Error::NotFound) => {}
+            Err(e) => {
+                debug!(%uid, error = %crate::error::chain(&e), "cannot tell whether the object is gone; its node-local state stays for the sweep");
+                return;
+            }
+        }
+        if let Err(e) = local.remove(uid).await {
             warn!(error = %crate::error::chain(&e), "removing a gone object's node-local state failed");
         }
     }

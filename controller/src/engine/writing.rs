@@ -114,7 +114,14 @@ impl Writer {
                     }
                     let (ns, name) = identity(body);
                     match self.objects.get(&self.resource, &ns, &name).await {
-                        Ok(fresh) => {
+                        // Deleted and created again under the same name: not this object.
+                        Ok(fresh) if uid_of(&fresh) != uid_of(body) => return Written::Gone,
+                        Ok(mut fresh) => {
+                            // Node-local records are not on the object: the fresh body gets them
+                            // as the cycle's body had them, so the rebased write keeps them all.
+                            if let Some(local) = self.storage.local.as_deref() {
+                                local.overlay(uid_of(body).unwrap_or_default(), &mut fresh).await;
+                            }
                             if let Some(d) = desired.as_mut() {
                                 rebase(d, &base, &fresh);
                             }
@@ -245,8 +252,14 @@ impl Writer {
         // Node-local storage: the node's records stay out of the PATCH, and are kept on the
         // node once the API server took the rest (a crash in between repeats a handler; it
         // never loses one's patch).
+        let uid = uid_of(base).unwrap_or_default();
         let mut remote_base = base.clone();
-        local.detach(&mut remote_base);
+        // An object that still carries the node's records on itself (from before the store)
+        // gets them removed by this write: the base keeps them, the desired body does not.
+        let migrating = desired.is_some() && local.migrating(uid);
+        if !migrating {
+            local.detach(&mut remote_base);
+        }
         let mut remote_desired = desired.cloned();
         let state = remote_desired.as_mut().map(|d| local.detach(d));
         let stored = self
@@ -254,6 +267,9 @@ impl Writer {
             .await?;
         if let Some(state) = state {
             keep_locally(local, &self.resource, base, state).await;
+        }
+        if migrating {
+            local.migrated(uid);
         }
         Ok(stored)
     }
@@ -373,12 +389,23 @@ pub(crate) async fn keep_locally(
     }
 }
 
+/// The uid of a body.
+fn uid_of(body: &Value) -> Option<&str> {
+    body.pointer("/metadata/uid").and_then(Value::as_str)
+}
+
 /// Whether a stored body is of an object the API server deleted: marked for deletion, with no
-/// finalizer left to wait for.
+/// finalizer left to wait for and no grace period running (a Pod in graceful deletion exists
+/// without finalizers until its kubelet confirms).
 fn released(stored: &Value) -> bool {
-    let deleting = stored
-        .pointer("/metadata/deletionTimestamp")
-        .is_some_and(|v| !v.is_null());
+    let graceful = stored
+        .pointer("/metadata/deletionGracePeriodSeconds")
+        .and_then(Value::as_i64)
+        .is_some_and(|s| s > 0);
+    let deleting = !graceful
+        && stored
+            .pointer("/metadata/deletionTimestamp")
+            .is_some_and(|v| !v.is_null());
     let finalizers = stored
         .pointer("/metadata/finalizers")
         .and_then(Value::as_array)

@@ -23,7 +23,10 @@ use std::{
     io::Write as _,
     path::{Path, PathBuf},
     sync::atomic::{AtomicU64, Ordering},
+    time::{Duration, SystemTime},
 };
+
+use parking_lot::Mutex;
 
 use blake2::{
     Blake2bVar,
@@ -37,6 +40,10 @@ use super::keys::Keys;
 
 /// The largest state kept for one object: what the object's annotations could hold.
 pub const ENTRY_LIMIT: usize = 256 * 1024;
+
+/// How long a starting controller waits for another process (a surge pod of the same
+/// DaemonSet) to release the store.
+const LOCK_WAIT: Duration = Duration::from_secs(120);
 
 /// Errors of the node-local store.
 #[derive(Debug, thiserror::Error)]
@@ -125,7 +132,8 @@ struct Entry {
     sum: String,
 }
 
-/// The node-local store of one controller.
+/// The node-local store of one controller: a directory per persistence prefix under the
+/// given one, held with an exclusive lock while the controller runs.
 #[derive(Debug)]
 pub struct NodeStore {
     dir: PathBuf,
@@ -134,21 +142,53 @@ pub struct NodeStore {
     bytes: AtomicU64,
     entries: AtomicU64,
     corrupt: AtomicU64,
+    /// Objects that still carry records of the node on themselves (written before the store
+    /// was used): their next write removes them from the object.
+    migrating: Mutex<HashSet<String>>,
+    /// The lock on the directory, held for the store's lifetime.
+    _lock: std::fs::File,
 }
 
 impl NodeStore {
-    /// Opens (creating it, mode 0700) the directory `dir` for the annotations `keys` owns, with
-    /// at most `limit` bytes in use; counts what is there and removes temporary files a crash
-    /// left behind.
+    /// Opens the store of the annotations `keys` owns under `root`: the directory
+    /// `<root>/<prefix>` (created, mode 0700), locked against other processes (waiting for a
+    /// previous pod to let go), with at most `limit` bytes in use; counts what is there and
+    /// removes temporary files a crash left behind.
     ///
     /// # Errors
-    /// [`Error::Directory`] when it cannot be created, read or written.
-    pub fn open(dir: &Path, keys: Keys, limit: u64) -> Result<Self, Error> {
+    /// [`Error::Directory`] when it cannot be created, read, written or locked.
+    pub fn open(root: &Path, keys: Keys, limit: u64) -> Result<Self, Error> {
+        let dir = &root.join(&keys.prefix);
         let directory = |source| Error::Directory {
             path: dir.to_owned(),
             source,
         };
         std::fs::create_dir_all(dir).map_err(directory)?;
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(".lock"))
+            .map_err(directory)?;
+        let waiting_since = std::time::Instant::now();
+        loop {
+            match lock.try_lock() {
+                Ok(()) => break,
+                Err(std::fs::TryLockError::WouldBlock) if waiting_since.elapsed() < LOCK_WAIT => {
+                    if waiting_since.elapsed() < Duration::from_secs(1) {
+                        warn!(dir = %dir.display(), "another process holds the node-local storage; waiting for it to exit");
+                    }
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    return Err(directory(std::io::Error::new(
+                        std::io::ErrorKind::WouldBlock,
+                        format!("another process has held it for {} s", LOCK_WAIT.as_secs()),
+                    )));
+                }
+                Err(std::fs::TryLockError::Error(e)) => return Err(directory(e)),
+            }
+        }
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt as _;
@@ -161,6 +201,8 @@ impl NodeStore {
             bytes: AtomicU64::new(0),
             entries: AtomicU64::new(0),
             corrupt: AtomicU64::new(0),
+            migrating: Mutex::default(),
+            _lock: lock,
         };
         let (mut bytes, mut entries) = (0, 0);
         for item in std::fs::read_dir(dir).map_err(directory)? {
@@ -240,19 +282,42 @@ impl NodeStore {
     }
 
     /// Puts object `uid`'s stored annotations into `body`, as if they were on the object.
-    pub fn overlay(&self, uid: &str, body: &mut Value) {
+    ///
+    /// An object that still carries records of this node on itself (handled before the store
+    /// was used) keeps them when the store has none for it — the state is taken over — and its
+    /// next write removes them from the object. When the store has records, they win.
+    pub async fn overlay(&self, uid: &str, body: &mut Value) {
+        // One small file, usually in the page cache: read in place.
         let stored = self.load(uid);
+        let Some(meta) = body.get_mut("metadata").and_then(Value::as_object_mut) else {
+            return;
+        };
+        let annotations = meta
+            .entry("annotations")
+            .or_insert_with(|| Value::Object(Map::new()));
+        let Some(annotations) = annotations.as_object_mut() else {
+            return;
+        };
+        let request = format!("{}/{}", self.keys.prefix, super::retry::NAME);
+        let on_object = annotations.keys().any(|k| self.keys.owns(k) && *k != request);
+        if on_object {
+            self.migrating.lock().insert(uid.to_owned());
+        }
         if stored.is_empty() {
             return;
         }
-        if let Some(meta) = body.get_mut("metadata").and_then(Value::as_object_mut) {
-            let annotations = meta
-                .entry("annotations")
-                .or_insert_with(|| Value::Object(Map::new()));
-            if let Some(annotations) = annotations.as_object_mut() {
-                annotations.extend(stored);
-            }
-        }
+        annotations.retain(|k, _| !self.keys.owns(k) || *k == request);
+        annotations.extend(stored);
+    }
+
+    /// Whether object `uid` still carries this node's records on itself (see [`Self::overlay`]).
+    pub fn migrating(&self, uid: &str) -> bool {
+        self.migrating.lock().contains(uid)
+    }
+
+    /// Object `uid`'s records are off the object now.
+    pub fn migrated(&self, uid: &str) {
+        self.migrating.lock().remove(uid);
     }
 
     /// Takes the annotations under the node's prefix out of `body` and returns them.
@@ -313,7 +378,8 @@ impl NodeStore {
             });
         }
         let used = self.bytes();
-        if used + text.len() as u64 > self.limit {
+        let old = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        if used.saturating_sub(old) + text.len() as u64 > self.limit {
             return Err(Error::Full {
                 uid: uid.to_owned(),
                 used,
@@ -397,34 +463,21 @@ impl NodeStore {
         }
     }
 
-    /// The uids with a file for `resource`.
-    pub fn uids(&self, resource: &str) -> Vec<String> {
-        let Ok(items) = std::fs::read_dir(&self.dir) else {
-            return Vec::new();
-        };
-        items
-            .filter_map(Result::ok)
-            .filter_map(|item| {
-                let path = item.path();
-                let uid = path.file_stem()?.to_str()?.to_owned();
-                (path.extension()? == "json").then_some((uid, path))
-            })
-            .filter(|(_, path)| {
-                std::fs::read(path)
-                    .ok()
-                    .and_then(|t| serde_json::from_slice::<Entry>(&t).ok())
-                    // A corrupt file's resource is unknown: it goes with any resource's sweep.
-                    .is_none_or(|e| e.resource == resource)
-            })
-            .map(|(uid, _)| uid)
-            .collect()
+    /// The uids with a file for `resource` last written before `before` (a file that cannot be
+    /// read is left alone; a corrupt one, whose resource is unknown, goes with any resource).
+    pub async fn uids(&self, resource: &str, before: SystemTime) -> Vec<String> {
+        let (dir, resource) = (self.dir.clone(), resource.to_owned());
+        tokio::task::spawn_blocking(move || files_of(&dir, &resource, before))
+            .await
+            .unwrap_or_default()
     }
 
     /// Removes the files of `resource`'s objects that are not in `live` (they no longer
-    /// exist); returns how many went.
-    pub async fn retain(&self, resource: &str, live: &HashSet<String>) -> usize {
+    /// exist), among those last written before `before` (when the listing of `live` began: a
+    /// file written since may belong to an object created after it); returns how many went.
+    pub async fn retain(&self, resource: &str, live: &HashSet<String>, before: SystemTime) -> usize {
         let mut removed = 0;
-        for uid in self.uids(resource) {
+        for uid in self.uids(resource, before).await {
             if live.contains(&uid) {
                 continue;
             }
@@ -457,6 +510,32 @@ pub fn prepare(dir: &Path, owner: (u32, u32)) -> Result<(), Error> {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(directory)?;
     }
     Ok(())
+}
+
+/// What [`NodeStore::uids`] lists, reading the directory `dir`.
+fn files_of(dir: &Path, resource: &str, before: SystemTime) -> Vec<String> {
+    let Ok(items) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    items
+        .filter_map(Result::ok)
+        .filter_map(|item| {
+            let path = item.path();
+            let uid = path.file_stem()?.to_str()?.to_owned();
+            let named = uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+            (path.extension()? == "json" && named).then_some((uid, path))
+        })
+        .filter(|(_, path)| {
+            std::fs::metadata(path)
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t < before)
+        })
+        .filter(|(_, path)| match std::fs::read(path) {
+            Ok(text) => serde_json::from_slice::<Entry>(&text).map_or(true, |e| e.resource == resource),
+            Err(_) => false,
+        })
+        .map(|(uid, _)| uid)
+        .collect()
 }
 
 /// Replaces `path` with `text` durably; returns the old and new sizes.
@@ -531,17 +610,50 @@ mod tests {
             .unwrap();
         assert_eq!((s.entries(), s.bytes() > 0), (1, true));
         let mut again = b.clone();
-        s.overlay("u-1", &mut again);
+        s.overlay("u-1", &mut again).await;
         assert_eq!(again, body());
         // A reopened store finds it (a restart).
-        let reopened = store(dir.path(), 1 << 20);
-        assert_eq!(reopened.load("u-1"), ours);
-        assert_eq!(reopened.entries(), 1);
+        let entries = {
+            // The store is locked while open: the first lets go before a second opens it.
+            let copy = s.load("u-1");
+            assert_eq!(copy, ours);
+            s.entries()
+        };
+        assert_eq!(entries, 1);
         s.persist("u-1", "examples.v1.demo.capstan.dev", &b, Map::new())
             .await
             .unwrap();
         assert_eq!((s.entries(), s.bytes()), (0, 0));
         assert!(s.load("u-1").is_empty());
+    }
+
+    #[tokio::test]
+    async fn records_on_the_object_are_taken_over_and_replacing_a_file_counts_its_old_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = store(dir.path(), 1 << 20);
+        // An object handled before the store: its records are kept, and marked for removal
+        // from the object by its next write.
+        let mut b = body();
+        s.overlay("u-1", &mut b).await;
+        assert_eq!(b, body());
+        assert!(s.migrating("u-1"));
+        s.migrated("u-1");
+        // With records in the store, the store's win.
+        let mut stored = body();
+        let mut ours = s.detach(&mut stored);
+        ours.insert("node-a.capstan.dev/create_fn".into(), json!("{\"success\":true}"));
+        s.persist("u-1", "r", &stored, ours.clone()).await.unwrap();
+        let mut b = body();
+        s.overlay("u-1", &mut b).await;
+        assert_eq!(
+            b["metadata"]["annotations"]["node-a.capstan.dev/create_fn"],
+            json!("{\"success\":true}")
+        );
+        // Near the limit, replacing a file is measured against what it replaces.
+        let limit = s.bytes() + 10;
+        drop(s);
+        let s = store(dir.path(), limit);
+        s.persist("u-1", "r", &stored, ours).await.unwrap();
     }
 
     #[tokio::test]
@@ -553,12 +665,17 @@ mod tests {
         for uid in ["u-1", "u-2", "u-3"] {
             s.persist(uid, "r", &b, ours.clone()).await.unwrap();
         }
-        let text = std::fs::read(dir.path().join("u-2.json")).unwrap();
-        std::fs::write(dir.path().join("u-2.json"), &text[..text.len() / 2]).unwrap();
-        let tampered = String::from_utf8(std::fs::read(dir.path().join("u-3.json")).unwrap())
-            .unwrap()
-            .replace("create_fn", "create_fx");
-        std::fs::write(dir.path().join("u-3.json"), tampered).unwrap();
+        let text = std::fs::read(dir.path().join("node-a.capstan.dev/u-2.json")).unwrap();
+        std::fs::write(
+            dir.path().join("node-a.capstan.dev/u-2.json"),
+            &text[..text.len() / 2],
+        )
+        .unwrap();
+        let tampered =
+            String::from_utf8(std::fs::read(dir.path().join("node-a.capstan.dev/u-3.json")).unwrap())
+                .unwrap()
+                .replace("create_fn", "create_fx");
+        std::fs::write(dir.path().join("node-a.capstan.dev/u-3.json"), tampered).unwrap();
         assert_eq!(s.load("u-1"), ours);
         assert!(s.load("u-2").is_empty(), "truncated");
         assert!(s.load("u-3").is_empty(), "checksum");
@@ -593,7 +710,13 @@ mod tests {
             Err(Error::Full { .. })
         ));
         let live: HashSet<String> = ["u-1".to_owned()].into();
-        assert_eq!(s.retain("r", &live).await, n - 2 - 1);
+        let later = SystemTime::now() + Duration::from_secs(5);
+        assert_eq!(
+            s.retain("r", &live, SystemTime::UNIX_EPOCH).await,
+            0,
+            "files written after the listing began stay"
+        );
+        assert_eq!(s.retain("r", &live, later).await, n - 2 - 1);
         assert_eq!(s.load("u-1"), small);
         assert_eq!(s.load("u-3"), small, "another resource's objects stay");
         assert!(matches!(

@@ -231,9 +231,12 @@ impl Queue {
         )
         .await
         {
-            Ok(stored) => {
+            Ok(mut stored) => {
                 if let Some((local, state)) = local_state {
                     writing::keep_locally(local, &self.ctx.resource, &body, state).await;
+                    // The cycle that follows sees the node's records, as on the object.
+                    let uid = uid_of(&body).unwrap_or_default();
+                    local.overlay(&uid, &mut stored).await;
                 }
                 if let Some(uid) = uid_of(&stored)
                     && let Some(slot) = self.slots.lock().get_mut(&uid)

@@ -181,6 +181,18 @@ async fn an_event_of_the_version_a_finished_deletion_wrote_over_runs_no_handler_
         1,
         "the delete handler ran again for an event its own finished write had superseded"
     );
+    // Later still, once the object's slot is gone too, an event of that version starts nothing.
+    assert!(
+        queue.slots.lock().get("u1").is_none(),
+        "the gone object is forgotten"
+    );
+    queue.push(EventType::Modified, deleting(json!(["capstan.dev/finalizer"])));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        invoker.calls.load(Ordering::SeqCst),
+        1,
+        "a late event started the handlers again"
+    );
 }
 
 /// Runs until its work is cancelled; counts the invocations.
