@@ -330,7 +330,8 @@ class Operator:
         call.log_sink = session.log_sink(message.invocation_id)
         call.event_sink = session.event_sink(message.invocation_id)
         uid = (call.body.get("metadata") or {}).get("uid") if isinstance(call.body, dict) else None
-        call.memo = self.memos.of(uid)
+        # Index calls get no memo (and removals must not make one for an object just gone).
+        call.memo = self.memos.of(uid) if handler.kind != "index" else None
         call.indexes = self.indexes
         running = Running(call)
         task = asyncio.create_task(self._invoke(session, running, uid))

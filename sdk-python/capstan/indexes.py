@@ -72,23 +72,35 @@ KEEP = object()
 REMOVE = object()
 
 
+def _plain(value):
+    """The SDK's read-only views (`spec`, `labels`, `meta`, ...) as plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 def change_of(handler_id, value):
     """What a result does to the object's entries: KEEP, or the (key, value) pairs that
-    replace them. A value that is not JSON-serialisable, or a key that cannot be a dict key,
-    is the handler's error."""
+    replace them. Values are kept as plain data (the SDK's views are copied); a value that is
+    not JSON-serialisable, or a key that cannot be a dict key, is the handler's error."""
     if value is None:
         return KEEP
-    pairs = list(value.items()) if isinstance(value, dict) else [(None, value)]
+    pairs = list(value.items()) if isinstance(value, Mapping) else [(None, value)]
+    out = []
     for key, item in pairs:
         try:
             hash(key)
         except TypeError:
             raise TypeError(f"index handler {handler_id!r} returned the unhashable key {key!r}") from None
+        item = _plain(item)
         try:
             json.dumps(item)
         except (TypeError, ValueError) as error:
             raise TypeError(f"index handler {handler_id!r} returned a value that is not JSON-serialisable: {error}") from None
-    return pairs
+        out.append((key, item))
+    return out
 
 
 class Indexes:
@@ -97,29 +109,32 @@ class Indexes:
     def __init__(self, names=()):
         self._lock = threading.Lock()
         self._data = {name: {} for name in names}  # name -> key -> object -> value
-        self._keys = {name: {} for name in names}  # name -> object -> its keys
+        self._keys = {name: {} for name in names}  # name -> uid -> (object, its keys)
 
     def views(self):
         """Every index by name, as kwargs."""
         return {name: Index(data, self._lock) for name, data in self._data.items()}
 
     def apply(self, name, obj, change):
-        """Folds a change of object `obj` ((namespace, name, uid)) into index `name`."""
+        """Folds a change of object `obj` ((namespace, name, uid)) into index `name`. The uid
+        alone finds an object's entries (the controller removes objects it saw vanish by uid)."""
         if change is KEEP or name not in self._data:
             return
         data, keys = self._data[name], self._keys[name]
+        uid = obj[2]
         with self._lock:
-            for key in keys.pop(obj, ()):
+            old, held = keys.pop(uid, (None, ()))
+            for key in held:
                 objects = data.get(key)
                 if objects is not None:
-                    objects.pop(obj, None)
+                    objects.pop(old, None)
                     if not objects:
                         del data[key]
             if change is REMOVE:
                 return
             for key, value in change:
                 data.setdefault(key, {})[obj] = value
-            keys[obj] = [key for key, _ in change]
+            keys[uid] = (obj, [key for key, _ in change])
 
     def clear(self):
         """Empties every index (a new connection: the controller feeds every object again)."""

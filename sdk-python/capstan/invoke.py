@@ -239,6 +239,10 @@ def _declare(fn, options):
     parent = running.call.handler
     kind = parent.kind if parent.kind in ("create", "update", "delete", "resume", "field") else "create"
     handler = build_handler(kind if kind != "field" else "update", fn, **options)
+    indexes = set(running.call.indexes.views()) if running.call.indexes is not None else set()
+    unknown = sorted(handler.wants - indexes)
+    if unknown:
+        raise RegistrationError(f"sub-handler {handler.id!r}: unknown kwarg(s) {', '.join(map(repr, unknown))}")
     if any(h.id == handler.id for h in running.declared):
         raise RegistrationError(f"sub-handler {handler.id!r} is declared twice in {parent.id!r}")
     running.declared.append(handler)
@@ -424,6 +428,9 @@ async def _run_index(running: Running, handler: Handler, logger, retry, executor
     if handler.sdk_filters:
         kwargs_all = kwargs_for(call, dataclasses.replace(handler, takes=None), running, logger, None, retry, call.started)
         if not _sdk_filters_pass(handler, kwargs_all):
+            # No longer matching: the object leaves the index, as kopf does.
+            if indexes is not None:
+                indexes.apply(handler.id, obj, REMOVE)
             return Outcome("skipped")
     try:
         value = await _execute(handler, kwargs_for(call, handler, running, logger, None, retry, call.started), executor)

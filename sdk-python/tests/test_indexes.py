@@ -110,3 +110,28 @@ def test_index_handlers_get_no_patch():
 
     with pytest.raises(capstan.RegistrationError, match=r"unknown kwarg 'patch' for index handlers"):
         registry.check()
+
+
+def test_objects_leave_by_uid_and_when_they_stop_matching():
+    registry = Registry()
+
+    @capstan.index("configmaps", registry=registry, id="by_app", when=lambda labels, **_: "app" in labels)
+    def by_app(labels, meta, **_):
+        return {labels["app"]: meta}  # the SDK's view is kept as plain data
+
+    @capstan.on.create("examples", registry=registry, id="reader")
+    def reader(by_app, **_):
+        return {app: [m["name"] for m in store] for app, store in by_app.items()}
+
+    kit = TestKit(registry)
+    kit.index("by_app", cm("a", "web"))
+    kit.index("by_app", cm("b", "web"))
+    assert kit.invoke("reader", {}).result == {"web": ["a", "b"]}
+    # Vanished while the controller was paused: only the uid is known.
+    kit.index("by_app", {"metadata": {"uid": "u-a"}}, deleted=True)
+    assert kit.invoke("reader", {}).result == {"web": ["b"]}
+    # No longer matching the SDK-side filter: the entries go.
+    unlabelled = cm("b", "web")
+    unlabelled["metadata"]["labels"] = {}
+    assert kit.index("by_app", unlabelled).status == "skipped"
+    assert kit.invoke("reader", {}).result == {}
