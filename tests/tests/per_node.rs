@@ -503,11 +503,12 @@ async fn two_operators_with_the_same_node_name_are_warned_about() -> anyhow::Res
     Ok(())
 }
 
-/// `--node-storage file:<dir>` for the node `tag` in `env`'s scratch directory.
-fn node_storage(env: &TestEnv, tag: &str) -> (PathBuf, String) {
-    let dir = env.scratch().join(format!("store-{tag}"));
+/// `--node-storage file:<dir>` for the node `node` in `env`'s scratch directory, and the
+/// directory its files are in (one per persistence prefix: `<dir>/<node>.capstan.dev`).
+fn node_storage(env: &TestEnv, node: &str) -> (PathBuf, String) {
+    let dir = env.scratch().join(format!("store-{node}"));
     let flag = format!("file:{}", dir.display());
-    (dir, flag)
+    (dir.join(format!("{node}.capstan.dev")), flag)
 }
 
 /// Waits until `done` holds for the nodes' call logs.
@@ -697,6 +698,64 @@ async fn node_local_storage_survives_a_sigkill_and_a_corrupt_file_affects_only_i
         a.count("create_a", "slow"),
         before_slow,
         "another object was handled again"
+    );
+    Ok(())
+}
+
+/// Event handlers that opted into retries keep their retry records in the node-local store:
+/// node-b's handler fails twice and is retried, node-a's runs once, and the object never
+/// carries a record of either node.
+#[tokio::test]
+async fn event_handler_retries_use_the_node_local_storage() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let (_, flag_a) = node_storage(&env, "node-a");
+    let (dir_b, flag_b) = node_storage(&env, "node-b");
+    let a = node_with(
+        &env,
+        "node-a",
+        "create,event-retry",
+        &[],
+        &["--node-storage", flag_a.as_str()],
+    )
+    .await?;
+    let b = node_with(
+        &env,
+        "node-b",
+        "create,event-retry",
+        &[("E2E_FAIL_FIRST", "2")],
+        &["--node-storage", flag_b.as_str()],
+    )
+    .await?;
+    create_example(&env, "ev", json!({}), json!({})).await?;
+    let api = examples(&env.client().await?, "default");
+    let mut seen_on_object = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while b.count("event_retry", "ev") < 3 || a.count("create_fn", "ev") < 1 || b.count("create_fn", "ev") < 1
+    {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "node-b's event handler was not retried: {} calls\n{}",
+            b.count("event_retry", "ev"),
+            tail(&b.controller.process.output(), 20)
+        );
+        let o = serde_json::to_value(api.get("ev").await?)?;
+        if let Some(m) = o.pointer("/metadata/annotations").and_then(Value::as_object) {
+            seen_on_object.extend(m.keys().filter(|k| k.contains(".capstan.dev/")).cloned());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        seen_on_object.is_empty(),
+        "node records on the object: {seen_on_object:?}"
+    );
+    let uid = uid(&env, "ev").await?;
+    assert!(dir_b.join(format!("{uid}.json")).exists());
+    assert_eq!(a.count("create_fn", "ev"), 1);
+    assert_eq!(
+        b.count("create_fn", "ev"),
+        1,
+        "a retried event handler ran the create handler again"
     );
     Ok(())
 }
