@@ -170,15 +170,17 @@ impl NodeStore {
             .write(true)
             .open(dir.join(".lock"))
             .map_err(directory)?;
-        let waiting_since = std::time::Instant::now();
+        const STEP: Duration = Duration::from_millis(500);
+        let mut waited = Duration::ZERO;
         loop {
             match lock.try_lock() {
                 Ok(()) => break,
-                Err(std::fs::TryLockError::WouldBlock) if waiting_since.elapsed() < LOCK_WAIT => {
-                    if waiting_since.elapsed() < Duration::from_secs(1) {
+                Err(std::fs::TryLockError::WouldBlock) if waited < LOCK_WAIT => {
+                    if waited.is_zero() {
                         warn!(dir = %dir.display(), "another process holds the node-local storage; waiting for it to exit");
                     }
-                    std::thread::sleep(Duration::from_millis(500));
+                    std::thread::sleep(STEP);
+                    waited += STEP;
                 }
                 Err(std::fs::TryLockError::WouldBlock) => {
                     return Err(directory(std::io::Error::new(
