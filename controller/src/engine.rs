@@ -421,6 +421,7 @@ impl Engine {
             stopped: stopped_tx,
             cancel: cancel.clone(),
             finalizer: self.settings.storage.keys.finalizer.clone(),
+            max_losses: self.hub.settings().max_losses,
         });
         let queue = Queue::new(queue::Context {
             resource: resource.clone(),

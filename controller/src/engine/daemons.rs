@@ -14,7 +14,11 @@
 //! delay or the handler's backoff (`restart_backoff` overrides it), counting attempts against
 //! `retries` and the time since the first start against `timeout`, with kopf's look-ahead: a
 //! retry that would pass either limit is not made. A daemon stopped by the controller (filter
-//! mismatch, pause, reconnect) is not done and starts again when it is wanted again.
+//! mismatch, pause, reconnect) is not done and starts again when it is wanted again. Nor is
+//! one whose handler process was lost: it starts again, not counting against its `retries`,
+//! as soon as a handler process holding it is connected; only after `max_losses` losses in a
+//! row, each soon after its start (a daemon that takes its process down), are its starts
+//! spaced out with a growing delay — it is never made done by losses.
 //!
 //! They stop when the object is deleted, stops matching the filters, or the handler is
 //! unregistered, and while dispatch is paused (shutdown, freezing, loss of leadership): first
@@ -58,6 +62,14 @@ use crate::{
 /// saturates to its far future, and the `Cancel` carries no grace period).
 const WAIT_FOREVER: Duration = Duration::MAX;
 
+/// A daemon that ran at least this long before its handler process was lost did not take the
+/// process down: its count of losses in a row starts again (see [`Losses::lost`]).
+const SETTLED: Duration = Duration::from_secs(60);
+
+/// The longest a daemon whose handler process keeps being lost soon after it starts waits
+/// before its next start.
+const LOST_BACKOFF_LIMIT: Duration = Duration::from_secs(300);
+
 /// What the daemons of one resource need.
 pub struct Context {
     /// The resource.
@@ -75,6 +87,9 @@ pub struct Context {
     pub cancel: CancellationToken,
     /// Our finalizer, which the handlers' patches cannot remove.
     pub finalizer: String,
+    /// Losses of the handler process in a row, each soon after the daemon started, after
+    /// which its starts are spaced out (the poison-pill guard for daemons).
+    pub max_losses: u32,
 }
 
 /// The daemons and timers of one resource. Cheap to clone.
@@ -346,6 +361,44 @@ fn stop(r: &Running, reason: CancelReason) {
     r.stop.cancel();
 }
 
+/// A daemon's losses of its handler process.
+#[derive(Default)]
+struct Losses {
+    /// All of them (they count in the attempt number).
+    total: u32,
+    /// In a row, each soon after the daemon started.
+    in_a_row: u32,
+}
+
+impl Losses {
+    /// Records a loss after the daemon ran for `ran`; returns how long to wait before starting
+    /// it again. A lost process is not the daemon's failure: it neither counts against the
+    /// daemon's `retries` nor makes it done, and the next start waits for a process holding
+    /// the handler. Only when the process is lost `max_losses` times in a row, each time
+    /// before the daemon ran for [`SETTLED`] — the daemon probably takes its process down —
+    /// are its starts spaced out: its backoff, doubled for each further such loss, up to
+    /// [`LOST_BACKOFF_LIMIT`]. A daemon that runs for [`SETTLED`] starts the count again.
+    fn lost(&mut self, ran: Duration, max_losses: u32, backoff: Duration) -> Duration {
+        self.total = self.total.saturating_add(1);
+        if ran >= SETTLED {
+            self.in_a_row = 0;
+        }
+        self.in_a_row = self.in_a_row.saturating_add(1);
+        let Some(beyond) = self.in_a_row.checked_sub(max_losses.max(1)) else {
+            info!(
+                losses = self.in_a_row,
+                "the handler process was lost while the daemon ran; it starts again when a handler process holding it is connected"
+            );
+            return Duration::ZERO;
+        };
+        let delay = backoff
+            .saturating_mul(2u32.saturating_pow(beyond.min(16)))
+            .min(LOST_BACKOFF_LIMIT);
+        warn!(losses = self.in_a_row, restart_in = ?delay, "the handler process was lost repeatedly soon after the daemon started; its next start is delayed");
+        delay
+    }
+}
+
 /// One running daemon or timer.
 struct Lane<'a> {
     daemons: &'a Daemons,
@@ -388,13 +441,22 @@ impl Lane<'_> {
         }
         let started = Instant::now();
         let mut restarts = 0u32;
+        let mut losses = Losses::default();
         loop {
             let (updates_tx, mut updates_rx) = mpsc::unbounded_channel::<Vec<Patch>>();
             let mut work = self.work(
                 Payload::Daemon { restarts },
                 format!("{}/{}/daemon/{restarts}", self.uid, self.reg.id),
             );
-            work.attempt = restarts + 1;
+            work.attempt = restarts.saturating_add(losses.total).saturating_add(1);
+            work.report_losses = true;
+            if losses.in_a_row > 0 {
+                work.last_error = Some(crate::model::Diagnostic::error(
+                    "HANDLER_PROCESS_LOST",
+                    "the handler process disconnected while the daemon ran",
+                ));
+            }
+            let attempt_began = Instant::now();
             let grace = match opts.cancellation_timeout {
                 Some(timeout) => opts
                     .cancellation_backoff
@@ -463,6 +525,15 @@ impl Lane<'_> {
                 _ if self.stop.is_cancelled() => return,
                 // An SDK-side filter said no: not finished; the next event asks again.
                 Outcome::Skipped => return,
+                // Not the daemon's failure: it starts again as soon as a handler process
+                // holding it is connected (the next invocation waits for one).
+                Outcome::Lost => {
+                    let delay = losses.lost(attempt_began.elapsed(), self.daemons.ctx.max_losses, backoff);
+                    if self.sleep(delay).await {
+                        return;
+                    }
+                    continue;
+                }
                 Outcome::Temporary {
                     delay: d,
                     diagnostics,
@@ -503,6 +574,7 @@ impl Lane<'_> {
                 }
             };
             restarts += 1;
+            losses.in_a_row = 0;
             // kopf's look-ahead: a retry that would pass the limits is not made.
             if self.reg.retries.is_some_and(|r| restarts >= r) {
                 self.give_up(
@@ -735,6 +807,7 @@ mod tests {
             stopped,
             cancel: cancel.clone(),
             finalizer: Keys::new("capstan.dev").finalizer,
+            max_losses: 3,
         })
     }
 
@@ -796,6 +869,77 @@ mod tests {
         assert!((20..=40).contains(&unlimited), "{unlimited} attempts");
     }
 
+    /// Attaches a handler process holding `monitor` to `hub`; returns its connection and the
+    /// first invocation it receives.
+    async fn holder(hub: &crate::grpc::Hub, monitor: &Registration) -> (crate::grpc::hub::ConnectionId, u32) {
+        let (tx, mut rx) = mpsc::channel(64);
+        let (conn, taken) = hub.attach(tx, 8, false, vec![monitor.clone()]);
+        assert!(taken.is_empty());
+        hub.open(conn);
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            let message = tokio::select! {
+                m = rx.recv() => m,
+                () = tokio::time::sleep_until(deadline) => None,
+            };
+            match message.and_then(|m| m.message) {
+                Some(capstan_proto::pb::connect_response::Message::Invocation(i)) => {
+                    return (conn, i.attempt);
+                }
+                Some(_) => {}
+                None => panic!("the daemon was not started on the reconnected handler process"),
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_daemon_starts_again_after_every_loss_of_its_handler_process() {
+        let hub = crate::grpc::Hub::default();
+        let cancel = CancellationToken::new();
+        let daemons = daemons_with(Arc::new(hub.clone()), &cancel);
+        let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
+        monitor.resource = Some(resource());
+        monitor.backoff = Duration::from_secs(1);
+        assert!(daemons.sync("u1", &example(), std::slice::from_ref(&monitor), false));
+        // Far more process restarts than the poison-pill guard's limit, each after the daemon
+        // ran for a while: none of them is the daemon's failure.
+        for _ in 0..6 {
+            let (conn, _) = holder(&hub, &monitor).await;
+            tokio::time::sleep(Duration::from_secs(120)).await;
+            hub.detach(conn);
+        }
+        let (_conn, _) = holder(&hub, &monitor).await;
+        assert_eq!(daemons.running(), 1);
+        cancel.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_daemon_whose_process_keeps_dying_at_its_start_is_started_less_often() {
+        let hub = crate::grpc::Hub::default();
+        let cancel = CancellationToken::new();
+        let daemons = daemons_with(Arc::new(hub.clone()), &cancel);
+        let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
+        monitor.resource = Some(resource());
+        monitor.backoff = Duration::from_secs(10);
+        monitor.retries = Some(1);
+        assert!(daemons.sync("u1", &example(), std::slice::from_ref(&monitor), false));
+        let mut waits = Vec::new();
+        let (mut conn, mut attempt) = holder(&hub, &monitor).await;
+        for n in 1..=5u32 {
+            assert_eq!(
+                attempt, n,
+                "losses count in the attempt number, not against retries"
+            );
+            hub.detach(conn);
+            let lost_at = Instant::now();
+            (conn, attempt) = holder(&hub, &monitor).await;
+            waits.push(lost_at.elapsed().as_secs());
+        }
+        // max_losses (3) losses in a row soon after the start: then 10 s, doubling.
+        assert_eq!(waits, [0, 0, 10, 20, 40]);
+        cancel.cancel();
+    }
+
     #[tokio::test(start_paused = true)]
     async fn progress_patches_are_coalesced_while_a_write_is_in_flight() {
         let patches = Arc::new(AtomicU32::new(0));
@@ -822,6 +966,7 @@ mod tests {
             stopped,
             cancel: cancel.clone(),
             finalizer: Keys::new("capstan.dev").finalizer,
+            max_losses: 3,
         });
         let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
         monitor.resource = Some(resource);

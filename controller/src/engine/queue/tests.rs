@@ -84,6 +84,7 @@ fn queue_of(
         stopped,
         cancel: cancel.clone(),
         finalizer: storage.keys.finalizer.clone(),
+        max_losses: 3,
     });
     Queue::new(Context {
         resource: resource(),
