@@ -20,6 +20,11 @@
 //! row, each soon after its start (a daemon that takes its process down), are its starts
 //! spaced out with a growing delay — it is never made done by losses.
 //!
+//! Which daemons are done is kept apart from the watches ([`Finished`]), so that a pause, a
+//! watch restart or a replaced engine does not start them again; an object's entries go when
+//! it is deleted, and there are entries for a bounded number of objects. The per-object state
+//! here (the latest body for the daemons' writes) exists only while something runs for it.
+//!
 //! They stop when the object is deleted, stops matching the filters, or the handler is
 //! unregistered, and while dispatch is paused (shutdown, freezing, loss of leadership): first
 //! a `Cancel`; a daemon with a `cancellation_timeout` is abandoned with a warning when it has
@@ -28,7 +33,7 @@
 //! (`ObjectUpdate`), timers get it on every tick, and both may patch their object.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     sync::Arc,
     time::{Duration, SystemTime},
 };
@@ -70,6 +75,92 @@ const SETTLED: Duration = Duration::from_secs(60);
 /// before its next start.
 const LOST_BACKOFF_LIMIT: Duration = Duration::from_secs(300);
 
+/// The most objects whose done daemons are remembered; past it, the objects that have had
+/// them longest are forgotten (their daemons could start again).
+const MAX_FINISHED_OBJECTS: usize = 100_000;
+
+/// The daemons that are done, per object and handler, for the controller's lifetime: they
+/// outlive the watches and engines that ran them (a pause, a watch restart), as kopf keeps a
+/// done daemon stopped for its process's lifetime. An object's entries go when it is deleted.
+/// Keyed by uid, which is unique in the cluster across resources. Cheap to clone.
+#[derive(Clone)]
+pub struct Finished {
+    inner: Arc<Mutex<FinishedInner>>,
+}
+
+struct FinishedInner {
+    /// Per object: when it was first remembered (an order number), and its done handlers.
+    by_uid: HashMap<String, (u64, Vec<HandlerId>)>,
+    /// The objects by when they were first remembered, for the bound.
+    order: BTreeMap<u64, String>,
+    next: u64,
+    capacity: usize,
+}
+
+impl Default for Finished {
+    fn default() -> Self {
+        Self::with_capacity(MAX_FINISHED_OBJECTS)
+    }
+}
+
+impl Finished {
+    /// Remembers the done daemons of at most `capacity` objects.
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(FinishedInner {
+                by_uid: HashMap::new(),
+                order: BTreeMap::new(),
+                next: 0,
+                capacity: capacity.max(1),
+            })),
+        }
+    }
+
+    /// Whether the daemon `id` is done for the object `uid`.
+    pub fn contains(&self, uid: &str, id: &HandlerId) -> bool {
+        self.inner
+            .lock()
+            .by_uid
+            .get(uid)
+            .is_some_and(|(_, ids)| ids.contains(id))
+    }
+
+    /// Records that the daemon `id` is done for the object `uid`.
+    fn insert(&self, uid: &str, id: &HandlerId) {
+        let mut inner = self.inner.lock();
+        if let Some((_, ids)) = inner.by_uid.get_mut(uid) {
+            if !ids.contains(id) {
+                ids.push(id.clone());
+            }
+            return;
+        }
+        let n = inner.next;
+        inner.next = n.wrapping_add(1);
+        inner.by_uid.insert(uid.to_owned(), (n, vec![id.clone()]));
+        inner.order.insert(n, uid.to_owned());
+        while inner.by_uid.len() > inner.capacity {
+            let Some((_, oldest)) = inner.order.pop_first() else {
+                break;
+            };
+            inner.by_uid.remove(&oldest);
+            warn!(object.uid = %oldest, capacity = inner.capacity, "too many objects with done daemons; the oldest is forgotten and its daemons may start again");
+        }
+    }
+
+    /// Forgets an object that is gone.
+    pub fn forget(&self, uid: &str) {
+        let mut inner = self.inner.lock();
+        if let Some((n, _)) = inner.by_uid.remove(uid) {
+            inner.order.remove(&n);
+        }
+    }
+
+    /// How many objects have done daemons.
+    pub fn objects(&self) -> usize {
+        self.inner.lock().by_uid.len()
+    }
+}
+
 /// What the daemons of one resource need.
 pub struct Context {
     /// The resource.
@@ -90,6 +181,8 @@ pub struct Context {
     /// Losses of the handler process in a row, each soon after the daemon started, after
     /// which its starts are spaced out (the poison-pill guard for daemons).
     pub max_losses: u32,
+    /// The done daemons, shared by every watch for the controller's lifetime.
+    pub finished: Finished,
 }
 
 /// The daemons and timers of one resource. Cheap to clone.
@@ -105,9 +198,6 @@ struct Object {
     essence: Value,
     deleting: bool,
     running: HashMap<HandlerId, Running>,
-    /// Daemons that are done for this object: returned, failed for good, or out of retries
-    /// or time. Never started again while this controller runs.
-    finished: Vec<HandlerId>,
 }
 
 struct Running {
@@ -135,8 +225,25 @@ impl Daemons {
             .iter()
             .filter(|h| matches!(h.kind, HandlerKind::Daemon | HandlerKind::Timer))
             .collect();
+        let subject = Subject {
+            body,
+            old: None,
+            new: None,
+        };
+        // Done daemons are looked up under the objects' lock: a daemon that ends meanwhile is
+        // either done already or still among the running.
         let mut objects = self.objects.lock();
-        if spawning.is_empty() && !objects.contains_key(uid) {
+        let wanted: Vec<bool> = spawning
+            .iter()
+            .map(|reg| {
+                !deleting
+                    && !paused
+                    && matching::prematch(reg, subject)
+                    && !self.ctx.finished.contains(uid, &reg.id)
+            })
+            .collect();
+        // An object is kept only while something runs for it.
+        if !objects.contains_key(uid) && !wanted.contains(&true) {
             return false;
         }
         let essence = self.ctx.rules.essence(body);
@@ -146,7 +253,6 @@ impl Daemons {
             essence: essence.clone(),
             deleting,
             running: HashMap::new(),
-            finished: Vec::new(),
         });
         object.body.send_replace(body.clone());
         if object.essence != essence {
@@ -155,14 +261,7 @@ impl Daemons {
         }
         object.deleting = deleting;
         object.running.retain(|_, r| !r.task.is_finished());
-        let subject = Subject {
-            body,
-            old: None,
-            new: None,
-        };
-        for reg in &spawning {
-            let matches = matching::prematch(reg, subject);
-            let wanted = matches && !deleting && !paused && !object.finished.contains(&reg.id);
+        for (reg, wanted) in spawning.iter().zip(wanted) {
             match (wanted, object.running.get(&reg.id)) {
                 (true, None) => {
                     let running = self.spawn(uid, reg, object);
@@ -186,16 +285,27 @@ impl Daemons {
                 stop(r, CancelReason::HandlerUnregistered);
             }
         }
-        !object.running.is_empty()
+        let alive = !object.running.is_empty();
+        if !alive {
+            objects.remove(uid);
+        }
+        alive
     }
 
-    /// Stops everything of an object that is gone.
+    /// Stops everything of an object that is gone, and forgets its done daemons.
     pub fn forget(&self, uid: &str) {
-        if let Some(object) = self.objects.lock().get_mut(uid) {
-            object.deleting = true;
-            for r in object.running.values() {
-                stop(r, CancelReason::ResourceDeleted);
-            }
+        let mut objects = self.objects.lock();
+        self.ctx.finished.forget(uid);
+        let Some(object) = objects.get_mut(uid) else {
+            return;
+        };
+        object.deleting = true;
+        for r in object.running.values() {
+            stop(r, CancelReason::ResourceDeleted);
+        }
+        object.running.retain(|_, r| !r.task.is_finished());
+        if object.running.is_empty() {
+            objects.remove(uid);
         }
     }
 
@@ -259,24 +369,25 @@ impl Daemons {
         Running { stop, reason, task }
     }
 
-    /// Called by a task when it ends: tells the queue when an object being deleted has no
-    /// daemons left.
+    /// Called by a task when it ends: drops an object with nothing left running, and tells
+    /// the queue when it is being deleted (its finalizer can go).
     fn exited(&self, uid: &str, id: &HandlerId) {
         let mut objects = self.objects.lock();
         let Some(object) = objects.get_mut(uid) else {
             return;
         };
         object.running.remove(id);
-        if object.running.is_empty() && object.deleting {
+        if object.running.is_empty() {
+            let deleting = object.deleting;
             objects.remove(uid);
-            let _ = self.ctx.stopped.send(uid.to_owned());
+            if deleting {
+                let _ = self.ctx.stopped.send(uid.to_owned());
+            }
         }
     }
 
     fn finished_for_good(&self, uid: &str, id: &HandlerId) {
-        if let Some(object) = self.objects.lock().get_mut(uid) {
-            object.finished.push(id.clone());
-        }
+        self.ctx.finished.insert(uid, id);
     }
 
     /// Writes a daemon's or timer's result and patches over the object's latest body.
@@ -794,6 +905,15 @@ mod tests {
     }
 
     fn daemons_with(invoker: Arc<dyn Invoker>, cancel: &CancellationToken) -> Daemons {
+        daemons_sharing(invoker, cancel, &Finished::default())
+    }
+
+    /// Daemons of one watch that share the done daemons with other watches.
+    fn daemons_sharing(
+        invoker: Arc<dyn Invoker>,
+        cancel: &CancellationToken,
+        finished: &Finished,
+    ) -> Daemons {
         let (stopped, _stopped_rx) = mpsc::unbounded_channel();
         Daemons::new(Context {
             resource: resource(),
@@ -808,6 +928,7 @@ mod tests {
             cancel: cancel.clone(),
             finalizer: Keys::new("capstan.dev").finalizer,
             max_losses: 3,
+            finished: finished.clone(),
         })
     }
 
@@ -867,6 +988,116 @@ mod tests {
         // Without a limit: about one attempt per two seconds (one per backoff after a pause).
         let unlimited = attempts_over_a_minute(temporary, None).await;
         assert!((20..=40).contains(&unlimited), "{unlimited} attempts");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_done_daemon_stays_done_across_watches_until_its_object_is_deleted() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let finished = Finished::default();
+        let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
+        monitor.resource = Some(resource());
+        // Watch after watch (a pause and resume, changed selectors, a process reconnect).
+        for _ in 0..3 {
+            let cancel = CancellationToken::new();
+            let invoker = Arc::new(Answers {
+                calls: calls.clone(),
+                outcome: || Outcome::success(None),
+            });
+            let daemons = daemons_sharing(invoker, &cancel, &finished);
+            daemons.sync("u1", &example(), std::slice::from_ref(&monitor), false);
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            cancel.cancel();
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "the daemon returned; it is done");
+        assert_eq!(finished.objects(), 1);
+        let daemons = daemons_sharing(Arc::new(Chatty), &CancellationToken::new(), &finished);
+        daemons.forget("u1");
+        assert_eq!(
+            finished.objects(),
+            0,
+            "a deleted object's done daemons are forgotten"
+        );
+    }
+
+    /// A daemon that returns at once for the object with uid `done` and runs until stopped
+    /// for the others.
+    struct ReturnsForDone;
+
+    impl Invoker for ReturnsForDone {
+        fn invoke(&self, work: Work, control: Control) -> BoxFuture<'static, Outcome> {
+            let done = work.body.as_ref().and_then(|b| b.pointer("/metadata/uid")) == Some(&json!("done"));
+            Box::pin(async move {
+                if !done {
+                    control.cancel.cancelled().await;
+                }
+                Outcome::success(None)
+            })
+        }
+    }
+
+    fn object(uid: &str, labelled: bool) -> Value {
+        let mut body = example();
+        body["metadata"]["uid"] = json!(uid);
+        if labelled {
+            body["metadata"]["labels"] = json!({"watched": "yes"});
+        }
+        body
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn objects_are_kept_only_while_a_daemon_runs_for_them() {
+        let cancel = CancellationToken::new();
+        let finished = Finished::default();
+        let daemons = daemons_sharing(Arc::new(ReturnsForDone), &cancel, &finished);
+        let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
+        monitor.resource = Some(resource());
+        monitor
+            .filters
+            .labels
+            .insert("watched".into(), crate::model::MetaMatch::Equals("yes".into()));
+        let handlers = std::slice::from_ref(&monitor);
+        for n in 0..1000 {
+            assert!(!daemons.sync(
+                &format!("u{n}"),
+                &object(&format!("u{n}"), false),
+                handlers,
+                false
+            ));
+        }
+        assert_eq!(
+            daemons.objects.lock().len(),
+            0,
+            "objects no daemon matches are not kept"
+        );
+        assert!(daemons.sync("running", &object("running", true), handlers, false));
+        assert!(daemons.sync("done", &object("done", true), handlers, false));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(
+            daemons.objects.lock().len(),
+            1,
+            "only the object with a running daemon"
+        );
+        assert_eq!(finished.objects(), 1);
+        // Both are deleted.
+        daemons.forget("running");
+        daemons.forget("done");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(daemons.objects.lock().len(), 0);
+        assert_eq!(finished.objects(), 0);
+        assert_eq!(daemons.running(), 0);
+        cancel.cancel();
+    }
+
+    #[test]
+    fn the_done_daemons_of_at_most_so_many_objects_are_remembered() {
+        let finished = Finished::with_capacity(2);
+        let id = HandlerId("monitor".into());
+        for uid in ["a", "b", "c"] {
+            finished.insert(uid, &id);
+        }
+        assert_eq!(finished.objects(), 2);
+        assert!(!finished.contains("a", &id), "the oldest is forgotten");
+        assert!(finished.contains("b", &id) && finished.contains("c", &id));
     }
 
     /// Attaches a handler process holding `monitor` to `hub`; returns its connection and the
@@ -967,6 +1198,7 @@ mod tests {
             cancel: cancel.clone(),
             finalizer: Keys::new("capstan.dev").finalizer,
             max_losses: 3,
+            finished: Finished::default(),
         });
         let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
         monitor.resource = Some(resource);

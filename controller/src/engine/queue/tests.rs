@@ -85,6 +85,7 @@ fn queue_of(
         cancel: cancel.clone(),
         finalizer: storage.keys.finalizer.clone(),
         max_losses: 3,
+        finished: super::super::daemons::Finished::default(),
     });
     Queue::new(Context {
         resource: resource(),
