@@ -238,6 +238,7 @@ impl Core {
                 .map(|(rx, _)| (self.discovery.clone(), rx.clone())),
             current: tokio::sync::Mutex::new(None),
             index_memory: engine::indexing::Carried::default(),
+            finished_daemons: engine::daemons::Finished::default(),
         })
     }
 }
@@ -519,6 +520,8 @@ struct Engines {
     current: tokio::sync::Mutex<Option<(CancellationToken, JoinHandle<()>)>>,
     /// Index feeds' state handed from each engine to the next.
     index_memory: engine::indexing::Carried,
+    /// Daemons that are done, kept across engines until the controller restarts.
+    finished_daemons: engine::daemons::Finished,
 }
 
 impl Engines {
@@ -553,7 +556,8 @@ impl Engines {
                 self.health.clone(),
             )
             .with_activities(self.activities.clone())
-            .with_index_memory(self.index_memory.clone());
+            .with_index_memory(self.index_memory.clone())
+            .with_finished_daemons(self.finished_daemons.clone());
             if let Some((discovery, crds)) = &self.discovery {
                 engine = engine.with_discovery(discovery.clone(), crds.clone());
             }

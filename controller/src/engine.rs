@@ -127,6 +127,8 @@ pub struct Engine {
     retired: parking_lot::Mutex<Vec<(ResolvedResource, TaskTracker)>>,
     /// What the index feeds of the engine this one replaces left behind.
     carried: indexing::Carried,
+    /// The daemons that are done, kept for the controller's lifetime.
+    finished_daemons: daemons::Finished,
 }
 
 /// How long a new watch of a resource waits for the workers of its stopped predecessor (their
@@ -158,7 +160,16 @@ impl Engine {
             activities: None,
             discovery: None,
             carried: indexing::Carried::default(),
+            finished_daemons: daemons::Finished::default(),
         }
+    }
+
+    /// Shares the set of done daemons with the engines before and after this one, so that a
+    /// daemon that is done stays done until the controller restarts.
+    #[must_use]
+    pub fn with_finished_daemons(mut self, finished: daemons::Finished) -> Self {
+        self.finished_daemons = finished;
+        self
     }
 
     /// Takes over what the index feeds of a replaced engine left behind (and leaves its own
@@ -421,6 +432,8 @@ impl Engine {
             stopped: stopped_tx,
             cancel: cancel.clone(),
             finalizer: self.settings.storage.keys.finalizer.clone(),
+            max_losses: self.hub.settings().max_losses,
+            finished: self.finished_daemons.clone(),
         });
         let queue = Queue::new(queue::Context {
             resource: resource.clone(),

@@ -3,7 +3,8 @@
 //! when the object changes or matches its filters anew; temporary errors restart it within its
 //! `retries` and `timeout`; a filter mismatch stops it and a new match starts it again;
 //! `initial_delay` postpones its start and `cancellation_backoff` lengthens the wait for it
-//! when it is stopped.
+//! when it is stopped; a lost handler process, however often, starts a running daemon again
+//! and never a done one.
 
 use std::time::Duration;
 
@@ -98,6 +99,31 @@ async fn a_daemon_that_returns_or_fails_for_good_is_never_started_again() -> any
     assert_eq!(s.count("monitor", "returns"), 1, "{:?}", log_lines(&s));
     assert_eq!(s.count("monitor", "fails"), 1, "{:?}", log_lines(&s));
     assert_eq!(s.count("monitor", "exhausted"), 3, "{:?}", log_lines(&s));
+    Ok(())
+}
+
+/// A lost handler process is not a daemon's failure, and a new watch (the resource loses its
+/// handlers while no process is connected) does not forget which daemons are done.
+#[tokio::test]
+async fn handler_process_restarts_start_running_daemons_again_and_never_done_ones() -> anyhow::Result<()> {
+    let mut s = Scenario::start("lifecycle-daemon", &[]).await?;
+    s.create_with("returns", json!({"finish": {"monitor": true}}), run_label())
+        .await?;
+    s.create_with("runs", json!({}), run_label()).await?;
+    s.wait("returns", T, "the daemon's result in status", |o| {
+        o.pointer("/status/monitor/finishedBy") == Some(&json!("monitor"))
+    })
+    .await?;
+    wait_count(&s, "monitor", "runs", 1).await?;
+    // More restarts than the poison-pill guard's limit (3).
+    for n in 2..=5 {
+        s.handler.kill().await?;
+        s.restart_handler().await?;
+        wait_count(&s, "monitor", "runs", n).await?;
+    }
+    stir(&s, "returns").await?;
+    tokio::time::sleep(QUIET).await;
+    assert_eq!(s.count("monitor", "returns"), 1, "{:?}", log_lines(&s));
     Ok(())
 }
 

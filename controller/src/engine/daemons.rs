@@ -14,7 +14,16 @@
 //! delay or the handler's backoff (`restart_backoff` overrides it), counting attempts against
 //! `retries` and the time since the first start against `timeout`, with kopf's look-ahead: a
 //! retry that would pass either limit is not made. A daemon stopped by the controller (filter
-//! mismatch, pause, reconnect) is not done and starts again when it is wanted again.
+//! mismatch, pause, reconnect) is not done and starts again when it is wanted again. Nor is
+//! one whose handler process was lost: it starts again, not counting against its `retries`,
+//! as soon as a handler process holding it is connected; only after `max_losses` losses in a
+//! row, each soon after its start (a daemon that takes its process down), are its starts
+//! spaced out with a growing delay — it is never made done by losses.
+//!
+//! Which daemons are done is kept apart from the watches ([`Finished`]), so that a pause, a
+//! watch restart or a replaced engine does not start them again; an object's entries go when
+//! it is deleted, and there are entries for a bounded number of objects. The per-object state
+//! here (the latest body for the daemons' writes) exists only while something runs for it.
 //!
 //! They stop when the object is deleted, stops matching the filters, or the handler is
 //! unregistered, and while dispatch is paused (shutdown, freezing, loss of leadership): first
@@ -24,7 +33,7 @@
 //! (`ObjectUpdate`), timers get it on every tick, and both may patch their object.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     sync::Arc,
     time::{Duration, SystemTime},
 };
@@ -58,6 +67,100 @@ use crate::{
 /// saturates to its far future, and the `Cancel` carries no grace period).
 const WAIT_FOREVER: Duration = Duration::MAX;
 
+/// A daemon that ran at least this long before its handler process was lost did not take the
+/// process down: its count of losses in a row starts again (see [`Losses::lost`]).
+const SETTLED: Duration = Duration::from_secs(60);
+
+/// The longest a daemon whose handler process keeps being lost soon after it starts waits
+/// before its next start.
+const LOST_BACKOFF_LIMIT: Duration = Duration::from_secs(300);
+
+/// The most objects whose done daemons are remembered; past it, the objects that have had
+/// them longest are forgotten (their daemons could start again).
+const MAX_FINISHED_OBJECTS: usize = 100_000;
+
+/// The daemons that are done, per object and handler, for the controller's lifetime: they
+/// outlive the watches and engines that ran them (a pause, a watch restart), as kopf keeps a
+/// done daemon stopped for its process's lifetime. An object's entries go when it is deleted.
+/// Keyed by uid, which is unique in the cluster across resources. Cheap to clone.
+#[derive(Clone)]
+pub struct Finished {
+    inner: Arc<Mutex<FinishedInner>>,
+}
+
+struct FinishedInner {
+    /// Per object: when it was first remembered (an order number), and its done handlers.
+    by_uid: HashMap<String, (u64, Vec<HandlerId>)>,
+    /// The objects by when they were first remembered, for the bound.
+    order: BTreeMap<u64, String>,
+    next: u64,
+    capacity: usize,
+}
+
+impl Default for Finished {
+    fn default() -> Self {
+        Self::with_capacity(MAX_FINISHED_OBJECTS)
+    }
+}
+
+impl Finished {
+    /// Remembers the done daemons of at most `capacity` objects.
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(FinishedInner {
+                by_uid: HashMap::new(),
+                order: BTreeMap::new(),
+                next: 0,
+                capacity: capacity.max(1),
+            })),
+        }
+    }
+
+    /// Whether the daemon `id` is done for the object `uid`.
+    pub fn contains(&self, uid: &str, id: &HandlerId) -> bool {
+        self.inner
+            .lock()
+            .by_uid
+            .get(uid)
+            .is_some_and(|(_, ids)| ids.contains(id))
+    }
+
+    /// Records that the daemon `id` is done for the object `uid`.
+    fn insert(&self, uid: &str, id: &HandlerId) {
+        let mut inner = self.inner.lock();
+        if let Some((_, ids)) = inner.by_uid.get_mut(uid) {
+            if !ids.contains(id) {
+                ids.push(id.clone());
+            }
+            return;
+        }
+        let n = inner.next;
+        inner.next = n.wrapping_add(1);
+        inner.by_uid.insert(uid.to_owned(), (n, vec![id.clone()]));
+        inner.order.insert(n, uid.to_owned());
+        while inner.by_uid.len() > inner.capacity {
+            let Some((_, oldest)) = inner.order.pop_first() else {
+                break;
+            };
+            inner.by_uid.remove(&oldest);
+            warn!(object.uid = %oldest, capacity = inner.capacity, "too many objects with done daemons; the oldest is forgotten and its daemons may start again");
+        }
+    }
+
+    /// Forgets an object that is gone.
+    pub fn forget(&self, uid: &str) {
+        let mut inner = self.inner.lock();
+        if let Some((n, _)) = inner.by_uid.remove(uid) {
+            inner.order.remove(&n);
+        }
+    }
+
+    /// How many objects have done daemons.
+    pub fn objects(&self) -> usize {
+        self.inner.lock().by_uid.len()
+    }
+}
+
 /// What the daemons of one resource need.
 pub struct Context {
     /// The resource.
@@ -75,6 +178,11 @@ pub struct Context {
     pub cancel: CancellationToken,
     /// Our finalizer, which the handlers' patches cannot remove.
     pub finalizer: String,
+    /// Losses of the handler process in a row, each soon after the daemon started, after
+    /// which its starts are spaced out (the poison-pill guard for daemons).
+    pub max_losses: u32,
+    /// The done daemons, shared by every watch for the controller's lifetime.
+    pub finished: Finished,
 }
 
 /// The daemons and timers of one resource. Cheap to clone.
@@ -90,9 +198,6 @@ struct Object {
     essence: Value,
     deleting: bool,
     running: HashMap<HandlerId, Running>,
-    /// Daemons that are done for this object: returned, failed for good, or out of retries
-    /// or time. Never started again while this controller runs.
-    finished: Vec<HandlerId>,
 }
 
 struct Running {
@@ -120,8 +225,25 @@ impl Daemons {
             .iter()
             .filter(|h| matches!(h.kind, HandlerKind::Daemon | HandlerKind::Timer))
             .collect();
+        let subject = Subject {
+            body,
+            old: None,
+            new: None,
+        };
+        // Done daemons are looked up under the objects' lock: a daemon that ends meanwhile is
+        // either done already or still among the running.
         let mut objects = self.objects.lock();
-        if spawning.is_empty() && !objects.contains_key(uid) {
+        let wanted: Vec<bool> = spawning
+            .iter()
+            .map(|reg| {
+                !deleting
+                    && !paused
+                    && matching::prematch(reg, subject)
+                    && !self.ctx.finished.contains(uid, &reg.id)
+            })
+            .collect();
+        // An object is kept only while something runs for it.
+        if !objects.contains_key(uid) && !wanted.contains(&true) {
             return false;
         }
         let essence = self.ctx.rules.essence(body);
@@ -131,7 +253,6 @@ impl Daemons {
             essence: essence.clone(),
             deleting,
             running: HashMap::new(),
-            finished: Vec::new(),
         });
         object.body.send_replace(body.clone());
         if object.essence != essence {
@@ -140,14 +261,7 @@ impl Daemons {
         }
         object.deleting = deleting;
         object.running.retain(|_, r| !r.task.is_finished());
-        let subject = Subject {
-            body,
-            old: None,
-            new: None,
-        };
-        for reg in &spawning {
-            let matches = matching::prematch(reg, subject);
-            let wanted = matches && !deleting && !paused && !object.finished.contains(&reg.id);
+        for (reg, wanted) in spawning.iter().zip(wanted) {
             match (wanted, object.running.get(&reg.id)) {
                 (true, None) => {
                     let running = self.spawn(uid, reg, object);
@@ -171,16 +285,27 @@ impl Daemons {
                 stop(r, CancelReason::HandlerUnregistered);
             }
         }
-        !object.running.is_empty()
+        let alive = !object.running.is_empty();
+        if !alive {
+            objects.remove(uid);
+        }
+        alive
     }
 
-    /// Stops everything of an object that is gone.
+    /// Stops everything of an object that is gone, and forgets its done daemons.
     pub fn forget(&self, uid: &str) {
-        if let Some(object) = self.objects.lock().get_mut(uid) {
-            object.deleting = true;
-            for r in object.running.values() {
-                stop(r, CancelReason::ResourceDeleted);
-            }
+        let mut objects = self.objects.lock();
+        self.ctx.finished.forget(uid);
+        let Some(object) = objects.get_mut(uid) else {
+            return;
+        };
+        object.deleting = true;
+        for r in object.running.values() {
+            stop(r, CancelReason::ResourceDeleted);
+        }
+        object.running.retain(|_, r| !r.task.is_finished());
+        if object.running.is_empty() {
+            objects.remove(uid);
         }
     }
 
@@ -244,24 +369,25 @@ impl Daemons {
         Running { stop, reason, task }
     }
 
-    /// Called by a task when it ends: tells the queue when an object being deleted has no
-    /// daemons left.
+    /// Called by a task when it ends: drops an object with nothing left running, and tells
+    /// the queue when it is being deleted (its finalizer can go).
     fn exited(&self, uid: &str, id: &HandlerId) {
         let mut objects = self.objects.lock();
         let Some(object) = objects.get_mut(uid) else {
             return;
         };
         object.running.remove(id);
-        if object.running.is_empty() && object.deleting {
+        if object.running.is_empty() {
+            let deleting = object.deleting;
             objects.remove(uid);
-            let _ = self.ctx.stopped.send(uid.to_owned());
+            if deleting {
+                let _ = self.ctx.stopped.send(uid.to_owned());
+            }
         }
     }
 
     fn finished_for_good(&self, uid: &str, id: &HandlerId) {
-        if let Some(object) = self.objects.lock().get_mut(uid) {
-            object.finished.push(id.clone());
-        }
+        self.ctx.finished.insert(uid, id);
     }
 
     /// Writes a daemon's or timer's result and patches over the object's latest body.
@@ -346,6 +472,44 @@ fn stop(r: &Running, reason: CancelReason) {
     r.stop.cancel();
 }
 
+/// A daemon's losses of its handler process.
+#[derive(Default)]
+struct Losses {
+    /// All of them (they count in the attempt number).
+    total: u32,
+    /// In a row, each soon after the daemon started.
+    in_a_row: u32,
+}
+
+impl Losses {
+    /// Records a loss after the daemon ran for `ran`; returns how long to wait before starting
+    /// it again. A lost process is not the daemon's failure: it neither counts against the
+    /// daemon's `retries` nor makes it done, and the next start waits for a process holding
+    /// the handler. Only when the process is lost `max_losses` times in a row, each time
+    /// before the daemon ran for [`SETTLED`] — the daemon probably takes its process down —
+    /// are its starts spaced out: its backoff, doubled for each further such loss, up to
+    /// [`LOST_BACKOFF_LIMIT`]. A daemon that runs for [`SETTLED`] starts the count again.
+    fn lost(&mut self, ran: Duration, max_losses: u32, backoff: Duration) -> Duration {
+        self.total = self.total.saturating_add(1);
+        if ran >= SETTLED {
+            self.in_a_row = 0;
+        }
+        self.in_a_row = self.in_a_row.saturating_add(1);
+        let Some(beyond) = self.in_a_row.checked_sub(max_losses.max(1)) else {
+            info!(
+                losses = self.in_a_row,
+                "the handler process was lost while the daemon ran; it starts again when a handler process holding it is connected"
+            );
+            return Duration::ZERO;
+        };
+        let delay = backoff
+            .saturating_mul(2u32.saturating_pow(beyond.min(16)))
+            .min(LOST_BACKOFF_LIMIT);
+        warn!(losses = self.in_a_row, restart_in = ?delay, "the handler process was lost repeatedly soon after the daemon started; its next start is delayed");
+        delay
+    }
+}
+
 /// One running daemon or timer.
 struct Lane<'a> {
     daemons: &'a Daemons,
@@ -388,13 +552,22 @@ impl Lane<'_> {
         }
         let started = Instant::now();
         let mut restarts = 0u32;
+        let mut losses = Losses::default();
         loop {
             let (updates_tx, mut updates_rx) = mpsc::unbounded_channel::<Vec<Patch>>();
             let mut work = self.work(
                 Payload::Daemon { restarts },
                 format!("{}/{}/daemon/{restarts}", self.uid, self.reg.id),
             );
-            work.attempt = restarts + 1;
+            work.attempt = restarts.saturating_add(losses.total).saturating_add(1);
+            work.report_losses = true;
+            if losses.in_a_row > 0 {
+                work.last_error = Some(crate::model::Diagnostic::error(
+                    "HANDLER_PROCESS_LOST",
+                    "the handler process disconnected while the daemon ran",
+                ));
+            }
+            let attempt_began = Instant::now();
             let grace = match opts.cancellation_timeout {
                 Some(timeout) => opts
                     .cancellation_backoff
@@ -463,6 +636,15 @@ impl Lane<'_> {
                 _ if self.stop.is_cancelled() => return,
                 // An SDK-side filter said no: not finished; the next event asks again.
                 Outcome::Skipped => return,
+                // Not the daemon's failure: it starts again as soon as a handler process
+                // holding it is connected (the next invocation waits for one).
+                Outcome::Lost => {
+                    let delay = losses.lost(attempt_began.elapsed(), self.daemons.ctx.max_losses, backoff);
+                    if self.sleep(delay).await {
+                        return;
+                    }
+                    continue;
+                }
                 Outcome::Temporary {
                     delay: d,
                     diagnostics,
@@ -503,6 +685,7 @@ impl Lane<'_> {
                 }
             };
             restarts += 1;
+            losses.in_a_row = 0;
             // kopf's look-ahead: a retry that would pass the limits is not made.
             if self.reg.retries.is_some_and(|r| restarts >= r) {
                 self.give_up(
@@ -722,6 +905,15 @@ mod tests {
     }
 
     fn daemons_with(invoker: Arc<dyn Invoker>, cancel: &CancellationToken) -> Daemons {
+        daemons_sharing(invoker, cancel, &Finished::default())
+    }
+
+    /// Daemons of one watch that share the done daemons with other watches.
+    fn daemons_sharing(
+        invoker: Arc<dyn Invoker>,
+        cancel: &CancellationToken,
+        finished: &Finished,
+    ) -> Daemons {
         let (stopped, _stopped_rx) = mpsc::unbounded_channel();
         Daemons::new(Context {
             resource: resource(),
@@ -735,6 +927,8 @@ mod tests {
             stopped,
             cancel: cancel.clone(),
             finalizer: Keys::new("capstan.dev").finalizer,
+            max_losses: 3,
+            finished: finished.clone(),
         })
     }
 
@@ -797,6 +991,187 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_done_daemon_stays_done_across_watches_until_its_object_is_deleted() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let finished = Finished::default();
+        let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
+        monitor.resource = Some(resource());
+        // Watch after watch (a pause and resume, changed selectors, a process reconnect).
+        for _ in 0..3 {
+            let cancel = CancellationToken::new();
+            let invoker = Arc::new(Answers {
+                calls: calls.clone(),
+                outcome: || Outcome::success(None),
+            });
+            let daemons = daemons_sharing(invoker, &cancel, &finished);
+            daemons.sync("u1", &example(), std::slice::from_ref(&monitor), false);
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            cancel.cancel();
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "the daemon returned; it is done");
+        assert_eq!(finished.objects(), 1);
+        let daemons = daemons_sharing(Arc::new(Chatty), &CancellationToken::new(), &finished);
+        daemons.forget("u1");
+        assert_eq!(
+            finished.objects(),
+            0,
+            "a deleted object's done daemons are forgotten"
+        );
+    }
+
+    /// A daemon that returns at once for the object with uid `done` and runs until stopped
+    /// for the others.
+    struct ReturnsForDone;
+
+    impl Invoker for ReturnsForDone {
+        fn invoke(&self, work: Work, control: Control) -> BoxFuture<'static, Outcome> {
+            let done = work.body.as_ref().and_then(|b| b.pointer("/metadata/uid")) == Some(&json!("done"));
+            Box::pin(async move {
+                if !done {
+                    control.cancel.cancelled().await;
+                }
+                Outcome::success(None)
+            })
+        }
+    }
+
+    fn object(uid: &str, labelled: bool) -> Value {
+        let mut body = example();
+        body["metadata"]["uid"] = json!(uid);
+        if labelled {
+            body["metadata"]["labels"] = json!({"watched": "yes"});
+        }
+        body
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn objects_are_kept_only_while_a_daemon_runs_for_them() {
+        let cancel = CancellationToken::new();
+        let finished = Finished::default();
+        let daemons = daemons_sharing(Arc::new(ReturnsForDone), &cancel, &finished);
+        let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
+        monitor.resource = Some(resource());
+        monitor
+            .filters
+            .labels
+            .insert("watched".into(), crate::model::MetaMatch::Equals("yes".into()));
+        let handlers = std::slice::from_ref(&monitor);
+        for n in 0..1000 {
+            assert!(!daemons.sync(
+                &format!("u{n}"),
+                &object(&format!("u{n}"), false),
+                handlers,
+                false
+            ));
+        }
+        assert_eq!(
+            daemons.objects.lock().len(),
+            0,
+            "objects no daemon matches are not kept"
+        );
+        assert!(daemons.sync("running", &object("running", true), handlers, false));
+        assert!(daemons.sync("done", &object("done", true), handlers, false));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(
+            daemons.objects.lock().len(),
+            1,
+            "only the object with a running daemon"
+        );
+        assert_eq!(finished.objects(), 1);
+        // Both are deleted.
+        daemons.forget("running");
+        daemons.forget("done");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(daemons.objects.lock().len(), 0);
+        assert_eq!(finished.objects(), 0);
+        assert_eq!(daemons.running(), 0);
+        cancel.cancel();
+    }
+
+    #[test]
+    fn the_done_daemons_of_at_most_so_many_objects_are_remembered() {
+        let finished = Finished::with_capacity(2);
+        let id = HandlerId("monitor".into());
+        for uid in ["a", "b", "c"] {
+            finished.insert(uid, &id);
+        }
+        assert_eq!(finished.objects(), 2);
+        assert!(!finished.contains("a", &id), "the oldest is forgotten");
+        assert!(finished.contains("b", &id) && finished.contains("c", &id));
+    }
+
+    /// Attaches a handler process holding `monitor` to `hub`; returns its connection and the
+    /// first invocation it receives.
+    async fn holder(hub: &crate::grpc::Hub, monitor: &Registration) -> (crate::grpc::hub::ConnectionId, u32) {
+        let (tx, mut rx) = mpsc::channel(64);
+        let (conn, taken) = hub.attach(tx, 8, false, vec![monitor.clone()]);
+        assert!(taken.is_empty());
+        hub.open(conn);
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            let message = tokio::select! {
+                m = rx.recv() => m,
+                () = tokio::time::sleep_until(deadline) => None,
+            };
+            match message.and_then(|m| m.message) {
+                Some(capstan_proto::pb::connect_response::Message::Invocation(i)) => {
+                    return (conn, i.attempt);
+                }
+                Some(_) => {}
+                None => panic!("the daemon was not started on the reconnected handler process"),
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_daemon_starts_again_after_every_loss_of_its_handler_process() {
+        let hub = crate::grpc::Hub::default();
+        let cancel = CancellationToken::new();
+        let daemons = daemons_with(Arc::new(hub.clone()), &cancel);
+        let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
+        monitor.resource = Some(resource());
+        monitor.backoff = Duration::from_secs(1);
+        assert!(daemons.sync("u1", &example(), std::slice::from_ref(&monitor), false));
+        // Far more process restarts than the poison-pill guard's limit, each after the daemon
+        // ran for a while: none of them is the daemon's failure.
+        for _ in 0..6 {
+            let (conn, _) = holder(&hub, &monitor).await;
+            tokio::time::sleep(Duration::from_secs(120)).await;
+            hub.detach(conn);
+        }
+        let (_conn, _) = holder(&hub, &monitor).await;
+        assert_eq!(daemons.running(), 1);
+        cancel.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_daemon_whose_process_keeps_dying_at_its_start_is_started_less_often() {
+        let hub = crate::grpc::Hub::default();
+        let cancel = CancellationToken::new();
+        let daemons = daemons_with(Arc::new(hub.clone()), &cancel);
+        let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
+        monitor.resource = Some(resource());
+        monitor.backoff = Duration::from_secs(10);
+        monitor.retries = Some(1);
+        assert!(daemons.sync("u1", &example(), std::slice::from_ref(&monitor), false));
+        let mut waits = Vec::new();
+        let (mut conn, mut attempt) = holder(&hub, &monitor).await;
+        for n in 1..=5u32 {
+            assert_eq!(
+                attempt, n,
+                "losses count in the attempt number, not against retries"
+            );
+            hub.detach(conn);
+            let lost_at = Instant::now();
+            (conn, attempt) = holder(&hub, &monitor).await;
+            waits.push(lost_at.elapsed().as_secs());
+        }
+        // max_losses (3) losses in a row soon after the start: then 10 s, doubling.
+        assert_eq!(waits, [0, 0, 10, 20, 40]);
+        cancel.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn progress_patches_are_coalesced_while_a_write_is_in_flight() {
         let patches = Arc::new(AtomicU32::new(0));
         let last = Arc::new(Mutex::new(Value::Null));
@@ -822,6 +1197,8 @@ mod tests {
             stopped,
             cancel: cancel.clone(),
             finalizer: Keys::new("capstan.dev").finalizer,
+            max_losses: 3,
+            finished: Finished::default(),
         });
         let mut monitor = Registration::new("monitor", HandlerKind::Daemon, None);
         monitor.resource = Some(resource);

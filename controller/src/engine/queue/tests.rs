@@ -84,6 +84,8 @@ fn queue_of(
         stopped,
         cancel: cancel.clone(),
         finalizer: storage.keys.finalizer.clone(),
+        max_losses: 3,
+        finished: super::super::daemons::Finished::default(),
     });
     Queue::new(Context {
         resource: resource(),
