@@ -277,6 +277,7 @@ impl Engine {
             self.objects.clone(),
             self.settings.watch.clone(),
             self.settings.namespaces.clone(),
+            self.health.clone(),
             self.carried.clone(),
         );
         loop {
@@ -308,7 +309,7 @@ impl Engine {
             last_gate = gate.as_ref().err().cloned();
             let groups = registry.by_resource();
             // Index handlers are fed by the indexer; the queues run everything else.
-            indexer.sync(&groups, gate.is_ok(), &cancel, &mut tasks);
+            indexer.sync(registry.all(), &groups, gate.is_ok(), &cancel, &mut tasks);
             let groups: BTreeMap<ResourceKey, Arc<Vec<Registration>>> = groups
                 .into_iter()
                 .filter_map(|(key, handlers)| {

@@ -27,15 +27,21 @@ type subhandler struct {
 
 // dispatch runs h for inv and returns the result (without its id and duration).
 func dispatch(ctx context.Context, h *handler, inv *Invocation, states []*pb.SubhandlerState) *pb.InvocationResult {
-	if h.spec.when != nil && !h.spec.when(inv) {
-		return &pb.InvocationResult{Outcome: &pb.InvocationResult_Skipped{Skipped: &pb.Skipped{}}}
-	}
 	if h.spec.kind == KindIndex && inv.IndexDeleted {
 		// The object left the index: its entries go, and the handler is not called (kopf).
 		if x := inv.indexes.get(h.spec.id, false); x != nil {
 			x.drop(inv.objectKey())
 		}
 		return &pb.InvocationResult{Outcome: &pb.InvocationResult_Success{Success: &pb.Success{}}}
+	}
+	if h.spec.when != nil && !h.spec.when(inv) {
+		if h.spec.kind == KindIndex {
+			// kopf: an object the index handler's filters reject is not in that index.
+			if x := inv.indexes.get(h.spec.id, false); x != nil {
+				x.drop(inv.objectKey())
+			}
+		}
+		return &pb.InvocationResult{Outcome: &pb.InvocationResult_Skipped{Skipped: &pb.Skipped{}}}
 	}
 	value, err := call(ctx, h.fn, inv)
 	if h.spec.kind == KindIndex {

@@ -163,3 +163,35 @@ func TestKindsTheControllerDoesNotRunStopRun(t *testing.T) {
 		t.Fatal("Run went on without a handler the controller does not run")
 	}
 }
+
+func TestAnIndexHandlerWhoseWhenRejectsTheObjectDropsItsEntries(t *testing.T) {
+	reg := capstan.NewRegistry()
+	reg.Index("configmaps", "by_app", func(_ context.Context, inv *capstan.Invocation) (any, error) {
+		labels, _ := inv.Meta()["labels"].(map[string]any)
+		return map[string]any{"app": labels["app"]}, nil
+	}, capstan.When(func(inv *capstan.Invocation) bool {
+		labels, _ := inv.Meta()["labels"].(map[string]any)
+		_, ok := labels["app"]
+		return ok
+	}))
+	reg.OnCreate(res, "lookup", func(_ context.Context, inv *capstan.Invocation) (any, error) {
+		x, err := inv.Index("by_app")
+		if err != nil {
+			return nil, err
+		}
+		return x.Get(capstan.Key("app")), nil
+	})
+	ctl := capstantest.NewController(t)
+	ctl.Serve(t, reg)
+	ctl.Invoke(t, capstantest.Invocation{Handler: "by_app", Body: labelled("a", "web")})
+	if got, want := ctl.Invoke(t, capstantest.Invocation{Handler: "lookup"}).Value, []any{"web"}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("app = %v, want %v", got, want)
+	}
+	// kopf: an object the handler's when filter rejects is not in that index.
+	if r := ctl.Invoke(t, capstantest.Invocation{Handler: "by_app", Body: labelled("a", "")}); r.Outcome != capstantest.Skipped {
+		t.Errorf("rejected = %+v", r)
+	}
+	if got := ctl.Invoke(t, capstantest.Invocation{Handler: "lookup"}).Value; got != nil {
+		t.Errorf("the rejected object kept its entries: app = %v", got)
+	}
+}

@@ -121,7 +121,7 @@ struct Inner {
     subhandlers: Option<Mutex<Vec<Subhandler>>>,
     warnings: Mutex<Vec<String>>,
     indexes: Indexes,
-    memo: Memo,
+    memo: crate::memo::Lazy,
     operator_memo: Memo,
 }
 
@@ -152,8 +152,8 @@ pub(crate) struct Parts {
     pub(crate) allow_subhandlers: bool,
     /// The process's indexes.
     pub(crate) indexes: Indexes,
-    /// The object's memo (the operator-wide one for activities).
-    pub(crate) memo: Memo,
+    /// The object's memo (the operator-wide one for activities), made when first read.
+    pub(crate) memo: crate::memo::Lazy,
     /// The operator-wide memo.
     pub(crate) operator_memo: Memo,
 }
@@ -403,7 +403,12 @@ impl Context {
     /// calls in this process, dropped when the object goes away. For activities, the
     /// operator-wide memo.
     pub fn memo(&self) -> &Memo {
-        &self.inner.memo
+        self.inner.memo.get()
+    }
+
+    /// The memo as it was handed in (not made yet if not read), for sub-handlers.
+    pub(crate) fn lazy_memo(&self) -> crate::memo::Lazy {
+        self.inner.memo.clone()
     }
 
     /// The process's indexes, for sub-handlers.
@@ -718,7 +723,7 @@ mod tests {
             outbox: Outbox::channel().0,
             allow_subhandlers: false,
             indexes: Indexes::default(),
-            memo: Memo::new(),
+            memo: crate::memo::Lazy::ready(Memo::new()),
             operator_memo: Memo::new(),
         })
     }

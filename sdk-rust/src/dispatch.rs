@@ -80,14 +80,25 @@ async fn run_inner(
         .and_then(convert::timestamp_from_pb)
         .unwrap_or_else(SystemTime::now);
     let index_of = (kind == pb::HandlerKind::Index).then(|| object_key(&invocation));
+    // The indexes this invocation's result belongs to: a new stream clears them, and a result
+    // of an invocation of the earlier stream must not land in the new ones.
+    let generation = table.indexes.generation();
+    let apply = |object: &ObjectKey, change: Change| {
+        if !table
+            .indexes
+            .apply(generation, &invocation.handler_id, object, change)
+        {
+            tracing::debug!(
+                "the indexes were rebuilt since this invocation started; its result is not applied"
+            );
+        }
+    };
     if let (Some(object), Some(pb::invocation::Payload::Index(request))) = (&index_of, &invocation.payload)
         && request.deleted
     {
         // The object left the index (deleted, or no longer matching): its entries go, and
         // the handler is not called (kopf).
-        table
-            .indexes
-            .apply(&invocation.handler_id, object, Change::Remove);
+        apply(object, Change::Remove);
         return finished(Outcome::Success(pb::Success::default()));
     }
     let uid = invocation.resource.as_ref().map_or("", |r| r.uid.as_str());
@@ -101,7 +112,7 @@ async fn run_inner(
         outbox: outbox.clone(),
         allow_subhandlers: is_change(kind),
         indexes: table.indexes.clone(),
-        memo: table.memos.object(uid),
+        memo: table.memos.lazy(uid),
         operator_memo: table.memos.operator().clone(),
     });
 
@@ -109,6 +120,10 @@ async fn run_inner(
         && !when(&ctx)
     {
         tracing::debug!("the `when` filter rejected the invocation");
+        if let Some(object) = &index_of {
+            // kopf: an object the index handler's filters reject is not in that index.
+            apply(object, Change::Remove);
+        }
         return finished(Outcome::Skipped(pb::Skipped {}));
     }
 
@@ -144,7 +159,7 @@ async fn run_inner(
             }
             Err(_) => Change::Remove,
         };
-        table.indexes.apply(&invocation.handler_id, object, change);
+        apply(object, change);
     }
     let output = match outcome {
         Ok(output) => output,
@@ -236,4 +251,53 @@ fn is_change(kind: pb::HandlerKind) -> bool {
 
 fn is_admission(kind: pb::HandlerKind) -> bool {
     matches!(kind, pb::HandlerKind::Validate | pb::HandlerKind::Mutate)
+}
+
+#[cfg(all(test, feature = "testing"))]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::Arc;
+
+    use serde_json::json;
+    use tokio::sync::Notify;
+
+    use super::*;
+    use crate::{Registry, testing::InvocationBuilder};
+
+    #[tokio::test]
+    async fn an_index_result_of_an_earlier_stream_is_not_applied() {
+        let release = Arc::new(Notify::new());
+        let mut registry = Registry::new();
+        registry.index("configmaps", "by_name", {
+            let release = release.clone();
+            move |ctx: Context| {
+                let release = release.clone();
+                async move {
+                    release.notified().await;
+                    Ok::<_, HandlerError>(json!({"name": ctx.name()}))
+                }
+            }
+        });
+        let table = Arc::new(registry.into_table().unwrap());
+        let mut invocation = InvocationBuilder::index(
+            json!({"metadata": {"name": "a", "namespace": "default", "uid": "uid-a"}}),
+        )
+        .build();
+        invocation.handler_id = "by_name".to_owned();
+        let running = tokio::spawn({
+            let table = table.clone();
+            async move { run(&table, invocation, Control::new(), Outbox::channel().0).await }
+        });
+        tokio::task::yield_now().await;
+        // A new stream starts: the indexes start over, and the old stream's invocation ends
+        // only afterwards.
+        table.indexes.clear();
+        release.notify_one();
+        running.await.unwrap();
+        assert_eq!(
+            table.indexes.get("by_name").unwrap().objects(),
+            0,
+            "a result of the earlier stream went into the new stream's index"
+        );
+    }
 }

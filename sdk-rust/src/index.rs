@@ -26,11 +26,16 @@
 //! tests measures it.
 //!
 //! A new connection to the controller starts with empty indexes: the controller feeds every
-//! object again before any other handler of this process runs.
+//! object again before any other handler of this process runs. An index invocation of the
+//! earlier stream that finishes after that changes nothing: each invocation applies its result
+//! only to the indexes of the stream it started in (a generation that every clear advances).
 
 use std::{
     collections::{BTreeMap, HashMap},
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
 };
 
 use parking_lot::RwLock;
@@ -261,6 +266,9 @@ impl<'a> IntoIterator for &'a Store {
 #[derive(Clone, Default)]
 pub(crate) struct Indexes {
     by_name: Arc<HashMap<String, Index>>,
+    /// Advanced by every [`Indexes::clear`]: results of invocations that started before a
+    /// clear are not applied after it.
+    generation: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Indexes {
@@ -287,6 +295,7 @@ impl Indexes {
                     })
                     .collect(),
             ),
+            generation: Arc::default(),
         }
     }
 
@@ -302,15 +311,30 @@ impl Indexes {
         names
     }
 
-    /// Applies one invocation's change to the index `name` for `object`.
-    pub(crate) fn apply(&self, name: &str, object: &ObjectKey, change: Change) {
-        if let Some(index) = self.by_name.get(name) {
-            index.data.write().apply(object, change);
+    /// The current generation: take it when an invocation starts, apply with it.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    /// Applies one invocation's change to the index `name` for `object`, unless the indexes
+    /// were cleared since `generation`. Returns whether it was applied.
+    pub(crate) fn apply(&self, generation: u64, name: &str, object: &ObjectKey, change: Change) -> bool {
+        let Some(index) = self.by_name.get(name) else {
+            return false;
+        };
+        let mut data = index.data.write();
+        // Checked under the index's lock, which `clear` takes after advancing the generation:
+        // a change either lands before the clear empties the index or not at all.
+        if self.generation() != generation {
+            return false;
         }
+        data.apply(object, change);
+        true
     }
 
     /// Empties every index (a new connection: the controller feeds everything again).
     pub(crate) fn clear(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
         for index in self.by_name.values() {
             *index.data.write() = Data::default();
         }
@@ -337,9 +361,9 @@ mod tests {
         let indexes = Indexes::new(["by_app"]);
         let index = indexes.get("by_app").unwrap();
         let change = |v: Value| Change::from_result(Some(&v));
-        indexes.apply("by_app", &obj("a"), change(json!({"web": "a", "db": null})));
-        indexes.apply("by_app", &obj("b"), change(json!({"web": "b"})));
-        indexes.apply("by_app", &obj("c"), change(json!("plain")));
+        indexes.apply(0, "by_app", &obj("a"), change(json!({"web": "a", "db": null})));
+        indexes.apply(0, "by_app", &obj("b"), change(json!({"web": "b"})));
+        indexes.apply(0, "by_app", &obj("c"), change(json!("plain")));
         assert_eq!(index.get("web").unwrap().values(), [json!("a"), json!("b")]);
         assert_eq!(
             index.get("db").unwrap().values(),
@@ -349,11 +373,11 @@ mod tests {
         assert_eq!(index.get_none().unwrap().values(), [json!("plain")]);
         assert_eq!(index.keys(), vec![None, Some("db".into()), Some("web".into())]);
         // No result: the object keeps its entries.
-        indexes.apply("by_app", &obj("a"), Change::from_result(None));
-        indexes.apply("by_app", &obj("a"), Change::from_result(Some(&Value::Null)));
+        indexes.apply(0, "by_app", &obj("a"), Change::from_result(None));
+        indexes.apply(0, "by_app", &obj("a"), Change::from_result(Some(&Value::Null)));
         assert_eq!(index.get("web").unwrap().len(), 2);
         // A new result replaces the object's entries; empty stores disappear.
-        indexes.apply("by_app", &obj("a"), change(json!({"api": 1})));
+        indexes.apply(0, "by_app", &obj("a"), change(json!({"api": 1})));
         assert_eq!(index.get("web").unwrap().values(), [json!("b")]);
         assert!(index.get("db").is_none());
         assert!(index.contains_key("api"));
@@ -362,7 +386,7 @@ mod tests {
             name: String::new(),
             uid: "uid-b".into(),
         };
-        indexes.apply("by_app", &by_uid, Change::Remove);
+        indexes.apply(0, "by_app", &by_uid, Change::Remove);
         assert!(index.get("web").is_none(), "the uid alone removes an object");
         assert_eq!(index.objects(), 2);
         indexes.clear();
@@ -371,10 +395,26 @@ mod tests {
     }
 
     #[test]
+    fn a_change_from_before_a_clear_is_not_applied() {
+        let indexes = Indexes::new(["i"]);
+        let before = indexes.generation();
+        indexes.clear();
+        assert!(!indexes.apply(before, "i", &obj("a"), Change::from_result(Some(&json!(1)))));
+        assert!(indexes.get("i").unwrap().is_empty());
+        assert!(indexes.apply(
+            indexes.generation(),
+            "i",
+            &obj("a"),
+            Change::from_result(Some(&json!(1)))
+        ));
+        assert!(!indexes.get("i").unwrap().is_empty());
+    }
+
+    #[test]
     fn an_empty_object_result_holds_nothing() {
         let indexes = Indexes::new(["i"]);
-        indexes.apply("i", &obj("a"), Change::from_result(Some(&json!({"k": 1}))));
-        indexes.apply("i", &obj("a"), Change::from_result(Some(&json!({}))));
+        indexes.apply(0, "i", &obj("a"), Change::from_result(Some(&json!({"k": 1}))));
+        indexes.apply(0, "i", &obj("a"), Change::from_result(Some(&json!({}))));
         let index = indexes.get("i").unwrap();
         assert!(index.is_empty());
         assert_eq!(index.objects(), 0);

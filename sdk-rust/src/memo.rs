@@ -1,8 +1,9 @@
 //! Memos (kopf's `memo`): runtime-only values kept in this process between handler calls.
 //!
-//! Every object has its own [`Memo`], which lives from the first invocation for the object
-//! until the controller says the object is gone (`ObjectGone`; without that capability, until
-//! the process ends). It starts as a shallow copy of the operator-wide memo
+//! Every object has its own [`Memo`], which lives from the first time a handler reads it until
+//! the controller says the object is gone (`ObjectGone`). An invocation whose handler never
+//! reads the memo (an index handler, typically) makes none. It starts as a shallow copy of the
+//! operator-wide memo
 //! ([`crate::Registry::memo`]): the same values, shared, under the same keys; keys added later
 //! to either side stay on that side. Activities (startup, cleanup, login, probe) get the
 //! operator-wide memo itself, as in kopf.
@@ -10,16 +11,26 @@
 //! Values are any `Send + Sync + 'static` Rust value (a client, a channel, a counter), stored
 //! behind an `Arc`; nothing is serialised, nothing is written to the cluster. A new connection
 //! to the controller keeps the memos: they belong to the process, not to the stream.
+//!
+//! # Bound
+//!
+//! `ObjectGone` is best effort (a congested stream misses it, an older controller never sends
+//! it), so the objects' memos are bounded: at most [`MAX_OBJECT_MEMOS`] objects keep one, and
+//! beyond that the memo of the object whose handlers read it least recently is dropped (that
+//! object starts again from a copy of the operator-wide memo).
 
 use std::{
     any::Any,
     collections::{BTreeMap, HashMap},
-    sync::Arc,
+    sync::{Arc, OnceLock},
 };
 
 use parking_lot::Mutex;
 
 type Value = Arc<dyn Any + Send + Sync>;
+
+/// At most this many objects keep a memo (see the module docs).
+pub(crate) const MAX_OBJECT_MEMOS: usize = 65_536;
 
 /// A map of runtime values (kopf's `kopf.Memo`). Cheap to clone: clones share the same map.
 #[derive(Clone, Default)]
@@ -99,18 +110,47 @@ impl Memo {
 }
 
 /// The operator-wide memo and the memos of the objects seen, by uid.
-#[derive(Clone, Default, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Memos {
     operator: Memo,
-    objects: Arc<Mutex<HashMap<String, Memo>>>,
+    objects: Arc<Mutex<Objects>>,
+}
+
+/// The objects' memos, with the order in which they were last used.
+#[derive(Debug)]
+struct Objects {
+    /// Memo and last use, by uid.
+    by_uid: HashMap<String, (Memo, u64)>,
+    /// Uids by last use, least recent first.
+    by_use: BTreeMap<u64, String>,
+    /// The last use handed out.
+    clock: u64,
+    /// At most this many memos.
+    capacity: usize,
+}
+
+impl Default for Memos {
+    fn default() -> Self {
+        Self::new(Memo::new())
+    }
 }
 
 impl Memos {
     /// Memos starting from `operator`.
     pub(crate) fn new(operator: Memo) -> Self {
+        Self::with_capacity(operator, MAX_OBJECT_MEMOS)
+    }
+
+    /// Memos starting from `operator`, for at most `capacity` objects.
+    pub(crate) fn with_capacity(operator: Memo, capacity: usize) -> Self {
         Self {
             operator,
-            objects: Arc::default(),
+            objects: Arc::new(Mutex::new(Objects {
+                by_uid: HashMap::new(),
+                by_use: BTreeMap::new(),
+                clock: 0,
+                capacity: capacity.max(1),
+            })),
         }
     }
 
@@ -124,21 +164,77 @@ impl Memos {
         if uid.is_empty() {
             return self.operator.clone();
         }
-        self.objects
-            .lock()
-            .entry(uid.to_owned())
-            .or_insert_with(|| self.operator.shallow_copy())
-            .clone()
+        let mut objects = self.objects.lock();
+        objects.clock += 1;
+        let now = objects.clock;
+        if let Some((memo, used)) = objects.by_uid.get_mut(uid) {
+            let (memo, before) = (memo.clone(), std::mem::replace(used, now));
+            objects.by_use.remove(&before);
+            objects.by_use.insert(now, uid.to_owned());
+            return memo;
+        }
+        while objects.by_uid.len() >= objects.capacity {
+            let Some((_, oldest)) = objects.by_use.pop_first() else {
+                break;
+            };
+            objects.by_uid.remove(&oldest);
+        }
+        let memo = self.operator.shallow_copy();
+        objects.by_uid.insert(uid.to_owned(), (memo.clone(), now));
+        objects.by_use.insert(now, uid.to_owned());
+        memo
+    }
+
+    /// The memo of the object `uid`, made only when a handler reads it.
+    pub(crate) fn lazy(&self, uid: &str) -> Lazy {
+        Lazy(Arc::new(LazyInner {
+            memos: self.clone(),
+            uid: uid.to_owned(),
+            memo: OnceLock::new(),
+        }))
     }
 
     /// Drops the memo of an object that went away.
     pub(crate) fn forget(&self, uid: &str) -> bool {
-        self.objects.lock().remove(uid).is_some()
+        let mut objects = self.objects.lock();
+        let Some((_, used)) = objects.by_uid.remove(uid) else {
+            return false;
+        };
+        objects.by_use.remove(&used);
+        true
     }
 
     /// How many objects have a memo.
     pub(crate) fn objects(&self) -> usize {
-        self.objects.lock().len()
+        self.objects.lock().by_uid.len()
+    }
+}
+
+/// An invocation's memo, made on first read (cheap to clone: clones share it).
+#[derive(Clone, Debug)]
+pub(crate) struct Lazy(Arc<LazyInner>);
+
+#[derive(Debug)]
+struct LazyInner {
+    memos: Memos,
+    uid: String,
+    memo: OnceLock<Memo>,
+}
+
+impl Lazy {
+    /// A memo that is already there.
+    #[cfg(test)]
+    pub(crate) fn ready(memo: Memo) -> Self {
+        Self(Arc::new(LazyInner {
+            memos: Memos::with_capacity(Memo::new(), 1),
+            uid: String::new(),
+            memo: OnceLock::from(memo),
+        }))
+    }
+
+    /// The memo, made now if it was not yet.
+    pub(crate) fn get(&self) -> &Memo {
+        self.0.memo.get_or_init(|| self.0.memos.object(&self.0.uid))
     }
 }
 
@@ -199,5 +295,40 @@ mod tests {
             memos.object("").contains_key("shared"),
             "no object: the operator memo"
         );
+    }
+
+    #[test]
+    fn memos_are_bounded_and_the_least_recently_used_goes_first() {
+        let memos = Memos::with_capacity(Memo::new(), 3);
+        for uid in ["a", "b", "c"] {
+            memos.object(uid).insert("own", uid);
+        }
+        memos.object("a");
+        memos.object("d");
+        assert_eq!(memos.objects(), 3);
+        assert!(memos.object("a").contains_key("own"), "used recently: kept");
+        assert!(
+            !memos.object("b").contains_key("own"),
+            "least recently used: dropped"
+        );
+        // Making b's memo again dropped the next least recently used: c.
+        assert!(!memos.forget("c"));
+        assert!(memos.forget("d"));
+        assert_eq!(memos.objects(), 2, "a and b");
+        let full = Memos::new(Memo::new());
+        for n in 0..MAX_OBJECT_MEMOS + 10 {
+            full.object(&format!("uid-{n}"));
+        }
+        assert_eq!(full.objects(), MAX_OBJECT_MEMOS);
+    }
+
+    #[test]
+    fn a_lazy_memo_is_made_on_first_read() {
+        let memos = Memos::new(Memo::new());
+        let lazy = memos.lazy("uid-a");
+        assert_eq!(memos.objects(), 0);
+        lazy.clone().get().insert("k", 1_u8);
+        assert_eq!(memos.objects(), 1);
+        assert!(lazy.get().contains_key("k"), "clones share it");
     }
 }

@@ -211,7 +211,7 @@ impl Run<'_> {
             outbox: self.outbox.clone(),
             allow_subhandlers: depth < MAX_DEPTH,
             indexes: parent.indexes(),
-            memo: parent.memo().clone(),
+            memo: parent.lazy_memo(),
             operator_memo: parent.operator_memo().clone(),
         });
         let outcome = match classify::call_guarded(sub.handler.call(child.clone())).await {

@@ -219,3 +219,32 @@ async fn memos_are_per_object_and_start_from_the_operator_memo() {
         "activities get the operator memo"
     );
 }
+
+#[tokio::test]
+async fn a_when_filter_that_rejects_the_object_removes_its_entries() {
+    let mut registry = Registry::new();
+    registry
+        .index(CM, "by_app", |ctx: Context| async move {
+            let app = ctx.labels().get("app").cloned().unwrap_or(Value::Null);
+            Ok::<_, HandlerError>(json!({"app": app}))
+        })
+        .when(|ctx| ctx.labels().contains_key("app"));
+    let kit = TestKit::new(registry);
+    kit.index_object(cm("a", Some("web"))).await;
+    let index = kit.index("by_app").unwrap();
+    assert_eq!(index.objects(), 1);
+    // kopf: a handler whose `when` no longer matches drops the object's entries.
+    let outcomes = kit.index_object(cm("a", None)).await;
+    assert_eq!(outcomes.get("by_app").unwrap().kind(), OutcomeKind::Skipped);
+    assert_eq!(index.objects(), 0, "the rejected object kept its entries");
+}
+
+#[tokio::test]
+async fn index_invocations_make_no_memos() {
+    let kit = TestKit::new(registry());
+    for n in 0..10 {
+        kit.index_object(cm(&format!("cm{n}"), Some("web"))).await;
+    }
+    assert_eq!(kit.index("by_app").unwrap().objects(), 10);
+    assert_eq!(kit.memos(), 0, "every indexed object got a memo it never used");
+}

@@ -22,10 +22,17 @@
 //!
 //! The hub holds every resource invocation of a handler process that registered index
 //! handlers (except the index handlers themselves and admission) until the process's indexes
-//! are *built*: each feed's watches have listed, and every listed object went through every
-//! index handler once — whatever the outcome, so that a failing index handler never holds the
-//! gate forever (kopf's rule). An index handler whose resource is not served yet holds
+//! are *built*: each feed's watches have listed, and every object of that initial listing went
+//! through every index handler once — whatever the outcome, so that a failing index handler
+//! never holds the gate forever, and whatever came after, so that a busy resource does not
+//! either (kopf's rule; [`building`]). An index handler whose resource is not served yet holds
 //! nothing. Activities (startup, login, probe, cleanup) are never held.
+//!
+//! A resource the feed cannot list (RBAC refuses it) would hold the process forever: the gate
+//! opens then, with a warning, as soon as the listing is refused or after
+//! [`building::LISTING_DEADLINE`]; the feed keeps trying. Each feed's watches are health checks
+//! as the resource watches are: `index/<resource>/<connection>` (liveness: refused or wedged)
+//! and `…/synced` (readiness: listed).
 //!
 //! # Failures
 //!
@@ -49,17 +56,20 @@
 //! # Memory
 //!
 //! Per indexed object the controller keeps its uid and a bit mask of the index handlers that
-//! hold entries for it (about 100 bytes); bodies only for objects whose retry is pending.
+//! hold entries for it (about 100 bytes); bodies only for objects whose retry is pending; until
+//! the index is built, the uids of the listed objects still to go through.
+
+mod building;
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     sync::Arc,
     time::{Duration, SystemTime},
 };
 
 use parking_lot::Mutex;
 use serde_json::Value;
-use tokio::{sync::mpsc, task::JoinSet};
+use tokio::{sync::mpsc, task::JoinSet, time::MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
@@ -74,13 +84,14 @@ use crate::{
     grpc::{Control, Hub, hub::ConnectionId},
     k8s::{objects::Objects, watch as k8s_watch},
     model::{EventType, HandlerId, Outcome, Payload, Registration, ResolvedResource, Work},
+    observability::health::{Check, Health},
     persistence::ProgressRecord,
 };
 
 /// At most this many objects of one feed are being indexed at once.
 pub const MAX_IN_FLIGHT: usize = 64;
 
-/// How often a feed that is not built yet checks whether it is.
+/// How often a feed whose watches have not listed yet looks at them.
 const BUILT_POLL: Duration = Duration::from_millis(50);
 
 /// The progress purpose of index handlers' in-memory records.
@@ -151,7 +162,7 @@ impl Carried {
         }
     }
 
-    fn retain_connections(&self, open: &std::collections::HashSet<ConnectionId>) {
+    fn retain_connections(&self, open: &HashSet<ConnectionId>) {
         self.0.lock().retain(|(_, conn), _| open.contains(conn));
     }
 }
@@ -160,6 +171,8 @@ impl Carried {
 struct Feed {
     handlers: Vec<Registration>,
     cancel: CancellationToken,
+    /// The health checks of its watches.
+    checks: Checks,
 }
 
 /// Feeds the index handlers of connected handler processes (see the module docs).
@@ -168,22 +181,26 @@ pub struct Indexer {
     objects: Objects,
     watch: k8s_watch::Settings,
     namespaces: Namespaces,
+    health: Health,
     feeds: HashMap<FeedKey, Feed>,
     next_id: u64,
     carried: Carried,
 }
 
 impl Indexer {
-    /// An indexer with no feeds, taking over what the feeds of earlier engines left.
+    /// An indexer with no feeds, taking over what the feeds of earlier engines left; its
+    /// feeds' watches report to `health`.
     pub fn new(
         hub: Hub,
         objects: Objects,
         watch: k8s_watch::Settings,
         namespaces: Namespaces,
+        health: Health,
         carried: Carried,
     ) -> Self {
         Self {
             carried,
+            health,
             shared: Arc::new(Shared {
                 hub,
                 feeds: Mutex::new(HashMap::new()),
@@ -196,12 +213,16 @@ impl Indexer {
         }
     }
 
-    /// Brings the feeds in line with the index handlers of the known registrations (`groups`,
-    /// by resource) and the connections that own them now. `watching` is false while
-    /// operator activities hold all watching: no feed starts then. Feeds of handlers whose
-    /// connection changed (a reconnect) start over.
+    /// Brings the feeds in line with the index handlers of the known registrations (`known`,
+    /// and the resolved ones by resource in `groups`: one snapshot) and the connections that
+    /// own them now. `watching` is false while operator activities hold all watching: no feed
+    /// starts then. Feeds of handlers whose connection changed (a reconnect) start over.
+    ///
+    /// A connection that opened after the snapshot was taken has index handlers the snapshot
+    /// does not know: its gate stays shut until a sync with a snapshot that knows them.
     pub fn sync(
         &mut self,
+        known: &[Registration],
         groups: &BTreeMap<ResourceKey, Arc<Vec<Registration>>>,
         watching: bool,
         cancel: &CancellationToken,
@@ -232,6 +253,7 @@ impl Indexer {
             if let Some(feed) = self.feeds.remove(&key) {
                 debug!(resource = %key.0.plural, connection = key.1, "index feed stopped");
                 feed.cancel.cancel();
+                feed.checks.remove();
             }
             self.shared.feeds.lock().remove(&key);
         }
@@ -254,7 +276,24 @@ impl Indexer {
                     },
                 );
                 let feed_cancel = cancel.child_token();
+                let scopes: Vec<Option<String>> = match self.namespaces.exact() {
+                    Some(names) if resource.namespaced => names.into_iter().map(Some).collect(),
+                    _ => vec![None],
+                };
+                let mut checks = Checks {
+                    health: self.health.clone(),
+                    names: Vec::new(),
+                };
+                let watches: Vec<(Option<String>, k8s_watch::Status)> = scopes
+                    .into_iter()
+                    .map(|scope| {
+                        let status = k8s_watch::Status::default();
+                        checks.register(&resource, key.1, scope.as_deref(), &status);
+                        (scope, status)
+                    })
+                    .collect();
                 let run = FeedTask {
+                    watches,
                     shared: self.shared.clone(),
                     key: key.clone(),
                     id,
@@ -276,16 +315,24 @@ impl Indexer {
                     Feed {
                         handlers,
                         cancel: feed_cancel,
+                        checks,
                     },
                 );
             }
         }
         // Index handlers with no feed to wait for (their resource is not served yet): built.
+        // Only those of the snapshot: the others have no feed yet because the snapshot does
+        // not know them, not because they need none.
         if watching {
+            let snapshot: HashSet<&HandlerId> = known
+                .iter()
+                .filter(|r| r.kind == crate::model::HandlerKind::Index)
+                .map(|r| &r.id)
+                .collect();
             let feeds = self.shared.feeds.lock();
             let ready: Vec<(HandlerId, ConnectionId)> = owners
                 .into_iter()
-                .filter(|(h, c)| Shared::all_built(&feeds, h, *c))
+                .filter(|(h, c)| snapshot.contains(h) && Shared::all_built(&feeds, h, *c))
                 .collect();
             drop(feeds);
             for (handler, conn) in ready {
@@ -298,6 +345,7 @@ impl Indexer {
     pub fn stop(&mut self) {
         for (_, feed) in self.feeds.drain() {
             feed.cancel.cancel();
+            feed.checks.remove();
         }
         self.shared.feeds.lock().clear();
     }
@@ -305,6 +353,8 @@ impl Indexer {
 
 /// One feed's task.
 struct FeedTask {
+    /// Its watches: the namespace (or all) and the status each reports.
+    watches: Vec<(Option<String>, k8s_watch::Status)>,
     shared: Arc<Shared>,
     key: FeedKey,
     id: u64,
@@ -374,9 +424,11 @@ struct State {
     tracked: HashMap<Box<str>, Tracked>,
     running: JoinSet<Done>,
     /// Objects with a retry pending (a subset of `tracked`).
-    waiting: std::collections::HashSet<Box<str>>,
+    waiting: HashSet<Box<str>>,
     /// Objects an earlier feed left as possibly holding entries and not listed (yet).
     previous: Masks,
+    /// Those of `previous` that the listing did not return: removed as room allows.
+    vanished: Vec<(Box<str>, u64)>,
 }
 
 /// One invocation to make for an object.
@@ -395,16 +447,11 @@ struct Done {
 
 impl FeedTask {
     async fn run(self) {
-        let scopes: Vec<Option<String>> = match self.namespaces.exact() {
-            Some(names) if self.resource.namespaced => names.into_iter().map(Some).collect(),
-            _ => vec![None],
-        };
         let (label_selector, field_selector) = super::common_selectors(&self.handlers);
         let (tx, mut rx) = mpsc::channel::<k8s_watch::Event>(1024);
         let mut watches = JoinSet::new();
         let mut statuses = Vec::new();
-        for scope in scopes {
-            let status = k8s_watch::Status::default();
+        for (scope, status) in &self.watches {
             statuses.push(status.clone());
             let api = self.objects.api(&self.resource, scope.as_deref());
             let w = k8s_watch::Watch::new(
@@ -412,7 +459,7 @@ impl FeedTask {
                 label_selector.clone(),
                 field_selector.clone(),
                 self.watch.clone(),
-                status,
+                status.clone(),
             );
             watches.spawn(w.run(tx.clone(), self.cancel.clone()));
         }
@@ -421,44 +468,88 @@ impl FeedTask {
             previous: self.carried.take(&self.key),
             ..State::default()
         };
-        let mut built = false;
+        let mut building = building::Building::new(tokio::time::Instant::now() + building::LISTING_DEADLINE);
+        // One interval for the feed's life: other events never postpone its ticks.
+        let mut poll = tokio::time::interval(BUILT_POLL);
+        poll.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut swept = false;
         let mut next_retry: Option<SystemTime> = None;
         loop {
             let retry_in = next_retry.map(|t| t.duration_since(SystemTime::now()).unwrap_or_default());
+            let room = state.running.len() < MAX_IN_FLIGHT;
             tokio::select! {
                 () = self.cancel.cancelled() => break,
-                event = rx.recv(), if state.running.len() < MAX_IN_FLIGHT => match event {
+                event = rx.recv(), if room => match event {
                     Some(e) => {
+                        let uid = e.body.pointer("/metadata/uid").and_then(Value::as_str).map(str::to_owned);
+                        if let Some(uid) = &uid {
+                            building.received(e.event_type, uid);
+                        }
                         let ns = e.body.pointer("/metadata/namespace").and_then(Value::as_str).unwrap_or_default();
                         if self.namespaces.serves(ns) {
                             self.observe(&mut state, e.event_type, e.body);
+                        }
+                        // Nothing to run for it (no handler matched, or nothing to remove).
+                        if let Some(uid) = &uid
+                            && !state.tracked.get(uid.as_str()).is_some_and(|t| t.busy)
+                        {
+                            building.indexed(uid);
                         }
                     }
                     None => break,
                 },
                 Some(done) = state.running.join_next() => {
                     if let Ok(done) = done {
+                        building.indexed(&done.uid);
                         self.finish(&mut state, done);
                     }
                     next_retry = next_due(&state);
                 }
-                () = sleep_opt(retry_in) => {
+                () = sleep_opt(retry_in), if room => {
                     self.retry_due(&mut state);
                     next_retry = next_due(&state);
                 }
-                () = tokio::time::sleep(BUILT_POLL), if !built => {
-                    if statuses.iter().all(k8s_watch::Status::is_synced) && rx.is_empty() && state.running.is_empty() {
-                        built = true;
-                        self.sweep(&mut state);
-                        info!(objects = state.tracked.len(), "indexes built from the initial listing");
-                        self.shared.built(&self.key, self.id);
+                _ = poll.tick(), if building.polling() => {
+                    let listed = statuses.iter().all(k8s_watch::Status::is_synced);
+                    let refused = statuses.iter().filter(|s| !s.is_synced()).find_map(k8s_watch::Status::problem);
+                    match building.poll(listed, refused, rx.len(), tokio::time::Instant::now()) {
+                        Some(building::Unlisted::Refused(problem)) => {
+                            warn!(%problem, "the API server refuses to list the indexed resource; the handler process's \
+                                other handlers run without this index (it fills once the listing succeeds)");
+                            self.shared.built(&self.key, self.id);
+                        }
+                        Some(building::Unlisted::Late) => {
+                            warn!(deadline = ?building::LISTING_DEADLINE, "the indexed resource was not listed in time; \
+                                the handler process's other handlers run without this index (it fills once the listing succeeds)");
+                            self.shared.built(&self.key, self.id);
+                        }
+                        None => {}
                     }
                 }
+            }
+            if building.listed() && !swept {
+                swept = true;
+                state.vanished = state.previous.drain().collect();
+                if !state.vanished.is_empty() {
+                    info!(
+                        objects = state.vanished.len(),
+                        "objects that vanished while the indexes were not fed are removed"
+                    );
+                }
+            }
+            self.sweep(&mut state);
+            if building.built() {
+                info!(
+                    objects = state.tracked.len(),
+                    "indexes built from the initial listing"
+                );
+                self.shared.built(&self.key, self.id);
             }
         }
         state.running.abort_all();
         watches.abort_all();
         let mut left: Masks = std::mem::take(&mut state.previous);
+        left.extend(std::mem::take(&mut state.vanished));
         left.extend(
             state
                 .tracked
@@ -470,16 +561,12 @@ impl FeedTask {
     }
 
     /// After the listing: the objects an earlier feed left that were not listed are gone;
-    /// their entries are removed.
+    /// their entries are removed, as many at once as the feed's bound leaves room for.
     fn sweep(&self, state: &mut State) {
-        let vanished: Vec<(Box<str>, u64)> = state.previous.drain().collect();
-        if !vanished.is_empty() {
-            info!(
-                objects = vanished.len(),
-                "objects that vanished while the indexes were not fed are removed"
-            );
-        }
-        for (uid, mask) in vanished {
+        while state.running.len() < MAX_IN_FLIGHT {
+            let Some((uid, mask)) = state.vanished.pop() else {
+                return;
+            };
             let body = serde_json::json!({"metadata": {"uid": &*uid}});
             let entry = state.tracked.entry(uid.clone()).or_default();
             entry.mask |= mask;
@@ -687,6 +774,10 @@ impl FeedTask {
         let now = SystemTime::now();
         let waiting: Vec<Box<str>> = state.waiting.iter().cloned().collect();
         for uid in waiting {
+            if state.running.len() >= MAX_IN_FLIGHT {
+                // The rest waits for room: the next pass finds them due.
+                return;
+            }
             let Some(entry) = state.tracked.get_mut(&uid) else {
                 state.waiting.remove(&uid);
                 continue;
@@ -736,6 +827,54 @@ impl FeedTask {
     }
 }
 
+/// A feed's health checks, removed when the feed stops.
+struct Checks {
+    health: Health,
+    names: Vec<String>,
+}
+
+impl Checks {
+    /// Registers the checks of one of the feed's watches, as the resource watches do:
+    /// liveness fails while the API server refuses it or its loop is wedged, readiness until it
+    /// has listed.
+    fn register(
+        &mut self,
+        resource: &ResolvedResource,
+        conn: ConnectionId,
+        scope: Option<&str>,
+        status: &k8s_watch::Status,
+    ) {
+        let name = match scope {
+            Some(ns) => format!("index/{resource}/{conn}/{ns}"),
+            None => format!("index/{resource}/{conn}"),
+        };
+        let live = status.clone();
+        self.health.liveness(&name, move || match live.problem() {
+            Some(problem) => Check::fail(problem),
+            None => Check::pass("watching"),
+        });
+        let listed = status.clone();
+        let synced = format!("{name}/synced");
+        self.health.readiness(&synced, move || {
+            if listed.is_synced() {
+                Check::pass("listed")
+            } else {
+                Check::fail("initial listing not finished")
+            }
+        });
+        self.names.push(name);
+        self.names.push(synced);
+    }
+}
+
+impl Checks {
+    fn remove(&self) {
+        for name in &self.names {
+            self.health.remove(name);
+        }
+    }
+}
+
 impl State {
     /// Forgets an object that holds nothing and waits for nothing; keeps `waiting` exact.
     fn settle(&mut self, uid: &str) {
@@ -781,25 +920,4 @@ async fn sleep_opt(d: Option<Duration>) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_indexed_object_stays_small() {
-        // Per indexed object: this entry, its uid (36 bytes on the heap) and the map's slot.
-        assert!(std::mem::size_of::<Tracked>() <= 24);
-        assert_eq!(std::mem::size_of::<Box<str>>(), 16);
-    }
-
-    #[test]
-    fn handlers_beyond_the_mask_are_always_assumed_to_hold_entries() {
-        let mut t = Tracked::default();
-        assert!(!t.holds(3));
-        t.set(3, true);
-        assert!(t.holds(3) && !t.idle());
-        t.set(3, false);
-        assert!(t.idle());
-        t.set(70, true);
-        assert!(t.holds(70) && t.idle(), "not tracked: a removal is always sent");
-    }
-}
+mod tests;

@@ -416,6 +416,17 @@ impl Hub {
         }
     }
 
+    /// Whether every index of connection `conn` is built (its resource work is no longer held);
+    /// `false` for a connection that is not attached.
+    pub fn indexes_built(&self, conn: ConnectionId) -> bool {
+        self.inner
+            .state
+            .lock()
+            .connections
+            .get(&conn)
+            .is_some_and(|c| c.unbuilt.is_empty())
+    }
+
     /// Pauses or resumes all dispatch (drain at shutdown, freezing, loss of leadership).
     pub fn set_paused(&self, paused: bool) {
         self.inner
