@@ -8,6 +8,10 @@
 //! asked — the user the API server authenticates (a `SelfSubjectReview`), or `user@host` when
 //! the server does not answer that — and the controller records it in its Event.
 //!
+//! Once a change is complete its records are gone (kopf purges them, a permanent failure's
+//! included); `--handler ID` then still writes the request, and the controller runs that
+//! handler again for the object as it is (`engine::processing::cycle`).
+//!
 //! Records are found as `capstan status` finds them (`persistence::survey`); `--node`
 //! addresses a per-node operator's records and request (`<node>.<prefix>`).
 
@@ -142,6 +146,13 @@ pub async fn retry(client: Client, ask: &Ask) -> Result<Vec<String>> {
             .iter()
             .filter(|f| &f.handler == handler || retry::names(handler, &keys).contains(&f.handler))
             .collect();
+        // No records at all: the last change is complete (kopf purges its records, a
+        // permanent failure's too). The controller runs a handler named so again for the
+        // object as it is, and its Event says whether it has a handler of that name.
+        if found.is_empty() {
+            wanted.push(handler.clone());
+            continue;
+        }
         if matching.is_empty() {
             return Err(Error::UnknownHandler {
                 object,
@@ -168,7 +179,7 @@ pub async fn retry(client: Client, ask: &Ask) -> Result<Vec<String>> {
             .any(|h| h.node == node_label && h.owner == base);
     if !any && !node_local {
         let why = if found.is_empty() {
-            "it has no handler records (its last change is fully handled, or was never handled)".to_owned()
+            "it has no handler records (its last change is fully handled, or was never handled); --handler ID runs a handler of the last change again, even one that failed for good".to_owned()
         } else {
             format!(
                 "no handler asked for has failed or waits for a retry ({})",

@@ -590,6 +590,54 @@ async fn retry_reruns_a_permanently_failed_handler_once_in_one_write() -> Result
 }
 
 /// The condition of `kind` on an object.
+#[tokio::test]
+async fn retry_reruns_a_lone_permanent_failure_after_its_change_completed() -> Result<()> {
+    let s = Scenario::start("create", &[]).await?;
+    let kubeconfig = s.env.kubeconfig.clone();
+    // The only handler fails for good: the creation is complete and its records are purged.
+    s.create("lone", json!({"permanent": {"create_fn": true}}))
+        .await?;
+    s.wait("lone", T, "the creation complete", |o| {
+        annotation(o, "capstan.dev/last-handled-configuration").is_some()
+            && annotation(o, "capstan.dev/create_fn").is_none()
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(s.count("create_fn", "lone"), 1);
+
+    let before = s.writes("lone").len();
+    let asked = capstan(
+        &kubeconfig,
+        &["retry", "examples", "lone", "--handler", "create_fn"],
+    )
+    .await?;
+    assert!(asked.ok, "{}{}", asked.stdout, asked.stderr);
+    eprintln!(
+        "$ capstan retry examples lone --handler create_fn\n{}",
+        asked.stdout
+    );
+    s.wait("lone", T, "the request consumed", |o| {
+        annotation(o, "capstan.dev/retry-request").is_none()
+    })
+    .await?;
+    let (_, message) = wait_event(&s.env, "lone", "RetryRequested", "'create_fn' run again now").await?;
+    eprintln!("Event RetryRequested: {message}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        s.count("create_fn", "lone"),
+        2,
+        "exactly one more call: {:?}",
+        s.calls()
+    );
+    let writes = s.writes("lone");
+    assert_eq!(
+        writes.len() - before,
+        2,
+        "the command's patch and the controller's: {writes:?}"
+    );
+    Ok(())
+}
+
 fn condition<'a>(obj: &'a Value, kind: &str) -> Option<&'a Value> {
     obj.pointer("/status/conditions")?
         .as_array()?

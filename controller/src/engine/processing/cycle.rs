@@ -26,11 +26,71 @@ pub(super) async fn run(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
         old: cycle.old.as_ref(),
         new: Some(&cycle.new),
     };
-    let selected = matching::select(input.handlers, cycle.cause, cycle.initial, subject);
+    let mut selected = matching::select(
+        input.handlers,
+        cycle.cause,
+        cycle.initial || cycle.forcing,
+        subject,
+    );
+    if cycle.forcing {
+        // A re-run of a completed change: only the handlers asked for, or still unfinished.
+        let keys = &input.storage.keys;
+        let purpose = Some(causes::purpose(cycle.reason));
+        selected.retain(|h| {
+            let unfinished = input
+                .storage
+                .progress
+                .fetch(&h.id.0, input.body)
+                .is_some_and(|r| r.purpose.as_deref() == purpose && !r.finished());
+            unfinished
+                || cycle
+                    .retry
+                    .as_ref()
+                    .is_some_and(|r| !r.handlers.is_empty() && r.wants(&h.id.0, keys))
+        });
+    }
     for reg in selected {
         cycle.run(reg, invoker).await;
     }
     cycle.finish()
+}
+
+/// The cause of a re-run of an object whose last change is complete (a Noop): the purpose of
+/// a change handler's unfinished record (a re-run in progress), or the kind of the first
+/// change handler a retry request names (kopf purges a change's records, a permanent
+/// failure's included, once the change is complete; the request brings the handler back).
+fn rerun(input: &Input<'_>, keys: &crate::persistence::Keys) -> Option<Cause> {
+    let changing = || {
+        input.handlers.iter().filter(|h| {
+            matches!(
+                h.kind,
+                HandlerKind::Create | HandlerKind::Update | HandlerKind::Resume
+            )
+        })
+    };
+    let of_purpose = |purpose: &str| match purpose {
+        "create" => Some(Cause::Create),
+        "update" => Some(Cause::Update),
+        "resume" => Some(Cause::Resume),
+        _ => None,
+    };
+    if let Some(cause) = changing().find_map(|h| {
+        let record = input.storage.progress.fetch(&h.id.0, input.body)?;
+        (!record.finished()).then(|| of_purpose(record.purpose.as_deref()?))?
+    }) {
+        return Some(cause);
+    }
+    let request = crate::persistence::retry::read(keys, input.body)?.ok()?;
+    if request.handlers.is_empty() {
+        return None;
+    }
+    changing()
+        .filter(|h| request.wants(&h.id.0, keys))
+        .find_map(|h| match h.kind {
+            HandlerKind::Create => Some(Cause::Create),
+            HandlerKind::Update => Some(Cause::Update),
+            _ => Some(Cause::Resume),
+        })
 }
 
 /// Conditions on an object with nothing to handle: set as ready when they are missing
@@ -63,6 +123,9 @@ struct Cycle<'i, 'a> {
     cause: Cause,
     reason: ChangeReason,
     initial: bool,
+    /// A re-run of a change that was complete: handlers named by a retry request, for the
+    /// unchanged object ([`rerun`]), or those of them still unfinished.
+    forcing: bool,
     /// The stored diff-base essence, and the current essence.
     old: Option<Value>,
     new: Value,
@@ -140,6 +203,16 @@ impl<'i, 'a> Cycle<'i, 'a> {
             changed: old.as_ref() != Some(&new),
             initial,
         });
+        let (cause, forcing) = match cause {
+            Cause::Noop => rerun(input, &storage.keys).map_or((cause, false), |c| (c, true)),
+            cause => (cause, false),
+        };
+        // A re-run of a creation sees no old state, as the creation did.
+        let old = if forcing && cause == Cause::Create {
+            None
+        } else {
+            old
+        };
         let Some(reason) = cause.reason() else {
             let mut plan = Plan::idle(cause, body, finalizer);
             plan.done = cause == Cause::Noop;
@@ -155,6 +228,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
             cause,
             reason,
             initial,
+            forcing,
             old,
             new,
             finalizer,
@@ -235,6 +309,10 @@ impl<'i, 'a> Cycle<'i, 'a> {
             self.retried.extend(resets.iter().map(|(id, _)| id.clone()));
         }
         self.resets = resets;
+        if self.forcing && step.fetched.is_none() {
+            info!(handler.id = %reg.id, requested.by = self.retry.as_ref().map(|r| r.requester()).unwrap_or_default(), "handler of a completed change run again on request");
+            self.retried.push(reg.id.0.clone());
+        }
         if self.interrupted || record.finished() || record.sleeping(now) {
             self.steps.push(step.with(record));
             return;
@@ -578,19 +656,43 @@ fn consume_retry(input: &Input<'_>, plan: &mut Plan, retried: &[String]) {
                 request.requester()
             ),
         ),
-        Ok(request) => (
-            Level::Info,
-            "RetryRequested",
-            format!(
-                "Nothing to retry (requested by {} for {}): no such handler has failed or waits for a retry.",
-                request.requester(),
-                if request.handlers.is_empty() {
-                    "every handler".to_owned()
-                } else {
-                    request.handlers.join(", ")
-                }
-            ),
-        ),
+        Ok(request) => {
+            let unknown = request.handlers.iter().any(|h| {
+                !input.handlers.iter().any(|r| {
+                    retry::Request {
+                        handlers: vec![h.clone()],
+                        ..Default::default()
+                    }
+                    .wants(&r.id.0, keys)
+                })
+            });
+            let known = if unknown {
+                format!(
+                    " The handlers of this operator: {}.",
+                    input
+                        .handlers
+                        .iter()
+                        .map(|h| h.id.0.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            } else {
+                String::new()
+            };
+            (
+                Level::Info,
+                "RetryRequested",
+                format!(
+                    "Nothing to retry (requested by {} for {}): no such handler has failed or waits for a retry.{known}",
+                    request.requester(),
+                    if request.handlers.is_empty() {
+                        "every handler".to_owned()
+                    } else {
+                        request.handlers.join(", ")
+                    }
+                ),
+            )
+        }
         Err(why) => {
             warn!(problem = %why, "malformed retry request ignored");
             (

@@ -401,3 +401,94 @@ async fn a_retry_request_for_a_sub_handler_runs_its_parent_again() {
         plan.announcements
     );
 }
+
+/// A handled object: the diff-base of its current essence, no records.
+fn handled(request: Option<&str>) -> Value {
+    let storage = Storage::annotations("capstan.dev");
+    let mut b = body(json!({"capstan.dev/kopf-managed": "yes"}));
+    let essence = rules(&storage, &handlers()).essence(&b);
+    storage.diffbase.store(&essence, &mut b);
+    if let Some(r) = request {
+        b["metadata"]["annotations"]["capstan.dev/retry-request"] = json!(r);
+    }
+    b
+}
+
+#[tokio::test]
+async fn a_named_handler_runs_again_after_its_change_was_completed() {
+    let storage = Storage::annotations("capstan.dev");
+    // create_a failed for good: the creation is complete, its records purged.
+    let invoker = Always::new(permanent());
+    let plan = run(
+        &handled(Some(r#"{"handlers":["create_a"],"requestedBy":"alice"}"#)),
+        &storage,
+        &invoker,
+    )
+    .await;
+    assert_eq!(*invoker.seen.lock(), ["create_a"], "create_a once, create_b not");
+    assert!(plan.done, "failed for good again: the retry is complete");
+    let desired = plan.desired.clone().unwrap_or_default();
+    let annotations = desired["metadata"]["annotations"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        !annotations.contains_key("capstan.dev/retry-request"),
+        "{annotations:?}"
+    );
+    assert!(
+        !annotations.contains_key("capstan.dev/create_a"),
+        "purged: {annotations:?}"
+    );
+    assert_eq!(
+        annotations.get("capstan.dev/last-handled-configuration"),
+        handled(None)["metadata"]["annotations"].get("capstan.dev/last-handled-configuration")
+    );
+    let (_, reason, message) = &plan.announcements[0];
+    assert_eq!(*reason, "RetryRequested");
+    assert!(
+        message.contains("'create_a'") && message.contains("alice"),
+        "{message}"
+    );
+    assert!(
+        plan.notes.iter().any(|(_, n)| n.contains("failed permanently")),
+        "{:?}",
+        plan.notes
+    );
+
+    // A temporary failure keeps its record; the next cycle of the unchanged object retries it.
+    let invoker = Always::new(Outcome::Temporary {
+        delay: Some(Duration::from_secs(0)),
+        diagnostics: vec![Diagnostic::error("HANDLER_FAILED", "later")],
+        subhandlers: Vec::new(),
+    });
+    let plan = run(&handled(Some(r#"{"handlers":["create_a"]}"#)), &storage, &invoker).await;
+    assert!(!plan.done && plan.wake_at.is_some());
+    let kept = plan.desired.clone().unwrap_or_default();
+    assert!(
+        kept.pointer("/metadata/annotations/capstan.dev~1create_a")
+            .is_some(),
+        "{kept}"
+    );
+    let invoker = Always::new(Outcome::success(None));
+    let plan = run(&kept, &storage, &invoker).await;
+    assert_eq!(*invoker.seen.lock(), ["create_a"]);
+    assert!(plan.done);
+    assert!(
+        plan.desired
+            .unwrap_or_default()
+            .pointer("/metadata/annotations/capstan.dev~1create_a")
+            .is_none(),
+        "purged"
+    );
+
+    // A name no handler has: nothing runs, the Event lists the handlers.
+    let invoker = Always::new(Outcome::success(None));
+    let plan = run(&handled(Some(r#"{"handlers":["nope"]}"#)), &storage, &invoker).await;
+    assert!(invoker.seen.lock().is_empty());
+    assert!(
+        plan.announcements[0].2.contains("create_a, create_b"),
+        "{:?}",
+        plan.announcements
+    );
+}
