@@ -85,11 +85,11 @@ fn rerun(input: &Input<'_>, keys: &crate::persistence::Keys) -> Option<Cause> {
         return None;
     }
     changing()
-        .filter(|h| request.wants(&h.id.0, keys))
-        .find_map(|h| match h.kind {
-            HandlerKind::Create => Some(Cause::Create),
-            HandlerKind::Update => Some(Cause::Update),
-            _ => Some(Cause::Resume),
+        .find(|h| request.wants(&h.id.0, keys))
+        .map(|h| match h.kind {
+            HandlerKind::Create => Cause::Create,
+            HandlerKind::Update => Cause::Update,
+            _ => Cause::Resume,
         })
 }
 
