@@ -720,6 +720,7 @@ fn work(
 }
 
 mod cycle;
+mod retrying;
 
 #[cfg(test)]
 mod tests;
