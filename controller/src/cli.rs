@@ -97,6 +97,10 @@ pub struct RetryArgs {
     /// The operator's persistence prefix [default: the one whose records the object carries].
     #[arg(long)]
     pub prefix: Option<String>,
+
+    /// How the per-node operators lay out their prefixes, as `capstan run` takes it.
+    #[arg(long, env = "CAPSTAN_NODE_PREFIX_TEMPLATE", default_value = crate::persistence::node::DEFAULT_TEMPLATE, value_parser = parse_node_prefix_template)]
+    pub node_prefix_template: String,
 }
 
 impl RetryArgs {
@@ -109,6 +113,7 @@ impl RetryArgs {
             handlers: self.handlers.clone(),
             node: self.node.clone(),
             prefix: self.prefix.clone(),
+            node_template: self.node_prefix_template.clone(),
         }
     }
 }
@@ -147,6 +152,10 @@ pub struct StatusArgs {
     /// included) [default: capstan and kopf].
     #[arg(long = "status-field", value_delimiter = ',')]
     pub status_fields: Vec<String>,
+
+    /// How the per-node operators lay out their prefixes, as `capstan run` takes it.
+    #[arg(long, env = "CAPSTAN_NODE_PREFIX_TEMPLATE", default_value = crate::persistence::node::DEFAULT_TEMPLATE, value_parser = parse_node_prefix_template)]
+    pub node_prefix_template: String,
 }
 
 impl StatusArgs {
@@ -160,6 +169,7 @@ impl StatusArgs {
         if !self.status_fields.is_empty() {
             scope.status_fields.clone_from(&self.status_fields);
         }
+        scope.node_template.clone_from(&self.node_prefix_template);
         crate::inspection::Query {
             resource: self.resource.clone(),
             name: self.name.clone(),
@@ -373,11 +383,19 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_PROGRESS_STORAGE", value_enum, default_value_t = ProgressKind::Annotations)]
     pub progress_storage: ProgressKind,
 
-    /// Maintain status conditions Ready, Progressing and Degraded on handled objects (written
-    /// with each cycle's own write), so that `kubectl wait --for=condition=Ready` works. Not in
-    /// per-node mode.
-    #[arg(long, env = "CAPSTAN_CONDITIONS")]
-    pub conditions: bool,
+    /// Maintain status conditions Ready, Progressing and Degraded on the objects of these
+    /// resources (plural or plural.group, comma-separated; written with each cycle's own
+    /// write), so that `kubectl wait --for=condition=Ready` works. Without a value: every
+    /// custom resource handled. Built-in resources (pods, deployments, …) only when named:
+    /// their own controllers keep conditions of these types. Not in per-node mode.
+    #[arg(
+        long,
+        env = "CAPSTAN_CONDITIONS",
+        value_name = "RESOURCE",
+        num_args = 0..,
+        value_delimiter = ','
+    )]
+    pub conditions: Option<Vec<String>>,
 
     /// Where the last handled state (diff-base) is kept.
     #[arg(long, env = "CAPSTAN_DIFFBASE_STORAGE", value_enum, default_value_t = DiffBaseKind::Annotations)]
@@ -803,7 +821,11 @@ impl RunArgs {
             diffbase,
             finalizers,
             local: None,
-            conditions: self.conditions && node.is_none(),
+            conditions: if node.is_none() {
+                crate::engine::conditions::Selection::from_flag(self.conditions.as_deref())
+            } else {
+                crate::engine::conditions::Selection::Off
+            },
         }
     }
 }
@@ -852,6 +874,36 @@ mod tests {
         ]);
         assert!(s.connection.insecure_non_loopback);
         assert_eq!(s.connection.preface_timeout, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn conditions_are_chosen_per_resource() {
+        use crate::engine::conditions::Selection;
+        assert_eq!(run(&[]).engine.storage.conditions, Selection::Off);
+        assert_eq!(
+            run(&["--conditions"]).engine.storage.conditions,
+            Selection::Custom
+        );
+        assert_eq!(
+            run(&[
+                "--conditions",
+                "examples.demo.capstan.dev,pods",
+                "--listen",
+                "127.0.0.1:0"
+            ])
+            .engine
+            .storage
+            .conditions,
+            Selection::Named(vec!["examples.demo.capstan.dev".into(), "pods".into()])
+        );
+        assert_eq!(
+            run(&["--conditions", "--node-name", "n1"])
+                .engine
+                .storage
+                .conditions,
+            Selection::Off,
+            "never per node"
+        );
     }
 
     fn run(args: &[&str]) -> Settings {

@@ -8,6 +8,10 @@
 //! asked — the user the API server authenticates (a `SelfSubjectReview`), or `user@host` when
 //! the server does not answer that — and the controller records it in its Event.
 //!
+//! Once a change is complete its records are gone (kopf purges them, a permanent failure's
+//! included); `--handler ID` then still writes the request, and the controller runs that
+//! handler again for the object as it is (`engine::processing::cycle`).
+//!
 //! Records are found as `capstan status` finds them (`persistence::survey`); `--node`
 //! addresses a per-node operator's records and request (`<node>.<prefix>`).
 
@@ -79,6 +83,8 @@ pub struct Ask {
     pub node: Option<String>,
     /// The operator's storage prefix; `None`: the one whose records the object carries.
     pub prefix: Option<String>,
+    /// How per-node operators lay out their prefixes (`persistence::node`).
+    pub node_template: String,
 }
 
 /// Writes the retry request, or says why there is nothing to retry; returns the lines to print.
@@ -105,14 +111,17 @@ pub async fn retry(client: Client, ask: &Ask) -> Result<Vec<String>> {
         crate::k8s::objects::to_value(api.get(&ask.name).await.map_err(|e| {
             inspection::api_error(e, "get", &resource, namespace.as_deref(), Some(&ask.name))
         })?);
-    let node_label = ask.node.as_deref().map(node::label);
-    let scope = match &ask.prefix {
-        Some(p) => Scope {
-            prefixes: vec![p.clone()],
-            ..Scope::default()
-        },
-        None => Scope::default(),
+    let node_label = ask
+        .node
+        .as_deref()
+        .map(|n| survey::node_label(&ask.node_template, n));
+    let mut scope = Scope {
+        node_template: ask.node_template.clone(),
+        ..Scope::default()
     };
+    if let Some(p) = &ask.prefix {
+        scope.prefixes = vec![p.clone()];
+    }
     let found: Vec<survey::Found> = survey::records(&scope, &body)
         .into_iter()
         .filter(|f| f.node == node_label)
@@ -122,7 +131,7 @@ pub async fn retry(client: Client, ask: &Ask) -> Result<Vec<String>> {
         None => owner_prefix(&object, &found)?,
     };
     let keys = match &ask.node {
-        Some(n) => keys_for(&node::prefix(n, &base), &base),
+        Some(n) => keys_for(&node::prefix_with(&ask.node_template, n, &base), &base),
         None => keys_for(&base, &base),
     };
     let retryable = |f: &survey::Found| {
@@ -137,6 +146,13 @@ pub async fn retry(client: Client, ask: &Ask) -> Result<Vec<String>> {
             .iter()
             .filter(|f| &f.handler == handler || retry::names(handler, &keys).contains(&f.handler))
             .collect();
+        // No records at all: the last change is complete (kopf purges its records, a
+        // permanent failure's too). The controller runs a handler named so again for the
+        // object as it is, and its Event says whether it has a handler of that name.
+        if found.is_empty() {
+            wanted.push(handler.clone());
+            continue;
+        }
         if matching.is_empty() {
             return Err(Error::UnknownHandler {
                 object,
@@ -153,9 +169,17 @@ pub async fn retry(client: Client, ask: &Ask) -> Result<Vec<String>> {
     } else {
         !wanted.is_empty()
     };
-    if !any {
+    // A node's operator with node-local storage (`--node-storage`) keeps its records in files
+    // on the node: the object carries neither its records nor its diff-base. The request is
+    // written all the same; the controller consumes it and its Event says what ran.
+    let node_local = ask.node.is_some()
+        && found.is_empty()
+        && !survey::diffbases(&scope, &body)
+            .iter()
+            .any(|h| h.node == node_label && h.owner == base);
+    if !any && !node_local {
         let why = if found.is_empty() {
-            "it has no handler records (its last change is fully handled, or was never handled)".to_owned()
+            "it has no handler records (its last change is fully handled, or was never handled); --handler ID runs a handler of the last change again, even one that failed for good".to_owned()
         } else {
             format!(
                 "no handler asked for has failed or waits for a retry ({})",
@@ -186,10 +210,17 @@ pub async fn retry(client: Client, ask: &Ask) -> Result<Vec<String>> {
     } else {
         wanted.join(", ")
     };
-    Ok(vec![format!(
+    let mut lines = vec![format!(
         "Retry of {what} requested on {object} (annotation {}); the controller runs it in its next cycle.",
         retry::key(&keys)
-    )])
+    )];
+    if node_local {
+        lines.push(format!(
+            "The object carries no records of node {}'s operator: with node-local storage (--node-storage) they are in files on that node, so whether anything is to retry is known only there; the controller's Event on the object (reason RetryRequested) says what ran.",
+            ask.node.as_deref().unwrap_or_default()
+        ));
+    }
+    Ok(lines)
 }
 
 /// The prefix of the only operator whose annotation records the object carries.

@@ -590,6 +590,174 @@ async fn retry_reruns_a_permanently_failed_handler_once_in_one_write() -> Result
 }
 
 /// The condition of `kind` on an object.
+#[tokio::test]
+async fn retry_reruns_a_lone_permanent_failure_after_its_change_completed() -> Result<()> {
+    let s = Scenario::start("create", &[]).await?;
+    let kubeconfig = s.env.kubeconfig.clone();
+    // The only handler fails for good: the creation is complete and its records are purged.
+    s.create("lone", json!({"permanent": {"create_fn": true}}))
+        .await?;
+    s.wait("lone", T, "the creation complete", |o| {
+        annotation(o, "capstan.dev/last-handled-configuration").is_some()
+            && annotation(o, "capstan.dev/create_fn").is_none()
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(s.count("create_fn", "lone"), 1);
+
+    let before = s.writes("lone").len();
+    let asked = capstan(
+        &kubeconfig,
+        &["retry", "examples", "lone", "--handler", "create_fn"],
+    )
+    .await?;
+    assert!(asked.ok, "{}{}", asked.stdout, asked.stderr);
+    eprintln!(
+        "$ capstan retry examples lone --handler create_fn\n{}",
+        asked.stdout
+    );
+    s.wait("lone", T, "the request consumed", |o| {
+        annotation(o, "capstan.dev/retry-request").is_none()
+    })
+    .await?;
+    let (_, message) = wait_event(&s.env, "lone", "RetryRequested", "'create_fn' run again now").await?;
+    eprintln!("Event RetryRequested: {message}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        s.count("create_fn", "lone"),
+        2,
+        "exactly one more call: {:?}",
+        s.calls()
+    );
+    let writes = s.writes("lone");
+    assert_eq!(
+        writes.len() - before,
+        2,
+        "the command's patch and the controller's: {writes:?}"
+    );
+    Ok(())
+}
+
+/// Waits until node `log` shows `n` calls of `handler` for `name`.
+async fn node_calls_reach(log: &Path, handler: &str, name: &str, n: usize, node: &Controller) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + T;
+    while calls_of(log, handler, name) < n {
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "{handler} was not called {n} times:\n{}",
+                tail(&node.process.output(), 40)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn retry_follows_the_node_prefix_template_and_reaches_node_local_records() -> Result<()> {
+    let s = Scenario::start("create3", &[]).await?;
+    let kubeconfig = s.env.kubeconfig.clone();
+    let template = "{prefix}.{node_short}";
+    let (shaped, _shaped_handler) = node_operator_with(
+        &s.env,
+        "node-2.example.net",
+        "create3",
+        &["--node-prefix-template", template],
+    )
+    .await?;
+    let store = s.env.scratch().join("store-node-1");
+    let flag = format!("file:{}", store.display());
+    let (local, _local_handler) =
+        node_operator_with(&s.env, "node-1", "create3", &["--node-storage", &flag]).await?;
+    // create_a fails for good; create_b waits, so the change stays open on every node.
+    s.create(
+        "spread",
+        json!({"permanent": {"create_a": true}, "temporary": {"create_b": 1000}, "retryDelay": {"create_b": 600}}),
+    )
+    .await?;
+    s.wait("spread", T, "node-2's records under its template", |o| {
+        record_says(o, "capstan.dev.node-2/create_a", |r| r["failure"] == true)
+    })
+    .await?;
+    let shaped_log = s.env.scratch().join("calls-node-2.example.net.log");
+    let local_log = s.env.scratch().join("calls-node-1.log");
+    node_calls_reach(&local_log, "create_a", "spread", 1, &local).await?;
+
+    // The template's prefix: the records are found and the request lands where node-2 reads it.
+    let status = capstan(
+        &kubeconfig,
+        &["status", "examples", "spread", "--node-prefix-template", template],
+    )
+    .await?;
+    assert!(
+        row(&status.stdout, &["spread", "node-2", "create_a", "failed"]).is_some(),
+        "{}{}",
+        status.stdout,
+        status.stderr
+    );
+    let asked = capstan(
+        &kubeconfig,
+        &[
+            "retry",
+            "examples",
+            "spread",
+            "--node",
+            "node-2.example.net",
+            "--node-prefix-template",
+            template,
+            "--handler",
+            "create_a",
+        ],
+    )
+    .await?;
+    assert!(
+        asked.ok && asked.stdout.contains("capstan.dev.node-2/retry-request"),
+        "{}{}",
+        asked.stdout,
+        asked.stderr
+    );
+    node_calls_reach(&shaped_log, "create_a", "spread", 2, &shaped).await?;
+
+    // Node-local records are not on the object: the command says so and asks all the same;
+    // the node's controller finds the record in its files and runs the handler again.
+    let asked = capstan(
+        &kubeconfig,
+        &[
+            "retry",
+            "examples",
+            "spread",
+            "--node",
+            "node-1",
+            "--handler",
+            "create_a",
+        ],
+    )
+    .await?;
+    assert!(
+        asked.ok && asked.stdout.contains("node-local storage"),
+        "{}{}",
+        asked.stdout,
+        asked.stderr
+    );
+    eprintln!(
+        "$ capstan retry examples spread --node node-1 --handler create_a\n{}",
+        asked.stdout
+    );
+    node_calls_reach(&local_log, "create_a", "spread", 2, &local).await?;
+    s.wait("spread", T, "node-1's request consumed", |o| {
+        annotation(o, "node-1.capstan.dev/retry-request").is_none()
+    })
+    .await?;
+    assert_eq!(
+        s.count("create_a", "spread"),
+        1,
+        "the operator without a node was not asked"
+    );
+    drop((shaped, local));
+    let Scenario { env, .. } = s;
+    env.stop().await
+}
+
 fn condition<'a>(obj: &'a Value, kind: &str) -> Option<&'a Value> {
     obj.pointer("/status/conditions")?
         .as_array()?

@@ -1,5 +1,5 @@
 //! Status conditions: `Ready`, `Progressing` and `Degraded` in `status.conditions`, kept by
-//! the controller for resources that opt in (`capstan run --conditions`).
+//! the controller for resources that opt in (`capstan run --conditions RESOURCE,…`).
 //!
 //! They follow the Kubernetes API conventions for conditions (`type`, `status` `True` /
 //! `False`, a CamelCase `reason`, a human `message`, `lastTransitionTime` changed only when
@@ -16,12 +16,79 @@
 //! a write of their own for a handled change. An unchanged condition is not rewritten. A
 //! processing cycle composes them (`engine::processing::cycle`); this module only knows their
 //! shape. Per-node operators do not keep conditions (the nodes would overwrite each other's).
+//!
+//! The opt-in is per resource ([`Selection`]): conditions of these types belong to whoever
+//! owns the resource's status — kubelet keeps a Pod's `Ready`, the deployment controller a
+//! Deployment's `Progressing` — and a second writer would fight it. A bare `--conditions`
+//! therefore covers custom resources only; a built-in resource gets conditions only when it
+//! is named.
 
 use std::time::SystemTime;
 
 use serde_json::{Value, json};
 
-use crate::persistence::{progress::object_at, time};
+use crate::{
+    model::ResolvedResource,
+    persistence::{progress::object_at, time},
+};
+
+/// The resources whose conditions the controller keeps.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Selection {
+    /// None (the default).
+    #[default]
+    Off,
+    /// Every custom resource the operator handles; never a built-in one.
+    Custom,
+    /// The resources named, as `plural` or `plural.group` (built-in ones included).
+    Named(Vec<String>),
+}
+
+impl Selection {
+    /// The selection of `--conditions`: `None` without the flag, an empty list for a bare
+    /// flag (every custom resource), or the resources named.
+    pub fn from_flag(names: Option<&[String]>) -> Self {
+        match names {
+            None => Self::Off,
+            Some(names) => {
+                let named: Vec<String> = names
+                    .iter()
+                    .map(|n| n.trim().to_ascii_lowercase())
+                    .filter(|n| !n.is_empty())
+                    .collect();
+                if named.is_empty() {
+                    Self::Custom
+                } else {
+                    Self::Named(named)
+                }
+            }
+        }
+    }
+
+    /// Whether the controller keeps the conditions of `resource`'s objects.
+    pub fn covers(&self, resource: &ResolvedResource) -> bool {
+        match self {
+            Self::Off => false,
+            Self::Custom => custom(resource),
+            Self::Named(names) => names.iter().any(|n| {
+                n == &resource.plural
+                    || n.split_once('.')
+                        .is_some_and(|(plural, group)| plural == resource.plural && group == resource.group)
+            }),
+        }
+    }
+}
+
+/// Whether a resource is a custom one: its group is a domain (custom resource definitions
+/// require a dot) outside Kubernetes' own (`*.k8s.io`, `*.kubernetes.io`, which also serve
+/// built-in APIs such as `networking.k8s.io`).
+fn custom(resource: &ResolvedResource) -> bool {
+    let group = resource.group.as_str();
+    group.contains('.')
+        && !["k8s.io", "kubernetes.io"]
+            .iter()
+            .any(|own| group == *own || group.ends_with(&format!(".{own}")))
+}
 
 /// What a cycle found, for the conditions.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -110,6 +177,30 @@ pub fn apply(body: &mut Value, summary: &Summary, now: SystemTime) {
     status.insert("conditions".into(), Value::Array(conditions));
 }
 
+/// Sets `observedGeneration` of the three conditions to the body's generation, leaving
+/// everything else of them as it is.
+pub fn observe(body: &mut Value) {
+    let generation = body
+        .pointer("/metadata/generation")
+        .and_then(Value::as_i64)
+        .unwrap_or(0);
+    let Some(conditions) = body
+        .pointer_mut("/status/conditions")
+        .and_then(Value::as_array_mut)
+    else {
+        return;
+    };
+    for condition in conditions.iter_mut().filter(|c| {
+        ["Ready", "Progressing", "Degraded"]
+            .iter()
+            .any(|kind| c["type"] == *kind)
+    }) {
+        if let Some(c) = condition.as_object_mut() {
+            c.insert("observedGeneration".into(), generation.into());
+        }
+    }
+}
+
 /// Whether `body` carries the three conditions already.
 pub fn present(body: &Value) -> bool {
     let Some(conditions) = body.pointer("/status/conditions").and_then(Value::as_array) else {
@@ -157,6 +248,37 @@ mod tests {
                     .collect()
             })
             .unwrap_or_default()
+    }
+
+    fn resource(group: &str, plural: &str) -> ResolvedResource {
+        ResolvedResource {
+            group: group.into(),
+            version: "v1".into(),
+            plural: plural.into(),
+            kind: String::new(),
+            namespaced: true,
+            status_subresource: true,
+        }
+    }
+
+    #[test]
+    fn the_opt_in_is_per_resource_and_built_in_ones_only_by_name() {
+        let examples = resource("demo.capstan.dev", "examples");
+        let pods = resource("", "pods");
+        let deployments = resource("apps", "deployments");
+        let ingresses = resource("networking.k8s.io", "ingresses");
+        let all = Selection::from_flag(Some(&[]));
+        assert_eq!(all, Selection::Custom);
+        assert!(all.covers(&examples));
+        for builtin in [&pods, &deployments, &ingresses] {
+            assert!(!all.covers(builtin), "{builtin:?}");
+        }
+        let named = Selection::from_flag(Some(&["Pods".into(), "examples.demo.capstan.dev".into()]));
+        assert!(named.covers(&pods) && named.covers(&examples));
+        assert!(!named.covers(&deployments));
+        assert!(!named.covers(&resource("other.example.com", "examples")));
+        assert!(Selection::from_flag(Some(&["deployments.apps".into()])).covers(&deployments));
+        assert!(!Selection::from_flag(None).covers(&examples));
     }
 
     #[test]

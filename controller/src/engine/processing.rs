@@ -85,8 +85,9 @@ pub struct Storage {
     /// not on the objects (they are overlaid on the bodies the cycles see, and taken out of
     /// every write).
     pub local: Option<std::sync::Arc<crate::persistence::node_store::NodeStore>>,
-    /// Maintain `status.conditions` (`engine::conditions`); off by default, never per node.
-    pub conditions: bool,
+    /// The resources whose `status.conditions` are maintained (`engine::conditions`); none by
+    /// default, never per node.
+    pub conditions: super::conditions::Selection,
 }
 
 impl Storage {
@@ -99,7 +100,7 @@ impl Storage {
             keys,
             finalizers: true,
             local: None,
-            conditions: false,
+            conditions: super::conditions::Selection::Off,
         }
     }
 }
@@ -506,6 +507,7 @@ fn child_states(
     parent: &Registration,
     body: &Value,
     record: &ProgressRecord,
+    resets: &[(String, ProgressRecord)],
 ) -> Vec<SubhandlerState> {
     let prefix = format!("{}/", parent.id);
     record
@@ -513,7 +515,7 @@ fn child_states(
         .iter()
         .filter_map(|full| {
             let short = full.strip_prefix(&prefix)?;
-            let r = storage.progress.fetch(full, body)?;
+            let r = reset_of(resets, full).or_else(|| storage.progress.fetch(full, body))?;
             Some(SubhandlerState {
                 id: short.to_owned(),
                 retries: r.retries,
@@ -527,6 +529,7 @@ fn child_states(
         .collect()
 }
 
+#[allow(clippy::too_many_arguments)]
 fn record_children(
     storage: &Storage,
     body: &Value,
@@ -534,6 +537,7 @@ fn record_children(
     record: &mut ProgressRecord,
     step: &mut Step,
     reported: Vec<crate::model::SubhandlerOutcome>,
+    resets: &[(String, ProgressRecord)],
     now: SystemTime,
 ) {
     for child in reported {
@@ -544,11 +548,13 @@ fn record_children(
             .progress
             .fetch(&full, body)
             .filter(|r| r.purpose == record.purpose);
-        let mut child_record = fetched.clone().unwrap_or_else(|| ProgressRecord {
-            started: Some(time::format(now)),
-            purpose: record.purpose.clone(),
-            ..ProgressRecord::default()
-        });
+        let mut child_record = reset_of(resets, &full)
+            .or_else(|| fetched.clone())
+            .unwrap_or_else(|| ProgressRecord {
+                started: Some(time::format(now)),
+                purpose: record.purpose.clone(),
+                ..ProgressRecord::default()
+            });
         let result = match execution::judge(&reg, &mut child_record, child.outcome, now) {
             Verdict::Success { result, .. } => result,
             _ => None,
@@ -564,6 +570,11 @@ fn record_children(
             result,
         });
     }
+}
+
+/// A sub-handler's record as a retry request reset it, if it did.
+fn reset_of(resets: &[(String, ProgressRecord)], full: &str) -> Option<ProgressRecord> {
+    resets.iter().find(|(id, _)| id == full).map(|(_, r)| r.clone())
 }
 
 /// Whether any sub-handler of the parent (reported now or persisted earlier) is unfinished.
@@ -709,6 +720,7 @@ fn work(
 }
 
 mod cycle;
+mod retrying;
 
 #[cfg(test)]
 mod tests;

@@ -461,7 +461,9 @@ impl Queue {
                 format!("The API server refused Capstan's write: {message}"),
             ));
         }
-        if !plan.announcements.is_empty() {
+        // Announcements (a consumed retry request) tell what the write did: posted only once
+        // it landed, so a failed write and the cycle that repeats it post one Event, not two.
+        if !plan.announcements.is_empty() && written.landed() {
             let object = processing::object_ref(&self.ctx.resource, &body);
             for (level, reason, message) in &plan.announcements {
                 self.ctx.poster.post(crate::model::Posting {

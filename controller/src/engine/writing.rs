@@ -58,6 +58,13 @@ pub enum Written {
     Refused(String),
 }
 
+impl Written {
+    /// Whether the plan's changes are on the object now (written, or nothing to write).
+    pub fn landed(&self) -> bool {
+        matches!(self, Self::Stored(_) | Self::Nothing)
+    }
+}
+
 /// The API server's message when it refused a write for good — the same request will never
 /// succeed: invalid content (400, 422), a body too large for the server (413) or for etcd, a
 /// method or media type it does not take (405, 415). Everything else may pass later

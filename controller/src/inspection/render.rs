@@ -169,7 +169,10 @@ fn idle(r: &ObjectReport) -> (&'static str, String) {
             ),
         )
     } else {
-        ("-", "no handler progress recorded".into())
+        (
+            "-",
+            "no handler progress recorded on the object (operators with node-local storage, --node-storage, keep theirs in files on their nodes)".into(),
+        )
     }
 }
 

@@ -17,7 +17,13 @@ use serde_json::Value;
 use super::{ProgressRecord, keys::NAME_LIMIT};
 
 /// The annotation names under a prefix that are not progress records.
-pub const NOT_RECORDS: [&str; 3] = ["last-handled-configuration", "kopf-managed", super::retry::NAME];
+pub const NOT_RECORDS: [&str; 4] = [
+    "last-handled-configuration",
+    "kopf-managed",
+    // kopf's touch annotation (a timestamp that provokes a watch event while handlers wait).
+    "touch-dummy",
+    super::retry::NAME,
+];
 
 /// Where to look: the storage prefixes and status fields of the operators of interest.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,6 +32,9 @@ pub struct Scope {
     pub prefixes: Vec<String>,
     /// Status stanza names (per-node stanzas `<field>-<node>` are found under each).
     pub status_fields: Vec<String>,
+    /// How per-node operators lay out their prefixes (`persistence::node`), e.g.
+    /// `{node}.{prefix}` (the default) or `{prefix}.{node_short}`.
+    pub node_template: String,
 }
 
 impl Default for Scope {
@@ -34,6 +43,7 @@ impl Default for Scope {
         Self {
             prefixes: vec!["capstan.dev".into(), super::keys::KOPF_PREFIX.into()],
             status_fields: vec!["capstan".into(), "kopf".into()],
+            node_template: super::node::DEFAULT_TEMPLATE.into(),
         }
     }
 }
@@ -120,10 +130,31 @@ fn split_key(scope: &Scope, key: &str) -> Option<(String, Option<String>, String
         if prefix == base {
             return Some((base.clone(), None, name.to_owned()));
         }
-        let node = prefix.strip_suffix(base.as_str())?.strip_suffix('.')?;
-        (!node.is_empty() && !node.contains('.'))
-            .then(|| (base.clone(), Some(node.to_owned()), name.to_owned()))
+        let node = node_part(&scope.node_template, base, prefix)?;
+        Some((base.clone(), Some(node.to_owned()), name.to_owned()))
     })
+}
+
+/// The node label in a per-node `prefix` laid out by `template` under `base`: what stands
+/// where the template puts `{node}` (or `{node_short}`), a single non-empty label.
+fn node_part<'p>(template: &str, base: &str, prefix: &'p str) -> Option<&'p str> {
+    const MARK: &str = "\u{0}";
+    let rendered = template
+        .replace("{prefix}", base)
+        .replace("{node_short}", MARK)
+        .replace("{node}", MARK);
+    let (before, after) = rendered.split_once(MARK)?;
+    let node = prefix.strip_prefix(before)?.strip_suffix(after)?;
+    (!node.is_empty() && !node.contains('.')).then_some(node)
+}
+
+/// The label that stands for `node` in prefixes laid out by `template`.
+pub fn node_label(template: &str, node: &str) -> String {
+    if template.contains("{node}") {
+        super::node::label(node)
+    } else {
+        super::node::label(node.split('.').next().unwrap_or(node))
+    }
 }
 
 /// `(base field, node label)` of a status stanza named after one of the scope's fields.
@@ -258,6 +289,7 @@ mod tests {
         let mut body = json!({"metadata": {"annotations": {
             "capstan.dev/last-handled-configuration": "{}",
             "capstan.dev/kopf-managed": "yes",
+            "kopf.zalando.org/touch-dummy": "2026-12-01T10:00:00.000000+00:00",
             "other.example.com/create_fn": "{}",
         }}});
         ProgressStorage::Annotations(Keys::new("capstan.dev")).store("a/b", &record(1), &mut body);
@@ -290,6 +322,30 @@ mod tests {
             "kopf's V1 twin is reported once: {summary:?}"
         );
         assert_eq!(diffbases(&Scope::default(), &body).len(), 1);
+    }
+
+    #[test]
+    fn per_node_prefixes_follow_the_node_prefix_template() {
+        let template = "{prefix}.{node_short}";
+        let prefix = crate::persistence::node::prefix_with(template, "node-1.example.net", "example.com");
+        assert_eq!(prefix, "example.com.node-1");
+        let mut body = json!({"metadata": {"annotations": {}}});
+        ProgressStorage::Annotations(Keys::new(&prefix)).store("create_fn", &record(2), &mut body);
+        let scope = Scope {
+            prefixes: vec!["example.com".into()],
+            node_template: template.into(),
+            ..Scope::default()
+        };
+        let found = records(&scope, &body);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].owner, "example.com");
+        assert_eq!(found[0].node.as_deref(), Some("node-1"));
+        assert_eq!(found[0].handler, "create_fn");
+        assert_eq!(node_label(template, "node-1.example.net"), "node-1");
+        assert_eq!(
+            node_label(crate::persistence::node::DEFAULT_TEMPLATE, "node-1"),
+            "node-1"
+        );
     }
 
     #[test]

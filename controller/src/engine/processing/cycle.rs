@@ -8,26 +8,17 @@ use std::sync::{
     atomic::{AtomicBool, Ordering},
 };
 
-use super::*;
+use super::{
+    retrying::{consume_retry, rerun, reset},
+    *,
+};
 
 pub(super) async fn run(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
     let mut cycle = match Cycle::begin(&input) {
         Ok(cycle) => cycle,
         Err(mut plan) => {
-            if input.storage.conditions
-                && plan.cause == Cause::Noop
-                && plan.done
-                && !super::super::conditions::present(input.body)
-            {
-                // Conditions turned on for an object handled before: it is ready as it is.
-                let summary = super::super::conditions::Summary {
-                    done: true,
-                    cause: "last change".into(),
-                    ..Default::default()
-                };
-                let mut desired = plan.base.clone();
-                super::super::conditions::apply(&mut desired, &summary, SystemTime::now());
-                plan.desired = Some(desired);
+            if plan.cause == Cause::Noop && plan.done && input.storage.conditions.covers(input.resource) {
+                observe(input.body, &mut plan);
             }
             consume_retry(&input, &mut plan, &[]);
             return plan;
@@ -38,11 +29,53 @@ pub(super) async fn run(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
         old: cycle.old.as_ref(),
         new: Some(&cycle.new),
     };
-    let selected = matching::select(input.handlers, cycle.cause, cycle.initial, subject);
+    let mut selected = matching::select(
+        input.handlers,
+        cycle.cause,
+        cycle.initial || cycle.forcing,
+        subject,
+    );
+    if cycle.forcing {
+        // A re-run of a completed change: only the handlers asked for, or still unfinished.
+        let keys = &input.storage.keys;
+        let purpose = Some(causes::purpose(cycle.reason));
+        selected.retain(|h| {
+            let unfinished = input
+                .storage
+                .progress
+                .fetch(&h.id.0, input.body)
+                .is_some_and(|r| r.purpose.as_deref() == purpose && !r.finished());
+            unfinished
+                || cycle
+                    .retry
+                    .as_ref()
+                    .is_some_and(|r| !r.handlers.is_empty() && r.wants(&h.id.0, keys))
+        });
+    }
     for reg in selected {
         cycle.run(reg, invoker).await;
     }
     cycle.finish()
+}
+
+/// Conditions on an object with nothing to handle: set as ready when they are missing
+/// (conditions turned on for an object handled before), or brought up to the object's
+/// generation when a write moved it on (a handler that patched the spec in the cycle's write
+/// bumped it after the conditions were composed). One write, only when something differs.
+fn observe(body: &Value, plan: &mut Plan) {
+    use super::super::conditions;
+    let mut desired = plan.desired.take().unwrap_or_else(|| plan.base.clone());
+    if conditions::present(body) {
+        conditions::observe(&mut desired);
+    } else {
+        let summary = conditions::Summary {
+            done: true,
+            cause: "last change".into(),
+            ..Default::default()
+        };
+        conditions::apply(&mut desired, &summary, SystemTime::now());
+    }
+    plan.desired = (desired != plan.base).then_some(desired);
 }
 
 /// The state of one cycle while its handlers run, step by step: [`Cycle::begin`] decides the
@@ -55,6 +88,9 @@ struct Cycle<'i, 'a> {
     cause: Cause,
     reason: ChangeReason,
     initial: bool,
+    /// A re-run of a change that was complete: handlers named by a retry request, for the
+    /// unchanged object ([`rerun`]), or those of them still unfinished.
+    forcing: bool,
     /// The stored diff-base essence, and the current essence.
     old: Option<Value>,
     new: Value,
@@ -70,6 +106,8 @@ struct Cycle<'i, 'a> {
     retry: Option<crate::persistence::retry::Request>,
     /// The handlers run again because of it.
     retried: Vec<String>,
+    /// The sub-handler records of the running handler reset by it (full id, record).
+    resets: Vec<(String, ProgressRecord)>,
     /// The cycle's trace; each invocation is a span of it (`model::trace`).
     trace: crate::model::TraceContext,
 }
@@ -130,6 +168,16 @@ impl<'i, 'a> Cycle<'i, 'a> {
             changed: old.as_ref() != Some(&new),
             initial,
         });
+        let (cause, forcing) = match cause {
+            Cause::Noop => rerun(input, &storage.keys).map_or((cause, false), |c| (c, true)),
+            cause => (cause, false),
+        };
+        // A re-run of a creation sees no old state, as the creation did.
+        let old = if forcing && cause == Cause::Create {
+            None
+        } else {
+            old
+        };
         let Some(reason) = cause.reason() else {
             let mut plan = Plan::idle(cause, body, finalizer);
             plan.done = cause == Cause::Noop;
@@ -145,6 +193,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
             cause,
             reason,
             initial,
+            forcing,
             old,
             new,
             finalizer,
@@ -155,6 +204,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
             notes: Vec::new(),
             retry: crate::persistence::retry::read(&storage.keys, body).and_then(Result::ok),
             retried: Vec::new(),
+            resets: Vec::new(),
             trace,
         })
     }
@@ -188,20 +238,44 @@ impl<'i, 'a> Cycle<'i, 'a> {
         if self.interrupted && step.fetched.is_none() {
             return;
         }
-        // A retry request runs a failed or delayed handler once more, now, whatever its limits.
-        let forced = !self.interrupted
-            && step.fetched.is_some()
-            && !record.success
-            && (record.failure || record.delayed.is_some())
-            && self
-                .retry
-                .as_ref()
-                .is_some_and(|r| r.wants(&reg.id.0, &storage.keys));
+        // A retry request runs a failed or delayed handler once more, now, whatever its limits;
+        // a failed or delayed sub-handler runs again within its parent.
+        let retry = self
+            .retry
+            .as_ref()
+            .filter(|_| !self.interrupted && step.fetched.is_some());
+        let retryable = |r: &ProgressRecord| !r.success && (r.failure || r.delayed.is_some());
+        let forced_self = retry.is_some_and(|r| retryable(&record) && r.wants(&reg.id.0, &storage.keys));
+        let resets: Vec<(String, ProgressRecord)> = retry
+            .map(|r| {
+                record
+                    .subrefs
+                    .iter()
+                    // Named themselves, or their parent named: its failed children run again.
+                    .filter(|full| r.wants(full, &storage.keys) || r.wants(&reg.id.0, &storage.keys))
+                    .filter_map(|full| {
+                        let child = storage
+                            .progress
+                            .fetch(full, body)
+                            .filter(|c| c.purpose == record.purpose && retryable(c))?;
+                        Some((full.clone(), reset(child)))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let forced = forced_self || !resets.is_empty();
         if forced {
-            info!(handler.id = %reg.id, requested.by = self.retry.as_ref().map(|r| r.requester()).unwrap_or_default(), "handler retried on request");
-            record.failure = false;
-            record.stopped = None;
-            record.delayed = None;
+            let requester = self.retry.as_ref().map(|r| r.requester()).unwrap_or_default();
+            info!(handler.id = %reg.id, requested.by = requester, sub_handlers = resets.len(), "handler retried on request");
+            record = reset(record);
+            if forced_self {
+                self.retried.push(reg.id.0.clone());
+            }
+            self.retried.extend(resets.iter().map(|(id, _)| id.clone()));
+        }
+        self.resets = resets;
+        if self.forcing && step.fetched.is_none() {
+            info!(handler.id = %reg.id, requested.by = self.retry.as_ref().map(|r| r.requester()).unwrap_or_default(), "handler of a completed change run again on request");
             self.retried.push(reg.id.0.clone());
         }
         if self.interrupted || record.finished() || record.sleeping(now) {
@@ -233,7 +307,16 @@ impl<'i, 'a> Cycle<'i, 'a> {
             step.skipped = true;
         }
         let verdict = execution::judge_with_guard(reg, &mut record, outcome, now, self.input.max_losses);
-        record_children(storage, body, reg, &mut record, &mut step, reported, now);
+        record_children(
+            storage,
+            body,
+            reg,
+            &mut record,
+            &mut step,
+            reported,
+            &self.resets,
+            now,
+        );
         self.apply(reg, verdict, &mut record, &mut step);
         self.steps.push(step.with(record));
     }
@@ -249,7 +332,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
         step: &Step,
         invoker: &dyn Invoker,
     ) -> (Outcome, bool) {
-        let children = child_states(self.input.storage, reg, self.input.body, record);
+        let children = child_states(self.input.storage, reg, self.input.body, record, &self.resets);
         let mut work = work(
             self.input,
             reg,
@@ -445,7 +528,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
             plan.done = false;
             plan.wake_at = None;
         }
-        if self.input.storage.conditions && !self.interrupted {
+        if self.input.storage.conditions.covers(self.input.resource) && !self.interrupted {
             self.set_conditions(&mut plan);
         }
         consume_retry(self.input, &mut plan, &self.retried);
@@ -457,19 +540,27 @@ impl<'i, 'a> Cycle<'i, 'a> {
     fn set_conditions(&self, plan: &mut Plan) {
         use super::super::conditions::{Summary, apply};
         let message = |r: &ProgressRecord| r.message.clone().unwrap_or_default();
+        // Sub-handlers count as handlers of their own: a parent may succeed while one of its
+        // children failed for good.
+        let records: Vec<(&str, &ProgressRecord)> = self
+            .steps
+            .iter()
+            .flat_map(|s| {
+                std::iter::once((s.registration.id.0.as_str(), &s.record))
+                    .chain(s.children.iter().map(|c| (c.id.as_str(), &c.record)))
+            })
+            .collect();
         let summary = Summary {
             done: plan.done,
-            failed: self
-                .steps
+            failed: records
                 .iter()
-                .filter(|s| s.record.failure)
-                .map(|s| (s.registration.id.0.clone(), message(&s.record)))
+                .filter(|(_, r)| r.failure)
+                .map(|(id, r)| ((*id).to_owned(), message(r)))
                 .collect(),
-            retrying: self
-                .steps
+            retrying: records
                 .iter()
-                .filter(|s| !s.record.finished() && s.record.delayed.is_some())
-                .map(|s| (s.registration.id.0.clone(), message(&s.record)))
+                .filter(|(_, r)| !r.finished() && r.delayed.is_some())
+                .map(|(id, r)| ((*id).to_owned(), message(r)))
                 .collect(),
             cause: match self.cause {
                 Cause::Create => "creation",
@@ -499,65 +590,6 @@ impl<'i, 'a> Cycle<'i, 'a> {
             };
             apply(fallback, &rejected, self.now);
         }
-    }
-}
-
-/// Consumes the object's retry request, if any: it leaves in this cycle's write (so a request
-/// costs no write of its own), with an Event that names who asked and what ran again — or
-/// that there was nothing to retry, or that the request was malformed. A cycle that ran no
-/// handler because it only adds the finalizer, or was interrupted, leaves the request for the
-/// next one.
-fn consume_retry(input: &Input<'_>, plan: &mut Plan, retried: &[String]) {
-    use crate::persistence::retry;
-    let keys = &input.storage.keys;
-    let Some(request) = retry::read(keys, input.body) else {
-        return;
-    };
-    if plan.interrupted || plan.finalizer == FinalizerChange::Add || plan.cause == Cause::Gone {
-        return;
-    }
-    let announcement = match request {
-        Ok(request) if !retried.is_empty() => (
-            Level::Info,
-            "RetryRequested",
-            format!(
-                "Handler(s) {} run again now, as requested by {}.",
-                retried
-                    .iter()
-                    .map(|id| format!("'{id}'"))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                request.requester()
-            ),
-        ),
-        Ok(request) => (
-            Level::Info,
-            "RetryRequested",
-            format!(
-                "Nothing to retry (requested by {} for {}): no such handler has failed or waits for a retry.",
-                request.requester(),
-                if request.handlers.is_empty() {
-                    "every handler".to_owned()
-                } else {
-                    request.handlers.join(", ")
-                }
-            ),
-        ),
-        Err(why) => {
-            warn!(problem = %why, "malformed retry request ignored");
-            (
-                Level::Warning,
-                "RetryRequestIgnored",
-                format!("Ignored a malformed retry request ({}): {why}", retry::key(keys)),
-            )
-        }
-    };
-    plan.announcements.push(announcement);
-    let mut desired = plan.desired.take().unwrap_or_else(|| plan.base.clone());
-    retry::remove(keys, &mut desired);
-    plan.desired = Some(desired);
-    if let Some(fallback) = plan.fallback.as_mut() {
-        retry::remove(keys, fallback);
     }
 }
 
