@@ -7,23 +7,16 @@
 //! new object as handled, reacting to its update as an update. Along the way, what Capstan
 //! stores is checked against kopf's formats.
 
-use std::{
-    collections::HashMap,
-    path::{Path, PathBuf},
-    time::Duration,
-};
+use std::{path::Path, time::Duration};
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Result, bail};
 use capstan_tests::{
+    kopf,
     process::{Controller, Process, start_handler},
     scenario::{Scenario, annotation, tail, writes_by},
-    testenv::{TestEnv, repo_root},
+    testenv::TestEnv,
 };
 use serde_json::{Value, json};
-use tokio::{process::Command, sync::OnceCell};
-
-/// The kopf release the test runs against.
-const KOPF_VERSION: &str = "1.45.2";
 
 const T: Duration = Duration::from_secs(60);
 const DIFFBASE: &str = "kopf.zalando.org/last-handled-configuration";
@@ -33,83 +26,9 @@ const RECORD_FIELDS: [&str; 9] = [
     "started", "stopped", "delayed", "purpose", "retries", "success", "failure", "message", "subrefs",
 ];
 
-static KOPF: OnceCell<PathBuf> = OnceCell::const_new();
-
-/// The `kopf` executable of a virtualenv with the pinned release, created once per test
-/// process and reused while it has the right version.
-async fn kopf_binary() -> Result<PathBuf> {
-    KOPF.get_or_try_init(install_kopf).await.cloned()
-}
-
-async fn install_kopf() -> Result<PathBuf> {
-    let home = std::env::var_os("HOME").context("HOME is not set; it locates the kopf virtualenv")?;
-    let venv = Path::new(&home).join(".cache/capstan/kopf-venv");
-    let kopf = venv.join("bin/kopf");
-    if kopf_version(&kopf).await.as_deref() == Some(KOPF_VERSION) {
-        return Ok(kopf);
-    }
-    std::fs::create_dir_all(venv.parent().unwrap_or(&venv))?;
-    run_setup(
-        Command::new("python3").arg("-m").arg("venv").arg(&venv),
-        "python3 -m venv (python3 with the venv module is needed to run kopf)",
-    )
-    .await?;
-    run_setup(
-        Command::new(venv.join("bin/python"))
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
-            .arg(format!("kopf=={KOPF_VERSION}")),
-        &format!("pip install kopf=={KOPF_VERSION} (PyPI must be reachable)"),
-    )
-    .await?;
-    match kopf_version(&kopf).await {
-        Some(v) if v == KOPF_VERSION => Ok(kopf),
-        other => bail!(
-            "{} reports version {other:?} after installing kopf=={KOPF_VERSION}",
-            kopf.display()
-        ),
-    }
-}
-
-/// `kopf --version` prints `kopf, version X`.
-async fn kopf_version(kopf: &Path) -> Option<String> {
-    let out = Command::new(kopf).arg("--version").output().await.ok()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.trim().rsplit(' ').next().map(str::to_owned)
-}
-
-async fn run_setup(cmd: &mut Command, what: &str) -> Result<()> {
-    let out = cmd
-        .output()
-        .await
-        .with_context(|| format!("could not start {what}"))?;
-    if !out.status.success() {
-        bail!(
-            "{what} failed ({}):\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(())
-}
-
 /// The kopf operator against the testenv; killed when dropped.
 async fn start_kopf(env: &TestEnv, name: &str, calls: &Path) -> Result<Process> {
-    let kopf = kopf_binary().await?;
-    let operator = repo_root().join("tests/kopf/operator.py");
-    let args: Vec<String> = ["run", "--standalone", "-A", &operator.to_string_lossy()]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .collect();
-    let vars: HashMap<String, String> = [
-        ("KUBECONFIG", env.kubeconfig.to_string_lossy().into_owned()),
-        ("KOPF_E2E_LOG", calls.to_string_lossy().into_owned()),
-        ("PYTHONUNBUFFERED", "1".to_owned()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v))
-    .collect();
-    Process::spawn(name, &kopf, &args, &vars, env.scratch())
+    kopf::start(env, &kopf::binary().await?, name, calls).await
 }
 
 /// kopf's calls so far: (handler, object name).
@@ -202,7 +121,7 @@ fn check_kopf_record(text: &str) -> Result<Value> {
 async fn objects_move_between_kopf_and_capstan_without_being_handled_again() -> Result<()> {
     let started = tokio::time::Instant::now();
     // Installing kopf first keeps a PyPI or python3 problem from looking like a test failure.
-    kopf_binary().await?;
+    kopf::binary().await?;
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
     let client = env.client().await?;

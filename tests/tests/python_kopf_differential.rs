@@ -22,51 +22,11 @@ use kube::{
     api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams},
 };
 use serde_json::{Value, json};
-use tokio::process::Command;
 
-/// The kopf release compared against (the one `tests/tests/kopf_migration.rs` installs).
-const KOPF_VERSION: &str = "1.45.2";
+/// How long each step may take.
 const T: Duration = Duration::from_secs(90);
 
-/// The `kopf` executable of `$HOME/.cache/capstan/kopf-venv` with the pinned release,
-/// installed there once.
-async fn kopf_binary() -> Result<PathBuf> {
-    let home = std::env::var_os("HOME").context("HOME is not set; it locates the kopf virtualenv")?;
-    let venv = Path::new(&home).join(".cache/capstan/kopf-venv");
-    let kopf = venv.join("bin/kopf");
-    let version = Command::new(&kopf).arg("--version").output().await.ok();
-    let installed = version
-        .map(|out| {
-            String::from_utf8_lossy(&out.stdout)
-                .trim()
-                .ends_with(KOPF_VERSION)
-        })
-        .unwrap_or(false);
-    if installed {
-        return Ok(kopf);
-    }
-    let status = Command::new("python3")
-        .arg("-m")
-        .arg("venv")
-        .arg(&venv)
-        .status()
-        .await
-        .context("python3 -m venv")?;
-    if !status.success() {
-        bail!("python3 -m venv {} failed", venv.display());
-    }
-    let status = Command::new(venv.join("bin/python"))
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
-        .arg(format!("kopf=={KOPF_VERSION}"))
-        .status()
-        .await
-        .context("pip install kopf")?;
-    if !status.success() {
-        bail!("pip install kopf=={KOPF_VERSION} failed (PyPI must be reachable)");
-    }
-    Ok(kopf)
-}
-
+/// The kopf operator file both runs share.
 fn operator_file() -> PathBuf {
     repo_root().join("sdk-python/tests/differential/operator.py")
 }
@@ -210,7 +170,7 @@ fn comparable(obj: &Value) -> Value {
 
 #[tokio::test]
 async fn capstan_kopf_calls_handlers_as_kopf_does() -> Result<()> {
-    let kopf = kopf_binary().await?;
+    let kopf = capstan_tests::kopf::binary().await?;
     let python = sdk_python().await?;
 
     // Real kopf.

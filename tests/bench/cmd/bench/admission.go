@@ -70,15 +70,11 @@ func runAdmission(args []string) error {
 		return err
 	}
 	say("work directory %s", work)
-	env, err := startProc("testenv", work, nil, *testenv, "start", "--dir", filepath.Join(work, "apiserver"), "--timeout", "120s")
+	env, kubeconfig, err := startAPIServer(*testenv, work, "")
 	if err != nil {
 		return err
 	}
 	defer env.stop(30 * time.Second)
-	kubeconfig := filepath.Join(work, "apiserver", "kubeconfig")
-	if _, err := waitFileNonEmpty(filepath.Join(work, "apiserver", "ready"), 150*time.Second, env.alive); err != nil {
-		return fmt.Errorf("the API server did not start: %w\n%s", err, env.tail(20))
-	}
 	cfg, err := restConfig(kubeconfig, "capstan-bench/admission")
 	if err != nil {
 		return err

@@ -91,14 +91,9 @@ func runFleet(args []string) error {
 		return err
 	}
 	audit := filepath.Join(work, "audit.log")
-	api, err := startProc("testenv", work, nil, testenv, "start", "--dir", filepath.Join(work, "apiserver"), "--audit-log", audit, "--timeout", "120s",
-		"--", "--audit-log-maxsize=100000")
+	api, kubeconfig, err := startAPIServer(testenv, work, audit)
 	if err != nil {
 		return err
-	}
-	kubeconfig := filepath.Join(work, "apiserver", "kubeconfig")
-	if _, err := waitFileNonEmpty(filepath.Join(work, "apiserver", "ready"), 150*time.Second, api.alive); err != nil {
-		return fmt.Errorf("the API server did not start: %w\n%s", err, api.tail(20))
 	}
 	cfg, err := restConfig(kubeconfig, "capstan-bench/driver")
 	if err != nil {

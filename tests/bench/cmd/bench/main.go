@@ -142,17 +142,9 @@ func runBench(args []string) error {
 
 	// The API server.
 	audit := filepath.Join(work, "audit.log")
-	// kube-apiserver rotates its audit log at 100 MB even with --audit-log-maxsize=0 (the
-	// rotation library's default); a full run writes more, so raise the limit, and read any
-	// rotated files too.
-	env, err := startProc("testenv", work, nil, o.testenv, "start", "--dir", filepath.Join(work, "apiserver"), "--audit-log", audit, "--timeout", "120s",
-		"--", "--audit-log-maxsize=100000")
+	env, kubeconfig, err := startAPIServer(o.testenv, work, audit)
 	if err != nil {
 		return err
-	}
-	kubeconfig := filepath.Join(work, "apiserver", "kubeconfig")
-	if _, err := waitFileNonEmpty(filepath.Join(work, "apiserver", "ready"), 150*time.Second, env.alive); err != nil {
-		return fmt.Errorf("the API server did not start: %w\n%s", err, env.tail(20))
 	}
 	cfg, err := restConfig(kubeconfig, "capstan-bench/driver")
 	if err != nil {

@@ -193,3 +193,25 @@ func countLinesMatching(path, substr string) int {
 	}
 	return n
 }
+
+// startAPIServer starts the testenv API server (kube-apiserver with etcd) under work, with an
+// audit log at audit when it is not empty, and waits until it is ready. It returns the process
+// and its kubeconfig.
+func startAPIServer(testenv, work, audit string) (*proc, string, error) {
+	args := []string{"start", "--dir", filepath.Join(work, "apiserver"), "--timeout", "120s"}
+	if audit != "" {
+		// kube-apiserver rotates its audit log at 100 MB even with --audit-log-maxsize=0 (the
+		// rotation library's default); a full run writes more, so raise the limit, and read
+		// any rotated files too.
+		args = append(args, "--audit-log", audit, "--", "--audit-log-maxsize=100000")
+	}
+	env, err := startProc("testenv", work, nil, testenv, args...)
+	if err != nil {
+		return nil, "", err
+	}
+	kubeconfig := filepath.Join(work, "apiserver", "kubeconfig")
+	if _, err := waitFileNonEmpty(filepath.Join(work, "apiserver", "ready"), 150*time.Second, env.alive); err != nil {
+		return nil, "", fmt.Errorf("the API server did not start: %w\n%s", err, env.tail(20))
+	}
+	return env, kubeconfig, nil
+}
