@@ -258,11 +258,7 @@ pub async fn resolve(client: &Client, resource: &str) -> Result<ResolvedResource
 
 /// The API of `resource` in `namespace` (all namespaces, or cluster-scoped, when `None`).
 pub fn api(client: &Client, resource: &ResolvedResource, namespace: Option<&str>) -> Api<DynamicObject> {
-    let ar = objects::api_resource(resource);
-    match namespace {
-        Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
-        None => Api::all_with(client.clone(), &ar),
-    }
+    objects::Objects::new(client.clone()).api(resource, namespace)
 }
 
 /// Classifies an API failure of `verb` on `resource`.

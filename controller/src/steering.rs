@@ -17,10 +17,9 @@
 
 use std::time::SystemTime;
 
-use k8s_openapi::api::authentication::v1::SelfSubjectReview;
 use kube::{
     Client,
-    api::{Api, Patch, PatchParams, PostParams},
+    api::{Patch, PatchParams},
 };
 use serde_json::json;
 
@@ -272,14 +271,7 @@ fn known(found: &[survey::Found]) -> String {
 
 /// Who is asking: the authenticated user, or `user@host`.
 async fn requester(client: &Client) -> String {
-    let review: SelfSubjectReview = SelfSubjectReview::default();
-    let api: Api<SelfSubjectReview> = Api::all(client.clone());
-    let user = api
-        .create(&PostParams::default(), &review)
-        .await
-        .ok()
-        .and_then(|r| r.status?.user_info?.username)
-        .filter(|u| !u.is_empty());
+    let user = crate::k8s::client::username(client).await;
     let mut who = user.unwrap_or_else(crate::peering::commands::user_identity);
     who.truncate(
         (0..=retry::MAX_TEXT.min(who.len()))

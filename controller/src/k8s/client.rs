@@ -31,3 +31,15 @@ pub async fn connect() -> Result<Client, Error> {
     ));
     Client::try_from(config).map_err(Error::Config)
 }
+
+/// The user the API server authenticates `client` as (a `SelfSubjectReview`); `None` when it
+/// cannot tell.
+pub async fn username(client: &kube::Client) -> Option<String> {
+    use k8s_openapi::api::authentication::v1::SelfSubjectReview;
+    let api: kube::Api<SelfSubjectReview> = kube::Api::all(client.clone());
+    api.create(&kube::api::PostParams::default(), &SelfSubjectReview::default())
+        .await
+        .ok()
+        .and_then(|r| r.status?.user_info?.username)
+        .filter(|u| !u.is_empty())
+}
