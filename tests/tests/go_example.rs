@@ -266,7 +266,17 @@ async fn go_operator_validates_and_mutates_admission_requests() -> Result<()> {
         }
     };
     assert!(message.contains("spec.size 500 is above 100"), "{message}");
-    let stored = s.create("defaulted", json!({"field": "x"})).await?;
+    // The API server picks up the mutating configuration on its own schedule, which may be
+    // after the validating one: until then objects are stored unchanged.
+    let stored = loop {
+        let stored = s.create("defaulted", json!({"field": "x"})).await?;
+        if stored.pointer("/spec/size").is_some() || Instant::now() > deadline {
+            break stored;
+        }
+        s.delete("defaulted").await?;
+        s.wait_gone("defaulted", T).await?;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     assert_eq!(stored.pointer("/spec/size"), Some(&json!(1)), "{stored}");
     assert_eq!(label(&stored, "demo.capstan.dev/admitted-by"), Some("go"));
     Ok(())
