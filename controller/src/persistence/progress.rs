@@ -51,6 +51,11 @@ pub struct ProgressRecord {
     /// field; kopf ignores it): the poison-pill guard counts them across restarts.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub lost: u32,
+    /// A run of a completed change's handler that `capstan retry` asked for (Capstan's own
+    /// field; kopf ignores it). Only such a record, while unfinished, makes a cycle with no
+    /// change to handle run it on; a stale record that a late write put back never does.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rerun: bool,
 }
 
 #[allow(

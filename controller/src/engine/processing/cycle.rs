@@ -44,7 +44,7 @@ pub(super) async fn run(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
                 .storage
                 .progress
                 .fetch(&h.id.0, input.body)
-                .is_some_and(|r| r.purpose.as_deref() == purpose && !r.finished());
+                .is_some_and(|r| r.rerun && r.purpose.as_deref() == purpose && !r.finished());
             unfinished
                 || cycle
                     .retry
@@ -277,6 +277,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
         if self.forcing && step.fetched.is_none() {
             info!(handler.id = %reg.id, requested.by = self.retry.as_ref().map(|r| r.requester()).unwrap_or_default(), "handler of a completed change run again on request");
             self.retried.push(reg.id.0.clone());
+            record.rerun = true;
         }
         if self.interrupted || record.finished() || record.sleeping(now) {
             self.steps.push(step.with(record));

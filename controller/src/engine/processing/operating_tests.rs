@@ -492,3 +492,22 @@ async fn a_named_handler_runs_again_after_its_change_was_completed() {
         plan.announcements
     );
 }
+
+/// A late write (a checkpoint the API server applied after the cycle's final write) can put a
+/// started record back on a handled object. Only a re-run that `capstan retry` started makes
+/// a cycle with no change run a handler again; such a stale record never does.
+#[tokio::test]
+async fn a_stale_unfinished_record_on_a_handled_object_runs_nothing() {
+    let storage = Storage::annotations("capstan.dev");
+    let mut body = handled(None);
+    body["metadata"]["annotations"]["capstan.dev/create_a"] = json!(
+        r#"{"started":"2026-01-01T00:00:00.000000+00:00","purpose":"create","retries":0,"success":false,"failure":false}"#
+    );
+    let invoker = Always::new(permanent());
+    let _plan = run(&body, &storage, &invoker).await;
+    assert!(
+        invoker.seen.lock().is_empty(),
+        "a stale record ran {:?}",
+        invoker.seen.lock()
+    );
+}

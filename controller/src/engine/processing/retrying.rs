@@ -6,7 +6,7 @@
 use super::*;
 
 /// The cause of a re-run of an object whose last change is complete (a Noop): the purpose of
-/// a change handler's unfinished record (a re-run in progress), or the kind of the first
+/// a change handler's unfinished re-run record (one in progress), or the kind of the first
 /// change handler a retry request names (kopf purges a change's records, a permanent
 /// failure's included, once the change is complete; the request brings the handler back).
 pub(super) fn rerun(input: &Input<'_>, keys: &crate::persistence::Keys) -> Option<Cause> {
@@ -26,7 +26,7 @@ pub(super) fn rerun(input: &Input<'_>, keys: &crate::persistence::Keys) -> Optio
     };
     if let Some(cause) = changing().find_map(|h| {
         let record = input.storage.progress.fetch(&h.id.0, input.body)?;
-        (!record.finished()).then(|| of_purpose(record.purpose.as_deref()?))?
+        (record.rerun && !record.finished()).then(|| of_purpose(record.purpose.as_deref()?))?
     }) {
         return Some(cause);
     }
