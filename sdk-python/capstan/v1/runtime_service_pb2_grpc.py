@@ -5,7 +5,7 @@ import warnings
 
 from capstan.v1 import runtime_service_pb2 as capstan_dot_v1_dot_runtime__service__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.80.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class RuntimeServiceStub:
+class RuntimeServiceStub(object):
     """The Capstan runtime: the controller that watches Kubernetes and calls handlers in handler
     processes over one bidirectional stream per process.
 
@@ -70,7 +70,7 @@ class RuntimeServiceStub:
                 _registered_method=True)
 
 
-class RuntimeServiceServicer:
+class RuntimeServiceServicer(object):
     """The Capstan runtime: the controller that watches Kubernetes and calls handlers in handler
     processes over one bidirectional stream per process.
 
@@ -125,7 +125,7 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class RuntimeService:
+class RuntimeService(object):
     """The Capstan runtime: the controller that watches Kubernetes and calls handlers in handler
     processes over one bidirectional stream per process.
 
