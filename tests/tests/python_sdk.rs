@@ -5,18 +5,23 @@
 //! handlers with results and patches, sub-handlers (one retried on its own), a daemon that
 //! follows its object's live body and stops on deletion, a timer, a retried temporary error, a
 //! permanent error, deletion, the startup, probe and cleanup activities, and a clean stop on
-//! SIGTERM.
+//! SIGTERM. And the package as users get it: `pip install ./sdk-python` into a fresh venv runs
+//! the example.
 
-use std::{collections::HashMap, path::Path, time::Duration};
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
-use anyhow::{Context as _, Result};
+use anyhow::{Context as _, Result, bail};
 use capstan_tests::{
     process::{Controller, Process, sdk_python},
     scenario::{Scenario, annotation, label},
     testenv::{TestEnv, repo_root},
 };
 use serde_json::{Value, json};
-use tokio::time::Instant;
+use tokio::{process::Command, time::Instant};
 
 const T: Duration = Duration::from_secs(90);
 
@@ -269,5 +274,116 @@ async fn python_operator_names_handlers_with_problems_and_exits_when_none_is_acc
 
     let status = first.terminate().await?;
     assert!(status.success(), "exited with {status}:\n{}", first.output());
+    Ok(())
+}
+
+/// Copies the directory `from` to `to`, leaving out Python's byte-code caches.
+fn copy_tree(from: &Path, to: &Path) -> Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        if name == "__pycache__" {
+            continue;
+        }
+        if entry.file_type()?.is_dir() {
+            copy_tree(&entry.path(), &to.join(&name))?;
+        } else {
+            std::fs::copy(entry.path(), to.join(&name))?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs `program` with `args` and returns its standard output, or fails with its output.
+async fn run(program: &Path, args: &[&str], what: &str) -> Result<String> {
+    let output = Command::new(program)
+        .args(args)
+        .output()
+        .await
+        .with_context(|| format!("{what}: starting {}", program.display()))?;
+    if !output.status.success() {
+        bail!(
+            "{what} failed ({}):\n{}{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// The package as its users get it: `pip install ./sdk-python` into a fresh venv (from the
+/// registry, with the oldest grpcio and protobuf that pyproject.toml admits, the ones a Python
+/// 3.9 machine may get), then `python -m capstan run examples/operator.py` from that venv
+/// alone (no source tree on the path) against the real controller.
+#[tokio::test]
+async fn python_sdk_installed_with_pip_in_a_fresh_venv_runs_the_example() -> Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    // A copy of the package, so the build leaves nothing in the source tree.
+    let sdk = repo_root().join("sdk-python");
+    let package = env.scratch().join("sdk-python");
+    copy_tree(&sdk.join("capstan"), &package.join("capstan"))?;
+    for file in ["pyproject.toml", "README.md"] {
+        std::fs::copy(sdk.join(file), package.join(file))?;
+    }
+    let venv = env.scratch().join("fresh-venv");
+    let python3 = PathBuf::from(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()));
+    let venv_arg = venv.display().to_string();
+    run(&python3, &["-m", "venv", &venv_arg], "python3 -m venv").await?;
+    let python = venv.join("bin/python");
+    let package_arg = package.display().to_string();
+    run(
+        &python,
+        &[
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            &package_arg,
+            "grpcio==1.80.1",
+            "protobuf==6.31.1",
+        ],
+        "pip install ./sdk-python (PyPI must be reachable)",
+    )
+    .await?;
+    let imported = run(
+        &python,
+        &["-c", "import capstan, google.protobuf; print(capstan.__file__, google.protobuf.__version__)"],
+        "import capstan",
+    )
+    .await?;
+    assert!(
+        imported.contains(&venv_arg) && imported.trim_end().ends_with(" 6.31.1"),
+        "capstan is not the installed package, or protobuf is not the oldest: {imported}"
+    );
+
+    let controller = Controller::start(&env, "capstan", &[]).await?;
+    let vars = HashMap::from([
+        ("CAPSTAN_ENDPOINT".to_owned(), controller.endpoint()),
+        ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
+    ]);
+    let args = [
+        "-m".to_owned(),
+        "capstan".to_owned(),
+        "run".to_owned(),
+        sdk.join("examples/operator.py").display().to_string(),
+    ];
+    let operator = Process::spawn("installed-operator", &python, &args, &vars, env.scratch())?;
+    let mut s = Scenario::with_operator(env, controller, operator, T).await?;
+    s.create("one", json!({"field": "a"})).await?;
+    let obj = s
+        .wait("one", T, "the create handler answered", |o| {
+            o.pointer("/status/create_fn/message").is_some()
+        })
+        .await?;
+    assert_eq!(obj["status"]["create_fn"]["message"], "hello one from python");
+    assert_eq!(label(&obj, "demo.capstan.dev/handled-by"), Some("python"));
+    let status = s.handler.terminate().await?;
+    let output = s.handler.output();
+    assert!(status.success(), "the installed operator exited with {status}:\n{output}");
+    assert!(!output.contains("Traceback"), "a traceback in the operator's log:\n{output}");
     Ok(())
 }
