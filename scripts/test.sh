@@ -39,7 +39,7 @@ step "stock grpcio client for the interoperability tests (tests/interop)"
 CAPSTAN_INTEROP_PYTHON=$(bash tests/interop/setup.sh | tail -n1)
 export CAPSTAN_INTEROP_PYTHON
 
-step "Python SDK: pinned venv, pytest (with the generated-code check)"
+step "Python SDK: pinned venv, pytest (with the generated-code and Python 3.9 checks)"
 CAPSTAN_PYTHON_SDK_PYTHON=$(bash sdk-python/scripts/venv.sh | tail -n1)
 export CAPSTAN_PYTHON_SDK_PYTHON
 (cd sdk-python && "$CAPSTAN_PYTHON_SDK_PYTHON" -m pytest -q tests)

@@ -80,7 +80,11 @@ def mutate_fn(spec, patch, **_):
 
 async fn create_cm(api: &Api<ConfigMap>, name: &str, app: Option<&str>, slow: bool) -> Result<()> {
     let labels = app.map_or_else(|| json!({}), |a| json!({"e2e/app": a}));
-    let annotations = if slow { json!({"e2e/slow": "yes"}) } else { json!({}) };
+    let annotations = if slow {
+        json!({"e2e/slow": "yes"})
+    } else {
+        json!({})
+    };
     let cm: ConfigMap = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": name, "labels": labels, "annotations": annotations},
@@ -181,11 +185,7 @@ async fn python_index_gates_readers_follows_changes_and_admission_validates_and_
         })
         .await?;
     let want: Vec<String> = (0..10).map(|i| format!("web-{i:02}")).collect();
-    assert_eq!(
-        obj["status"]["lookup_fn"]["configmaps"],
-        json!(want),
-        "{obj}"
-    );
+    assert_eq!(obj["status"]["lookup_fn"]["configmaps"], json!(want), "{obj}");
     assert_eq!(obj["status"]["lookup_fn"]["objects"], 13, "{obj}");
     let output = s.handler.output();
     assert_eq!(
@@ -291,7 +291,10 @@ async fn python_index_gates_readers_follows_changes_and_admission_validates_and_
 
     let status = s.handler.terminate().await?;
     let output = s.handler.output();
-    assert!(status.success(), "the Python operator exited with {status}:\n{output}");
+    assert!(
+        status.success(),
+        "the Python operator exited with {status}:\n{output}"
+    );
     assert!(
         !output.contains("Traceback"),
         "a traceback in the operator's log:\n{output}"

@@ -351,7 +351,10 @@ async fn python_sdk_installed_with_pip_in_a_fresh_venv_runs_the_example() -> Res
     .await?;
     let imported = run(
         &python,
-        &["-c", "import capstan, google.protobuf; print(capstan.__file__, google.protobuf.__version__)"],
+        &[
+            "-c",
+            "import capstan, google.protobuf; print(capstan.__file__, google.protobuf.__version__)",
+        ],
         "import capstan",
     )
     .await?;
@@ -383,7 +386,13 @@ async fn python_sdk_installed_with_pip_in_a_fresh_venv_runs_the_example() -> Res
     assert_eq!(label(&obj, "demo.capstan.dev/handled-by"), Some("python"));
     let status = s.handler.terminate().await?;
     let output = s.handler.output();
-    assert!(status.success(), "the installed operator exited with {status}:\n{output}");
-    assert!(!output.contains("Traceback"), "a traceback in the operator's log:\n{output}");
+    assert!(
+        status.success(),
+        "the installed operator exited with {status}:\n{output}"
+    );
+    assert!(
+        !output.contains("Traceback"),
+        "a traceback in the operator's log:\n{output}"
+    );
     Ok(())
 }
