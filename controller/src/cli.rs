@@ -404,9 +404,10 @@ pub struct RunArgs {
     /// How much of the object the diff-base (the last handled state) keeps. `fields`: only
     /// the fields that handlers watch (the `field` of field, resume and delete handlers), in a
     /// compact format — or the whole essence when an update handler is registered, since it
-    /// reads the whole `old` and `diff`. Then the whole `old`/`diff` of resume, delete and
-    /// create handlers show only the changes of watched fields (other fields look
-    /// unchanged), and a change of a field that no handler watched when it was made (e.g.
+    /// reads the whole `old` and `diff`. Field handlers get the same `old`, `new` and `diff`
+    /// either way. With `fields`, the whole `old`/`diff` of resume and delete handlers show
+    /// only the changes of watched fields (other fields look unchanged; create handlers never
+    /// have an `old`), and a change of a field that no handler watched when it was made (e.g.
     /// while the controller was down, before a new version adds a handler on it) is not seen
     /// as a change. `full`: the whole essence always, as kopf stores it. Diff-bases in either
     /// format are read. [default: fields; full with --persistence kopf, which cannot take
@@ -1008,6 +1009,25 @@ mod tests {
         assert!(custom.keys.v1);
         assert!(matches!(custom.progress, ProgressStorage::Smart(_, ref name) if name == "kopf"));
         assert!(Cli::try_parse_from(["capstan", "run", "--persistence", "zalando"]).is_err());
+    }
+
+    #[test]
+    fn the_diff_base_keeps_watched_fields_unless_full_or_kopf() {
+        assert_eq!(run(&[]).engine.storage.diffbase_extent, Extent::Fields);
+        let full = run(&["--diff-base", "full"]).engine.storage;
+        assert_eq!(full.diffbase_extent, Extent::Full);
+        let kopf = run(&["--persistence", "kopf"]).engine.storage;
+        assert_eq!(kopf.diffbase_extent, Extent::Full);
+        let check = |args: &[&str]| {
+            let Command::Run(run) = Cli::parse_from(["capstan", "run"].iter().chain(args)).command else {
+                panic!("not run")
+            };
+            run.check()
+        };
+        assert!(check(&["--persistence", "kopf", "--diff-base", "full"]).is_ok());
+        let refused = check(&["--persistence", "kopf", "--diff-base", "fields"]).unwrap_err();
+        assert!(refused.contains("--diff-base fields"), "{refused}");
+        assert!(check(&["--diff-base", "fields"]).is_ok());
     }
 
     #[test]
