@@ -21,7 +21,12 @@
 //! The stored diff-base is turned into the `old` essence of a cycle by [`DiffBase::overlay`]:
 //! the current essence, with the stored value put at every watched path the diff-base covers.
 //! A field it does not cover reads as unchanged. The engine decides what is watched
-//! (`engine::processing::watched`) and when a new diff-base is written.
+//! (`engine::processing::watched`) and when a new diff-base is written: with the write that
+//! finishes a cause, when a watched value (or the set of watched paths) differs from what is
+//! stored — an essence whose watched values are current is not rewritten only to change its
+//! format — and once on its own when a handler starts watching a field that the stored
+//! diff-base does not cover (the field's value then becomes the base its changes are seen
+//! against).
 
 use std::collections::BTreeMap;
 
