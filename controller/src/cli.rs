@@ -16,7 +16,7 @@ use crate::{
     model::Level,
     observability::logging,
     peering,
-    persistence::{DiffBaseStorage, Keys, ProgressStorage},
+    persistence::{DiffBaseStorage, Keys, ProgressStorage, diffbase::Extent},
 };
 
 /// Capstan runs Kubernetes operators whose handlers are written in any language.
@@ -401,6 +401,20 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_DIFFBASE_STORAGE", value_enum, default_value_t = DiffBaseKind::Annotations)]
     pub diffbase_storage: DiffBaseKind,
 
+    /// How much of the object the diff-base (the last handled state) keeps. `fields`: only
+    /// the fields that handlers watch (the `field` of field, resume and delete handlers), in a
+    /// compact format — or the whole essence when an update handler is registered, since it
+    /// reads the whole `old` and `diff`. Field handlers get the same `old`, `new` and `diff`
+    /// either way. With `fields`, the whole `old`/`diff` of resume and delete handlers show
+    /// only the changes of watched fields (other fields look unchanged; create handlers never
+    /// have an `old`), and a change of a field that no handler watched when it was made (e.g.
+    /// while the controller was down, before a new version adds a handler on it) is not seen
+    /// as a change. `full`: the whole essence always, as kopf stores it. Diff-bases in either
+    /// format are read. [default: fields; full with --persistence kopf, which cannot take
+    /// fields]
+    #[arg(long, env = "CAPSTAN_DIFF_BASE", value_enum)]
+    pub diff_base: Option<DiffBaseExtent>,
+
     /// The diff-base annotation key [default: <prefix>/last-handled-configuration].
     #[arg(long, env = "CAPSTAN_DIFFBASE_KEY")]
     pub diffbase_key: Option<String>,
@@ -571,6 +585,15 @@ pub enum DiffBaseKind {
     Status,
 }
 
+/// How much of the essence the diff-base keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DiffBaseExtent {
+    /// The whole essence (kopf's format).
+    Full,
+    /// The fields that handlers watch (compact).
+    Fields,
+}
+
 /// Which peering objects `capstan freeze` and `capstan resume` act on.
 #[derive(Debug, Args)]
 pub struct PeeringScope {
@@ -731,6 +754,11 @@ impl RunArgs {
     /// # Errors
     /// What is wrong.
     pub fn check(&self) -> Result<(), String> {
+        if self.persistence == Persistence::Kopf && self.diff_base == Some(DiffBaseExtent::Fields) {
+            return Err(
+                "--diff-base fields cannot be used with --persistence kopf: kopf reads only the whole essence it stores (use --diff-base full, the default there)".into(),
+            );
+        }
         if let Some(value) = self.node_storage.as_deref() {
             if self.node().is_none() {
                 return Err("--node-storage needs per-node mode (--node-name or $NODE_NAME)".into());
@@ -815,10 +843,15 @@ impl RunArgs {
             Finalizers::True => true,
             Finalizers::False => false,
         };
+        let diffbase_extent = match (self.diff_base, self.persistence) {
+            (Some(DiffBaseExtent::Full), _) | (None, Persistence::Kopf) => Extent::Full,
+            (Some(DiffBaseExtent::Fields), _) | (None, Persistence::Capstan) => Extent::Fields,
+        };
         Storage {
             keys,
             progress,
             diffbase,
+            diffbase_extent,
             finalizers,
             local: None,
             conditions: if node.is_none() {
@@ -976,6 +1009,25 @@ mod tests {
         assert!(custom.keys.v1);
         assert!(matches!(custom.progress, ProgressStorage::Smart(_, ref name) if name == "kopf"));
         assert!(Cli::try_parse_from(["capstan", "run", "--persistence", "zalando"]).is_err());
+    }
+
+    #[test]
+    fn the_diff_base_keeps_watched_fields_unless_full_or_kopf() {
+        assert_eq!(run(&[]).engine.storage.diffbase_extent, Extent::Fields);
+        let full = run(&["--diff-base", "full"]).engine.storage;
+        assert_eq!(full.diffbase_extent, Extent::Full);
+        let kopf = run(&["--persistence", "kopf"]).engine.storage;
+        assert_eq!(kopf.diffbase_extent, Extent::Full);
+        let check = |args: &[&str]| {
+            let Command::Run(run) = Cli::parse_from(["capstan", "run"].iter().chain(args)).command else {
+                panic!("not run")
+            };
+            run.check()
+        };
+        assert!(check(&["--persistence", "kopf", "--diff-base", "full"]).is_ok());
+        let refused = check(&["--persistence", "kopf", "--diff-base", "fields"]).unwrap_err();
+        assert!(refused.contains("--diff-base fields"), "{refused}");
+        assert!(check(&["--diff-base", "fields"]).is_ok());
     }
 
     #[test]

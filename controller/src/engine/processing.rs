@@ -40,7 +40,12 @@ use crate::{
         ChangeReason, Diagnostic, EventType, HandlerId, HandlerKind, Outcome, Patch, PatchType, Payload,
         Registration, ResolvedResource, ResourceRef, SubhandlerState, Work,
     },
-    persistence::{DiffBaseStorage, Keys, ProgressRecord, ProgressStorage, progress::object_at, time},
+    persistence::{
+        DiffBaseStorage, Keys, ProgressRecord, ProgressStorage,
+        diffbase::{DiffBase, Extent, Watched},
+        progress::object_at,
+        time,
+    },
 };
 
 /// Calls handlers. The hub implements it; tests use fakes.
@@ -79,6 +84,9 @@ pub struct Storage {
     pub progress: ProgressStorage,
     /// The diff-base.
     pub diffbase: DiffBaseStorage,
+    /// How much of the essence the diff-base keeps (`--diff-base`; always the full essence
+    /// with kopf's persistence).
+    pub diffbase_extent: Extent,
     /// Add finalizers when handlers need them (off in per-node mode unless asked for).
     pub finalizers: bool,
     /// Node-local storage: the records under the node's prefix live in files on the node,
@@ -97,6 +105,7 @@ impl Storage {
         Self {
             progress: ProgressStorage::Annotations(keys.clone()),
             diffbase: DiffBaseStorage::Annotations(keys.clone()),
+            diffbase_extent: Extent::Fields,
             keys,
             finalizers: true,
             local: None,
@@ -238,6 +247,43 @@ pub fn rules(storage: &Storage, handlers: &[Registration]) -> Rules {
     }
 }
 
+/// The essence paths whose old values the resource's handlers read, i.e. what the diff-base
+/// must keep (`persistence::diffbase`).
+///
+/// Everything with `--diff-base full`, and when an update handler is registered: update
+/// handlers get the whole `old`, `new` and `diff` (with or without a `field`). Otherwise the
+/// `field` of every field handler (its `old`, `new`, `diff` and filters are of the field) and
+/// of every resume and delete handler (their `value` filter looks at the old value of the
+/// field). Create handlers never see an old state. The whole `old` and `diff` of resume and
+/// delete handlers then show only the changes of watched fields: the documented cost of
+/// `--diff-base fields`.
+pub fn watched(storage: &Storage, handlers: &[Registration]) -> Watched {
+    if storage.diffbase_extent == Extent::Full || handlers.iter().any(|h| h.kind == HandlerKind::Update) {
+        return Watched::All;
+    }
+    Watched::paths(
+        handlers
+            .iter()
+            .filter(|h| {
+                matches!(
+                    h.kind,
+                    HandlerKind::Field | HandlerKind::Resume | HandlerKind::Delete
+                )
+            })
+            .filter(|h| !h.filters.field.is_empty())
+            .map(|h| h.filters.field.clone()),
+    )
+}
+
+/// The stored diff-base of `body`, a whole essence brought to the current rules (as kopf
+/// reads it: fields no longer in the essence are left out).
+fn fetch_diffbase(storage: &Storage, rules: &Rules, body: &Value) -> Option<DiffBase> {
+    storage.diffbase.fetch(body).map(|stored| match stored {
+        DiffBase::Essence(old) => DiffBase::Essence(rules.essence(&old)),
+        fields @ DiffBase::Fields(_) => fields,
+    })
+}
+
 /// Whether our finalizer is on the body.
 pub fn has_finalizer(body: &Value, finalizer: &str) -> bool {
     body.pointer("/metadata/finalizers")
@@ -300,7 +346,7 @@ fn compose(
     input: &Input<'_>,
     cause: Cause,
     rules: &Rules,
-    old: Option<&Value>,
+    diffbase: (Option<&DiffBase>, &Watched),
     mut finalizer: FinalizerChange,
     complete: bool,
 ) -> Plan {
@@ -346,9 +392,13 @@ fn compose(
         }
         // The diff-base is the essence with the handlers' own patches applied: what the
         // handlers changed themselves is handled, and must not come back as an update.
+        // Written only when it matters: an essence stored by kopf or an earlier Capstan whose
+        // watched fields are those handled stays as it is.
         let handled = rules.essence(&desired);
-        if cause != Cause::Delete && old != Some(&handled) {
-            storage.diffbase.store(&handled, &mut desired);
+        let (stored, watched) = diffbase;
+        let next = DiffBase::of(&handled, watched);
+        if cause != Cause::Delete && stored.is_none_or(|s| s.outdated_by(&next, &handled, watched)) {
+            storage.diffbase.store(&next, &mut desired);
         }
         if cause == Cause::Delete {
             finalizer = FinalizerChange::Remove;
@@ -727,3 +777,6 @@ mod tests;
 
 #[cfg(test)]
 mod operating_tests;
+
+#[cfg(test)]
+mod diffbase_tests;

@@ -322,6 +322,11 @@ mod tests {
             "kopf's V1 twin is reported once: {summary:?}"
         );
         assert_eq!(diffbases(&Scope::default(), &body).len(), 1);
+        // A compact diff-base (`persistence::diffbase`) is one as well, and never a record.
+        body["metadata"]["annotations"]["node-1.capstan.dev/last-handled-configuration"] = json!("[1]\n");
+        body["status"]["capstan-node-2"]["last-handled-configuration"] = json!("[1,{\"spec.a\":1}]\n");
+        assert_eq!(diffbases(&Scope::default(), &body).len(), 3);
+        assert_eq!(records(&Scope::default(), &body).len(), 4);
     }
 
     #[test]

@@ -91,7 +91,12 @@ struct Cycle<'i, 'a> {
     /// A re-run of a change that was complete: handlers named by a retry request, for the
     /// unchanged object ([`rerun`]), or those of them still unfinished.
     forcing: bool,
-    /// The stored diff-base essence, and the current essence.
+    /// The stored diff-base (a whole essence brought to the current rules), and the paths
+    /// the handlers watch.
+    stored: Option<DiffBase>,
+    watched: Watched,
+    /// The old essence (the stored diff-base over the current essence), and the current
+    /// essence.
     old: Option<Value>,
     new: Value,
     finalizer: FinalizerChange,
@@ -126,8 +131,10 @@ impl<'i, 'a> Cycle<'i, 'a> {
             .is_some_and(|v| !v.is_null());
         let present = has_finalizer(body, &storage.keys.finalizer);
         let rules = rules(storage, input.handlers);
+        let watched = watched(storage, input.handlers);
         let new = rules.essence(body);
-        let old = storage.diffbase.fetch(body).map(|o| rules.essence(&o));
+        let stored = fetch_diffbase(storage, &rules, body);
+        let old = stored.as_ref().map(|s| s.overlay(&new, &watched));
         let body_only = Subject {
             body,
             old: None,
@@ -164,7 +171,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
             event: input.event,
             deleting,
             finalizer_present: present,
-            has_diffbase: old.is_some(),
+            has_diffbase: stored.is_some(),
             changed: old.as_ref() != Some(&new),
             initial,
         });
@@ -172,6 +179,24 @@ impl<'i, 'a> Cycle<'i, 'a> {
             Cause::Noop => rerun(input, &storage.keys).map_or((cause, false), |c| (c, true)),
             cause => (cause, false),
         };
+        // A handler watches a field that the stored diff-base does not cover (the handler was
+        // added since): the field's value now becomes the base its changes are seen against.
+        if cause == Cause::Noop
+            && !forcing
+            && let Some(s) = &stored
+            && !s.covers(&watched)
+        {
+            debug!("the diff-base is brought up to the watched fields");
+            let mut desired = body.clone();
+            storage
+                .diffbase
+                .store(&DiffBase::of(&new, &watched), &mut desired);
+            mark_managed(storage, &mut desired);
+            let mut plan = Plan::idle(cause, body, finalizer);
+            plan.desired = Some(desired);
+            plan.done = true;
+            return Err(plan);
+        }
         // A re-run of a creation sees no old state, as the creation did.
         let old = if forcing && cause == Cause::Create {
             None
@@ -194,6 +219,8 @@ impl<'i, 'a> Cycle<'i, 'a> {
             reason,
             initial,
             forcing,
+            stored,
+            watched,
             old,
             new,
             finalizer,
@@ -397,7 +424,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
             self.input,
             self.cause,
             &self.rules,
-            self.old.as_ref(),
+            (self.stored.as_ref(), &self.watched),
             FinalizerChange::Keep,
             false,
         );
@@ -505,7 +532,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
             self.input,
             self.cause,
             &self.rules,
-            self.old.as_ref(),
+            (self.stored.as_ref(), &self.watched),
             self.finalizer,
             true,
         );

@@ -180,7 +180,9 @@ async fn garbage_and_pointless_requests_are_removed_with_an_event() {
         let mut b = body(json!({}));
         let rules = rules(&storage, &handlers());
         let essence = rules.essence(&b);
-        storage.diffbase.store(&essence, &mut b);
+        storage
+            .diffbase
+            .store(&crate::persistence::diffbase::DiffBase::Essence(essence), &mut b);
         b["metadata"]["annotations"]["capstan.dev/retry-request"] = json!(r#"{"requestedBy":"bob"}"#);
         b
     };
@@ -407,7 +409,9 @@ fn handled(request: Option<&str>) -> Value {
     let storage = Storage::annotations("capstan.dev");
     let mut b = body(json!({"capstan.dev/kopf-managed": "yes"}));
     let essence = rules(&storage, &handlers()).essence(&b);
-    storage.diffbase.store(&essence, &mut b);
+    storage
+        .diffbase
+        .store(&crate::persistence::diffbase::DiffBase::Essence(essence), &mut b);
     if let Some(r) = request {
         b["metadata"]["annotations"]["capstan.dev/retry-request"] = json!(r);
     }

@@ -551,7 +551,11 @@ impl Checkpoint for EditedMeanwhile {
 }
 
 async fn run_with_checkpoint(invoker: &dyn Invoker, saved: &dyn Checkpoint) -> Plan {
-    let storage = Storage::annotations("capstan.dev");
+    // The whole essence, to show which spec the diff-base comes from.
+    let storage = Storage {
+        diffbase_extent: Extent::Full,
+        ..Storage::annotations("capstan.dev")
+    };
     let cancel = CancellationToken::new();
     let handlers = [reg("slow", HandlerKind::Create)];
     cycle(
