@@ -402,10 +402,10 @@ pub struct RunArgs {
     pub diffbase_storage: DiffBaseKind,
 
     /// How much of the object the diff-base (the last handled state) keeps. `fields`: only
-    /// the fields that handlers watch (the `field` of field, resume and delete handlers), in a
-    /// compact format — or the whole essence when an update handler is registered, since it
-    /// reads the whole `old` and `diff`. Field handlers get the same `old`, `new` and `diff`
-    /// either way. With `fields`, the whole `old`/`diff` of resume and delete handlers show
+    /// the fields that handlers watch (the `field` of update, field, resume and delete
+    /// handlers), in a compact format — or the whole essence when an update handler without a
+    /// `field` is registered, since it reads the whole `old` and `diff`. Handlers with a
+    /// `field` get the same `old`, `new` and `diff` either way. With `fields`, the whole `old`/`diff` of resume and delete handlers show
     /// only the changes of watched fields (other fields look unchanged; create handlers never
     /// have an `old`), and a change of a field that no handler watched when it was made (e.g.
     /// while the controller was down, before a new version adds a handler on it) is not seen

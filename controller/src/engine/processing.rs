@@ -250,15 +250,18 @@ pub fn rules(storage: &Storage, handlers: &[Registration]) -> Rules {
 /// The essence paths whose old values the resource's handlers read, i.e. what the diff-base
 /// must keep (`persistence::diffbase`).
 ///
-/// Everything with `--diff-base full`, and when an update handler is registered: update
-/// handlers get the whole `old`, `new` and `diff` (with or without a `field`). Otherwise the
-/// `field` of every field handler (its `old`, `new`, `diff` and filters are of the field) and
-/// of every resume and delete handler (their `value` filter looks at the old value of the
-/// field). Create handlers never see an old state. The whole `old` and `diff` of resume and
+/// Everything with `--diff-base full`, and when an update handler without a `field` is
+/// registered: it gets the whole `old`, `new` and `diff`. Otherwise the `field` of every
+/// update, field, resume and delete handler that has one (their `old`, `new`, `diff` and
+/// filters are of the field). Create handlers never see an old state. The whole `old` and `diff` of resume and
 /// delete handlers then show only the changes of watched fields: the documented cost of
 /// `--diff-base fields`.
 pub fn watched(storage: &Storage, handlers: &[Registration]) -> Watched {
-    if storage.diffbase_extent == Extent::Full || handlers.iter().any(|h| h.kind == HandlerKind::Update) {
+    if storage.diffbase_extent == Extent::Full
+        || handlers
+            .iter()
+            .any(|h| h.kind == HandlerKind::Update && h.filters.field.is_empty())
+    {
         return Watched::All;
     }
     Watched::paths(
@@ -267,7 +270,7 @@ pub fn watched(storage: &Storage, handlers: &[Registration]) -> Watched {
             .filter(|h| {
                 matches!(
                     h.kind,
-                    HandlerKind::Field | HandlerKind::Resume | HandlerKind::Delete
+                    HandlerKind::Update | HandlerKind::Field | HandlerKind::Resume | HandlerKind::Delete
                 )
             })
             .filter(|h| !h.filters.field.is_empty())
@@ -720,7 +723,9 @@ fn work(
 ) -> Work {
     let object = object_ref(input.resource, input.body);
     let started = record.started_at().unwrap_or_else(SystemTime::now);
-    let (old_v, new_v, items, field) = if reg.kind == HandlerKind::Field {
+    // As kopf: every changing handler with a `field` (not only field handlers) is given the
+    // field's old and new values and the diff reduced to it.
+    let (old_v, new_v, items, field) = if !reg.filters.field.is_empty() {
         let field = &reg.filters.field;
         let all = diff::diff(old, Some(new));
         (

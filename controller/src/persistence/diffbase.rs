@@ -56,7 +56,7 @@ pub enum Extent {
     /// change.
     Full,
     /// Only the fields that handlers watch (the compact format), unless an update handler
-    /// reads the whole `old`.
+    /// without a `field` reads the whole `old`.
     #[default]
     Fields,
 }

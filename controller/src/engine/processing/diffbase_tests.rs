@@ -271,7 +271,7 @@ async fn field_handlers_are_given_the_same_old_new_and_diff() {
 }
 
 #[tokio::test]
-async fn update_handlers_keep_the_full_essence_byte_for_byte() {
+async fn update_handlers_without_a_field_keep_the_full_essence_byte_for_byte() {
     let mut with_field = reg("with_field", HandlerKind::Update, "spec.size");
     with_field.filters.new = Some(ValueMatch::Equals(json!(3)));
     for handlers in [
@@ -279,7 +279,11 @@ async fn update_handlers_keep_the_full_essence_byte_for_byte() {
             reg("update", HandlerKind::Update, ""),
             reg("size", HandlerKind::Field, "spec.size"),
         ],
-        vec![with_field, reg("create", HandlerKind::Create, "")],
+        vec![
+            with_field,
+            reg("create", HandlerKind::Create, ""),
+            reg("update", HandlerKind::Update, ""),
+        ],
     ] {
         let mut both = Both::new(&handlers);
         both.added().await;
@@ -293,6 +297,51 @@ async fn update_handlers_keep_the_full_essence_byte_for_byte() {
                 .is_some_and(|d| d.starts_with("{\"spec\":{"))
         );
     }
+}
+
+/// kopf reduces `old`, `new` and `diff` to the field for every changing handler with a
+/// `field` (create, update, resume, delete and field handlers alike), not only for field
+/// handlers.
+#[tokio::test]
+async fn every_changing_handler_with_a_field_is_given_the_fields_old_new_and_diff() {
+    let handlers = [
+        reg("create", HandlerKind::Create, "spec.size"),
+        reg("update", HandlerKind::Update, "spec.size"),
+        reg("resume", HandlerKind::Resume, "spec.size"),
+        reg("delete", HandlerKind::Delete, "spec.size"),
+    ];
+    let mut both = Both::new(&handlers);
+    both.added().await;
+    both.modified(set("spec.size", json!(3))).await;
+    both.listed(|_| {}).await;
+    both.modified(set("metadata.deletionTimestamp", json!("2026-01-01T00:00:00Z")))
+        .await;
+    let seen = both.same();
+    let ids: Vec<&str> = seen.iter().map(|(id, _)| id.as_str()).collect();
+    assert_eq!(ids, ["create", "update", "resume", "delete"]);
+    assert_eq!(of(&seen[0].1), change(ChangeReason::Create, None, Some(json!(1))));
+    assert_eq!(
+        of(&seen[1].1),
+        change(ChangeReason::Update, Some(json!(1)), Some(json!(3)))
+    );
+    assert_eq!(diff_paths(&seen[1].1), [""], "reduced to the field");
+    assert_eq!(
+        of(&seen[2].1),
+        change(ChangeReason::Resume, Some(json!(3)), Some(json!(3)))
+    );
+    assert!(diff_paths(&seen[2].1).is_empty());
+    assert_eq!(
+        of(&seen[3].1),
+        change(ChangeReason::Delete, Some(json!(3)), Some(json!(3)))
+    );
+    for (id, payload) in &seen {
+        let Payload::Change { field, .. } = payload else {
+            panic!("not a change: {payload:?}");
+        };
+        assert_eq!(field, "spec.size", "{id}");
+    }
+    // An update handler with a field reads only its field: the diff-base stays compact.
+    assert_eq!(both.fields.diffbase().as_deref(), Some("[1,{\"spec.size\":3}]\n"));
 }
 
 #[tokio::test]
@@ -473,7 +522,10 @@ async fn watched_fields_follow_the_kinds_that_read_old_values() {
             vec!["spec".into(), "c".into()]
         ])
     );
-    assert_eq!(paths(&[reg("u", HandlerKind::Update, "spec.a")]), Watched::All);
+    assert_eq!(
+        paths(&[reg("u", HandlerKind::Update, "spec.a")]),
+        Watched::Paths(vec![vec!["spec".into(), "a".into()]])
+    );
     assert_eq!(paths(&[reg("u", HandlerKind::Update, "")]), Watched::All);
     let full = Storage {
         diffbase_extent: Extent::Full,
