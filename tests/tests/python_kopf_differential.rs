@@ -91,7 +91,7 @@ async fn sequence(env: &TestEnv, log: &Path) -> Result<(Vec<Value>, Vec<Value>, 
     )
     .await?;
     wait_until("update_fn and field_fn for b", log, |c| {
-        called(c, "update_fn") >= 1 && called(c, "field_fn") >= 2
+        called(c, "update_fn") >= 1 && called(c, "field_fn") >= 2 && called(c, "update_field_fn") >= 1
     })
     .await?;
     let side = side_log(log);
@@ -230,7 +230,8 @@ async fn capstan_kopf_calls_handlers_as_kopf_does() -> Result<()> {
     operator.terminate().await?;
 
     // The sequence compared is the one intended: a retried create, field handlers on creation
-    // and on update, one update, one delete.
+    // and on update, one update, one update handler with a field (its old, new and diff are
+    // the field's), one delete.
     let handlers: Vec<(&str, Option<u64>)> = kopf_calls
         .iter()
         .map(|c| (c["handler"].as_str().unwrap_or_default(), c["retry"].as_u64()))
@@ -240,6 +241,7 @@ async fn capstan_kopf_calls_handlers_as_kopf_does() -> Result<()> {
         ("create_fn", Some(1)),
         ("field_fn", None),
         ("update_fn", Some(0)),
+        ("update_field_fn", Some(0)),
         ("delete_fn", Some(0)),
     ] {
         assert!(

@@ -41,6 +41,12 @@ def field_fn(name, old, new, reason, **_):
     record("field_fn", name, old=old, new=new, reason=str(getattr(reason, "value", reason)))
 
 
+@kopf.on.update(*RESOURCE, field="spec.field", id="update_field_fn")
+def update_field_fn(name, old, new, diff, retry, **_):
+    record("update_field_fn", name, retry=retry, old=old, new=new,
+           diff=[[op, list(field), o, n] for op, field, o, n in diff])
+
+
 @kopf.on.delete(*RESOURCE)
 def delete_fn(name, retry, **_):
     record("delete_fn", name, retry=retry)
