@@ -5,6 +5,10 @@
 #   bash scripts/bench.sh --smoke    small N, short settles (a few minutes); for CI: exits
 #                                    non-zero when any workload fails to complete (includes
 #                                    the fleet simulation with 1 and 3 nodes)
+#   bash scripts/bench.sh --large    B2 and B5 at 100,000 objects, the null controller beside
+#                                    capstan+rust, with the API server's own memory and CPU;
+#                                    writes tests/bench/results/large.{md,json} (about an hour
+#                                    on 2 cores; not part of CI, which runs --smoke)
 #   bash scripts/bench.sh --fleet    only the fleet simulation of per-node operators: 1, 10,
 #                                    30 and 100 node operators (BENCH_FLEET_NODES), writes
 #                                    tests/bench/results/fleet.{md,json,svg}
@@ -35,13 +39,15 @@ out=${BENCH_OUT:-$root/tests/bench/results}
 bin=$HOME/.cache/capstan/bench-bin
 
 smoke=false
+large=false
 fleet_only=false
 case "${1:-}" in
 "") ;;
 --smoke) smoke=true ;;
+--large) large=true ;;
 --fleet) fleet_only=true ;;
 *)
-	echo "usage: $0 [--smoke|--fleet]" >&2
+	echo "usage: $0 [--smoke|--large|--fleet]" >&2
 	exit 2
 	;;
 esac
@@ -150,6 +156,9 @@ if $smoke; then
 	args[1]=$out
 	args+=(--smoke --sizes 20 --b5-objects 20 --serial 5 --settle 1500ms --steady 1s)
 fi
+if $large; then
+	args+=(--large)
+fi
 # shellcheck disable=SC2206 # BENCH_ARGS is split on purpose
 args+=(${BENCH_ARGS:-})
 "$bin/bench" run "${args[@]}" &
@@ -157,6 +166,10 @@ driver_pid=$!
 status=0
 wait "$driver_pid" || status=$?
 driver_pid=''
+if $large; then
+	echo "bench: finished in $((SECONDS - started)) s (exit $status); results in $out/large.md" >&2
+	exit "$status"
+fi
 
 step "admission round trip (capstan's webhook server and kopf's)"
 admission=(

@@ -120,7 +120,7 @@ func deleteAllExamples(ctx context.Context, dyn dynamic.Interface, namespaces []
 			return fmt.Errorf("deleting the objects of %s: %w", ns, err)
 		}
 	}
-	deadline := time.Now().Add(5 * time.Minute)
+	deadline := time.Now().Add(20 * time.Minute) // 100,000 objects in --large
 	for {
 		list, err := dyn.Resource(exampleGVR).List(ctx, metav1.ListOptions{Limit: 500})
 		if err != nil {

@@ -1,7 +1,8 @@
 // Command bench runs Capstan's benchmarks (performance-anchors §8, B0–B6) side by side with a
 // null controller and kopf against one real API server. See tests/bench/README.md.
 //
-//	bench run [flags]   run the benchmark and write results/latest.{md,json}
+//	bench run [flags]   run the benchmark and write results/latest.{md,json} (large.{md,json}
+//	                    with --large: B2 and B5 at 100,000 objects)
 //	bench null          the null controller of B0 (started by `bench run`)
 //	bench admission     the admission round trip, Capstan's webhook server beside kopf's
 //	bench hop [flags]   B3: a fake controller that drives a handler process over a Unix socket
@@ -57,6 +58,7 @@ func main() {
 
 type options struct {
 	smoke       bool
+	large       bool
 	out         string
 	testenv     string
 	capstan     string
@@ -99,6 +101,7 @@ func runBench(args []string) error {
 	var o options
 	var sizes string
 	fs.BoolVar(&o.smoke, "smoke", false, "small N and short settles; for CI")
+	fs.BoolVar(&o.large, "large", false, "B2 and B5 at 100,000 objects (B1 builds B2's objects), with the null controller and capstan+rust only; no B3, B4 or kopf; writes large.{md,json}")
 	fs.StringVar(&o.out, "out", "", "directory for latest.md and latest.json")
 	fs.StringVar(&o.testenv, "testenv", "", "the capstan-testenv binary")
 	fs.StringVar(&o.capstan, "capstan", "", "the capstan binary")
@@ -119,6 +122,26 @@ func runBench(args []string) error {
 	fs.IntVar(&o.serial, "serial", 20, "objects created one at a time for the unloaded latency")
 	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (logs, audit log)")
 	_ = fs.Parse(args)
+	if o.large {
+		given := map[string]bool{}
+		fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+		if !given["sizes"] {
+			sizes = "100000"
+		}
+		if !given["b5-objects"] {
+			o.b5Large = 100000
+		}
+		if !given["only"] {
+			o.only = "null,capstan+rust"
+		}
+		if !given["serial"] {
+			o.serial = 5
+		}
+		if !given["steady"] {
+			o.steady = 30 * time.Second
+		}
+		o.hop = ""
+	}
 	var err error
 	if o.sizes, err = parseSizes(sizes); err != nil {
 		return err
@@ -137,7 +160,7 @@ func runBench(args []string) error {
 		return err
 	}
 	say("work directory %s", work)
-	res := &results{Started: time.Now(), Smoke: o.smoke, Sizes: o.sizes, KopfMax: o.kopfMax, Machine: describeMachine()}
+	res := &results{Started: time.Now(), Smoke: o.smoke, Large: o.large, Sizes: o.sizes, KopfMax: o.kopfMax, Machine: describeMachine()}
 	res.Versions = versions(o)
 
 	// The API server.
@@ -226,7 +249,7 @@ func runBench(args []string) error {
 	if err := writeReport(o.out, res); err != nil {
 		return err
 	}
-	say("wrote %s", filepath.Join(o.out, "latest.md"))
+	say("wrote %s", filepath.Join(o.out, res.name()+".md"))
 	if len(res.Failures) > 0 {
 		for _, f := range res.Failures {
 			fmt.Fprintln(os.Stderr, "FAILED:", f)
@@ -320,7 +343,7 @@ func (b *bencher) runController(c controller) {
 	say("=== %s", c.Name)
 	cr := &controllerResult{Name: c.Name}
 	b.res.Controllers = append(b.res.Controllers, cr)
-	if c.B4 {
+	if c.B4 && !b.o.large {
 		b.runB4(c, short)
 	}
 	for _, phase := range []func(){
@@ -437,6 +460,9 @@ func (b *bencher) runB1B2(c controller, short string, cr *controllerResult) {
 		time.Sleep(b.o.steady)
 		if m, err := readMemory(r.main.pid()); err == nil {
 			at := memAt{Objects: total, Memory: m}
+			if am, err := readMemory(b.api.pid()); err == nil {
+				at.APIServer = &am
+			}
 			if r.handler != nil {
 				if hm, err := readMemory(r.handler.pid()); err == nil {
 					at.Handler = &hm
@@ -481,6 +507,7 @@ func (b *bencher) runB5(c controller, short string, cr *controllerResult) {
 		listFirst, listAll := b.rawList(ns)
 		say("%s: B5 start with %d unhandled objects", c.Name, m)
 		callLog := b.callLog(c, "b5")
+		api0 := cpuSeconds(b.api.pid())
 		r, err := c.start(b.work, "create", callLog)
 		if err != nil {
 			b.fail("%s: B5 M=%d: starting: %v", c.Name, m, err)
@@ -499,8 +526,20 @@ func (b *bencher) runB5(c controller, short string, cr *controllerResult) {
 		}
 		_, last := b.obs.firstAndLast(c.Marker, ns)
 		res := b5Result{M: m, ListFirstMs: listFirst, ListAllMs: listAll, FirstCallMs: first.Sub(r.started).Seconds() * 1000, AllHandledS: last.Sub(r.started).Seconds()}
+		res.CPUS, res.APIServerCPUS = cpuSeconds(r.main.pid()), cpuSeconds(b.api.pid())-api0
 		if mem, err := readMemory(r.main.pid()); err == nil {
 			res.Memory = &mem
+		}
+		// The steady state with the same objects, once the start-up is over: the peak (HWM) is
+		// judged against it.
+		if m > 1 {
+			time.Sleep(b.o.steady)
+			if mem, err := readMemory(r.main.pid()); err == nil {
+				res.Steady = &mem
+			}
+			if mem, err := readMemory(b.api.pid()); err == nil {
+				res.APIServer = &mem
+			}
 		}
 		cr.B5 = append(cr.B5, res)
 		say("%s: B5 M=%d: first call %.0fms, all handled %.2fs", c.Name, m, res.FirstCallMs, res.AllHandledS)

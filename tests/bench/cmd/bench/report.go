@@ -39,8 +39,11 @@ type memAt struct {
 	// Handler is the handler process's memory at the same moment (Capstan only): with the
 	// controller's, the pod's total.
 	Handler *memory `json:"handler,omitempty"`
-	Seconds float64 `json:"seconds,omitempty"`
-	ProbeS  float64 `json:"probe_s,omitempty"`
+	// APIServer is the API server's memory (with its embedded etcd) at the same moment: which
+	// part of a cluster's memory the objects themselves cost.
+	APIServer *memory `json:"apiserver,omitempty"`
+	Seconds   float64 `json:"seconds,omitempty"`
+	ProbeS    float64 `json:"probe_s,omitempty"`
 }
 
 type b2Result struct {
@@ -56,6 +59,14 @@ type b5Result struct {
 	FirstCallMs float64 `json:"first_call_ms"`
 	AllHandledS float64 `json:"all_handled_s"`
 	Memory      *memory `json:"memory"`
+	// Steady is the controller's memory a settle time after all M were handled: the HWM in
+	// Memory is the start-up's peak, judged against it.
+	Steady *memory `json:"steady,omitempty"`
+	// CPU of the controller from its start and of the API server over the same time, until
+	// all M were handled.
+	CPUS          float64 `json:"controller_cpu_s"`
+	APIServerCPUS float64 `json:"apiserver_cpu_s"`
+	APIServer     *memory `json:"apiserver,omitempty"`
 }
 
 type b4Result struct {
@@ -107,6 +118,7 @@ type results struct {
 	Started     time.Time           `json:"started"`
 	Finished    time.Time           `json:"finished"`
 	Smoke       bool                `json:"smoke"`
+	Large       bool                `json:"large"`
 	Sizes       []int               `json:"sizes"`
 	KopfMax     int                 `json:"kopf_max"`
 	Machine     machine             `json:"machine"`
@@ -151,6 +163,22 @@ func (c *controllerResult) b5(m int) *b5Result {
 	return nil
 }
 
+// name is the report's file name without extension.
+func (r *results) name() string {
+	if r.Large {
+		return "large"
+	}
+	return "latest"
+}
+
+// memMiB formats an optional memory sample's RSS.
+func memMiB(m *memory) string {
+	if m == nil {
+		return "–"
+	}
+	return fmt.Sprintf("%.1f", mib(m.RSSKiB))
+}
+
 func mib(kib int64) float64 { return float64(kib) / 1024 }
 
 func ratio(a, b float64) string {
@@ -171,18 +199,21 @@ func writeReport(dir string, r *results) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	if err := os.WriteFile(filepath.Join(dir, "latest.json"), append(mustJSON(r), '\n'), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(dir, r.name()+".json"), append(mustJSON(r), '\n'), 0o644); err != nil {
 		return err
 	}
 	var w strings.Builder
 	p := func(format string, args ...any) { fmt.Fprintf(&w, format+"\n", args...) }
-	mode := "full run"
-	if r.Smoke {
-		mode = "smoke run (small N: figures are not meaningful, only that every workload completes)"
+	mode, flag := "full run", ""
+	switch {
+	case r.Smoke:
+		mode, flag = "smoke run (small N: figures are not meaningful, only that every workload completes)", " --smoke"
+	case r.Large:
+		mode, flag = "large run (B2 and B5 at scale; B3, B4 and kopf are not part of it)", " --large"
 	}
 	p("# Capstan benchmark results")
 	p("")
-	p("%s, %s, %.0f s. Produced by `scripts/bench.sh%s`; raw figures in `latest.json`.", mode, r.Started.UTC().Format("2006-01-02 15:04 UTC"), r.Finished.Sub(r.Started).Seconds(), map[bool]string{true: " --smoke", false: ""}[r.Smoke])
+	p("%s, %s, %.0f s. Produced by `scripts/bench.sh%s`; raw figures in `%s.json`.", mode, r.Started.UTC().Format("2006-01-02 15:04 UTC"), r.Finished.Sub(r.Started).Seconds(), flag, r.name())
 	p("")
 	p("Machine: %d cores (%s), %.1f GiB memory, %s; load average %s before, %s after. The API server, etcd, the controller, the handler process and the load generator share these cores.", r.Machine.Cores, r.Machine.CPU, r.Machine.MemoryGiB, r.Machine.Kernel, r.Machine.LoadBefore, r.Machine.LoadAfter)
 	p("")
@@ -252,23 +283,27 @@ func writeReport(dir string, r *results) error {
 	// B2
 	p("## B2 — controller memory (VmRSS of the controller process, not the handler)")
 	p("")
-	p("| controller | idle RSS (MiB) | RSS at objects (MiB) | restart with all objects: RSS / peak HWM (MiB) | restart → new object handled (s) |")
-	p("|---|---|---|---|---|")
+	p("| controller | idle RSS (MiB) | RSS at objects (MiB) | per object above idle (KiB) | API server RSS at objects (MiB) | restart with all objects: RSS / peak HWM (MiB) | restart → new object handled (s) |")
+	p("|---|---|---|---|---|---|---|")
 	for _, c := range r.Controllers {
 		idle := "–"
 		if c.B2.Idle != nil {
 			idle = fmt.Sprintf("%.1f", mib(c.B2.Idle.RSSKiB))
 		}
-		var steady []string
+		var steady, perObject, api []string
 		for _, s := range c.B2.Steady {
 			steady = append(steady, fmt.Sprintf("%.1f @ %d", mib(s.Memory.RSSKiB), s.Objects))
+			if c.B2.Idle != nil && s.Objects > 0 {
+				perObject = append(perObject, fmt.Sprintf("%.2f", float64(s.Memory.RSSKiB-c.B2.Idle.RSSKiB)/float64(s.Objects)))
+			}
+			api = append(api, memMiB(s.APIServer))
 		}
 		restart, probe := "–", "–"
 		if c.B2.Restart != nil {
 			restart = fmt.Sprintf("%.1f / %.1f @ %d", mib(c.B2.Restart.Memory.RSSKiB), mib(c.B2.Restart.Memory.HWMKiB), c.B2.Restart.Objects)
 			probe = fmt.Sprintf("%.2f", c.B2.Restart.ProbeS)
 		}
-		p("| %s | %s | %s | %s | %s |", c.Name, idle, strings.Join(steady, ", "), restart, probe)
+		p("| %s | %s | %s | %s | %s | %s | %s |", c.Name, idle, strings.Join(steady, ", "), strings.Join(perObject, ", "), strings.Join(api, ", "), restart, probe)
 	}
 	p("")
 	p("The pod's total at objects (controller + handler process, VmRSS, MiB), next to kopf's single process:")
@@ -360,15 +395,19 @@ func writeReport(dir string, r *results) error {
 	// B5
 	p("## B5 — process start → first handler call, with M pre-existing unhandled objects")
 	p("")
-	p("| controller | M | first handler call (ms) | all M handled (s) | RSS / HWM after (MiB) | raw LIST by a plain client: first page / all (ms) |")
-	p("|---|---|---|---|---|---|")
+	p("| controller | M | first handler call (ms) | all M handled (s) | RSS / HWM after (MiB) | steady RSS (MiB) | peak vs steady | CPU s: controller / API server | API server RSS (MiB) | raw LIST by a plain client: first page / all (ms) |")
+	p("|---|---|---|---|---|---|---|---|---|---|")
 	for _, c := range r.Controllers {
 		for _, x := range c.B5 {
 			mem := "–"
 			if x.Memory != nil {
 				mem = fmt.Sprintf("%.1f / %.1f", mib(x.Memory.RSSKiB), mib(x.Memory.HWMKiB))
 			}
-			p("| %s | %d | %.0f | %.2f | %s | %.0f / %.0f |", c.Name, x.M, x.FirstCallMs, x.AllHandledS, mem, x.ListFirstMs, x.ListAllMs)
+			vs := "–"
+			if x.Memory != nil && x.Steady != nil && x.Steady.RSSKiB > 0 {
+				vs = fmt.Sprintf("%.2f×", float64(x.Memory.HWMKiB)/float64(x.Steady.RSSKiB))
+			}
+			p("| %s | %d | %.0f | %.2f | %s | %s | %s | %.1f / %.1f | %s | %.0f / %.0f |", c.Name, x.M, x.FirstCallMs, x.AllHandledS, mem, memMiB(x.Steady), vs, x.CPUS, x.APIServerCPUS, memMiB(x.APIServer), x.ListFirstMs, x.ListAllMs)
 		}
 	}
 	p("")
@@ -386,6 +425,10 @@ func writeReport(dir string, r *results) error {
 			p("| B1 N=%d: total ≤ 1.2 × floor | %.2f s vs %.2f s (%.2f×) | %s |", n, cp.TotalS, fl.TotalS, cp.TotalS/fl.TotalS, verdict(cp.TotalS <= 1.2*fl.TotalS))
 			p("| B1 N=%d: p50 ≤ floor p50 + 5 ms (under load) | %.1f ms vs %.1f ms | %s |", n, cp.P50Ms, fl.P50Ms, verdict(cp.P50Ms <= fl.P50Ms+5))
 		}
+		if fl, cp := floor.b1(n), capstan.b1(n); n >= 10000 && fl != nil && cp != nil {
+			p("| B1 N=%d: total ≤ 1.15 × floor | %.2f s vs %.2f s (%.2f×) | %s |", n, cp.TotalS, fl.TotalS, cp.TotalS/fl.TotalS, verdict(cp.TotalS <= 1.15*fl.TotalS))
+			p("| B1 N=%d: API server CPU per object ≤ 1.15 × the floor's | %.2f vs %.2f ms/object (%.2f×) | %s |", n, 1000*cp.APIServerCPUS/float64(n), 1000*fl.APIServerCPUS/float64(n), cp.APIServerCPUS/fl.APIServerCPUS, verdict(cp.APIServerCPUS <= 1.15*fl.APIServerCPUS))
+		}
 		if kp, cp := kopf.b1(n), capstan.b1(n); n == 1000 && kp != nil && cp != nil {
 			p("| B1 N=1000: total ≤ kopf / 3 | %.2f s vs %.2f s (kopf/Capstan = %.1f) | %s |", cp.TotalS, kp.TotalS, kp.TotalS/cp.TotalS, verdict(cp.TotalS*3 <= kp.TotalS))
 		}
@@ -399,14 +442,21 @@ func writeReport(dir string, r *results) error {
 	if capstan != nil && capstan.Serial != nil {
 		specBytes := len(mustCompactJSON(spec1KiB()))
 		p("| B4 bytes: the diff-base is a digest or minimal essence, never a spec copy | %d bytes of annotations per object for a %d-byte spec | %s |", capstan.Serial.AnnotationBytes, specBytes, verdict(2*capstan.Serial.AnnotationBytes < specBytes))
+		p("| B4 bytes: bookkeeping annotations ≤ 25%% of the spec | %d bytes for a %d-byte spec (%.0f%%) | %s |", capstan.Serial.AnnotationBytes, specBytes, 100*float64(capstan.Serial.AnnotationBytes)/float64(specBytes), verdict(4*capstan.Serial.AnnotationBytes <= specBytes))
 	}
 	if capstan != nil && capstan.B2.Idle != nil {
 		p("| B2 idle RSS ≤ 15 MiB | %.1f MiB | %s |", mib(capstan.B2.Idle.RSSKiB), verdict(mib(capstan.B2.Idle.RSSKiB) <= 15))
 	}
 	if capstan != nil && len(capstan.B2.Steady) > 0 {
 		last := capstan.B2.Steady[len(capstan.B2.Steady)-1]
-		if last.Objects >= 10000 {
+		if last.Objects >= 10000 && last.Objects < 50000 {
 			p("| B2 RSS at %d objects ≤ 40 MiB | %.1f MiB | %s |", last.Objects, mib(last.Memory.RSSKiB), verdict(mib(last.Memory.RSSKiB) <= 40))
+			p("| B2 RSS at %d objects ≤ 30 MiB | %.1f MiB | %s |", last.Objects, mib(last.Memory.RSSKiB), verdict(mib(last.Memory.RSSKiB) <= 30))
+		}
+		if last.Objects >= 50000 && capstan.B2.Idle != nil {
+			per := float64(last.Memory.RSSKiB-capstan.B2.Idle.RSSKiB) / float64(last.Objects)
+			p("| B2 at %d objects: ≤ 2.5 KiB per object above idle | %.2f KiB (%.1f MiB) | %s |", last.Objects, per, mib(last.Memory.RSSKiB), verdict(per <= 2.5))
+			p("| B2 at %d objects: ≤ 250 MiB | %.1f MiB | %s |", last.Objects, mib(last.Memory.RSSKiB), verdict(mib(last.Memory.RSSKiB) <= 250))
 		}
 		if capstan.B2.Restart != nil {
 			peak := mib(capstan.B2.Restart.Memory.HWMKiB)
@@ -444,6 +494,9 @@ func writeReport(dir string, r *results) error {
 		}
 	}
 	for _, x := range capstanLarge(capstan) {
+		if x.Memory != nil && x.Steady != nil {
+			p("| B5 M=%d: start-up peak ≤ 1.5 × steady RSS with the same objects | %.1f MiB vs %.1f MiB (%.2f×) | %s |", x.M, mib(x.Memory.HWMKiB), mib(x.Steady.RSSKiB), float64(x.Memory.HWMKiB)/float64(x.Steady.RSSKiB), verdict(2*x.Memory.HWMKiB <= 3*x.Steady.RSSKiB))
+		}
 		p("| B5 M=%d: first call ≤ raw LIST first page + 100 ms (or ≤ 1.2 × full LIST) | %.0f ms vs %.0f / %.0f ms | %s |", x.M, x.FirstCallMs, x.ListFirstMs, x.ListAllMs, verdict(x.FirstCallMs <= x.ListFirstMs+100 || x.FirstCallMs <= 1.2*x.ListAllMs))
 	}
 	p("")
@@ -462,7 +515,7 @@ func writeReport(dir string, r *results) error {
 		}
 		p("")
 	}
-	return os.WriteFile(filepath.Join(dir, "latest.md"), []byte(w.String()), 0o644)
+	return os.WriteFile(filepath.Join(dir, r.name()+".md"), []byte(w.String()), 0o644)
 }
 
 func mustCompactJSON(v any) []byte {
