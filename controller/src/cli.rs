@@ -410,8 +410,8 @@ pub struct RunArgs {
     /// have an `old`), and a change of a field that no handler watched when it was made (e.g.
     /// while the controller was down, before a new version adds a handler on it) is not seen
     /// as a change. `full`: the whole essence always, as kopf stores it. Diff-bases in either
-    /// format are read. [default: fields; full with --persistence kopf, which cannot take
-    /// fields]
+    /// format are read. [default: fields; full with --persistence kopf or kopf's prefix or
+    /// diff-base key, which cannot take fields]
     #[arg(long, env = "CAPSTAN_DIFF_BASE", value_enum)]
     pub diff_base: Option<DiffBaseExtent>,
 
@@ -749,14 +749,24 @@ impl RunArgs {
         settings
     }
 
+    /// Whether a kopf operator may read the diff-base Capstan writes: kopf's persistence, or
+    /// kopf's prefix or diff-base key given by hand. kopf reads only the whole essence.
+    fn kopf_reads_the_diffbase(&self) -> bool {
+        let kopf = crate::persistence::keys::KOPF_PREFIX;
+        let key = self.diffbase_key.as_deref().unwrap_or(&self.persistence_prefix);
+        self.persistence == Persistence::Kopf
+            || self.persistence_prefix == kopf
+            || key.split_once('/').map_or(key, |(prefix, _)| prefix) == kopf
+    }
+
     /// Combinations of flags that cannot work, said before anything starts.
     ///
     /// # Errors
     /// What is wrong.
     pub fn check(&self) -> Result<(), String> {
-        if self.persistence == Persistence::Kopf && self.diff_base == Some(DiffBaseExtent::Fields) {
+        if self.kopf_reads_the_diffbase() && self.diff_base == Some(DiffBaseExtent::Fields) {
             return Err(
-                "--diff-base fields cannot be used with --persistence kopf: kopf reads only the whole essence it stores (use --diff-base full, the default there)".into(),
+                "--diff-base fields cannot be used with --persistence kopf or kopf's diff-base key: kopf reads only the whole essence it stores (use --diff-base full, the default there)".into(),
             );
         }
         if let Some(value) = self.node_storage.as_deref() {
@@ -843,9 +853,11 @@ impl RunArgs {
             Finalizers::True => true,
             Finalizers::False => false,
         };
-        let diffbase_extent = match (self.diff_base, self.persistence) {
-            (Some(DiffBaseExtent::Full), _) | (None, Persistence::Kopf) => Extent::Full,
-            (Some(DiffBaseExtent::Fields), _) | (None, Persistence::Capstan) => Extent::Fields,
+        let diffbase_extent = match self.diff_base {
+            Some(DiffBaseExtent::Full) => Extent::Full,
+            Some(DiffBaseExtent::Fields) => Extent::Fields,
+            None if self.kopf_reads_the_diffbase() => Extent::Full,
+            None => Extent::Fields,
         };
         Storage {
             keys,
@@ -1028,6 +1040,15 @@ mod tests {
         let refused = check(&["--persistence", "kopf", "--diff-base", "fields"]).unwrap_err();
         assert!(refused.contains("--diff-base fields"), "{refused}");
         assert!(check(&["--diff-base", "fields"]).is_ok());
+        // kopf's names given by hand: kopf may read what is written there.
+        for args in [
+            &["--persistence-prefix", "kopf.zalando.org"][..],
+            &["--diffbase-key", "kopf.zalando.org/last-handled-configuration"][..],
+        ] {
+            assert_eq!(run(args).engine.storage.diffbase_extent, Extent::Full, "{args:?}");
+            let with_fields: Vec<&str> = args.iter().copied().chain(["--diff-base", "fields"]).collect();
+            assert!(check(&with_fields).is_err(), "{args:?}");
+        }
     }
 
     #[test]

@@ -224,12 +224,22 @@ impl DiffBase {
         }
     }
 
+    /// Whether this is a whole essence (kopf's, or an earlier version's) that differs from
+    /// the current essence `new` while only some paths are watched. Its unwatched values are
+    /// then out of date, and a handler that watches one of those fields later would be called
+    /// for a change nobody watched: such an essence is replaced by the compact form at once.
+    /// An essence equal to the current one stays as it is (no write only to change the
+    /// format); the next change replaces it.
+    pub fn stale(&self, new: &Value, watched: &Watched) -> bool {
+        matches!((self, watched), (Self::Essence(old), Watched::Paths(_)) if old != new)
+    }
+
     /// Whether writing `next` (the diff-base of the handled essence `handled`) in place of
-    /// this one matters: a watched value differs, a watched path is not covered yet, or the
-    /// compact paths differ. An essence whose watched values are those handled stays as it is
-    /// (no write only to change the format).
+    /// this one matters: a watched value differs, a watched path is not covered yet, a whole
+    /// essence is [`stale`](Self::stale), or the compact paths differ.
     pub fn outdated_by(&self, next: &Self, handled: &Value, watched: &Watched) -> bool {
-        if !self.covers(watched) || self.overlay(handled, watched) != *handled {
+        if !self.covers(watched) || self.stale(handled, watched) || self.overlay(handled, watched) != *handled
+        {
             return true;
         }
         matches!(self, Self::Fields(_)) && self != next

@@ -181,10 +181,11 @@ impl<'i, 'a> Cycle<'i, 'a> {
         };
         // A handler watches a field that the stored diff-base does not cover (the handler was
         // added since): the field's value now becomes the base its changes are seen against.
+        // The same for a whole essence whose unwatched values are out of date.
         if cause == Cause::Noop
             && !forcing
             && let Some(s) = &stored
-            && !s.covers(&watched)
+            && (!s.covers(&watched) || s.stale(&new, &watched))
         {
             debug!("the diff-base is brought up to the watched fields");
             let mut desired = body.clone();

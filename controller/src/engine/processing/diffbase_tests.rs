@@ -485,14 +485,11 @@ async fn an_essence_of_an_earlier_version_is_read_as_full_and_converted_by_the_n
     story.body = earlier.body.clone();
     let essence = story.diffbase().expect("stored");
     assert!(essence.starts_with("{\"spec\":{"));
-    // A restart, an unwatched change, nothing changed: no handler but resume, no write.
+    // A restart with nothing changed: no handler but resume, no write.
     story.listed(|_| {}).await;
-    story.modified(set("spec.other", json!("b"))).await;
     story.modified(|_| {}).await;
     assert_eq!(story.writes, 0);
     assert_eq!(story.diffbase(), Some(essence));
-    let ids: Vec<String> = story.seen().into_iter().map(|(id, _)| id).collect();
-    assert_eq!(ids, ["resume"]);
     // A watched change: the field handler sees the old value, and the compact format is
     // written.
     story.modified(set("spec.size", json!(2))).await;
@@ -501,6 +498,39 @@ async fn an_essence_of_an_earlier_version_is_read_as_full_and_converted_by_the_n
         change(ChangeReason::Update, Some(json!(1)), Some(json!(2)))
     );
     assert_eq!(story.diffbase().as_deref(), Some("[1,{\"spec.size\":2}]\n"));
+    let ids: Vec<String> = story.seen().into_iter().map(|(id, _)| id).collect();
+    assert_eq!(ids, ["resume", "size"]);
+}
+
+/// An earlier version's essence must not keep unwatched values that are out of date: a
+/// handler added later on such a field would be called for a change nobody watched.
+#[tokio::test]
+async fn an_earlier_essence_is_replaced_when_an_unwatched_field_changes() {
+    let handlers = [
+        reg("create", HandlerKind::Create, ""),
+        reg("size", HandlerKind::Field, "spec.size"),
+    ];
+    let mut earlier = Story::new(Extent::Full, handlers.to_vec());
+    earlier.step(EventType::Added, Memory::default(), |_| {}).await;
+    let mut story = Story::new(Extent::Fields, handlers.to_vec());
+    story.body = earlier.body.clone();
+    // An unwatched change calls nothing; the essence it makes out of date is replaced (one
+    // write, as the earlier version made for the same change).
+    story.modified(set("spec.other", json!("b"))).await;
+    assert!(story.seen().is_empty());
+    assert_eq!(story.writes, 1);
+    assert_eq!(story.diffbase().as_deref(), Some("[1,{\"spec.size\":1}]\n"));
+    // A new version adds a handler on that field: it watches from the value it finds.
+    story
+        .handlers
+        .push(reg("other", HandlerKind::Field, "spec.other"));
+    story.listed(|_| {}).await;
+    assert!(story.seen().is_empty(), "{:?}", story.seen());
+    story.modified(set("spec.other", json!("c"))).await;
+    assert_eq!(
+        of(&story.seen()[0].1),
+        change(ChangeReason::Update, Some(json!("b")), Some(json!("c")))
+    );
 }
 
 #[tokio::test]

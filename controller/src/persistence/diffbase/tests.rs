@@ -160,9 +160,13 @@ fn a_new_diff_base_is_written_only_when_it_matters() {
     let handled = json!({"spec": {"a": 1, "b": 2}});
     let w = watched(&["spec.a"]);
     let next = DiffBase::of(&handled, &w);
-    // An essence that agrees on the watched fields stays (no write only for the format).
+    // An essence equal to the handled one stays (no write only for the format); one that
+    // agrees on the watched fields but not on the others is out of date (`stale`).
+    let same = DiffBase::Essence(handled.clone());
+    assert!(!same.outdated_by(&next, &handled, &w));
     let essence = DiffBase::Essence(json!({"spec": {"a": 1, "b": 99}}));
-    assert!(!essence.outdated_by(&next, &handled, &w));
+    assert!(essence.stale(&handled, &w));
+    assert!(essence.outdated_by(&next, &handled, &w));
     let changed = DiffBase::Essence(json!({"spec": {"a": 2, "b": 2}}));
     assert!(changed.outdated_by(&next, &handled, &w));
     // The same compact diff-base: nothing to write; other paths or values: written.
