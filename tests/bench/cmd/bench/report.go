@@ -59,8 +59,9 @@ type b5Result struct {
 	FirstCallMs float64 `json:"first_call_ms"`
 	AllHandledS float64 `json:"all_handled_s"`
 	Memory      *memory `json:"memory"`
-	// Steady is the controller's memory a settle time after all M were handled: the HWM in
-	// Memory is the start-up's peak, judged against it.
+	// Steady is the memory of a fresh controller process started with the M objects handled,
+	// a settle time after its start: the HWM in Memory is the start-up's peak, judged
+	// against it.
 	Steady *memory `json:"steady,omitempty"`
 	// CPU of the controller from its start and of the API server over the same time, until
 	// all M were handled.
@@ -395,7 +396,7 @@ func writeReport(dir string, r *results) error {
 	// B5
 	p("## B5 — process start → first handler call, with M pre-existing unhandled objects")
 	p("")
-	p("| controller | M | first handler call (ms) | all M handled (s) | RSS / HWM after (MiB) | steady RSS (MiB) | peak vs steady | CPU s: controller / API server | API server RSS (MiB) | raw LIST by a plain client: first page / all (ms) |")
+	p("| controller | M | first handler call (ms) | all M handled (s) | RSS / HWM after (MiB) | steady RSS, restarted with them handled (MiB) | peak vs steady | CPU s: controller / API server | API server RSS (MiB) | raw LIST by a plain client: first page / all (ms) |")
 	p("|---|---|---|---|---|---|---|---|---|---|")
 	for _, c := range r.Controllers {
 		for _, x := range c.B5 {
