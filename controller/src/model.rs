@@ -6,6 +6,7 @@
 //! Keeping them free of I/O keeps the layering honest (see the crate docs).
 
 pub mod diagnostic;
+pub mod field_path;
 pub mod handler;
 pub mod invocation;
 pub mod posting;

@@ -118,34 +118,8 @@ fn operator_prefixes(annotations: &Map<String, Value>) -> BTreeSet<&str> {
         .collect()
 }
 
-/// The value at `path`, if present.
-pub fn lookup<'a>(value: &'a Value, path: &[String]) -> Option<&'a Value> {
-    path.iter().try_fold(value, |v, key| v.as_object()?.get(key))
-}
-
-fn set(value: &mut Value, path: &[String], new: Value) {
-    let Some((last, parents)) = path.split_last() else {
-        return;
-    };
-    let mut current = value;
-    for key in parents {
-        if !current.is_object() {
-            *current = Value::Object(Map::new());
-        }
-        let Some(map) = current.as_object_mut() else {
-            return;
-        };
-        current = map
-            .entry(key.clone())
-            .or_insert_with(|| Value::Object(Map::new()));
-    }
-    if !current.is_object() {
-        *current = Value::Object(Map::new());
-    }
-    if let Some(map) = current.as_object_mut() {
-        map.insert(last.clone(), new);
-    }
-}
+pub use crate::model::field_path::lookup;
+use crate::model::field_path::set;
 
 #[cfg(test)]
 mod tests {

@@ -33,6 +33,7 @@ use std::collections::BTreeMap;
 use serde_json::{Map, Value};
 
 use super::{keys::Keys, progress};
+use crate::model::field_path::{lookup, remove, set};
 
 /// The version of the compact format.
 const COMPACT_VERSION: u64 = 1;
@@ -286,49 +287,12 @@ impl DiffBaseStorage {
     }
 }
 
-/// The value at `path`, if present.
-fn lookup<'a>(value: &'a Value, path: &[String]) -> Option<&'a Value> {
-    path.iter().try_fold(value, |v, key| v.as_object()?.get(key))
-}
-
 /// Puts `value` at `path` (creating objects on the way), or removes what is there when
 /// `value` is `None`. The empty path is the whole value.
 fn place(target: &mut Value, path: &[String], value: Option<&Value>) {
-    let Some((last, parents)) = path.split_last() else {
-        if let Some(v) = value {
-            *target = v.clone();
-        }
-        return;
-    };
     match value {
-        Some(v) => {
-            let mut current = target;
-            for key in parents {
-                if !current.is_object() {
-                    *current = Value::Object(Map::new());
-                }
-                let Some(map) = current.as_object_mut() else {
-                    return;
-                };
-                current = map
-                    .entry(key.clone())
-                    .or_insert_with(|| Value::Object(Map::new()));
-            }
-            if !current.is_object() {
-                *current = Value::Object(Map::new());
-            }
-            if let Some(map) = current.as_object_mut() {
-                map.insert(last.clone(), v.clone());
-            }
-        }
-        None => {
-            let parent = parents
-                .iter()
-                .try_fold(target, |v, key| v.as_object_mut()?.get_mut(key));
-            if let Some(map) = parent.and_then(Value::as_object_mut) {
-                map.remove(last);
-            }
-        }
+        Some(v) => set(target, path, v.clone()),
+        None => remove(target, path),
     }
 }
 
