@@ -8,6 +8,7 @@
 pub mod faults;
 pub mod grpc;
 pub mod helm;
+pub mod indexes;
 pub mod kopf;
 pub mod process;
 pub mod proxy;

@@ -320,3 +320,32 @@ pub async fn venv_python(var: &str, script: &str) -> Result<PathBuf> {
 pub async fn sdk_python() -> Result<PathBuf> {
     venv_python("CAPSTAN_PYTHON_SDK_PYTHON", "sdk-python/scripts/venv.sh").await
 }
+
+/// Starts `python -m capstan run FILE` (the Python SDK from the repository) against
+/// `endpoint`, logging as `name`.
+///
+/// # Errors
+/// When the process cannot be started.
+pub fn python_operator(
+    python: &Path,
+    env: &TestEnv,
+    name: &str,
+    file: &Path,
+    endpoint: String,
+) -> Result<Process> {
+    let vars = HashMap::from([
+        ("CAPSTAN_ENDPOINT".to_owned(), endpoint),
+        (
+            "PYTHONPATH".to_owned(),
+            repo_root().join("sdk-python").display().to_string(),
+        ),
+        ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
+    ]);
+    let args = [
+        "-m".to_owned(),
+        "capstan".to_owned(),
+        "run".to_owned(),
+        file.display().to_string(),
+    ];
+    Process::spawn(name, python, &args, &vars, env.scratch())
+}

@@ -7,13 +7,17 @@
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
-use capstan_tests::{scenario::Scenario, testenv::TestEnv};
+use capstan_tests::{
+    indexes::{entries, peek, relabel},
+    scenario::Scenario,
+    testenv::TestEnv,
+};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::{
     Api,
     api::{DeleteParams, Patch, PatchParams, PostParams},
 };
-use serde_json::{Value, json};
+use serde_json::json;
 
 const T: Duration = Duration::from_secs(60);
 
@@ -39,26 +43,6 @@ async fn annotate(api: &Api<ConfigMap>, name: &str, key: &str, value: &str) -> R
     api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await?;
     Ok(())
-}
-
-async fn relabel(api: &Api<ConfigMap>, name: &str, app: Option<&str>) -> Result<()> {
-    let patch = json!({"metadata": {"labels": {"e2e/app": app}}});
-    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await?;
-    Ok(())
-}
-
-/// `status.peek` of the example: the whole index as sorted `<key>=<name>` entries.
-fn peek(obj: &Value) -> Option<Vec<String>> {
-    obj.pointer("/status/peek")?
-        .as_array()
-        .map(|a| a.iter().filter_map(Value::as_str).map(str::to_owned).collect())
-}
-
-fn entries(items: &[(&str, &str)]) -> Vec<String> {
-    let mut v: Vec<String> = items.iter().map(|(k, n)| format!("{k}={n}")).collect();
-    v.sort();
-    v
 }
 
 /// The lines of the call log, in order.

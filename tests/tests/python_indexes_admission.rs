@@ -11,20 +11,21 @@
 //!   the handler's message) and `@kopf.on.mutate` changes objects as they are stored, through
 //!   the controller's webhook server and the configurations it manages.
 
-use std::{collections::HashMap, path::Path, time::Duration};
+use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use capstan_tests::{
-    process::{Controller, Process, free_port, sdk_python},
+    indexes::{entries, peek, relabel},
+    process::{Controller, free_port, python_operator, sdk_python},
     scenario::{Scenario, label},
-    testenv::{TestEnv, create_example, repo_root},
+    testenv::{TestEnv, create_example},
 };
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::{
     Api,
-    api::{DeleteParams, Patch, PatchParams, PostParams},
+    api::{DeleteParams, PostParams},
 };
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::time::Instant;
 
 const T: Duration = Duration::from_secs(90);
@@ -94,45 +95,6 @@ async fn create_cm(api: &Api<ConfigMap>, name: &str, app: Option<&str>, slow: bo
     Ok(())
 }
 
-async fn relabel(api: &Api<ConfigMap>, name: &str, app: Option<&str>) -> Result<()> {
-    let patch = json!({"metadata": {"labels": {"e2e/app": app}}});
-    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await?;
-    Ok(())
-}
-
-/// `status.peek`: the whole index as sorted `<key>=<name>` entries.
-fn peek(obj: &Value) -> Option<Vec<String>> {
-    obj.pointer("/status/peek")?
-        .as_array()
-        .map(|a| a.iter().filter_map(Value::as_str).map(str::to_owned).collect())
-}
-
-fn sorted(entries: &[(String, String)]) -> Vec<String> {
-    let mut v: Vec<String> = entries.iter().map(|(k, n)| format!("{k}={n}")).collect();
-    v.sort();
-    v
-}
-
-/// Starts `python -m capstan run FILE` against `endpoint`, logging as `name`.
-fn spawn_operator(python: &Path, env: &TestEnv, file: &Path, endpoint: String) -> Result<Process> {
-    let vars = HashMap::from([
-        ("CAPSTAN_ENDPOINT".to_owned(), endpoint),
-        (
-            "PYTHONPATH".to_owned(),
-            repo_root().join("sdk-python").display().to_string(),
-        ),
-        ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
-    ]);
-    let args = [
-        "-m".to_owned(),
-        "capstan".to_owned(),
-        "run".to_owned(),
-        file.display().to_string(),
-    ];
-    Process::spawn("python-operator", python, &args, &vars, env.scratch())
-}
-
 #[tokio::test]
 async fn python_index_gates_readers_follows_changes_and_admission_validates_and_mutates() -> Result<()> {
     let python = sdk_python().await?;
@@ -166,7 +128,7 @@ async fn python_index_gates_readers_follows_changes_and_admission_validates_and_
     .await?;
     let file = env.scratch().join("operator.py");
     std::fs::write(&file, OPERATOR)?;
-    let operator = spawn_operator(&python, &env, &file, controller.endpoint())?;
+    let operator = python_operator(&python, &env, "python-operator", &file, controller.endpoint())?;
     let mut s = Scenario::with_operator(env, controller, operator, T).await?;
     for handler in ["by_app", "lookup_fn", "peek", "validate_fn", "mutate_fn"] {
         let line = format!("handler registered handler={handler}");
@@ -198,7 +160,7 @@ async fn python_index_gates_readers_follows_changes_and_admission_validates_and_
         "unlabelled ConfigMaps are filtered out by the controller:\n{output}"
     );
     s.wait("x", T, "the timer sees the full index", |o| {
-        peek(o) == Some(sorted(&expected))
+        peek(o) == Some(entries(&expected))
     })
     .await?;
 
@@ -215,7 +177,7 @@ async fn python_index_gates_readers_follows_changes_and_admission_validates_and_
     relabel(&cms, "plain-0", Some("cache")).await?;
     expected.push(("cache".into(), "plain-0".into()));
     s.wait("x", T, "the index followed every change", |o| {
-        peek(o) == Some(sorted(&expected))
+        peek(o) == Some(entries(&expected))
     })
     .await?;
 
@@ -226,12 +188,12 @@ async fn python_index_gates_readers_follows_changes_and_admission_validates_and_
     expected.retain(|(_, n)| n != "db-1");
     create_cm(&cms, "late", Some("db"), true).await?;
     expected.push(("db".into(), "late".into()));
-    s.handler = spawn_operator(&python, &s.env, &file, s.controller.endpoint())?;
+    s.handler = python_operator(&python, &s.env, "python-operator", &file, s.controller.endpoint())?;
     s.handler
         .wait_for("capstan: connected to the controller", T)
         .await?;
     s.wait("x", T, "the rebuilt index is complete", |o| {
-        peek(o) == Some(sorted(&expected))
+        peek(o) == Some(entries(&expected))
     })
     .await?;
     let full = format!("peek saw {} indexed objects", expected.len());

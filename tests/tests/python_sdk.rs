@@ -16,7 +16,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use capstan_tests::{
-    process::{Controller, Process, sdk_python},
+    process::{Controller, Process, python_operator, sdk_python},
     scenario::{Scenario, annotation, label},
     testenv::{TestEnv, repo_root},
 };
@@ -202,31 +202,6 @@ async fn python_operator_handles_changes_subhandlers_a_daemon_a_timer_retries_an
     Ok(())
 }
 
-/// Starts `python -m capstan run FILE` against `endpoint`.
-fn spawn_operator(
-    python: &Path,
-    env: &TestEnv,
-    name: &str,
-    file: &Path,
-    endpoint: String,
-) -> Result<Process> {
-    let vars = HashMap::from([
-        ("CAPSTAN_ENDPOINT".to_owned(), endpoint),
-        (
-            "PYTHONPATH".to_owned(),
-            repo_root().join("sdk-python").display().to_string(),
-        ),
-        ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
-    ]);
-    let args = [
-        "-m".to_owned(),
-        "capstan".to_owned(),
-        "run".to_owned(),
-        file.display().to_string(),
-    ];
-    Process::spawn(name, python, &args, &vars, env.scratch())
-}
-
 #[tokio::test]
 async fn python_operator_names_handlers_with_problems_and_exits_when_none_is_accepted() -> Result<()> {
     let python = sdk_python().await?;
@@ -240,7 +215,7 @@ async fn python_operator_names_handlers_with_problems_and_exits_when_none_is_acc
     // kopf does) and the controller's warning names it; the process runs.
     let mixed = env.scratch().join("mixed.py");
     std::fs::write(&mixed, format!("import capstan\n\n{good}{unserved}"))?;
-    let mut first = spawn_operator(&python, &env, "mixed", &mixed, controller.endpoint())?;
+    let mut first = python_operator(&python, &env, "mixed", &mixed, controller.endpoint())?;
     first.wait_for("connected to the controller", T).await?;
     let output = first.output();
     assert!(
@@ -254,7 +229,7 @@ async fn python_operator_names_handlers_with_problems_and_exits_when_none_is_acc
     // no handler of it is accepted: it exits with a clear error instead of retrying.
     let only_good = env.scratch().join("only_good.py");
     std::fs::write(&only_good, format!("import capstan\n\n{good}"))?;
-    let mut second = spawn_operator(&python, &env, "only-good", &only_good, controller.endpoint())?;
+    let mut second = python_operator(&python, &env, "only-good", &only_good, controller.endpoint())?;
     let deadline = Instant::now() + T;
     while second.running() {
         assert!(
