@@ -172,6 +172,8 @@ pub struct Metrics {
     durations: Family<HandlerLabels, Histogram>,
     retries: Family<HandlerLabels, Counter>,
     pending: Family<ResourceLabels, Gauge>,
+    processing: Gauge,
+    processing_peak: Gauge,
     writes: Family<ResourceLabels, Counter>,
     events_dropped: Family<HandlerLabels, Counter>,
     admission: AdmissionFamilies,
@@ -250,6 +252,18 @@ impl Default for Metrics {
             "Objects with an event waiting for processing, by resource.",
             pending.clone(),
         );
+        let processing = Gauge::default();
+        registry.register(
+            "capstan_objects_processing",
+            "Objects being processed now, across resources (at most --worker-limit; the others wait in their queues).",
+            processing.clone(),
+        );
+        let processing_peak = Gauge::default();
+        registry.register(
+            "capstan_objects_processing_peak",
+            "The most objects processed at the same time since the start.",
+            processing_peak.clone(),
+        );
         let writes = Family::<ResourceLabels, Counter>::default();
         registry.register(
             "capstan_api_writes",
@@ -271,6 +285,8 @@ impl Default for Metrics {
             durations,
             retries,
             pending,
+            processing,
+            processing_peak,
             writes,
             events_dropped,
             admission,
@@ -322,6 +338,15 @@ impl Metrics {
                 resource: resource.to_owned(),
             })
             .inc_by(delta);
+    }
+
+    /// Adds `delta` (+1 or -1) to the objects being processed (`capstan_objects_processing`),
+    /// and raises its peak (`capstan_objects_processing_peak`).
+    pub fn processing(&self, delta: i64) {
+        let now = self.processing.inc_by(delta).saturating_add(delta);
+        self.processing_peak
+            .inner()
+            .fetch_max(now, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Counts one PATCH request for a handled change (`capstan_api_writes_total`).
