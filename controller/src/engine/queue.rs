@@ -226,8 +226,7 @@ impl Queue {
             };
             let working = Working::new(permit);
             let queue = self.clone();
-            self.workers
-                .spawn(async move { queue.work(uid, working).await });
+            self.workers.spawn(async move { queue.work(uid, working).await });
         }
     }
 

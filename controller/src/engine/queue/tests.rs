@@ -356,7 +356,11 @@ async fn a_burst_of_objects_gets_no_more_workers_than_the_limit_and_each_is_hand
         "{} tasks for a limit of {LIMIT} (and the dispatcher)",
         queue.workers().len()
     );
-    assert_eq!(queue.ready(), OBJECTS - LIMIT - 1, "the rest wait as uids (one holds the dispatcher)");
+    assert_eq!(
+        queue.ready(),
+        OBJECTS - LIMIT - 1,
+        "the rest wait as uids (one holds the dispatcher)"
+    );
     assert_eq!(limit.available_permits(), 0);
     // A newer version of a waiting object replaces its waiting event: still one cycle.
     let mut newer = numbered(OBJECTS - 1);
@@ -365,9 +369,7 @@ async fn a_burst_of_objects_gets_no_more_workers_than_the_limit_and_each_is_hand
     assert_eq!(queue.ready(), OBJECTS - LIMIT - 1);
     open.send_replace(true);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
-    while invoker.total() < OBJECTS as u32
-        || queue.slots.lock().values().any(|s| s.running)
-    {
+    while invoker.total() < OBJECTS as u32 || queue.slots.lock().values().any(|s| s.running) {
         assert!(
             tokio::time::Instant::now() < deadline,
             "only {} of {OBJECTS} objects handled",
@@ -378,7 +380,10 @@ async fn a_burst_of_objects_gets_no_more_workers_than_the_limit_and_each_is_hand
     assert!(invoker.most.load(Ordering::SeqCst) <= LIMIT as u32);
     let calls = invoker.calls.lock().clone();
     assert_eq!(calls.len(), OBJECTS);
-    assert!(calls.values().all(|n| *n == 1), "an object was handled twice: {calls:?}");
+    assert!(
+        calls.values().all(|n| *n == 1),
+        "an object was handled twice: {calls:?}"
+    );
     assert_eq!(limit.available_permits(), LIMIT, "every permit is back");
     assert_eq!(queue.ready(), 0);
     assert_eq!(queue.workers().len(), 1, "only the dispatcher is left");
@@ -404,7 +409,10 @@ async fn queues_share_the_limit_first_come_first_served() {
     open.send_replace(true);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while invoker.total() < 51 {
-        assert!(tokio::time::Instant::now() < deadline, "not every object was handled");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not every object was handled"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // Two of the first queue's objects ran, the first queue's dispatcher was waiting with the
