@@ -174,6 +174,7 @@ pub struct Metrics {
     pending: Family<ResourceLabels, Gauge>,
     processing: Gauge,
     processing_peak: Gauge,
+    api_requests: Gauge,
     writes: Family<ResourceLabels, Counter>,
     events_dropped: Family<HandlerLabels, Counter>,
     admission: AdmissionFamilies,
@@ -264,6 +265,12 @@ impl Default for Metrics {
             "The most objects processed at the same time since the start.",
             processing_peak.clone(),
         );
+        let api_requests = Gauge::default();
+        registry.register(
+            "capstan_api_requests_in_flight",
+            "API requests other than watches in flight (at most --api-requests; more wait their turn).",
+            api_requests.clone(),
+        );
         let writes = Family::<ResourceLabels, Counter>::default();
         registry.register(
             "capstan_api_writes",
@@ -287,6 +294,7 @@ impl Default for Metrics {
             pending,
             processing,
             processing_peak,
+            api_requests,
             writes,
             events_dropped,
             admission,
@@ -347,6 +355,11 @@ impl Metrics {
         self.processing_peak
             .inner()
             .fetch_max(now, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Adds `delta` (+1 or -1) to the API requests in flight (`capstan_api_requests_in_flight`).
+    pub fn api_requests(&self, delta: i64) {
+        self.api_requests.inc_by(delta);
     }
 
     /// Counts one PATCH request for a handled change (`capstan_api_writes_total`).
