@@ -174,7 +174,7 @@ struct Core {
 
 impl Core {
     async fn connect(settings: &Settings) -> Result<Self> {
-        let switch = k8s::switch::Switchable::connect(settings.api_timeout).await?;
+        let switch = k8s::switch::Switchable::connect(settings.api_timeout, settings.api_requests).await?;
         let client = switch.client();
         Ok(Self {
             objects: k8s::objects::Objects::new(client.clone()),

@@ -286,6 +286,12 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_API_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
     pub api_timeout: Duration,
 
+    /// At most this many API requests (other than watches) in flight at once; more wait
+    /// their turn within --api-timeout. Each holds a connection to the API server with its
+    /// buffers, so this bounds the controller's memory in a burst of writes.
+    #[arg(long, env = "CAPSTAN_API_REQUESTS", default_value_t = 32)]
+    pub api_requests: usize,
+
     /// How long one probe handler may take before `/healthz` reports it failing. Probe
     /// results are cached for 10 s, as in kopf.
     #[arg(long, env = "CAPSTAN_PROBE_TIMEOUT", value_parser = parse_duration, default_value = "5s")]
@@ -678,6 +684,7 @@ impl RunArgs {
             shutdown_grace: self.shutdown_grace,
             discovery_ttl: self.discovery_ttl,
             api_timeout: self.api_timeout,
+            api_requests: self.api_requests.max(1),
             ..Settings::default()
         };
         settings.connection.ping_interval = self.ping_interval;

@@ -29,6 +29,8 @@ pub struct Settings {
     pub discovery_ttl: Duration,
     /// How long one API request may take (watches: until their answer starts). Default 30 s.
     pub api_timeout: Duration,
+    /// At most this many API requests other than watches in flight. Default 32.
+    pub api_requests: usize,
     /// Watching, queueing, persistence.
     pub engine: engine::Settings,
     /// Priority peering (freezing).
@@ -51,6 +53,7 @@ impl Default for Settings {
             shutdown_grace: Duration::from_secs(20),
             discovery_ttl: Duration::from_secs(30),
             api_timeout: crate::k8s::switch::DEFAULT_REQUEST_TIMEOUT,
+            api_requests: crate::k8s::switch::DEFAULT_REQUESTS_IN_FLIGHT,
             engine: engine::Settings::default(),
             peering: peering::Settings::default(),
             election: peering::election::Settings::default(),

@@ -131,6 +131,11 @@ pub struct Engine {
     finished_daemons: daemons::Finished,
 }
 
+/// Watch events (parsed bodies) between a watch and its queue at most: a listing that runs
+/// ahead of the queue waits for room, so that no more than this many parsed bodies are held
+/// between the two (the queue keeps each object's body compressed).
+const WATCH_BACKLOG: usize = 64;
+
 /// How long a new watch of a resource waits for the workers of its stopped predecessor (their
 /// invocations get `Cancel` and a grace period; their writes have the request timeout).
 const RETIRED_WORKERS_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
@@ -540,7 +545,7 @@ impl Engine {
                 self.settings.watch.clone(),
                 status,
             );
-            let (tx, mut rx) = mpsc::channel::<k8s_watch::Event>(1024);
+            let (tx, mut rx) = mpsc::channel::<k8s_watch::Event>(WATCH_BACKLOG);
             let span = info_span!("watch", resource = %resource, namespace = scope.as_deref().unwrap_or("*"));
             let run = w.run(tx, cancel.clone());
             let predecessors = predecessors.clone();

@@ -1,14 +1,27 @@
 //! Per-object serial queues: one worker per object (by uid), objects in parallel under a global
 //! limit, and a newer version of an object superseding an older one still waiting.
 //!
-//! A worker takes the latest pending event of its object, runs a processing cycle, writes the
-//! result (one PATCH, plus `/status` where needed), and repeats while events keep coming; then
-//! it exits, keeping only the object's small memory. Delayed retries are scheduled here by the
-//! controller's own timer, never by "touch" patches. After our own write, events older than the
-//! version it produced are stale echoes and are dropped before they reach a cycle.
+//! A worker takes the latest pending event of its object, runs a processing cycle and writes
+//! the result (one PATCH, plus `/status` where needed); then it exits, keeping only the
+//! object's small memory. Delayed retries are scheduled here by the controller's own timer,
+//! never by "touch" patches. After our own write, events older than the version it produced
+//! are stale echoes and are dropped before they reach a cycle.
+//!
+//! # Bounded memory
+//!
+//! An object with work waits in the resource's ready list (its uid, once) until the queue's
+//! dispatcher gets one of the global limit's permits for it (`--worker-limit`, first come first
+//! served across resources); only then is a worker task spawned. So at any time at most
+//! `--worker-limit` objects have a task, a parsed body and an invocation in flight, however
+//! many objects a start-up listing brings: a waiting object costs what a known one costs (its
+//! slot and one compressed body — a newer event replaces the one waiting), never a task whose
+//! future is sized for a whole cycle. An object with more work after its cycle goes to the end
+//! of the ready list again, so a busy object cannot keep a permit from the others.
+//! `capstan_objects_processing` (and its `_peak`) shows how many objects run at once;
+//! `capstan_objects_pending` how many wait.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     panic::AssertUnwindSafe,
     sync::Arc,
     time::{Duration, SystemTime},
@@ -18,7 +31,7 @@ use futures::FutureExt;
 use parking_lot::Mutex;
 use serde_json::Value;
 use tokio::{
-    sync::{Semaphore, watch},
+    sync::{Notify, OwnedSemaphorePermit, Semaphore, watch},
     task::JoinHandle,
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -93,8 +106,36 @@ pub struct Queue {
     /// Objects gone (deleted, or released by our last write), with the last version known:
     /// a late event of an older version finds no slot and must not start one (bounded).
     tombstones: Arc<Mutex<HashMap<String, (u64, tokio::time::Instant)>>>,
-    /// The objects' workers: owned, so that a queue that is stopped can be waited for.
+    /// Objects with work waiting for a permit of the global limit, each at most once.
+    ready: Arc<Ready>,
+    /// The objects' workers and the dispatcher: owned, so that a queue that is stopped can be
+    /// waited for.
     workers: TaskTracker,
+}
+
+/// The uids of objects with work and no worker yet, in arrival order (see the module docs).
+#[derive(Default)]
+struct Ready {
+    uids: Mutex<VecDeque<String>>,
+    added: Notify,
+}
+
+/// A permit of the global limit held by one object's worker, counted in the metrics.
+struct Working {
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Working {
+    fn new(permit: OwnedSemaphorePermit) -> Self {
+        crate::observability::metrics::global().processing(1);
+        Self { _permit: permit }
+    }
+}
+
+impl Drop for Working {
+    fn drop(&mut self) {
+        crate::observability::metrics::global().processing(-1);
+    }
 }
 
 /// How many tombstones are kept, and for how long.
@@ -135,13 +176,57 @@ impl Queue {
             storage: ctx.storage.clone(),
             cancel: ctx.cancel.clone(),
         });
-        Self {
+        let queue = Self {
             workers: TaskTracker::new(),
             ctx: Arc::new(ctx),
             writer,
             events: Arc::new(events::EventDispatch::default()),
             slots: Arc::new(Mutex::new(HashMap::new())),
             tombstones: Arc::default(),
+            ready: Arc::default(),
+        };
+        let dispatcher = queue.clone();
+        queue.workers.spawn(async move { dispatcher.dispatch().await });
+        queue
+    }
+
+    /// Puts an object whose slot is marked running at the end of the ready list.
+    fn enqueue(&self, uid: String) {
+        self.ready.uids.lock().push_back(uid);
+        self.ready.added.notify_one();
+    }
+
+    /// How many objects wait for a worker.
+    pub fn ready(&self) -> usize {
+        self.ready.uids.lock().len()
+    }
+
+    /// The dispatcher: gives the ready objects, in order, a permit of the global limit and a
+    /// worker each; ends when the queue is stopped.
+    async fn dispatch(self) {
+        let cancel = self.ctx.cancel.clone();
+        loop {
+            let next = self.ready.uids.lock().pop_front();
+            let Some(uid) = next else {
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    () = self.ready.added.notified() => continue,
+                }
+            };
+            let permit = tokio::select! {
+                () = cancel.cancelled() => return,
+                permit = self.ctx.limit.clone().acquire_owned() => permit,
+            };
+            let Ok(permit) = permit else {
+                // The limit is closed: nothing is processed any more.
+                if let Some(slot) = self.slots.lock().get_mut(&uid) {
+                    slot.running = false;
+                }
+                return;
+            };
+            let working = Working::new(permit);
+            let queue = self.clone();
+            self.workers.spawn(async move { queue.work(uid, working).await });
         }
     }
 
@@ -216,8 +301,8 @@ impl Queue {
         slot.pending = Some((event_type, Stored::new(&body)));
         if !slot.running {
             slot.running = true;
-            let queue = self.clone();
-            self.workers.spawn(async move { queue.work(uid).await });
+            drop(slots);
+            self.enqueue(uid);
         }
     }
 
@@ -278,99 +363,114 @@ impl Queue {
         }
     }
 
-    /// The object's worker: cycles while events keep coming. A cycle that panics is logged
-    /// with its object and run again after [`PANIC_RETRY`]; if the worker ends any other
-    /// abnormal way, its guard frees the object's slot so that the next event starts a new one.
-    async fn work(self, uid: String) {
+    /// The object's worker, holding a permit of the global limit: runs one cycle with the
+    /// object's latest event, then goes back to the end of the ready list if more work came
+    /// meanwhile. A cycle that panics is logged with its object and run again after
+    /// [`PANIC_RETRY`]; if the worker ends any other abnormal way, its guard frees the object's
+    /// slot so that the next event starts a new one.
+    async fn work(self, uid: String, working: Working) {
         let mut guard = WorkerGuard {
             queue: &self,
             uid: &uid,
             armed: true,
         };
-        self.cycles(&uid).await;
+        self.cycle(&uid).await;
+        drop(working);
+        self.finish(&uid);
         guard.armed = false;
     }
 
-    async fn cycles(&self, uid: &str) {
-        let uid = uid.to_owned();
+    /// Takes the object's next piece of work: its latest event (unless it predates our own
+    /// write), or a re-run with its latest body. Without any, the slot is marked idle (and
+    /// removed if the object is gone).
+    fn take_next(&self, uid: &str) -> Option<((EventType, Stored), Memory)> {
+        let mut slots = self.slots.lock();
+        let slot = slots.get_mut(uid)?;
         loop {
-            let next = {
-                let mut slots = self.slots.lock();
-                let Some(slot) = slots.get_mut(&uid) else { return };
-                let taken = slot.pending.take();
-                if taken.is_some() {
-                    crate::observability::metrics::global().pending(&self.ctx.resource.plural, -1);
+            let taken = slot.pending.take();
+            if taken.is_some() {
+                crate::observability::metrics::global().pending(&self.ctx.resource.plural, -1);
+            }
+            return match taken {
+                // Events that arrived while our own write was in flight may predate it.
+                Some((t, body))
+                    if t != EventType::Deleted
+                        && matches!((slot.written_rv, body.rv), (Some(w), Some(rv)) if rv < w) =>
+                {
+                    debug!(%uid, "stale event older than our own write dropped");
+                    continue;
                 }
-                match taken {
-                    // Events that arrived while our own write was in flight may predate it.
-                    Some((t, body))
-                        if t != EventType::Deleted
-                            && matches!((slot.written_rv, body.rv), (Some(w), Some(rv)) if rv < w) =>
-                    {
-                        debug!(%uid, "stale event older than our own write dropped");
-                        continue;
-                    }
-                    Some(next) => Some((next, slot.memory)),
-                    None if slot.rerun && !slot.gone && slot.last_body.is_some() => {
-                        slot.rerun = false;
-                        slot.last_body
-                            .clone()
-                            .map(|b| ((EventType::Modified, b), slot.memory))
-                    }
-                    None => {
-                        slot.running = false;
-                        if slot.gone {
-                            slots.remove(&uid);
-                        }
-                        None
-                    }
+                Some(next) => Some((next, slot.memory)),
+                None if slot.rerun && !slot.gone && slot.last_body.is_some() => {
+                    slot.rerun = false;
+                    slot.last_body
+                        .clone()
+                        .map(|b| ((EventType::Modified, b), slot.memory))
                 }
-            };
-            let Some(((event_type, stored), memory)) = next else {
-                return;
-            };
-            let body = stored.value();
-            if *self.ctx.paused.borrow() && event_type != EventType::Deleted {
-                // Paused (frozen, standby, draining): nothing is processed or written; the
-                // newest body is kept for when dispatch resumes.
-                let mut slots = self.slots.lock();
-                if let Some(slot) = slots.get_mut(&uid) {
-                    slot.last_body = Some(stored);
+                None => {
                     slot.running = false;
-                    if slot.pending.is_none() {
-                        return;
+                    if slot.gone {
+                        slots.remove(uid);
                     }
-                    slot.running = true;
+                    None
                 }
-                continue;
-            }
-            if self.ctx.cancel.is_cancelled() {
-                self.slots.lock().remove(&uid);
-                return;
-            }
-            let Ok(_permit) = self.ctx.limit.clone().acquire_owned().await else {
-                if let Some(slot) = self.slots.lock().get_mut(&uid) {
-                    slot.running = false;
-                }
-                return;
             };
-            let name = body
-                .pointer("/metadata/name")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_owned();
-            let namespace = body
-                .pointer("/metadata/namespace")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_owned();
-            let span = info_span!("object", object.resource = %self.ctx.resource.plural, object.namespace = %namespace, object.name = %name, object.uid = %uid, trace.id = tracing::field::Empty);
-            let cycle = self
-                .process(&uid, event_type, body, memory)
-                .instrument(span.clone());
-            if let Err(panic) = AssertUnwindSafe(cycle).catch_unwind().await {
-                span.in_scope(|| self.recover(&uid, stored, panic.as_ref()));
+        }
+    }
+
+    /// After a worker's cycle: the object goes to the end of the ready list if it has more
+    /// work, or becomes idle.
+    fn finish(&self, uid: &str) {
+        let mut slots = self.slots.lock();
+        let Some(slot) = slots.get_mut(uid) else { return };
+        if !slot.running {
+            return;
+        }
+        let more = slot.pending.is_some() || (slot.rerun && !slot.gone && slot.last_body.is_some());
+        if more && !self.ctx.cancel.is_cancelled() {
+            drop(slots);
+            self.enqueue(uid.to_owned());
+            return;
+        }
+        slot.running = false;
+        if slot.gone {
+            slots.remove(uid);
+        }
+    }
+
+    async fn cycle(&self, uid: &str) {
+        let Some(((event_type, stored), memory)) = self.take_next(uid) else {
+            return;
+        };
+        let body = stored.value();
+        if *self.ctx.paused.borrow() && event_type != EventType::Deleted {
+            // Paused (frozen, standby, draining): nothing is processed or written; the
+            // newest body is kept for when dispatch resumes.
+            if let Some(slot) = self.slots.lock().get_mut(uid) {
+                slot.last_body = Some(stored);
             }
+            return;
+        }
+        if self.ctx.cancel.is_cancelled() {
+            self.slots.lock().remove(uid);
+            return;
+        }
+        let name = body
+            .pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let namespace = body
+            .pointer("/metadata/namespace")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let span = info_span!("object", object.resource = %self.ctx.resource.plural, object.namespace = %namespace, object.name = %name, object.uid = %uid, trace.id = tracing::field::Empty);
+        let cycle = self
+            .process(uid, event_type, body, memory)
+            .instrument(span.clone());
+        if let Err(panic) = AssertUnwindSafe(cycle).catch_unwind().await {
+            span.in_scope(|| self.recover(uid, stored, panic.as_ref()));
         }
     }
 

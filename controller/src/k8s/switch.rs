@@ -27,6 +27,12 @@
 //! timeout, and for everything but watches the whole body too; a watch's body streams for as
 //! long as the watch lives and is guarded by the watch's own inactivity timeout
 //! ([`crate::k8s::watch`]). Every request's outcome feeds [`Reachability`].
+//!
+//! At most `--api-requests` requests other than watches are in flight at once; more wait
+//! their turn (first come first served, within their request timeout). Each request in flight
+//! holds a connection of its own (HTTP/1.1) with its TLS and read buffers, so a burst of
+//! processing (a start with thousands of unhandled objects, `--worker-limit` cycles writing
+//! at once) would otherwise open a connection per cycle and keep them all.
 
 use std::{
     pin::Pin,
@@ -45,7 +51,7 @@ use kube::{
 };
 use parking_lot::RwLock;
 use serde_json::{Value, json};
-use tokio::sync::watch;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 
 use super::{
     client::{self, USER_AGENT},
@@ -69,6 +75,9 @@ pub enum Error {
 
 /// How long checking new credentials may take.
 const VERIFY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// At most this many requests other than watches in flight, unless configured otherwise.
+pub const DEFAULT_REQUESTS_IN_FLIGHT: usize = 32;
 
 /// How long one API request may take unless configured otherwise.
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -94,6 +103,8 @@ struct Inner {
     unauthorized: watch::Sender<u64>,
     timeout: Duration,
     reachability: Reachability,
+    /// Room for requests other than watches (see the module docs).
+    requests: Arc<Semaphore>,
 }
 
 impl Switchable {
@@ -101,23 +112,41 @@ impl Switchable {
     ///
     /// # Errors
     /// [`client::Error::Config`] when neither works.
-    pub async fn connect(timeout: Duration) -> Result<Self, client::Error> {
+    pub async fn connect(timeout: Duration, requests: usize) -> Result<Self, client::Error> {
         let mut config = Config::infer()
             .await
             .map_err(|e| client::Error::Config(kube::Error::InferConfig(e)))?;
         with_user_agent(&mut config);
         let base = Client::try_from(config.clone()).map_err(client::Error::Config)?;
-        Ok(Self::build(config, base, timeout, Reachability::global()))
+        Ok(Self::build(
+            config,
+            base,
+            timeout,
+            Reachability::global(),
+            requests,
+        ))
     }
 
     /// Wraps an existing base client; every request gets `timeout` (see the module docs).
     /// Reachability is recorded in an instance of its own ([`Switchable::connect`] uses the
     /// process-wide one).
     pub fn new(base_config: Config, base: Client, timeout: Duration) -> Self {
-        Self::build(base_config, base, timeout, Reachability::default())
+        Self::build(
+            base_config,
+            base,
+            timeout,
+            Reachability::default(),
+            DEFAULT_REQUESTS_IN_FLIGHT,
+        )
     }
 
-    fn build(base_config: Config, base: Client, timeout: Duration, reachability: Reachability) -> Self {
+    fn build(
+        base_config: Config,
+        base: Client,
+        timeout: Duration,
+        reachability: Reachability,
+        requests: usize,
+    ) -> Self {
         let namespace = base.default_namespace().to_owned();
         let (unauthorized, _) = watch::channel(0);
         let inner = Arc::new(Inner {
@@ -128,6 +157,7 @@ impl Switchable {
             unauthorized,
             timeout,
             reachability,
+            requests: Arc::new(Semaphore::new(requests.max(1))),
         });
         let routed = Client::new(
             Route {
@@ -291,6 +321,16 @@ impl tower::Service<Request<Body>> for Route {
         Box::pin(async move {
             let timeout = inner.timeout;
             let deadline = tokio::time::Instant::now() + timeout;
+            let in_flight = if watch {
+                None
+            } else {
+                match tokio::time::timeout_at(deadline, inner.requests.clone().acquire_owned()).await {
+                    Ok(Ok(permit)) => Some(InFlight::new(permit)),
+                    // Never closed; and a request that waited out its timeout for room is no
+                    // sign of the server's health.
+                    Ok(Err(_)) | Err(_) => return Err(kube::Error::Service(Box::new(TimedOut(timeout)))),
+                }
+            };
             let response = match tokio::time::timeout_at(deadline, client.send(request)).await {
                 Ok(Ok(response)) => response,
                 Ok(Err(e)) => {
@@ -315,7 +355,7 @@ impl tower::Service<Request<Body>> for Route {
                 inner.unauthorized.send_modify(|n| *n += 1);
             }
             let limit = (!watch).then_some((deadline, timeout));
-            Ok(response.map(|body| Bounded::new(body, limit)))
+            Ok(response.map(|body| Bounded::new(body, limit, in_flight)))
         })
     }
 }
@@ -329,17 +369,38 @@ fn is_watch(uri: &Uri) -> bool {
     })
 }
 
-/// A response body that fails once its deadline passes (for everything but watches).
+/// A request's room among those in flight, counted in `capstan_api_requests_in_flight`.
+struct InFlight {
+    _permit: OwnedSemaphorePermit,
+}
+
+impl InFlight {
+    fn new(permit: OwnedSemaphorePermit) -> Self {
+        crate::observability::metrics::global().api_requests(1);
+        Self { _permit: permit }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        crate::observability::metrics::global().api_requests(-1);
+    }
+}
+
+/// A response body that fails once its deadline passes (for everything but watches), and
+/// holds its request's room until it is read or dropped.
 struct Bounded {
     body: Body,
     deadline: Option<(Pin<Box<tokio::time::Sleep>>, Duration)>,
+    _in_flight: Option<InFlight>,
 }
 
 impl Bounded {
-    fn new(body: Body, limit: Option<(tokio::time::Instant, Duration)>) -> Self {
+    fn new(body: Body, limit: Option<(tokio::time::Instant, Duration)>, in_flight: Option<InFlight>) -> Self {
         Self {
             body,
             deadline: limit.map(|(at, timeout)| (Box::pin(tokio::time::sleep_until(at)), timeout)),
+            _in_flight: in_flight,
         }
     }
 }
@@ -487,6 +548,50 @@ mod tests {
         assert!(matches!(err, kube::Error::Api(s) if s.code == 401));
         assert!(rx.has_changed().unwrap());
         assert_eq!(*rx.borrow_and_update(), 1);
+    }
+
+    /// Answers after a second; counts the requests it serves at once.
+    fn slow(running: Arc<std::sync::atomic::AtomicU32>, most: Arc<std::sync::atomic::AtomicU32>) -> Client {
+        use std::sync::atomic::Ordering;
+        let service = tower::service_fn(move |_req: Request<Body>| {
+            let (running, most) = (running.clone(), most.clone());
+            async move {
+                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                running.fetch_sub(1, Ordering::SeqCst);
+                let body = r#"{"kind":"APIVersions","versions":["v1"],"serverAddressByClientCIDRs":[]}"#;
+                Ok::<_, std::convert::Infallible>(Response::new(Body::from(body.as_bytes().to_vec())))
+            }
+        });
+        Client::new(service, "default")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_beyond_the_limit_wait_their_turn_and_all_complete() {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        let (running, most) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+        let base = slow(running, most.clone());
+        let switch = Switchable::build(
+            config(),
+            base,
+            DEFAULT_REQUEST_TIMEOUT,
+            Reachability::default(),
+            3,
+        );
+        let started = tokio::time::Instant::now();
+        let all = futures::future::join_all((0..10).map(|_| {
+            let client = switch.client();
+            async move { client.list_core_api_versions().await }
+        }))
+        .await;
+        assert!(all.iter().all(Result::is_ok), "{all:?}");
+        assert_eq!(most.load(Ordering::SeqCst), 3, "at most the limit in flight");
+        assert!(
+            started.elapsed() >= Duration::from_secs(4),
+            "ten requests, three at a time"
+        );
+        assert_eq!(switch.inner.requests.available_permits(), 3, "all room is back");
     }
 
     #[tokio::test]

@@ -167,9 +167,9 @@ pub struct Watch {
     status: Status,
     reachability: Reachability,
     backoff: DefaultBackoff,
-    /// Known objects by uid: (namespace, name), for reporting objects that vanished between
-    /// a watch's end and the relist.
-    known: HashMap<String, (String, String)>,
+    /// Known objects by uid, for reporting objects that vanished between a watch's end and
+    /// the relist (one entry per watched object, so kept small: see [`Known`]).
+    known: HashMap<Box<str>, Known>,
 }
 
 enum Restart {
@@ -287,7 +287,7 @@ impl Watch {
         if let Some(f) = &self.field_selector {
             params = params.fields(f);
         }
-        let mut seen: HashMap<String, (String, String)> = HashMap::new();
+        let mut seen: HashMap<Box<str>, Known> = HashMap::new();
         let mut rv = String::new();
         loop {
             let page =
@@ -303,14 +303,8 @@ impl Watch {
             self.status.moved();
             rv = page.metadata.resource_version.clone().unwrap_or(rv);
             for obj in page.items {
-                if let Some(uid) = obj.metadata.uid.clone() {
-                    seen.insert(
-                        uid,
-                        (
-                            obj.metadata.namespace.clone().unwrap_or_default(),
-                            obj.metadata.name.clone().unwrap_or_default(),
-                        ),
-                    );
+                if let Some(uid) = obj.metadata.uid.as_deref() {
+                    seen.insert(uid.into(), Known::of(&obj));
                 }
                 if tx
                     .send(Event {
@@ -328,12 +322,13 @@ impl Watch {
                 None => break,
             }
         }
-        let vanished: Vec<(String, (String, String))> = self
+        let vanished: Vec<(Box<str>, Known)> = self
             .known
             .drain()
             .filter(|(uid, _)| !seen.contains_key(uid))
             .collect();
-        for (uid, (namespace, name)) in vanished {
+        for (uid, known) in vanished {
+            let (namespace, name) = known.split();
             debug!(%uid, %name, "object vanished while the watch was down");
             let body = json!({"metadata": {"uid": uid, "name": name, "namespace": namespace}});
             if tx
@@ -445,17 +440,11 @@ impl Watch {
             if let Some(v) = &obj.metadata.resource_version {
                 rv.clone_from(v);
             }
-            if let Some(uid) = obj.metadata.uid.clone() {
+            if let Some(uid) = obj.metadata.uid.as_deref() {
                 if event_type == EventType::Deleted {
-                    self.known.remove(&uid);
-                } else {
-                    self.known.insert(
-                        uid,
-                        (
-                            obj.metadata.namespace.clone().unwrap_or_default(),
-                            obj.metadata.name.clone().unwrap_or_default(),
-                        ),
-                    );
+                    self.known.remove(uid);
+                } else if self.known.get(uid).is_none_or(|k| !k.is(&obj)) {
+                    self.known.insert(uid.into(), Known::of(&obj));
                 }
             }
             if tx
@@ -469,6 +458,31 @@ impl Watch {
                 return None;
             }
         }
+    }
+}
+
+/// A known object's namespace and name in one allocation: `<namespace>/<name>` (neither may
+/// contain a slash).
+#[derive(Debug)]
+struct Known(Box<str>);
+
+impl Known {
+    fn of(obj: &DynamicObject) -> Self {
+        let namespace = obj.metadata.namespace.as_deref().unwrap_or_default();
+        let name = obj.metadata.name.as_deref().unwrap_or_default();
+        Self(format!("{namespace}/{name}").into_boxed_str())
+    }
+
+    /// Whether `obj` has this namespace and name.
+    fn is(&self, obj: &DynamicObject) -> bool {
+        let (namespace, name) = self.split();
+        obj.metadata.namespace.as_deref().unwrap_or_default() == namespace
+            && obj.metadata.name.as_deref().unwrap_or_default() == name
+    }
+
+    /// The namespace and the name.
+    fn split(&self) -> (&str, &str) {
+        self.0.split_once('/').unwrap_or(("", &self.0))
     }
 }
 
@@ -517,6 +531,25 @@ async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn known_objects_keep_their_namespace_and_name() {
+        let obj = |namespace: Option<&str>, name: &str| {
+            let mut obj = DynamicObject::new(
+                name,
+                &kube::api::ApiResource::erase::<k8s_openapi::api::core::v1::ConfigMap>(&()),
+            );
+            obj.metadata.namespace = namespace.map(str::to_owned);
+            obj
+        };
+        let namespaced = Known::of(&obj(Some("team-a"), "web:1"));
+        assert_eq!(namespaced.split(), ("team-a", "web:1"));
+        assert!(namespaced.is(&obj(Some("team-a"), "web:1")));
+        assert!(!namespaced.is(&obj(Some("team-b"), "web:1")));
+        let cluster = Known::of(&obj(None, "node-1"));
+        assert_eq!(cluster.split(), ("", "node-1"));
+        assert!(cluster.is(&obj(None, "node-1")));
+    }
 
     #[test]
     fn backoff_is_jittered_within_bounds_and_grows_to_its_cap() {

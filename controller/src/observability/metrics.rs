@@ -172,6 +172,9 @@ pub struct Metrics {
     durations: Family<HandlerLabels, Histogram>,
     retries: Family<HandlerLabels, Counter>,
     pending: Family<ResourceLabels, Gauge>,
+    processing: Gauge,
+    processing_peak: Gauge,
+    api_requests: Gauge,
     writes: Family<ResourceLabels, Counter>,
     events_dropped: Family<HandlerLabels, Counter>,
     admission: AdmissionFamilies,
@@ -250,6 +253,24 @@ impl Default for Metrics {
             "Objects with an event waiting for processing, by resource.",
             pending.clone(),
         );
+        let processing = Gauge::default();
+        registry.register(
+            "capstan_objects_processing",
+            "Objects being processed now, across resources (at most --worker-limit; the others wait in their queues).",
+            processing.clone(),
+        );
+        let processing_peak = Gauge::default();
+        registry.register(
+            "capstan_objects_processing_peak",
+            "The most objects processed at the same time since the start.",
+            processing_peak.clone(),
+        );
+        let api_requests = Gauge::default();
+        registry.register(
+            "capstan_api_requests_in_flight",
+            "API requests other than watches in flight (at most --api-requests; more wait their turn).",
+            api_requests.clone(),
+        );
         let writes = Family::<ResourceLabels, Counter>::default();
         registry.register(
             "capstan_api_writes",
@@ -271,6 +292,9 @@ impl Default for Metrics {
             durations,
             retries,
             pending,
+            processing,
+            processing_peak,
+            api_requests,
             writes,
             events_dropped,
             admission,
@@ -322,6 +346,20 @@ impl Metrics {
                 resource: resource.to_owned(),
             })
             .inc_by(delta);
+    }
+
+    /// Adds `delta` (+1 or -1) to the objects being processed (`capstan_objects_processing`),
+    /// and raises its peak (`capstan_objects_processing_peak`).
+    pub fn processing(&self, delta: i64) {
+        let now = self.processing.inc_by(delta).saturating_add(delta);
+        self.processing_peak
+            .inner()
+            .fetch_max(now, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Adds `delta` (+1 or -1) to the API requests in flight (`capstan_api_requests_in_flight`).
+    pub fn api_requests(&self, delta: i64) {
+        self.api_requests.inc_by(delta);
     }
 
     /// Counts one PATCH request for a handled change (`capstan_api_writes_total`).

@@ -281,3 +281,147 @@ fn stored_bodies_round_trip_and_are_smaller_than_their_text() {
         "corrupt data reads as nothing, no panic"
     );
 }
+
+/// Holds every invocation until the gate opens; records each object's invocations and the
+/// most invocations running at once.
+struct Gated {
+    open: watch::Receiver<bool>,
+    running: Arc<AtomicU32>,
+    most: Arc<AtomicU32>,
+    calls: Arc<Mutex<HashMap<String, u32>>>,
+    order: Arc<Mutex<Vec<String>>>,
+}
+
+impl Gated {
+    fn new() -> (watch::Sender<bool>, Arc<Self>) {
+        let (tx, open) = watch::channel(false);
+        let gated = Self {
+            open,
+            running: Arc::default(),
+            most: Arc::default(),
+            calls: Arc::default(),
+            order: Arc::default(),
+        };
+        (tx, Arc::new(gated))
+    }
+
+    fn total(&self) -> u32 {
+        self.calls.lock().values().sum()
+    }
+}
+
+impl Invoker for Gated {
+    fn invoke(&self, work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
+        let uid = work.object.map(|o| o.uid).unwrap_or_default();
+        *self.calls.lock().entry(uid.clone()).or_default() += 1;
+        self.order.lock().push(uid);
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        let mut open = self.open.clone();
+        let running = self.running.clone();
+        Box::pin(async move {
+            let _ = open.wait_for(|o| *o).await;
+            running.fetch_sub(1, Ordering::SeqCst);
+            Outcome::success(None)
+        })
+    }
+}
+
+fn numbered(n: usize) -> Value {
+    let mut body = example("10");
+    body["metadata"]["name"] = json!(format!("object-{n}"));
+    body["metadata"]["uid"] = json!(format!("u{n}"));
+    body
+}
+
+/// A start with many unhandled objects: only as many workers (tasks) as the limit allows
+/// exist at any time, the rest wait as uids in the ready list, and every object is handled
+/// exactly once when the handlers answer.
+#[tokio::test(start_paused = true)]
+async fn a_burst_of_objects_gets_no_more_workers_than_the_limit_and_each_is_handled_once() {
+    const OBJECTS: usize = 300;
+    const LIMIT: usize = 4;
+    let mut create = Registration::new("create_fn", HandlerKind::Create, None);
+    create.resource = Some(resource());
+    let (open, invoker) = Gated::new();
+    let limit = Arc::new(Semaphore::new(LIMIT));
+    let queue = queue(invoker.clone(), vec![create], limit.clone());
+    for n in 0..OBJECTS {
+        queue.push(EventType::Listing, numbered(n));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(invoker.running.load(Ordering::SeqCst), LIMIT as u32);
+    assert!(
+        queue.workers().len() <= LIMIT + 1,
+        "{} tasks for a limit of {LIMIT} (and the dispatcher)",
+        queue.workers().len()
+    );
+    assert_eq!(
+        queue.ready(),
+        OBJECTS - LIMIT - 1,
+        "the rest wait as uids (one holds the dispatcher)"
+    );
+    assert_eq!(limit.available_permits(), 0);
+    // A newer version of a waiting object replaces its waiting event: still one cycle.
+    let mut newer = numbered(OBJECTS - 1);
+    newer["metadata"]["resourceVersion"] = json!("11");
+    queue.push(EventType::Modified, newer);
+    assert_eq!(queue.ready(), OBJECTS - LIMIT - 1);
+    open.send_replace(true);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+    while invoker.total() < OBJECTS as u32 || queue.slots.lock().values().any(|s| s.running) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {} of {OBJECTS} objects handled",
+            invoker.total()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(invoker.most.load(Ordering::SeqCst) <= LIMIT as u32);
+    let calls = invoker.calls.lock().clone();
+    assert_eq!(calls.len(), OBJECTS);
+    assert!(
+        calls.values().all(|n| *n == 1),
+        "an object was handled twice: {calls:?}"
+    );
+    assert_eq!(limit.available_permits(), LIMIT, "every permit is back");
+    assert_eq!(queue.ready(), 0);
+    assert_eq!(queue.workers().len(), 1, "only the dispatcher is left");
+}
+
+/// The limit is global: a second resource's objects get permits in their turn, first come
+/// first served, while the first resource still has a backlog.
+#[tokio::test(start_paused = true)]
+async fn queues_share_the_limit_first_come_first_served() {
+    let mut create = Registration::new("create_fn", HandlerKind::Create, None);
+    create.resource = Some(resource());
+    let (open, invoker) = Gated::new();
+    let limit = Arc::new(Semaphore::new(2));
+    let first = queue(invoker.clone(), vec![create.clone()], limit.clone());
+    let second = queue(invoker.clone(), vec![create], limit.clone());
+    for n in 0..50 {
+        first.push(EventType::Listing, numbered(n));
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    second.push(EventType::Listing, numbered(1000));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(invoker.total(), 2);
+    open.send_replace(true);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while invoker.total() < 51 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not every object was handled"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Two of the first queue's objects ran, the first queue's dispatcher was waiting with the
+    // third: the second queue's object asked next and got the permit after that.
+    let position = invoker.order.lock().iter().position(|uid| uid == "u1000");
+    assert!(
+        position.is_some_and(|p| p <= 4),
+        "the second queue waited behind the first queue's backlog: {:?}",
+        invoker.order.lock()
+    );
+    assert!(invoker.most.load(Ordering::SeqCst) <= 2);
+}
