@@ -209,12 +209,12 @@ impl Queue {
             let next = self.ready.uids.lock().pop_front();
             let Some(uid) = next else {
                 tokio::select! {
-                    () = cancel.cancelled() => return,
+                    () = cancel.cancelled() => return self.abandon(),
                     () = self.ready.added.notified() => continue,
                 }
             };
             let permit = tokio::select! {
-                () = cancel.cancelled() => return,
+                () = cancel.cancelled() => return self.abandon(),
                 permit = self.ctx.limit.clone().acquire_owned() => permit,
             };
             let Ok(permit) = permit else {
@@ -227,6 +227,21 @@ impl Queue {
             let working = Working::new(permit);
             let queue = self.clone();
             self.workers.spawn(async move { queue.work(uid, working).await });
+        }
+    }
+
+    /// The queue is stopped: the work still waiting is dropped (the next queue of the
+    /// resource lists the objects again) and no longer counted as pending.
+    fn abandon(&self) {
+        let mut dropped = 0_i64;
+        for slot in self.slots.lock().values_mut() {
+            if slot.pending.take().is_some() {
+                dropped += 1;
+            }
+        }
+        self.ready.uids.lock().clear();
+        if dropped > 0 {
+            crate::observability::metrics::global().pending(&self.ctx.resource.plural, -dropped);
         }
     }
 
@@ -381,8 +396,7 @@ impl Queue {
     }
 
     /// Takes the object's next piece of work: its latest event (unless it predates our own
-    /// write), or a re-run with its latest body. Without any, the slot is marked idle (and
-    /// removed if the object is gone).
+    /// write), or a re-run with its latest body.
     fn take_next(&self, uid: &str) -> Option<((EventType, Stored), Memory)> {
         let mut slots = self.slots.lock();
         let slot = slots.get_mut(uid)?;
@@ -407,13 +421,10 @@ impl Queue {
                         .clone()
                         .map(|b| ((EventType::Modified, b), slot.memory))
                 }
-                None => {
-                    slot.running = false;
-                    if slot.gone {
-                        slots.remove(uid);
-                    }
-                    None
-                }
+                // The slot stays running: `finish` marks it idle (or removes a gone object)
+                // under the same lock as it checks for work pushed meanwhile, so the object
+                // is never queued twice.
+                None => None,
             };
         }
     }

@@ -318,19 +318,22 @@ impl tower::Service<Request<Body>> for Route {
         };
         let inner = self.inner.clone();
         let watch = is_watch(request.uri());
+        let unlimited = watch || is_coordination(request.uri());
         Box::pin(async move {
             let timeout = inner.timeout;
-            let deadline = tokio::time::Instant::now() + timeout;
-            let in_flight = if watch {
+            let in_flight = if unlimited {
                 None
             } else {
-                match tokio::time::timeout_at(deadline, inner.requests.clone().acquire_owned()).await {
+                match tokio::time::timeout(timeout, inner.requests.clone().acquire_owned()).await {
                     Ok(Ok(permit)) => Some(InFlight::new(permit)),
                     // Never closed; and a request that waited out its timeout for room is no
                     // sign of the server's health.
                     Ok(Err(_)) | Err(_) => return Err(kube::Error::Service(Box::new(TimedOut(timeout)))),
                 }
             };
+            // The request's own time starts once it has room: waiting for room says nothing of
+            // the server.
+            let deadline = tokio::time::Instant::now() + timeout;
             let response = match tokio::time::timeout_at(deadline, client.send(request)).await {
                 Ok(Ok(response)) => response,
                 Ok(Err(e)) => {
@@ -362,6 +365,15 @@ impl tower::Service<Request<Body>> for Route {
 
 /// Whether a request is a watch (`?watch=true` or `?watch=1`): its body streams for as long as
 /// the watch lives.
+/// Leases and peering objects: the requests that keep leadership and presence. They never
+/// wait behind a burst of the engine's writes, which could otherwise outlast the lease's
+/// renewal deadline and hand leadership to a standby that meets the same burst.
+fn is_coordination(uri: &Uri) -> bool {
+    let path = uri.path();
+    path.starts_with("/apis/coordination.k8s.io/")
+        || path.starts_with(&format!("/apis/{}/", super::peering::GROUP))
+}
+
 fn is_watch(uri: &Uri) -> bool {
     uri.query().is_some_and(|q| {
         q.split('&')
@@ -594,6 +606,39 @@ mod tests {
         assert_eq!(switch.inner.requests.available_permits(), 3, "all room is back");
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_request_never_waits_behind_a_burst() {
+        use std::sync::atomic::AtomicU32;
+        let base = slow(Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+        let switch = Switchable::build(
+            config(),
+            base,
+            DEFAULT_REQUEST_TIMEOUT,
+            Reachability::default(),
+            1,
+        );
+        let burst: Vec<_> = (0..5)
+            .map(|_| {
+                let client = switch.client();
+                tokio::spawn(async move { client.list_core_api_versions().await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let started = tokio::time::Instant::now();
+        let lease = http::Request::get("/apis/coordination.k8s.io/v1/namespaces/a/leases/capstan")
+            .body(Vec::new())
+            .unwrap();
+        switch.client().request_text(lease).await.unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "answered in its own second, not after the burst: {:?}",
+            started.elapsed()
+        );
+        for request in burst {
+            assert!(request.await.unwrap().is_ok());
+        }
+    }
+
     #[tokio::test]
     async fn routes_through_the_current_client() {
         let switch = Switchable::new(config(), fake(StatusCode::UNAUTHORIZED), DEFAULT_REQUEST_TIMEOUT);
@@ -638,6 +683,26 @@ mod tests {
         assert!(is_watch(&"/api/v1/pods?labelSelector=a&watch=1".parse().unwrap()));
         assert!(!is_watch(&"/api/v1/pods?limit=500".parse().unwrap()));
         assert!(!is_watch(&"/api/v1/pods".parse().unwrap()));
+    }
+
+    #[test]
+    fn leases_and_peering_are_told_apart() {
+        assert!(is_coordination(
+            &"/apis/coordination.k8s.io/v1/namespaces/a/leases/capstan"
+                .parse()
+                .unwrap()
+        ));
+        assert!(is_coordination(
+            &"/apis/capstan.dev/v1/clusterkopfpeerings/default"
+                .parse()
+                .unwrap()
+        ));
+        assert!(!is_coordination(
+            &"/apis/demo.capstan.dev/v1/namespaces/a/examples/x"
+                .parse()
+                .unwrap()
+        ));
+        assert!(!is_coordination(&"/api/v1/namespaces/a/events".parse().unwrap()));
     }
 
     #[tokio::test]

@@ -425,3 +425,38 @@ async fn queues_share_the_limit_first_come_first_served() {
     );
     assert!(invoker.most.load(Ordering::SeqCst) <= 2);
 }
+
+/// A worker that finds only a stale event (the echo of its own first write) must keep the
+/// object marked running until it finishes: an event pushed in between is then queued once,
+/// never twice (two entries would start two cycles of one object at once).
+#[tokio::test(start_paused = true)]
+async fn an_object_whose_worker_found_only_a_stale_event_is_queued_once() {
+    let limit = Arc::new(Semaphore::new(0));
+    let q = queue(Arc::new(Slow::default()), vec![], limit);
+    q.push(EventType::Modified, example("5"));
+    // The dispatcher takes it and waits for a permit that never comes.
+    tokio::task::yield_now().await;
+    assert_eq!(q.ready(), 0);
+    // A cycle of it wrote version 10 meanwhile: the pending version 5 is stale.
+    q.slots.lock().get_mut("u1").expect("slot").written_rv = Some(10);
+    assert!(q.take_next("u1").is_none());
+    q.push(EventType::Modified, example("11"));
+    q.finish("u1");
+    assert_eq!(q.ready(), 1, "queued once");
+}
+
+/// A stopped queue drops the work still waiting (and its count in the pending gauge): the
+/// next queue of the resource lists the objects again.
+#[tokio::test(start_paused = true)]
+async fn a_stopped_queue_drops_the_work_still_waiting() {
+    let q = queue(Arc::new(Slow::default()), vec![], Arc::new(Semaphore::new(0)));
+    for n in 0..3 {
+        q.push(EventType::Listing, numbered(n));
+    }
+    tokio::task::yield_now().await;
+    assert!(q.slots.lock().values().all(|s| s.pending.is_some()));
+    q.ctx.cancel.cancel();
+    tokio::task::yield_now().await;
+    assert!(q.slots.lock().values().all(|s| s.pending.is_none()));
+    assert_eq!(q.ready(), 0);
+}
