@@ -286,10 +286,12 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_API_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
     pub api_timeout: Duration,
 
-    /// At most this many API requests (other than watches) in flight at once; more wait
-    /// their turn within --api-timeout. Each holds a connection to the API server with its
-    /// buffers, so this bounds the controller's memory in a burst of writes.
-    #[arg(long, env = "CAPSTAN_API_REQUESTS", default_value_t = 32)]
+    /// At most this many API requests (other than watches, leases and peering) in flight at
+    /// once; more wait their turn (up to --api-timeout) before their own --api-timeout starts.
+    /// Each holds a connection to the API server with its buffers, so this bounds the
+    /// controller's memory in a burst of writes. The default matches --worker-limit: fewer
+    /// would hold objects back in the controller while the API server could take them.
+    #[arg(long, env = "CAPSTAN_API_REQUESTS", default_value_t = crate::k8s::switch::DEFAULT_REQUESTS_IN_FLIGHT)]
     pub api_requests: usize,
 
     /// How long one probe handler may take before `/healthz` reports it failing. Probe
