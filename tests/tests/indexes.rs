@@ -113,15 +113,8 @@ async fn an_index_gates_other_handlers_follows_changes_and_survives_a_restart() 
         "unlabelled ConfigMaps are filtered out in the controller"
     );
 
-    let pairs = |e: &[(String, String)]| {
-        entries(
-            &e.iter()
-                .map(|(k, n)| (k.as_str(), n.as_str()))
-                .collect::<Vec<_>>(),
-        )
-    };
     s.wait("x", T, "the timer sees the full index", |o| {
-        peek(o) == Some(pairs(&expected))
+        peek(o) == Some(entries(&expected))
     })
     .await?;
 
@@ -138,7 +131,7 @@ async fn an_index_gates_other_handlers_follows_changes_and_survives_a_restart() 
     relabel(&cms, "plain-0", Some("cache")).await?;
     expected.push(("cache".into(), "plain-0".into()));
     s.wait("x", T, "the index followed every change", |o| {
-        peek(o) == Some(pairs(&expected))
+        peek(o) == Some(entries(&expected))
     })
     .await?;
 
@@ -153,7 +146,7 @@ async fn an_index_gates_other_handlers_follows_changes_and_survives_a_restart() 
     s.restart_handler().await?;
     let new_pid = s.handler.id().context("handler pid")?.to_string();
     s.wait("x", T, "the rebuilt index is complete", |o| {
-        peek(o) == Some(pairs(&expected))
+        peek(o) == Some(entries(&expected))
     })
     .await?;
     let peeks: Vec<Vec<String>> = s

@@ -7,7 +7,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 
-use super::*;
+use super::{tests::resource, *};
 use crate::model::ValueMatch;
 
 const DIFFBASE: &str = "capstan.dev/last-handled-configuration";
@@ -21,17 +21,6 @@ impl Invoker for Recorder {
     fn invoke(&self, work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
         self.0.lock().push((work.handler_id.0.clone(), work.payload));
         Box::pin(async { Outcome::success(None) })
-    }
-}
-
-fn resource() -> ResolvedResource {
-    ResolvedResource {
-        group: "demo.capstan.dev".into(),
-        version: "v1".into(),
-        plural: "examples".into(),
-        kind: "Example".into(),
-        namespaced: true,
-        status_subresource: true,
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 
-use super::*;
+use super::{tests::resource, *};
 use crate::model::Diagnostic;
 
 /// Answers every invocation with `answer` and records the handler ids.
@@ -29,17 +29,6 @@ impl Invoker for Always {
         self.seen.lock().push(work.handler_id.0.clone());
         let answer = self.answer.clone();
         Box::pin(async move { answer })
-    }
-}
-
-fn resource() -> ResolvedResource {
-    ResolvedResource {
-        group: "demo.capstan.dev".into(),
-        version: "v1".into(),
-        plural: "examples".into(),
-        kind: "Example".into(),
-        namespaced: true,
-        status_subresource: true,
     }
 }
 

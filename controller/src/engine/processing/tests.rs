@@ -37,7 +37,8 @@ impl Invoker for Script {
     }
 }
 
-fn resource() -> ResolvedResource {
+/// The example resource the engine's unit tests handle.
+pub(super) fn resource() -> ResolvedResource {
     ResolvedResource {
         group: "demo.capstan.dev".into(),
         version: "v1".into(),
