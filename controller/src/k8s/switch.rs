@@ -374,7 +374,10 @@ impl tower::Service<Request<Body>> for Route {
 fn is_coordination(uri: &Uri) -> bool {
     let path = uri.path();
     path.starts_with("/apis/coordination.k8s.io/")
-        || path.starts_with(&format!("/apis/{}/", super::peering::GROUP))
+        || path
+            .strip_prefix("/apis/")
+            .and_then(|rest| rest.strip_prefix(super::peering::GROUP))
+            .is_some_and(|rest| rest.starts_with('/'))
 }
 
 fn is_watch(uri: &Uri) -> bool {
