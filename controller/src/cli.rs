@@ -289,8 +289,9 @@ pub struct RunArgs {
     /// At most this many API requests (other than watches, leases and peering) in flight at
     /// once; more wait their turn (up to --api-timeout) before their own --api-timeout starts.
     /// Each holds a connection to the API server with its buffers, so this bounds the
-    /// controller's memory in a burst of writes. The default matches --worker-limit: fewer
-    /// would hold objects back in the controller while the API server could take them.
+    /// controller's memory in a burst of writes. The default was measured best for both the
+    /// API server and the controller; much fewer would hold objects back in the controller
+    /// while the API server could take them.
     #[arg(long, env = "CAPSTAN_API_REQUESTS", default_value_t = crate::k8s::switch::DEFAULT_REQUESTS_IN_FLIGHT)]
     pub api_requests: usize,
 
