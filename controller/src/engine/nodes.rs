@@ -146,6 +146,11 @@ pub async fn run(settings: Settings, objects: Objects, queues: Queues, cancel: C
     tasks.shutdown().await;
 }
 
+/// Listings of a departed node's objects tried before the sweep falls back to the bodies in
+/// memory, and the pause after the first failure (doubled after each).
+const LIST_ATTEMPTS: u32 = 4;
+const LIST_RETRY_PAUSE: Duration = Duration::from_secs(2);
+
 /// One candidate's cleanup after one deleted node.
 struct Sweep {
     node: String,
@@ -174,10 +179,10 @@ impl Sweep {
             // applies, such as `spec.nodeName`): the departed node's objects are listed whole.
             let mut unlisted = false;
             for scope in scopes {
-                match self.sweep_listed(&resource, scope.as_deref()).await {
+                match self.sweep_listed_retrying(&resource, scope.as_deref()).await {
                     Ok(n) => cleaned += n,
                     Err(e) => {
-                        warn!(%resource, namespace = scope.as_deref().unwrap_or("*"), error = %crate::error::chain(&e), "listing the objects to clean failed; cleaning the watched ones only");
+                        warn!(%resource, namespace = scope.as_deref().unwrap_or("*"), error = %crate::error::chain(&e), "listing the objects to clean failed again and again; cleaning those with a body in memory only");
                         unlisted = true;
                     }
                 }
@@ -193,6 +198,29 @@ impl Sweep {
 }
 
 impl Sweep {
+    /// As [`Self::sweep_listed`], tried [`LIST_ATTEMPTS`] times with growing pauses: the
+    /// fallback can clean only the objects whose body is in memory (most objects at rest have
+    /// none), so a passing failure of the API server must not leave the node's state behind.
+    async fn sweep_listed_retrying(
+        &self,
+        resource: &ResolvedResource,
+        scope: Option<&str>,
+    ) -> Result<usize, kube::Error> {
+        let mut pause = LIST_RETRY_PAUSE;
+        let mut attempt = 1;
+        loop {
+            match self.sweep_listed(resource, scope).await {
+                Err(e) if attempt < LIST_ATTEMPTS => {
+                    warn!(%resource, namespace = scope.unwrap_or("*"), error = %crate::error::chain(&e), retry_in = ?pause, "listing the objects to clean failed; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause = pause.saturating_mul(2);
+                    attempt += 1;
+                }
+                done => return done,
+            }
+        }
+    }
+
     /// Cleans every object of `resource` in `scope`, listed page by page without selectors.
     async fn sweep_listed(
         &self,

@@ -3,9 +3,12 @@
 //!
 //! A worker takes the latest pending event of its object, runs a processing cycle and writes
 //! the result (one PATCH, plus `/status` where needed); then it exits, keeping only the
-//! object's small memory. Delayed retries are scheduled here by the controller's own timer,
-//! never by "touch" patches. After our own write, events older than the version it produced
-//! are stale echoes and are dropped before they reach a cycle.
+//! object's small memory: its body is kept only while something will need it without a new
+//! event (a retry or re-run due, daemons or timers running, dispatch paused); objects at rest
+//! are listed again when they must all be re-processed (see [`relisting`]). Delayed retries
+//! are scheduled here by the controller's own timer, never by "touch" patches. After our own
+//! write, events older than the version it produced are stale echoes and are dropped before
+//! they reach a cycle.
 //!
 //! # Bounded memory
 //!
@@ -13,9 +16,9 @@
 //! dispatcher gets one of the global limit's permits for it (`--worker-limit`, first come first
 //! served across resources); only then is a worker task spawned. So at any time at most
 //! `--worker-limit` objects have a task, a parsed body and an invocation in flight, however
-//! many objects a start-up listing brings: a waiting object costs what a known one costs (its
-//! slot and one compressed body — a newer event replaces the one waiting), never a task whose
-//! future is sized for a whole cycle. An object with more work after its cycle goes to the end
+//! many objects a start-up listing brings: a waiting object costs its slot and one compressed
+//! body (a newer event replaces the one waiting), never a task whose future is sized for a
+//! whole cycle. An object with more work after its cycle goes to the end
 //! of the ready list again, so a busy object cannot keep a permit from the others.
 //! `capstan_objects_processing` (and its `_peak`) shows how many objects run at once;
 //! `capstan_objects_pending` how many wait.
@@ -72,6 +75,8 @@ pub struct Context {
     pub cancel: CancellationToken,
     /// Consecutive attempts lost with their handler process before a handler fails for good.
     pub max_losses: u32,
+    /// How the objects are listed again to re-process those at rest.
+    pub relisting: relisting::Settings,
 }
 
 /// How long an object whose cycle panicked waits before it is processed again.
@@ -102,12 +107,14 @@ pub struct Queue {
     ctx: Arc<Context>,
     writer: Arc<Writer>,
     events: Arc<events::EventDispatch>,
-    slots: Arc<Mutex<HashMap<String, Slot>>>,
+    slots: Arc<Mutex<HashMap<Box<str>, Slot>>>,
     /// Objects gone (deleted, or released by our last write), with the last version known:
     /// a late event of an older version finds no slot and must not start one (bounded).
     tombstones: Arc<Mutex<HashMap<String, (u64, tokio::time::Instant)>>>,
     /// Objects with work waiting for a permit of the global limit, each at most once.
     ready: Arc<Ready>,
+    /// The listing that re-processes objects at rest, while one runs.
+    relisting: Arc<relisting::Relisting>,
     /// The objects' workers and the dispatcher: owned, so that a queue that is stopped can be
     /// waited for.
     workers: TaskTracker,
@@ -153,6 +160,9 @@ struct Slot {
     gone: bool,
     /// Run another cycle with the latest body once the current one ends.
     rerun: bool,
+    /// A resync found no body of it in memory: the next listed body is queued for it, unless
+    /// a cycle starts before (that cycle runs with the handlers of the resync).
+    relist: bool,
 }
 
 fn uid_of(body: &Value) -> Option<String> {
@@ -184,6 +194,7 @@ impl Queue {
             slots: Arc::new(Mutex::new(HashMap::new())),
             tombstones: Arc::default(),
             ready: Arc::default(),
+            relisting: Arc::default(),
         };
         let dispatcher = queue.clone();
         queue.workers.spawn(async move { dispatcher.dispatch().await });
@@ -219,7 +230,7 @@ impl Queue {
             };
             let Ok(permit) = permit else {
                 // The limit is closed: nothing is processed any more.
-                if let Some(slot) = self.slots.lock().get_mut(&uid) {
+                if let Some(slot) = self.slots.lock().get_mut(uid.as_str()) {
                     slot.running = false;
                 }
                 return;
@@ -289,14 +300,14 @@ impl Queue {
         };
         let mut slots = self.slots.lock();
         if event_type != EventType::Deleted
-            && !slots.contains_key(&uid)
+            && !slots.contains_key(uid.as_str())
             && let Some((buried, _)) = self.tombstones.lock().get(&uid)
             && rv_of(&body).is_some_and(|rv| rv <= *buried)
         {
             debug!(%uid, "late event of an object that is gone dropped");
             return;
         }
-        let slot = slots.entry(uid.clone()).or_insert_with(|| Slot {
+        let slot = slots.entry(uid.as_str().into()).or_insert_with(|| Slot {
             memory: Memory {
                 noticed_by_listing: event_type == EventType::Listing,
                 fully_handled_once: false,
@@ -310,34 +321,57 @@ impl Queue {
             debug!(%uid, rv, written, "stale event older than our own write dropped");
             return;
         }
-        if slot.pending.is_none() {
-            crate::observability::metrics::global().pending(&self.ctx.resource.plural, 1);
-        }
-        slot.pending = Some((event_type, Stored::new(&body)));
-        if !slot.running {
-            slot.running = true;
+        if self.set_pending(slot, event_type, &body) {
             drop(slots);
             self.enqueue(uid);
         }
     }
 
+    /// Makes `body` the object's next work; returns whether the object must be put on the
+    /// ready list (it had no worker and none waiting).
+    fn set_pending(&self, slot: &mut Slot, event_type: EventType, body: &Value) -> bool {
+        if slot.pending.is_none() {
+            crate::observability::metrics::global().pending(&self.ctx.resource.plural, 1);
+        }
+        slot.pending = Some((event_type, Stored::new(body)));
+        !std::mem::replace(&mut slot.running, true)
+    }
+
     /// Re-runs a cycle for every known object with its latest body (after the handlers
-    /// changed: new handlers to run, finalizers to add or release).
+    /// changed: new handlers to run, finalizers to add or release; or after a pause): those
+    /// with their body in memory at once, those at rest by listing them again.
     pub fn resync(&self) {
-        let bodies: Vec<Value> = {
-            let slots = self.slots.lock();
-            slots
-                .values()
-                .filter(|s| !s.gone && s.pending.is_none())
-                .filter_map(|s| s.last_body.as_ref().map(Stored::value))
-                .collect()
+        let (bodies, at_rest) = {
+            let mut slots = self.slots.lock();
+            let mut bodies = Vec::new();
+            let mut at_rest = 0_usize;
+            // Objects with work waiting get a cycle anyway. One whose cycle runs now may have
+            // started it with the old handlers: it runs once more after it, with the body that
+            // cycle leaves (kept for the re-run) — or, if that cycle ended already without
+            // keeping one, with its listed body.
+            for slot in slots.values_mut().filter(|s| !s.gone && s.pending.is_none()) {
+                if slot.running {
+                    slot.rerun = true;
+                    slot.relist = true;
+                    at_rest += 1;
+                    continue;
+                }
+                match &slot.last_body {
+                    Some(body) => bodies.push(body.value()),
+                    None => {
+                        slot.relist = true;
+                        at_rest += 1;
+                    }
+                }
+            }
+            (bodies, at_rest)
         };
-        debug!(
-            objects = bodies.len(),
-            "handlers changed; re-processing known objects"
-        );
+        debug!(objects = bodies.len(), at_rest, "re-processing known objects");
         for body in bodies {
             self.push(EventType::Modified, body);
+        }
+        if at_rest > 0 {
+            self.relist();
         }
     }
 
@@ -358,7 +392,8 @@ impl Queue {
         Arc::ptr_eq(&self.slots, &other.slots)
     }
 
-    /// The latest known bodies of all objects (for cleanups across objects).
+    /// The bodies in memory (of objects not at rest: see the module docs), for cleanups
+    /// across objects when they cannot be listed.
     pub fn bodies(&self) -> Vec<Value> {
         self.slots
             .lock()
@@ -409,14 +444,18 @@ impl Queue {
                 // Events that arrived while our own write was in flight may predate it.
                 Some((t, body))
                     if t != EventType::Deleted
-                        && matches!((slot.written_rv, body.rv), (Some(w), Some(rv)) if rv < w) =>
+                        && matches!((slot.written_rv, body.rv()), (Some(w), Some(rv)) if rv < w) =>
                 {
                     debug!(%uid, "stale event older than our own write dropped");
                     continue;
                 }
-                Some(next) => Some((next, slot.memory)),
+                Some(next) => {
+                    slot.relist = false;
+                    Some((next, slot.memory))
+                }
                 None if slot.rerun && !slot.gone && slot.last_body.is_some() => {
                     slot.rerun = false;
+                    slot.relist = false;
                     slot.last_body
                         .clone()
                         .map(|b| ((EventType::Modified, b), slot.memory))
@@ -443,6 +482,9 @@ impl Queue {
             self.enqueue(uid.to_owned());
             return;
         }
+        // A wake-up that came while the cycle ended without keeping a body was for work that
+        // cycle did: nothing is left to re-run.
+        slot.rerun = false;
         slot.running = false;
         if slot.gone {
             slots.remove(uid);
@@ -496,7 +538,7 @@ impl Queue {
         error!(panic = %what, retry_in = ?PANIC_RETRY, "processing the object panicked; it is processed again after a pause");
         let mut slots = self.slots.lock();
         let Some(slot) = slots.get_mut(uid) else { return };
-        if slot.last_body.as_ref().is_none_or(|b| b.rv <= stored.rv) {
+        if slot.last_body.as_ref().is_none_or(|b| b.rv() <= stored.rv()) {
             slot.last_body = Some(stored);
         }
         self.schedule(slot, uid, PANIC_RETRY);
@@ -627,18 +669,6 @@ impl Queue {
         if plan.done {
             slot.memory.fully_handled_once = true;
         }
-        match written {
-            Written::Stored(stored) => {
-                slot.written_rv = rv_of(&stored).or(slot.written_rv);
-                slot.last_body = Some(Stored::new(&stored));
-            }
-            Written::Nothing => {
-                slot.written_rv = rv_of(&plan.base).max(slot.written_rv);
-                slot.last_body = Some(Stored::new(&plan.base));
-            }
-            Written::Gone | Written::Failed => {}
-            Written::Refused(_) => slot.last_body = Some(Stored::new(&plan.base)),
-        }
         // A cycle interrupted by a handler's withdrawal (not by a stop) runs again at once,
         // with the handlers registered now.
         if plan.interrupted && !self.ctx.cancel.is_cancelled() {
@@ -654,6 +684,25 @@ impl Queue {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
+        // The body is kept only when something will run again without a new event; an object
+        // at rest is listed again if it must be re-processed (see `relisting`).
+        let keep = wake_at.is_some() || slot.rerun || daemons_alive || paused;
+        match written {
+            Written::Stored(stored) => {
+                slot.written_rv = rv_of(&stored).or(slot.written_rv);
+                slot.last_body = keep.then(|| Stored::new(&stored));
+            }
+            Written::Nothing => {
+                slot.written_rv = rv_of(&plan.base).max(slot.written_rv);
+                slot.last_body = keep.then(|| Stored::new(&plan.base));
+            }
+            Written::Gone | Written::Failed => {
+                if !keep {
+                    slot.last_body = None;
+                }
+            }
+            Written::Refused(_) => slot.last_body = keep.then(|| Stored::new(&plan.base)),
+        }
         if let Some(at) = wake_at {
             let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
             self.schedule(slot, uid, delay);
@@ -721,31 +770,43 @@ impl Queue {
 /// An object body kept between cycles, as LZ4-compressed compact JSON. Thousands are kept: a
 /// parsed `Value` of a typical object takes several times the size of its text, and the text
 /// repeats itself (the diff-base annotation copies the spec and metadata), so it compresses
-/// to under half for a few microseconds per body.
+/// to under half for a few microseconds per body. Its resourceVersion leads the same
+/// allocation, so that a slot stays small (one pointer and length per body).
 #[derive(Clone)]
 struct Stored {
-    rv: Option<u64>,
+    /// The resourceVersion (8 bytes, little-endian, 0 for none), then the compressed body.
     packed: Box<[u8]>,
 }
+
+const RV_BYTES: usize = std::mem::size_of::<u64>();
 
 impl Stored {
     fn new(body: &Value) -> Self {
         let json = serde_json::to_vec(body).unwrap_or_default();
+        let mut packed = rv_of(body).unwrap_or(0).to_le_bytes().to_vec();
+        packed.extend_from_slice(&lz4_flex::compress_prepend_size(&json));
         Self {
-            rv: rv_of(body),
-            packed: lz4_flex::compress_prepend_size(&json).into_boxed_slice(),
+            packed: packed.into_boxed_slice(),
         }
     }
 
+    /// The body's resourceVersion.
+    fn rv(&self) -> Option<u64> {
+        let bytes: [u8; RV_BYTES] = self.packed.get(..RV_BYTES)?.try_into().ok()?;
+        Some(u64::from_le_bytes(bytes)).filter(|rv| *rv != 0)
+    }
+
     fn value(&self) -> Value {
-        lz4_flex::decompress_size_prepended(&self.packed)
-            .ok()
+        self.packed
+            .get(RV_BYTES..)
+            .and_then(|packed| lz4_flex::decompress_size_prepended(packed).ok())
             .and_then(|json| serde_json::from_slice(&json).ok())
             .unwrap_or(Value::Null)
     }
 }
 
 mod events;
+pub mod relisting;
 
 #[cfg(test)]
 mod tests;

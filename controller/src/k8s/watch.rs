@@ -38,7 +38,7 @@ use std::{collections::HashMap, sync::Arc, time::Duration};
 use futures::{StreamExt, TryStreamExt};
 use kube::{
     Api,
-    api::{DynamicObject, ListParams, WatchEvent, WatchParams},
+    api::{DynamicObject, ListParams, ObjectList, WatchEvent, WatchParams},
     runtime::{utils::Backoff as _, watcher::DefaultBackoff},
 };
 use parking_lot::Mutex;
@@ -280,26 +280,15 @@ impl Watch {
     /// Lists all objects page by page; returns the list's resourceVersion, or `None` when the
     /// receiver is gone.
     async fn list(&mut self, tx: &mpsc::Sender<Event>) -> Result<Option<String>, kube::Error> {
-        let mut params = ListParams::default().limit(self.settings.page_size);
-        if let Some(l) = &self.label_selector {
-            params = params.labels(l);
-        }
-        if let Some(f) = &self.field_selector {
-            params = params.fields(f);
-        }
+        let mut params = list_params(
+            self.settings.page_size,
+            self.label_selector.as_deref(),
+            self.field_selector.as_deref(),
+        );
         let mut seen: HashMap<Box<str>, Known> = HashMap::new();
         let mut rv = String::new();
         loop {
-            let page =
-                match tokio::time::timeout(self.settings.inactivity_timeout, self.api.list(&params)).await {
-                    Ok(page) => page?,
-                    Err(_) => {
-                        return Err(kube::Error::Service(Box::new(std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            format!("listing hung for {:?}", self.settings.inactivity_timeout),
-                        ))));
-                    }
-                };
+            let page = list_page(&self.api, &params, self.settings.inactivity_timeout).await?;
             self.status.moved();
             rv = page.metadata.resource_version.clone().unwrap_or(rv);
             for obj in page.items {
@@ -483,6 +472,33 @@ impl Known {
     /// The namespace and the name.
     fn split(&self) -> (&str, &str) {
         self.0.split_once('/').unwrap_or(("", &self.0))
+    }
+}
+
+/// The parameters of a paged LIST with the watch's server-side selectors.
+pub fn list_params(page_size: u32, label_selector: Option<&str>, field_selector: Option<&str>) -> ListParams {
+    let mut params = ListParams::default().limit(page_size);
+    if let Some(l) = label_selector {
+        params = params.labels(l);
+    }
+    if let Some(f) = field_selector {
+        params = params.fields(f);
+    }
+    params
+}
+
+/// One page of a LIST, failing as timed out when it takes longer than `timeout`.
+pub async fn list_page(
+    api: &Api<DynamicObject>,
+    params: &ListParams,
+    timeout: Duration,
+) -> Result<ObjectList<DynamicObject>, kube::Error> {
+    match tokio::time::timeout(timeout, api.list(params)).await {
+        Ok(page) => page,
+        Err(_) => Err(kube::Error::Service(Box::new(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("listing hung for {timeout:?}"),
+        )))),
     }
 }
 

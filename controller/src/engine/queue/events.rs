@@ -239,7 +239,7 @@ impl Queue {
                     local.overlay(&uid, &mut stored).await;
                 }
                 if let Some(uid) = uid_of(&stored)
-                    && let Some(slot) = self.slots.lock().get_mut(&uid)
+                    && let Some(slot) = self.slots.lock().get_mut(uid.as_str())
                 {
                     slot.written_rv = rv_of(&stored).max(slot.written_rv);
                 }

@@ -59,6 +59,13 @@ fn resource() -> crate::model::ResolvedResource {
     }
 }
 
+/// A create handler `create_fn` of the example resource.
+fn create_fn() -> Registration {
+    let mut create = Registration::new("create_fn", HandlerKind::Create, None);
+    create.resource = Some(resource());
+    create
+}
+
 /// A queue of the example resource with `handlers`, calling `invoker`.
 fn queue(invoker: Arc<dyn Invoker>, handlers: Vec<Registration>, limit: Arc<Semaphore>) -> Queue {
     queue_of(invoker, handlers, limit, objects())
@@ -100,13 +107,13 @@ fn queue_of(
         poster: super::super::posting::Poster::disabled(),
         cancel,
         max_losses: 3,
+        relisting: relisting::Settings::default(),
     })
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_panicking_cycle_frees_its_slot_and_permit_and_the_object_is_processed_again() {
-    let mut create = Registration::new("create_fn", HandlerKind::Create, None);
-    create.resource = Some(resource());
+    let create = create_fn();
     let invoker = Arc::new(PanicsOnce::default());
     let limit = Arc::new(Semaphore::new(1));
     let queue = queue(invoker.clone(), vec![create], limit.clone());
@@ -263,7 +270,7 @@ fn stored_bodies_round_trip_and_are_smaller_than_their_text() {
     });
     let stored = Stored::new(&body);
     assert_eq!(stored.value(), body);
-    assert_eq!(stored.rv, Some(42));
+    assert_eq!(stored.rv(), Some(42));
     let text = serde_json::to_vec(&body).unwrap_or_default();
     assert!(
         stored.packed.len() < text.len(),
@@ -271,15 +278,19 @@ fn stored_bodies_round_trip_and_are_smaller_than_their_text() {
         stored.packed.len(),
         text.len()
     );
-    let broken = Stored {
-        rv: None,
-        packed: Box::new([1, 2, 3]),
-    };
-    assert_eq!(
-        broken.value(),
-        Value::Null,
-        "corrupt data reads as nothing, no panic"
-    );
+    for packed in [&[1, 2, 3][..], &[7, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3][..]] {
+        let broken = Stored {
+            packed: packed.into(),
+        };
+        assert_eq!(
+            broken.value(),
+            Value::Null,
+            "corrupt data reads as nothing, no panic"
+        );
+    }
+    let unversioned = Stored::new(&json!({"metadata": {"name": "x"}}));
+    assert_eq!(unversioned.rv(), None);
+    assert_eq!(unversioned.value(), json!({"metadata": {"name": "x"}}));
 }
 
 /// Holds every invocation until the gate opens; records each object's invocations and the
@@ -341,8 +352,7 @@ fn numbered(n: usize) -> Value {
 async fn a_burst_of_objects_gets_no_more_workers_than_the_limit_and_each_is_handled_once() {
     const OBJECTS: usize = 300;
     const LIMIT: usize = 4;
-    let mut create = Registration::new("create_fn", HandlerKind::Create, None);
-    create.resource = Some(resource());
+    let create = create_fn();
     let (open, invoker) = Gated::new();
     let limit = Arc::new(Semaphore::new(LIMIT));
     let queue = queue(invoker.clone(), vec![create], limit.clone());
@@ -393,8 +403,7 @@ async fn a_burst_of_objects_gets_no_more_workers_than_the_limit_and_each_is_hand
 /// first served, while the first resource still has a backlog.
 #[tokio::test(start_paused = true)]
 async fn queues_share_the_limit_first_come_first_served() {
-    let mut create = Registration::new("create_fn", HandlerKind::Create, None);
-    create.resource = Some(resource());
+    let create = create_fn();
     let (open, invoker) = Gated::new();
     let limit = Arc::new(Semaphore::new(2));
     let first = queue(invoker.clone(), vec![create.clone()], limit.clone());
@@ -459,4 +468,261 @@ async fn a_stopped_queue_drops_the_work_still_waiting() {
     tokio::task::yield_now().await;
     assert!(q.slots.lock().values().all(|s| s.pending.is_none()));
     assert_eq!(q.ready(), 0);
+}
+
+/// Fails every invocation with a temporary error (once `open`): the object's next attempt is
+/// scheduled.
+struct Failing {
+    open: watch::Receiver<bool>,
+    calls: Arc<AtomicU32>,
+}
+
+impl Failing {
+    fn new(open: bool) -> (watch::Sender<bool>, Arc<Self>) {
+        let (tx, open) = watch::channel(open);
+        (
+            tx,
+            Arc::new(Self {
+                open,
+                calls: Arc::default(),
+            }),
+        )
+    }
+}
+
+impl Invoker for Failing {
+    fn invoke(&self, _work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let mut open = self.open.clone();
+        Box::pin(async move {
+            let _ = open.wait_for(|o| *o).await;
+            Outcome::Temporary {
+                delay: Some(Duration::from_secs(60)),
+                diagnostics: Vec::new(),
+                subhandlers: Vec::new(),
+            }
+        })
+    }
+}
+
+/// An API server that answers a LIST of the examples with `items` (counting the LISTs; each
+/// answered once `open`) and any other request with the example object.
+fn listing(items: Vec<Value>, lists: Arc<AtomicU32>, open: watch::Receiver<bool>) -> Objects {
+    let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+        let list =
+            req.method() == http::Method::GET && req.uri().path() == "/apis/demo.capstan.dev/v1/examples";
+        let answer = if list {
+            lists.fetch_add(1, Ordering::SeqCst);
+            json!({"apiVersion": "demo.capstan.dev/v1", "kind": "ExampleList",
+                   "metadata": {"resourceVersion": "30"}, "items": items.clone()})
+        } else {
+            example("20")
+        };
+        let body = serde_json::to_vec(&answer).unwrap_or_default();
+        let mut open = open.clone();
+        async move {
+            if list {
+                let _ = open.wait_for(|o| *o).await;
+            }
+            Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::from(body)))
+        }
+    });
+    Objects::new(kube::Client::new(service, "default"))
+}
+
+async fn until_idle(queue: &Queue, calls: impl Fn() -> u32, want: u32) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while calls() < want || queue.slots.lock().values().any(|s| s.running) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of {want} invocations",
+            calls()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A handled object with nothing due keeps no body in memory; a change of handlers (or a
+/// resume) lists the objects again and gives each object at rest a cycle with its listed
+/// body.
+#[tokio::test(start_paused = true)]
+async fn objects_at_rest_keep_no_body_and_are_listed_again_to_be_re_processed() {
+    let create = create_fn();
+    let (open, invoker) = Gated::new();
+    open.send_replace(true);
+    let lists = Arc::new(AtomicU32::new(0));
+    let listed: Vec<Value> = (0..3)
+        .map(|n| {
+            let mut body = numbered(n);
+            body["metadata"]["resourceVersion"] = json!("20");
+            body
+        })
+        .collect();
+    let queue = queue_of(
+        invoker.clone(),
+        vec![create],
+        Arc::new(Semaphore::new(2)),
+        listing(listed, lists.clone(), watch::channel(true).1),
+    );
+    for n in 0..3 {
+        queue.push(EventType::Listing, numbered(n));
+    }
+    until_idle(&queue, || invoker.total(), 3).await;
+    assert!(
+        queue.slots.lock().values().all(|s| s.last_body.is_none()),
+        "objects at rest keep no body"
+    );
+    assert!(queue.bodies().is_empty());
+    assert_eq!(lists.load(Ordering::SeqCst), 0);
+
+    queue.resync();
+    until_idle(&queue, || invoker.total(), 6).await;
+    assert_eq!(lists.load(Ordering::SeqCst), 1, "one LIST for the resync");
+    let calls = invoker.calls.lock().clone();
+    assert!(
+        calls.values().all(|n| *n == 2),
+        "every object at rest got one more cycle: {calls:?}"
+    );
+    // A listed body older than what the object's last cycle saw is not queued.
+    queue.slots.lock().get_mut("u0").expect("slot").written_rv = Some(25);
+    queue.resync();
+    until_idle(&queue, || invoker.total(), 8).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(lists.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        invoker.calls.lock().get("u0"),
+        Some(&2),
+        "the stale body was skipped"
+    );
+}
+
+/// An object with a retry scheduled keeps its body: the retry needs it, and a resync pushes
+/// it at once without listing.
+#[tokio::test(start_paused = true)]
+async fn an_object_with_a_retry_due_keeps_its_body() {
+    let create = create_fn();
+    let lists = Arc::new(AtomicU32::new(0));
+    let (_open, failing) = Failing::new(true);
+    let queue = queue_of(
+        failing,
+        vec![create],
+        Arc::new(Semaphore::new(1)),
+        listing(Vec::new(), lists.clone(), watch::channel(true).1),
+    );
+    queue.push(EventType::Added, example("10"));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !queue
+        .slots
+        .lock()
+        .get("u1")
+        .is_some_and(|s| !s.running && s.timer.is_some())
+    {
+        assert!(tokio::time::Instant::now() < deadline, "no retry was scheduled");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        queue
+            .slots
+            .lock()
+            .get("u1")
+            .is_some_and(|s| s.last_body.is_some())
+    );
+    assert_eq!(queue.bodies().len(), 1);
+    queue.resync();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(lists.load(Ordering::SeqCst), 0, "nothing at rest, nothing listed");
+}
+
+/// A known object's slot is small: one map entry per object is what a large cluster pays for
+/// (the key and slot together, before the map's spare capacity).
+#[test]
+fn a_slot_and_its_key_take_at_most_88_bytes() {
+    assert!(std::mem::size_of::<Stored>() <= 16);
+    assert!(std::mem::size_of::<(Box<str>, Slot)>() <= 88);
+}
+
+/// A resync while the object's cycle runs (maybe with the old handlers): the object gets a
+/// cycle with its listed body even when that running cycle ends keeping a body (a retry due)
+/// before the listing arrives — not only when its retry comes.
+#[tokio::test(start_paused = true)]
+async fn an_object_whose_cycle_ran_during_a_resync_is_re_processed_from_the_listing() {
+    let create = create_fn();
+    let lists = Arc::new(AtomicU32::new(0));
+    let (answer, invoker) = Failing::new(false);
+    let (list_open, list_gate) = watch::channel(false);
+    let queue = queue_of(
+        invoker.clone(),
+        vec![create],
+        Arc::new(Semaphore::new(1)),
+        listing(vec![example("20")], lists.clone(), list_gate),
+    );
+    queue.push(EventType::Added, example("10"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(invoker.calls.load(Ordering::SeqCst), 1, "the first cycle runs");
+    queue.resync();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        lists.load(Ordering::SeqCst),
+        1,
+        "the listing waits for its answer"
+    );
+    // The running cycle ends with a retry due in 60 s: it keeps its body.
+    answer.send_replace(true);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        queue
+            .slots
+            .lock()
+            .get("u1")
+            .is_some_and(|s| !s.running && s.last_body.is_some())
+    );
+    list_open.send_replace(true);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while invoker.calls.load(Ordering::SeqCst) < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the object waited for its retry instead of getting its listed body"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A resync while a cycle of an object with a body in memory runs, and that cycle ends
+/// writing nothing (no echo follows) at a newer version: the object runs once more after that
+/// cycle, with the body it leaves — the older body it had when the resync came is stale by
+/// then and would be dropped.
+#[tokio::test(start_paused = true)]
+async fn an_object_with_a_body_whose_cycle_runs_during_a_resync_runs_once_more() {
+    let create = create_fn();
+    let (open, invoker) = Gated::new();
+    open.send_replace(true);
+    let queue = queue(invoker.clone(), vec![create], Arc::new(Semaphore::new(1)));
+    // The cycle in flight (of version 30) started before the resync; the body in memory is
+    // that of version 20.
+    queue.slots.lock().insert(
+        "u1".into(),
+        Slot {
+            running: true,
+            last_body: Some(Stored::new(&example("20"))),
+            written_rv: Some(20),
+            ..Slot::default()
+        },
+    );
+    queue.resync();
+    {
+        // The cycle ends: nothing written, its base (version 30) kept.
+        let mut slots = queue.slots.lock();
+        let slot = slots.get_mut("u1").expect("slot");
+        slot.written_rv = Some(30);
+        slot.last_body = Some(Stored::new(&example("30")));
+    }
+    queue.finish("u1");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while invoker.total() < 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the object did not run again after the cycle the resync overlapped"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
