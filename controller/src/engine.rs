@@ -427,6 +427,12 @@ impl Engine {
         cancel: &CancellationToken,
         tasks: &mut JoinSet<()>,
     ) -> Watched {
+        let scopes: Vec<Option<String>> = match self.settings.namespaces.exact() {
+            Some(names) if resource.namespaced => names.into_iter().map(Some).collect(),
+            _ => vec![None],
+        };
+        let selectors = common_selectors(&handlers);
+        let (label_selector, field_selector) = selectors.clone();
         let cancel = cancel.child_token();
         let (handlers_tx, handlers_rx) = watch::channel(handlers.clone());
         let (stopped_tx, mut stopped_rx) = mpsc::unbounded_channel();
@@ -454,6 +460,13 @@ impl Engine {
             poster: poster.clone(),
             cancel: cancel.clone(),
             max_losses: self.hub.settings().max_losses,
+            relisting: queue::relisting::Settings {
+                scopes: scopes.clone(),
+                label_selector: label_selector.clone(),
+                field_selector: field_selector.clone(),
+                page_size: self.settings.watch.page_size,
+                timeout: self.settings.watch.inactivity_timeout,
+            },
         });
         {
             // Objects being deleted whose last daemon stopped: their finalizer can go now.
@@ -495,10 +508,6 @@ impl Engine {
                 }
             });
         }
-        let scopes: Vec<Option<String>> = match self.settings.namespaces.exact() {
-            Some(names) if resource.namespaced => names.into_iter().map(Some).collect(),
-            _ => vec![None],
-        };
         let predecessors: Vec<TaskTracker> = {
             let mut retired = self.retired.lock();
             let (same, other): (Vec<_>, Vec<_>) = retired
@@ -509,8 +518,6 @@ impl Engine {
         };
         let predecessors_done = Arc::new(tokio::sync::OnceCell::new());
         let served = self.settings.namespaces.clone();
-        let selectors = common_selectors(&handlers);
-        let (label_selector, field_selector) = selectors.clone();
         let mut checks = Vec::new();
         for scope in scopes.clone() {
             let status = k8s_watch::Status::default();

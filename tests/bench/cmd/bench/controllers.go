@@ -70,7 +70,8 @@ func capstanController(name, capstanBin, handlerBin, kubeconfig string, handlerE
 			if err != nil {
 				return nil, err
 			}
-			env := []string{"KUBECONFIG=" + kubeconfig}
+			// One glibc malloc arena, as the container image (Dockerfile) runs the controller.
+			env := []string{"KUBECONFIG=" + kubeconfig, "MALLOC_ARENA_MAX=1"}
 			main, err := startProc(fmt.Sprintf("%s-capstan-%d", sanitize(name), startCount), dir, env, capstanBin,
 				"run", "--standalone", "--listen", "unix://"+sock, "--admin-listen", fmt.Sprintf("127.0.0.1:%d", port))
 			if err != nil {
