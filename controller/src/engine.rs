@@ -466,6 +466,11 @@ impl Engine {
                 field_selector: field_selector.clone(),
                 page_size: self.settings.watch.page_size,
                 timeout: self.settings.watch.inactivity_timeout,
+                // Sixteen waiting bodies per worker (2,048 by default): a burst the workers
+                // keep up with never waits for a listing; a start with more unhandled objects
+                // holds about 2 MiB of waiting bodies per resource (1 KiB specs), not one per
+                // object.
+                waiting_bodies: self.settings.worker_limit.saturating_mul(16).max(1024),
             },
         });
         {

@@ -37,7 +37,7 @@ async fn objects_at_rest_are_listed_again_when_the_handlers_change() -> anyhow::
     )?;
     s.controller
         .process
-        .wait_for("listed again; objects at rest re-processed", T)
+        .wait_for("listed again; objects without a body in memory queued", T)
         .await?;
     for name in ["one", "two", "three"] {
         s.wait(name, T, "the new delete handler's finalizer", has_finalizer)

@@ -18,15 +18,22 @@
 //! `--worker-limit` objects have a task, a parsed body and an invocation in flight, however
 //! many objects a start-up listing brings: a waiting object costs its slot and one compressed
 //! body (a newer event replaces the one waiting), never a task whose future is sized for a
-//! whole cycle. An object with more work after its cycle goes to the end
-//! of the ready list again, so a busy object cannot keep a permit from the others.
+//! whole cycle. At most `waiting_bodies` objects of a queue wait with their body: beyond that,
+//! an object's event only marks it, and its body is listed again once there is room (see
+//! [`relisting`]), paced by the workers — so a start with 100,000 unhandled objects holds a
+//! bounded number of bodies, not all of them. An object with more work after its cycle goes to
+//! the end of the ready list again, so a busy object cannot keep a permit from the others.
 //! `capstan_objects_processing` (and its `_peak`) shows how many objects run at once;
 //! `capstan_objects_pending` how many wait.
 
 use std::{
     collections::{HashMap, VecDeque},
+    num::NonZeroU64,
     panic::AssertUnwindSafe,
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::{Duration, SystemTime},
 };
 
@@ -94,8 +101,12 @@ impl Drop for WorkerGuard<'_> {
         if !self.armed {
             return;
         }
-        if let Some(slot) = self.queue.slots.lock().get_mut(self.uid) {
+        let mut slots = self.queue.slots.lock();
+        if let Some(slot) = slots.get_mut(self.uid) {
             slot.running = false;
+            if slot.pending.take().is_some() {
+                self.queue.count_waiting(-1);
+            }
             error!(object.uid = %self.uid, "an object's worker ended abnormally; its next event starts a new one");
         }
     }
@@ -125,6 +136,10 @@ pub struct Queue {
 struct Ready {
     uids: Mutex<VecDeque<String>>,
     added: Notify,
+    /// How many objects wait with a body (their pending event).
+    waiting: AtomicUsize,
+    /// Told when an object's waiting body is taken or dropped.
+    room: Notify,
 }
 
 /// A permit of the global limit held by one object's worker, counted in the metrics.
@@ -155,14 +170,48 @@ struct Slot {
     running: bool,
     memory: Memory,
     last_body: Option<Stored>,
-    written_rv: Option<u64>,
+    /// The newest version our own cycles wrote or saw (see [`Slot::written_rv`]).
+    written: Option<NonZeroU64>,
     timer: Option<JoinHandle<()>>,
     gone: bool,
     /// Run another cycle with the latest body once the current one ends.
     rerun: bool,
-    /// A resync found no body of it in memory: the next listed body is queued for it, unless
-    /// a cycle starts before (that cycle runs with the handlers of the resync).
-    relist: bool,
+    /// The object needs a cycle whose body is not in memory (a resync found none, or its
+    /// event came while the queue held as many waiting bodies as it may): its next listed
+    /// body is queued for it, as this event type, unless a cycle starts before.
+    relist: Option<EventType>,
+    /// The version of the newest event that marked it: a listed or kept body older than that
+    /// does not clear the mark.
+    relist_version: Option<NonZeroU64>,
+}
+
+impl Slot {
+    /// The newest version our own cycles wrote or saw: events older than it are stale.
+    fn written_rv(&self) -> Option<u64> {
+        self.written.map(NonZeroU64::get)
+    }
+
+    fn set_written_rv(&mut self, rv: Option<u64>) {
+        self.written = rv.and_then(NonZeroU64::new);
+    }
+
+    /// The version of the newest event that marked the object.
+    fn relist_rv(&self) -> Option<u64> {
+        self.relist_version.map(NonZeroU64::get)
+    }
+
+    /// Marks the object for a listed body, as `event_type` of version `rv` (none: any
+    /// version).
+    fn mark(&mut self, event_type: EventType, rv: Option<u64>) {
+        self.relist = Some(event_type);
+        self.relist_version = self.relist_version.max(rv.and_then(NonZeroU64::new));
+    }
+
+    /// The object's cycle starts: the mark is spent.
+    fn unmark(&mut self) {
+        self.relist = None;
+        self.relist_version = None;
+    }
 }
 
 fn uid_of(body: &Value) -> Option<String> {
@@ -233,7 +282,7 @@ impl Queue {
                 if let Some(slot) = self.slots.lock().get_mut(uid.as_str()) {
                     slot.running = false;
                 }
-                return;
+                return self.abandon();
             };
             let working = Working::new(permit);
             let queue = self.clone();
@@ -251,9 +300,33 @@ impl Queue {
             }
         }
         self.ready.uids.lock().clear();
-        if dropped > 0 {
-            crate::observability::metrics::global().pending(&self.ctx.resource.plural, -dropped);
+        self.count_waiting(-dropped);
+    }
+
+    /// Counts objects that start (`delta` > 0) or stop waiting with a body, in the queue's
+    /// bound and in the metrics.
+    fn count_waiting(&self, delta: i64) {
+        if delta == 0 {
+            return;
         }
+        crate::observability::metrics::global().pending(&self.ctx.resource.plural, delta);
+        let n = usize::try_from(delta.unsigned_abs()).unwrap_or(usize::MAX);
+        if delta > 0 {
+            self.ready.waiting.fetch_add(n, Ordering::Relaxed);
+        } else {
+            let _ = self
+                .ready
+                .waiting
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+                    Some(w.saturating_sub(n))
+                });
+            self.ready.room.notify_one();
+        }
+    }
+
+    /// Whether another object may wait with its body.
+    fn has_room(&self) -> bool {
+        self.ready.waiting.load(Ordering::Relaxed) < self.ctx.relisting.waiting_bodies.max(1)
     }
 
     /// Remembers that object `uid` is gone, at version `rv`.
@@ -314,11 +387,25 @@ impl Queue {
             },
             ..Slot::default()
         });
+        let rv = rv_of(&body);
         if event_type != EventType::Deleted
-            && let (Some(written), Some(rv)) = (slot.written_rv, rv_of(&body))
+            && let (Some(written), Some(rv)) = (slot.written_rv(), rv)
             && rv < written
         {
             debug!(%uid, rv, written, "stale event older than our own write dropped");
+            return;
+        }
+        // The echo of our own write always waits with its body (marking it would cost another
+        // LIST): echoes come only as fast as cycles end, so they exceed the bound by the cycles
+        // that ended while their echo is on its way.
+        let echo = rv.is_some() && rv == slot.written_rv();
+        if slot.pending.is_none() && event_type != EventType::Deleted && !echo && !self.has_room() {
+            // As many bodies wait as may: this one is listed again when there is room.
+            debug!(%uid, "too many objects wait; the object waits for its listed body");
+            slot.mark(event_type, rv);
+            self.relisting.marked();
+            drop(slots);
+            self.relist_soon();
             return;
         }
         if self.set_pending(slot, event_type, &body) {
@@ -331,7 +418,7 @@ impl Queue {
     /// ready list (it had no worker and none waiting).
     fn set_pending(&self, slot: &mut Slot, event_type: EventType, body: &Value) -> bool {
         if slot.pending.is_none() {
-            crate::observability::metrics::global().pending(&self.ctx.resource.plural, 1);
+            self.count_waiting(1);
         }
         slot.pending = Some((event_type, Stored::new(body)));
         !std::mem::replace(&mut slot.running, true)
@@ -352,17 +439,21 @@ impl Queue {
             for slot in slots.values_mut().filter(|s| !s.gone && s.pending.is_none()) {
                 if slot.running {
                     slot.rerun = true;
-                    slot.relist = true;
+                    slot.mark(slot.relist.unwrap_or(EventType::Modified), None);
                     at_rest += 1;
                     continue;
                 }
                 match &slot.last_body {
-                    Some(body) => bodies.push(body.value()),
-                    None => {
-                        slot.relist = true;
+                    // A body waiting for its listing is newer than the one in memory.
+                    Some(body) if slot.relist.is_none() => bodies.push(body.value()),
+                    _ => {
+                        slot.mark(slot.relist.unwrap_or(EventType::Modified), None);
                         at_rest += 1;
                     }
                 }
+            }
+            if at_rest > 0 {
+                self.relisting.marked();
             }
             (bodies, at_rest)
         };
@@ -438,24 +529,38 @@ impl Queue {
         loop {
             let taken = slot.pending.take();
             if taken.is_some() {
-                crate::observability::metrics::global().pending(&self.ctx.resource.plural, -1);
+                self.count_waiting(-1);
             }
             return match taken {
                 // Events that arrived while our own write was in flight may predate it.
                 Some((t, body))
                     if t != EventType::Deleted
-                        && matches!((slot.written_rv, body.rv()), (Some(w), Some(rv)) if rv < w) =>
+                        && matches!((slot.written_rv(), body.rv()), (Some(w), Some(rv)) if rv < w) =>
                 {
                     debug!(%uid, "stale event older than our own write dropped");
                     continue;
                 }
                 Some(next) => {
-                    slot.relist = false;
+                    if slot
+                        .relist_rv()
+                        .is_none_or(|marked| next.1.rv().is_some_and(|rv| rv >= marked))
+                    {
+                        slot.unmark();
+                    }
                     Some((next, slot.memory))
                 }
                 None if slot.rerun && !slot.gone && slot.last_body.is_some() => {
                     slot.rerun = false;
-                    slot.relist = false;
+                    let kept = slot.last_body.as_ref().and_then(Stored::rv);
+                    if slot
+                        .relist_rv()
+                        .is_some_and(|marked| kept.is_none_or(|k| k < marked))
+                    {
+                        // A newer event waits for its listed body: that cycle does the re-run.
+                        debug!(%uid, "re-run left to the newer listed body");
+                        return None;
+                    }
+                    slot.unmark();
                     slot.last_body
                         .clone()
                         .map(|b| ((EventType::Modified, b), slot.memory))
@@ -505,7 +610,10 @@ impl Queue {
             return;
         }
         if self.ctx.cancel.is_cancelled() {
-            self.slots.lock().remove(uid);
+            let removed = self.slots.lock().remove(uid);
+            if removed.is_some_and(|s| s.pending.is_some()) {
+                self.count_waiting(-1);
+            }
             return;
         }
         let name = body
@@ -583,7 +691,7 @@ impl Queue {
         }
         let handlers = self.ctx.handlers.borrow().clone();
         let paused = *self.ctx.paused.borrow();
-        let written_rv = self.slots.lock().get(uid).and_then(|s| s.written_rv);
+        let written_rv = self.slots.lock().get(uid).and_then(Slot::written_rv);
         let echo = written_rv.is_some() && rv_of(&body) == written_rv;
         let (body, event_wake) = self.retry_event_handlers(event_type, body, &handlers, echo).await;
         let daemons_alive = self.ctx.daemons.sync(uid, &body, &handlers, paused);
@@ -646,14 +754,14 @@ impl Queue {
             if let Some(slot) = self.slots.lock().get_mut(uid) {
                 slot.gone = true;
                 if slot.pending.take().is_some() {
-                    crate::observability::metrics::global().pending(&self.ctx.resource.plural, -1);
+                    self.count_waiting(-1);
                 }
                 if let Some(t) = slot.timer.take() {
                     t.abort();
                 }
-                last = last.max(slot.written_rv);
+                last = last.max(slot.written_rv());
                 // Events of any version it had are late now.
-                slot.written_rv = last.map(|rv| rv.saturating_add(1));
+                slot.set_written_rv(last.map(|rv| rv.saturating_add(1)));
             }
             self.bury(uid, last);
             // Its DELETED event may have been among the dropped ones.
@@ -689,11 +797,11 @@ impl Queue {
         let keep = wake_at.is_some() || slot.rerun || daemons_alive || paused;
         match written {
             Written::Stored(stored) => {
-                slot.written_rv = rv_of(&stored).or(slot.written_rv);
+                slot.set_written_rv(rv_of(&stored).or(slot.written_rv()));
                 slot.last_body = keep.then(|| Stored::new(&stored));
             }
             Written::Nothing => {
-                slot.written_rv = rv_of(&plan.base).max(slot.written_rv);
+                slot.set_written_rv(rv_of(&plan.base).max(slot.written_rv()));
                 slot.last_body = keep.then(|| Stored::new(&plan.base));
             }
             Written::Gone | Written::Failed => {
@@ -751,6 +859,10 @@ impl Queue {
             let Some(slot) = slots.get_mut(uid) else { return };
             slot.timer = None;
             if slot.pending.is_some() || slot.gone {
+                return;
+            }
+            if slot.relist.is_some() && !slot.running {
+                // Its newer body is listed again; the cycle with it runs what is due.
                 return;
             }
             if slot.running {

@@ -502,7 +502,8 @@ pub async fn list_page(
     }
 }
 
-fn is_gone(e: &kube::Error) -> bool {
+/// Whether the API server answered 410 Gone (a watch or a continue token too old).
+pub fn is_gone(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 410)
 }
 

@@ -250,7 +250,7 @@ impl Default for Metrics {
         let pending = Family::<ResourceLabels, Gauge>::default();
         registry.register(
             "capstan_objects_pending",
-            "Objects with an event waiting for processing, by resource.",
+            "Objects with an event waiting for processing with its body, by resource (at most the queue's waiting bound; more are listed again).",
             pending.clone(),
         );
         let processing = Gauge::default();
@@ -339,7 +339,7 @@ impl Metrics {
             .inc();
     }
 
-    /// Adds `delta` (+1 or -1) to the objects waiting for processing (`capstan_objects_pending`).
+    /// Adds `delta` to the objects waiting for processing (`capstan_objects_pending`).
     pub fn pending(&self, resource: &str, delta: i64) {
         self.pending
             .get_or_create(&ResourceLabels {

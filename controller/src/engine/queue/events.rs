@@ -241,7 +241,7 @@ impl Queue {
                 if let Some(uid) = uid_of(&stored)
                     && let Some(slot) = self.slots.lock().get_mut(uid.as_str())
                 {
-                    slot.written_rv = rv_of(&stored).max(slot.written_rv);
+                    slot.set_written_rv(rv_of(&stored).max(slot.written_rv()));
                 }
                 (stored, wake)
             }

@@ -1,18 +1,33 @@
-//! Re-processing objects at rest. An object that is handled, with no retry scheduled, no
-//! daemon or timer running and no re-run due, keeps no body in memory (a body is most of
-//! what a known object would cost); so when every known object must get a cycle again —
-//! its handlers changed, or dispatch resumed after a pause — the objects are listed again,
-//! page by page with the watch's scopes and selectors, and each known object at rest gets a
-//! cycle with its current body. That costs one paged LIST per such change, which happens
-//! on deployments and peer handovers, not per event.
+//! Listing objects again for the cycles whose body is not in memory.
 //!
-//! The resync marks the objects it leaves to the listing; a cycle that starts meanwhile (a
-//! watch event) clears the mark, so each object gets one cycle with the new handlers, also
-//! when a listing is retried or superseded. One listing per queue runs at a time; a newer
-//! request supersedes a running one. A failed listing is tried again with a growing pause
-//! until no marked object is left or the queue stops.
+//! - **Objects at rest.** An object that is handled, with no retry scheduled, no daemon or
+//!   timer running and no re-run due, keeps no body in memory (a body is most of what a known
+//!   object would cost); so when every known object must get a cycle again — its handlers
+//!   changed, or dispatch resumed after a pause — the objects are listed again, page by page
+//!   with the watch's scopes and selectors, and each known object at rest gets a cycle with
+//!   its current body. That costs one paged LIST per such change, which happens on
+//!   deployments and peer handovers, not per event.
+//! - **Objects beyond the waiting bound.** A queue holds at most `waiting_bodies` waiting
+//!   bodies; an event beyond that only marks its object (a start with many unhandled objects,
+//!   or a burst). The listing then queues the marked objects' bodies one by one as workers
+//!   take waiting ones, so the listing itself is paced by the processing (backpressure)
+//!   instead of bodies piling up in memory.
+//!
+//! Marked objects get the listed body as their next work; a cycle that starts meanwhile with
+//! a body at least as new (a watch event) clears the mark, so each object gets one cycle, also
+//! when a listing is retried or superseded. A listed body older than the event that marked
+//! the object (the LIST's snapshot predates it) leaves the mark for a later pass. The echoes
+//! of the controller's own writes always wait with their body: they come only as fast as
+//! cycles end. One listing per queue runs at a time: a resync supersedes a running one (the
+//! handlers changed), a new mark beyond the bound asks the running one for another pass. A
+//! failed listing is tried again with a growing pause until no marked object is left or the
+//! queue stops; a listing that ends with no new mark since it started clears the marks of
+//! objects it did not find (they are gone: their deletion comes by the watch).
 
-use std::time::Duration;
+use std::{
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
 
 use parking_lot::Mutex;
 use serde_json::Value;
@@ -20,10 +35,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::{Queue, rv_of, uid_of};
-use crate::{
-    k8s::watch::{list_page, list_params},
-    model::EventType,
-};
+use crate::k8s::watch::{is_gone, list_page, list_params};
 
 /// How the queue's objects are listed again: as the watch lists them.
 #[derive(Clone, Debug)]
@@ -38,6 +50,8 @@ pub struct Settings {
     pub page_size: u32,
     /// Deadline of each page's request.
     pub timeout: Duration,
+    /// At most this many objects of the queue wait with their body; more wait for a listing.
+    pub waiting_bodies: usize,
 }
 
 impl Default for Settings {
@@ -48,6 +62,7 @@ impl Default for Settings {
             field_selector: None,
             page_size: 500,
             timeout: Duration::from_secs(60),
+            waiting_bodies: 2048,
         }
     }
 }
@@ -55,57 +70,154 @@ impl Default for Settings {
 /// The listing in progress, if any.
 #[derive(Default)]
 pub(super) struct Relisting {
-    current: Mutex<Option<CancellationToken>>,
+    /// The running listing's number and cancellation.
+    pub(super) current: Mutex<Option<(u64, CancellationToken)>>,
+    /// Listings started, to tell a running one from its successor.
+    started: std::sync::atomic::AtomicU64,
+    /// An object was marked since the running listing began its pass (set and read under the
+    /// queue's slots lock, with the marks).
+    marked: AtomicBool,
 }
 
-/// Pauses between failed listings.
+impl Relisting {
+    /// Records that an object was marked (called under the slots lock).
+    pub(super) fn marked(&self) {
+        self.marked.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The pause to wait now; the next one is twice as long, up to [`LONGEST_PAUSE`].
+fn grow(pause: &mut Duration) -> Duration {
+    let now = *pause;
+    *pause = (now * 2).min(LONGEST_PAUSE);
+    now
+}
+
+/// What became of a listed body.
+enum Listed {
+    Queued,
+    Skipped,
+    NoRoom,
+}
+
+/// Pauses between passes (failed, or followed by more marks).
 const FIRST_PAUSE: Duration = Duration::from_secs(1);
 const LONGEST_PAUSE: Duration = Duration::from_secs(30);
 
 impl Queue {
-    /// Lists the objects again and gives every known object at rest a cycle (superseding a
-    /// listing still running).
+    /// Lists the objects again and gives every marked object a cycle (superseding a listing
+    /// still running: the marks are those of new handlers).
     pub(super) fn relist(&self) {
-        let cancel = self.ctx.cancel.child_token();
-        if let Some(previous) = self.relisting.current.lock().replace(cancel.clone()) {
+        let mut current = self.relisting.current.lock();
+        if let Some((_, previous)) = current.take() {
             previous.cancel();
         }
+        self.start_listing(&mut current);
+    }
+
+    /// Makes sure a listing runs for the objects marked (called after marking them): one that
+    /// runs already makes another pass if its pass may have missed them.
+    pub(super) fn relist_soon(&self) {
+        let mut current = self.relisting.current.lock();
+        if current.is_none() {
+            self.start_listing(&mut current);
+        }
+    }
+
+    fn start_listing(&self, current: &mut Option<(u64, CancellationToken)>) {
+        let cancel = self.ctx.cancel.child_token();
+        let number = self.relisting.started.fetch_add(1, Ordering::Relaxed);
+        *current = Some((number, cancel.clone()));
         let queue = self.clone();
         let span = info_span!("relist", resource = %self.ctx.resource);
         self.workers.spawn(
             async move {
+                // Between passes: growing while objects keep being marked during passes (a
+                // trickle of marks must not become a stream of whole LISTs) or listings fail.
                 let mut pause = FIRST_PAUSE;
                 loop {
-                    if !queue.slots.lock().values().any(|s| s.relist && !s.gone) {
-                        debug!("no object waits for its listed body any more");
+                    if queue.pass_done(number, false) {
                         return;
                     }
                     let listed = tokio::select! {
                         () = cancel.cancelled() => return,
-                        listed = queue.list_all() => listed,
+                        listed = queue.list_all(&cancel) => listed,
                     };
-                    match listed {
+                    let wait = match listed {
                         Ok(n) => {
-                            info!(objects = n, "listed again; objects at rest re-processed");
-                            return;
+                            info!(
+                                objects = n,
+                                "listed again; objects without a body in memory queued"
+                            );
+                            if queue.pass_done(number, true) {
+                                return;
+                            }
+                            debug!(retry_in = ?pause, "objects were marked during the pass; another pass");
+                            grow(&mut pause)
+                        }
+                        // A pass paced by slow handlers can outlive its continue token: the
+                        // objects it queued are unmarked, the next pass goes on with the rest.
+                        Err(e) if is_gone(&e) => {
+                            debug!(error = %e, "the listing expired; listing again");
+                            FIRST_PAUSE
                         }
                         Err(e) => {
                             warn!(error = %e, retry_in = ?pause, "listing the objects again failed");
+                            grow(&mut pause)
                         }
-                    }
+                    };
                     tokio::select! {
                         () = cancel.cancelled() => return,
-                        () = tokio::time::sleep(pause) => {}
+                        () = tokio::time::sleep(wait) => {}
                     }
-                    pause = (pause * 2).min(LONGEST_PAUSE);
                 }
             }
             .instrument(span),
         );
     }
 
-    /// One listing of every scope; returns how many objects were queued.
-    async fn list_all(&self) -> Result<usize, kube::Error> {
+    /// Before a pass (and after a whole one, `listed`): whether the listing `number` is done —
+    /// no object marked, or none marked since its pass began (the marks left are of objects
+    /// the pass did not find, and are cleared). If it is not done, a new pass begins.
+    fn pass_done(&self, number: u64, listed: bool) -> bool {
+        let mut slots = self.slots.lock();
+        if self
+            .relisting
+            .current
+            .lock()
+            .as_ref()
+            .is_none_or(|(n, _)| *n != number)
+        {
+            // Superseded: its successor's pass covers the marks (and must see new ones).
+            return true;
+        }
+        let marked_since = self.relisting.marked.swap(false, Ordering::Relaxed);
+        let done = if listed && !marked_since {
+            let mut unlisted = 0_usize;
+            for slot in slots.values_mut().filter(|s| s.relist.is_some()) {
+                slot.relist = None;
+                unlisted += 1;
+            }
+            if unlisted > 0 {
+                debug!(objects = unlisted, "marked objects not listed (gone) unmarked");
+            }
+            true
+        } else {
+            !slots.values().any(|s| s.relist.is_some() && !s.gone)
+        };
+        if done {
+            let mut current = self.relisting.current.lock();
+            if current.as_ref().is_some_and(|(n, _)| *n == number) {
+                *current = None;
+            }
+            debug!("no object waits for its listed body any more");
+        }
+        done
+    }
+
+    /// One listing of every scope; returns how many objects were queued. A marked object's
+    /// body is queued only when the queue has room for it: the listing waits for the workers.
+    async fn list_all(&self, cancel: &CancellationToken) -> Result<usize, kube::Error> {
         let settings = &self.ctx.relisting;
         let params = list_params(
             settings.page_size,
@@ -119,9 +231,27 @@ impl Queue {
             loop {
                 let page = list_page(&api, &params, settings.timeout).await?;
                 for obj in page.items {
+                    let marked = obj
+                        .metadata
+                        .uid
+                        .as_deref()
+                        .and_then(|uid| self.slots.lock().get(uid).map(|s| s.relist.is_some()))
+                        .unwrap_or(false);
+                    if !marked {
+                        continue;
+                    }
                     let body = crate::k8s::objects::to_value(obj);
-                    if self.push_at_rest(&body) {
-                        queued += 1;
+                    loop {
+                        self.room(cancel).await;
+                        if cancel.is_cancelled() {
+                            return Ok(queued);
+                        }
+                        match self.push_listed(&body) {
+                            Listed::Queued => queued += 1,
+                            Listed::Skipped => {}
+                            Listed::NoRoom => continue,
+                        }
+                        break;
                     }
                 }
                 match page.metadata.continue_.filter(|c| !c.is_empty()) {
@@ -133,27 +263,64 @@ impl Queue {
         Ok(queued)
     }
 
-    /// Queues a listed body for a known object the resync marked (no cycle started since, no
-    /// work waiting, not gone, and the body not older than what its last cycle saw); returns
-    /// whether it did.
-    fn push_at_rest(&self, body: &Value) -> bool {
+    /// Waits until the queue has room for another waiting body and dispatch is not paused
+    /// (paused cycles keep their bodies; resuming re-processes the marked objects), or
+    /// `cancel`.
+    async fn room(&self, cancel: &CancellationToken) {
+        let mut paused = self.ctx.paused.clone();
+        loop {
+            let room = self.ready.room.notified();
+            if *paused.borrow_and_update() {
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    changed = paused.changed() => if changed.is_err() { return },
+                }
+                continue;
+            }
+            if self.has_room() || cancel.is_cancelled() {
+                return;
+            }
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = room => {}
+            }
+        }
+    }
+
+    /// Queues a listed body for a marked known object: unless a cycle started since, work
+    /// waits, it is gone, or the body is older than what its last cycle saw (skipped), or
+    /// older than the event that marked it (skipped, kept marked for a later pass); or the
+    /// queue has no room (checked under the slots lock, with the marks).
+    fn push_listed(&self, body: &Value) -> Listed {
         let Some(uid) = uid_of(body) else {
-            return false;
+            return Listed::Skipped;
         };
         let mut slots = self.slots.lock();
         let Some(slot) = slots.get_mut(uid.as_str()) else {
-            return false;
+            return Listed::Skipped;
         };
-        let older = matches!((slot.written_rv, rv_of(body)), (Some(w), Some(rv)) if rv < w);
-        if !slot.relist || slot.gone || slot.pending.is_some() || older {
+        let rv = rv_of(body);
+        let older = matches!((slot.written_rv(), rv), (Some(w), Some(rv)) if rv < w);
+        let Some(event_type) = slot
+            .relist
+            .filter(|_| !slot.gone && slot.pending.is_none() && !older)
+        else {
             debug!(%uid, "listed object had a cycle since, or has newer work; skipped");
-            return false;
+            return Listed::Skipped;
+        };
+        if matches!((slot.relist_rv(), rv), (Some(m), Some(rv)) if rv < m) {
+            debug!(%uid, "listed body older than the event that marked it; listed again later");
+            self.relisting.marked();
+            return Listed::Skipped;
         }
-        slot.relist = false;
-        if self.set_pending(slot, EventType::Modified, body) {
+        if !self.has_room() {
+            return Listed::NoRoom;
+        }
+        slot.unmark();
+        if self.set_pending(slot, event_type, body) {
             drop(slots);
             self.enqueue(uid);
         }
-        true
+        Listed::Queued
     }
 }

@@ -78,6 +78,17 @@ fn queue_of(
     limit: Arc<Semaphore>,
     objects: Objects,
 ) -> Queue {
+    queue_with(invoker, handlers, limit, objects, relisting::Settings::default())
+}
+
+/// As [`queue_of`], listing again with `relisting`.
+fn queue_with(
+    invoker: Arc<dyn Invoker>,
+    handlers: Vec<Registration>,
+    limit: Arc<Semaphore>,
+    objects: Objects,
+    relisting: relisting::Settings,
+) -> Queue {
     let cancel = CancellationToken::new();
     let (_handlers_tx, handlers) = watch::channel(Arc::new(handlers));
     let (_paused_tx, paused) = watch::channel(false);
@@ -107,7 +118,7 @@ fn queue_of(
         poster: super::super::posting::Poster::disabled(),
         cancel,
         max_losses: 3,
-        relisting: relisting::Settings::default(),
+        relisting,
     })
 }
 
@@ -301,6 +312,8 @@ struct Gated {
     most: Arc<AtomicU32>,
     calls: Arc<Mutex<HashMap<String, u32>>>,
     order: Arc<Mutex<Vec<String>>>,
+    /// Each invocation's object and the resourceVersion of the body it was given.
+    versions: Arc<Mutex<Vec<(String, String)>>>,
 }
 
 impl Gated {
@@ -312,6 +325,7 @@ impl Gated {
             most: Arc::default(),
             calls: Arc::default(),
             order: Arc::default(),
+            versions: Arc::default(),
         };
         (tx, Arc::new(gated))
     }
@@ -324,6 +338,14 @@ impl Gated {
 impl Invoker for Gated {
     fn invoke(&self, work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
         let uid = work.object.map(|o| o.uid).unwrap_or_default();
+        let rv = work
+            .body
+            .as_ref()
+            .and_then(|b| b.pointer("/metadata/resourceVersion"))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        self.versions.lock().push((uid.clone(), rv));
         *self.calls.lock().entry(uid.clone()).or_default() += 1;
         self.order.lock().push(uid);
         let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
@@ -447,7 +469,11 @@ async fn an_object_whose_worker_found_only_a_stale_event_is_queued_once() {
     tokio::task::yield_now().await;
     assert_eq!(q.ready(), 0);
     // A cycle of it wrote version 10 meanwhile: the pending version 5 is stale.
-    q.slots.lock().get_mut("u1").expect("slot").written_rv = Some(10);
+    q.slots
+        .lock()
+        .get_mut("u1")
+        .expect("slot")
+        .set_written_rv(Some(10));
     assert!(q.take_next("u1").is_none());
     q.push(EventType::Modified, example("11"));
     q.finish("u1");
@@ -508,13 +534,18 @@ impl Invoker for Failing {
 /// An API server that answers a LIST of the examples with `items` (counting the LISTs; each
 /// answered once `open`) and any other request with the example object.
 fn listing(items: Vec<Value>, lists: Arc<AtomicU32>, open: watch::Receiver<bool>) -> Objects {
+    listing_of(Arc::new(Mutex::new(items)), lists, open)
+}
+
+/// As [`listing`], with the items as they are when each LIST arrives.
+fn listing_of(items: Arc<Mutex<Vec<Value>>>, lists: Arc<AtomicU32>, open: watch::Receiver<bool>) -> Objects {
     let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
         let list =
             req.method() == http::Method::GET && req.uri().path() == "/apis/demo.capstan.dev/v1/examples";
         let answer = if list {
             lists.fetch_add(1, Ordering::SeqCst);
             json!({"apiVersion": "demo.capstan.dev/v1", "kind": "ExampleList",
-                   "metadata": {"resourceVersion": "30"}, "items": items.clone()})
+                   "metadata": {"resourceVersion": "30"}, "items": items.lock().clone()})
         } else {
             example("20")
         };
@@ -584,7 +615,12 @@ async fn objects_at_rest_keep_no_body_and_are_listed_again_to_be_re_processed() 
         "every object at rest got one more cycle: {calls:?}"
     );
     // A listed body older than what the object's last cycle saw is not queued.
-    queue.slots.lock().get_mut("u0").expect("slot").written_rv = Some(25);
+    queue
+        .slots
+        .lock()
+        .get_mut("u0")
+        .expect("slot")
+        .set_written_rv(Some(25));
     queue.resync();
     until_idle(&queue, || invoker.total(), 8).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -704,7 +740,7 @@ async fn an_object_with_a_body_whose_cycle_runs_during_a_resync_runs_once_more()
         Slot {
             running: true,
             last_body: Some(Stored::new(&example("20"))),
-            written_rv: Some(20),
+            written: NonZeroU64::new(20),
             ..Slot::default()
         },
     );
@@ -713,7 +749,7 @@ async fn an_object_with_a_body_whose_cycle_runs_during_a_resync_runs_once_more()
         // The cycle ends: nothing written, its base (version 30) kept.
         let mut slots = queue.slots.lock();
         let slot = slots.get_mut("u1").expect("slot");
-        slot.written_rv = Some(30);
+        slot.set_written_rv(Some(30));
         slot.last_body = Some(Stored::new(&example("30")));
     }
     queue.finish("u1");
@@ -725,4 +761,241 @@ async fn an_object_with_a_body_whose_cycle_runs_during_a_resync_runs_once_more()
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// Relisting settings with at most `waiting_bodies` waiting bodies.
+fn bounded(waiting_bodies: usize) -> relisting::Settings {
+    relisting::Settings {
+        waiting_bodies,
+        ..relisting::Settings::default()
+    }
+}
+
+fn pending_bodies(queue: &Queue) -> usize {
+    queue
+        .slots
+        .lock()
+        .values()
+        .filter(|s| s.pending.is_some())
+        .count()
+}
+
+/// A start with more unhandled objects than may wait with a body: the queue holds the bound's
+/// worth of bodies, marks the rest, and one listing paced by the workers queues their bodies
+/// as room frees up; every object is handled once, as the event that marked it.
+#[tokio::test(start_paused = true)]
+async fn a_start_beyond_the_waiting_bound_holds_only_that_many_bodies_and_lists_the_rest() {
+    const OBJECTS: usize = 40;
+    const BOUND: usize = 5;
+    let (open, invoker) = Gated::new();
+    let lists = Arc::new(AtomicU32::new(0));
+    let queue = queue_with(
+        invoker.clone(),
+        vec![create_fn()],
+        Arc::new(Semaphore::new(2)),
+        listing(
+            (0..OBJECTS).map(numbered).collect(),
+            lists.clone(),
+            watch::channel(true).1,
+        ),
+        bounded(BOUND),
+    );
+    for n in 0..OBJECTS {
+        queue.push(EventType::Listing, numbered(n));
+    }
+    assert_eq!(pending_bodies(&queue), BOUND);
+    assert_eq!(
+        queue
+            .slots
+            .lock()
+            .values()
+            .filter(|s| s.relist == Some(EventType::Listing))
+            .count(),
+        OBJECTS - BOUND,
+        "the rest are marked, as listed"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(lists.load(Ordering::SeqCst), 1, "one listing runs");
+    assert_eq!(invoker.running.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        pending_bodies(&queue),
+        BOUND,
+        "the listing refilled the room the workers made"
+    );
+    open.send_replace(true);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while invoker.total() < OBJECTS as u32 || queue.slots.lock().values().any(|s| s.running) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of {OBJECTS} handled",
+            invoker.total()
+        );
+        assert!(queue.ready.waiting.load(Ordering::Relaxed) <= BOUND);
+        assert!(pending_bodies(&queue) <= BOUND);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let calls = invoker.calls.lock().clone();
+    assert_eq!(calls.len(), OBJECTS);
+    assert!(
+        calls.values().all(|n| *n == 1),
+        "an object was handled twice: {calls:?}"
+    );
+    assert_eq!(lists.load(Ordering::SeqCst), 1, "one listing was enough");
+    assert!(queue.slots.lock().values().all(|s| s.relist.is_none()));
+    assert!(queue.relisting.current.lock().is_none(), "the listing ended");
+}
+
+/// An object marked while a listing's pass runs, whose body that pass did not get (it came
+/// after the LIST was answered), gets a second pass; a marked object no listing finds (it is
+/// gone) is unmarked after a whole pass instead of being listed for ever.
+#[tokio::test(start_paused = true)]
+async fn an_object_marked_during_a_listing_gets_another_pass_and_an_unlisted_one_is_unmarked() {
+    let (open, invoker) = Gated::new();
+    open.send_replace(true);
+    let lists = Arc::new(AtomicU32::new(0));
+    let items = Arc::new(Mutex::new(vec![numbered(1)]));
+    let (list_open, list_gate) = watch::channel(false);
+    let limit = Arc::new(Semaphore::new(0));
+    let queue = queue_with(
+        invoker.clone(),
+        vec![create_fn()],
+        limit.clone(),
+        listing_of(items.clone(), lists.clone(), list_gate),
+        bounded(1),
+    );
+    queue.push(EventType::Listing, numbered(0));
+    queue.push(EventType::Listing, numbered(1));
+    queue.push(EventType::Listing, numbered(9));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        lists.load(Ordering::SeqCst),
+        1,
+        "the first pass waits for its answer"
+    );
+    // A newer object comes after the LIST was answered.
+    queue.push(EventType::Added, numbered(2));
+    items.lock().push(numbered(2));
+    list_open.send_replace(true);
+    limit.add_permits(1);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while invoker.total() < 3 || queue.relisting.current.lock().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of 3 handled, {} listings",
+            invoker.total(),
+            lists.load(Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        lists.load(Ordering::SeqCst),
+        2,
+        "a second pass for the object marked during the first"
+    );
+    let calls = invoker.calls.lock().clone();
+    assert_eq!(calls.len(), 3, "{calls:?}");
+    assert!(calls.values().all(|n| *n == 1), "{calls:?}");
+    assert!(!calls.contains_key("u9"), "never listed: never handled");
+    assert!(
+        queue.slots.lock().values().all(|s| s.relist.is_none()),
+        "the unlisted object is unmarked"
+    );
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(lists.load(Ordering::SeqCst), 2, "no listing after that");
+}
+
+fn at_version(n: usize, rv: &str) -> Value {
+    let mut body = numbered(n);
+    body["metadata"]["resourceVersion"] = json!(rv);
+    body
+}
+
+/// An object marked by a newer event while the listing's snapshot still holds an older
+/// version: the older listed body does not spend the mark; a later pass queues the newer one,
+/// and the handler sees only that.
+#[tokio::test(start_paused = true)]
+async fn a_listed_body_older_than_the_event_that_marked_the_object_keeps_the_mark() {
+    let (open, invoker) = Gated::new();
+    open.send_replace(true);
+    let lists = Arc::new(AtomicU32::new(0));
+    let items = Arc::new(Mutex::new(vec![at_version(1, "10")]));
+    let limit = Arc::new(Semaphore::new(0));
+    let queue = queue_with(
+        invoker.clone(),
+        vec![create_fn()],
+        limit.clone(),
+        listing_of(items.clone(), lists.clone(), watch::channel(true).1),
+        bounded(1),
+    );
+    queue.push(EventType::Listing, at_version(0, "10"));
+    queue.push(EventType::Listing, at_version(1, "10"));
+    queue.push(EventType::Modified, at_version(1, "60"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(lists.load(Ordering::SeqCst), 1);
+    limit.add_permits(1);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        queue.slots.lock().get("u1").is_some_and(|s| s.relist.is_some()),
+        "still marked after the stale listing"
+    );
+    items.lock()[0] = at_version(1, "60");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while invoker.total() < 2 || queue.relisting.current.lock().is_some() {
+        assert!(tokio::time::Instant::now() < deadline, "u1 was not handled");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let seen: Vec<_> = invoker
+        .versions
+        .lock()
+        .iter()
+        .filter(|(u, _)| u == "u1")
+        .cloned()
+        .collect();
+    assert_eq!(seen, vec![("u1".to_owned(), "60".to_owned())]);
+    assert!(lists.load(Ordering::SeqCst) >= 2);
+}
+
+/// A re-run due after a running cycle (a timer fired during it) while a newer event of the
+/// object waits for its listed body: the re-run does not run with the older body in memory
+/// and spend the mark; the listed body's cycle does it.
+#[tokio::test(start_paused = true)]
+async fn a_re_run_leaves_a_newer_marked_event_to_its_listed_body() {
+    let (open, invoker) = Gated::new();
+    open.send_replace(true);
+    let lists = Arc::new(AtomicU32::new(0));
+    let queue = queue_with(
+        invoker.clone(),
+        vec![create_fn()],
+        Arc::new(Semaphore::new(1)),
+        listing(vec![at_version(1, "60")], lists.clone(), watch::channel(true).1),
+        bounded(1),
+    );
+    // The cycle in flight keeps its body of version 50 (a retry due) and has a re-run due;
+    // version 60 came meanwhile and was marked.
+    queue.slots.lock().insert(
+        "u1".into(),
+        Slot {
+            running: true,
+            rerun: true,
+            last_body: Some(Stored::new(&at_version(1, "50"))),
+            written: NonZeroU64::new(50),
+            relist: Some(EventType::Modified),
+            relist_version: NonZeroU64::new(60),
+            ..Slot::default()
+        },
+    );
+    queue.relisting.marked();
+    queue.finish("u1");
+    queue.relist_soon();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while invoker.total() < 1 || queue.relisting.current.lock().is_some() {
+        assert!(tokio::time::Instant::now() < deadline, "u1 was not handled");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        invoker.versions.lock().clone(),
+        vec![("u1".to_owned(), "60".to_owned())],
+        "one cycle, with the newer listed body"
+    );
 }

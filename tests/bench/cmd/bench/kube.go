@@ -112,16 +112,19 @@ func createMany(ctx context.Context, dyn dynamic.Interface, ns, prefix string, n
 }
 
 // deleteAllExamples removes every example object in the given namespaces and waits until none
-// is left anywhere.
+// is left anywhere. A collection of 100,000 objects (--large) outlasts one DeleteCollection
+// request (the API server gives up after a minute, having deleted part of it), so the request
+// is repeated until nothing is left.
 func deleteAllExamples(ctx context.Context, dyn dynamic.Interface, namespaces []string) error {
-	for _, ns := range namespaces {
-		err := dyn.Resource(exampleGVR).Namespace(ns).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{})
-		if err != nil && !apierrors.IsNotFound(err) {
-			return fmt.Errorf("deleting the objects of %s: %w", ns, err)
-		}
-	}
 	deadline := time.Now().Add(20 * time.Minute) // 100,000 objects in --large
+	var lastErr error
 	for {
+		for _, ns := range namespaces {
+			err := dyn.Resource(exampleGVR).Namespace(ns).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{})
+			if err != nil && !apierrors.IsNotFound(err) {
+				lastErr = fmt.Errorf("deleting the objects of %s: %w", ns, err)
+			}
+		}
 		list, err := dyn.Resource(exampleGVR).List(ctx, metav1.ListOptions{Limit: 500})
 		if err != nil {
 			return err
@@ -137,9 +140,9 @@ func deleteAllExamples(ctx context.Context, dyn dynamic.Interface, namespaces []
 			}
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("%d+ example objects still exist after deleting them", len(list.Items))
+			return fmt.Errorf("%d+ example objects still exist after deleting them (last error: %v)", len(list.Items), lastErr)
 		}
-		time.Sleep(200 * time.Millisecond)
+		time.Sleep(time.Second)
 	}
 }
 
