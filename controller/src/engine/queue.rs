@@ -4,7 +4,7 @@
 //! A worker takes the latest pending event of its object, runs a processing cycle and writes
 //! the result (one PATCH, plus `/status` where needed); then it exits, keeping only the
 //! object's small memory: its body is kept only while something will need it without a new
-//! event (a retry or re-run due, daemons or timers running, dispatch paused); objects at rest
+//! event (a retry or re-run due, daemons or timers running); objects at rest
 //! are listed again when they must all be re-processed (see [`relisting`]). Delayed retries
 //! are scheduled here by the controller's own timer, never by "touch" patches. After our own
 //! write, events older than the version it produced are stale echoes and are dropped before
@@ -365,12 +365,21 @@ impl Queue {
         self.push(event_type, body);
     }
 
-    /// Queues an event; starts the object's worker if it is idle.
+    /// Queues a watch event; starts the object's worker if it is idle.
     pub fn push(&self, event_type: EventType, body: Value) {
+        self.queue_body(event_type, body, true);
+    }
+
+    /// Queues an event (of the watch, or a body kept in memory); starts the object's worker
+    /// if it is idle.
+    fn queue_body(&self, event_type: EventType, body: Value, watched: bool) {
         let Some(uid) = uid_of(&body) else {
             warn!("an object without a uid was ignored");
             return;
         };
+        if self.ctx.cancel.is_cancelled() {
+            return;
+        }
         let mut slots = self.slots.lock();
         if event_type != EventType::Deleted
             && !slots.contains_key(uid.as_str())
@@ -395,10 +404,17 @@ impl Queue {
             debug!(%uid, rv, written, "stale event older than our own write dropped");
             return;
         }
+        if event_type != EventType::Deleted
+            && let (Some(marked), Some(rv)) = (slot.relist_rv(), rv)
+            && rv < marked
+        {
+            debug!(%uid, rv, marked, "a newer version waits for its listed body; older one dropped");
+            return;
+        }
         // The echo of our own write always waits with its body (marking it would cost another
         // LIST): echoes come only as fast as cycles end, so they exceed the bound by the cycles
         // that ended while their echo is on its way.
-        let echo = rv.is_some() && rv == slot.written_rv();
+        let echo = watched && rv.is_some() && rv == slot.written_rv();
         if slot.pending.is_none() && event_type != EventType::Deleted && !echo && !self.has_room() {
             // As many bodies wait as may: this one is listed again when there is room.
             debug!(%uid, "too many objects wait; the object waits for its listed body");
@@ -430,7 +446,8 @@ impl Queue {
     pub fn resync(&self) {
         let (bodies, at_rest) = {
             let mut slots = self.slots.lock();
-            let mut bodies = Vec::new();
+            // Kept compressed: each is parsed only as it is queued.
+            let mut bodies: Vec<Stored> = Vec::new();
             let mut at_rest = 0_usize;
             // Objects with work waiting get a cycle anyway. One whose cycle runs now may have
             // started it with the old handlers: it runs once more after it, with the body that
@@ -445,7 +462,7 @@ impl Queue {
                 }
                 match &slot.last_body {
                     // A body waiting for its listing is newer than the one in memory.
-                    Some(body) if slot.relist.is_none() => bodies.push(body.value()),
+                    Some(body) if slot.relist.is_none() => bodies.push(body.clone()),
                     _ => {
                         slot.mark(slot.relist.unwrap_or(EventType::Modified), None);
                         at_rest += 1;
@@ -459,7 +476,7 @@ impl Queue {
         };
         debug!(objects = bodies.len(), at_rest, "re-processing known objects");
         for body in bodies {
-            self.push(EventType::Modified, body);
+            self.queue_body(EventType::Modified, body.value(), false);
         }
         if at_rest > 0 {
             self.relist();
@@ -587,6 +604,10 @@ impl Queue {
             self.enqueue(uid.to_owned());
             return;
         }
+        if slot.pending.take().is_some() {
+            // Stopped: the next queue of the resource lists the object again.
+            self.count_waiting(-1);
+        }
         // A wake-up that came while the cycle ended without keeping a body was for work that
         // cycle did: nothing is left to re-run.
         slot.rerun = false;
@@ -602,10 +623,11 @@ impl Queue {
         };
         let body = stored.value();
         if *self.ctx.paused.borrow() && event_type != EventType::Deleted {
-            // Paused (frozen, standby, draining): nothing is processed or written; the
-            // newest body is kept for when dispatch resumes.
+            // Paused (frozen, standby, draining): nothing is processed or written, and no body
+            // is kept (a standby watching 100,000 objects would keep them all): resuming
+            // re-processes every object, those without a body by listing them again.
             if let Some(slot) = self.slots.lock().get_mut(uid) {
-                slot.last_body = Some(stored);
+                slot.last_body = None;
             }
             return;
         }
@@ -794,7 +816,7 @@ impl Queue {
         };
         // The body is kept only when something will run again without a new event; an object
         // at rest is listed again if it must be re-processed (see `relisting`).
-        let keep = wake_at.is_some() || slot.rerun || daemons_alive || paused;
+        let keep = wake_at.is_some() || slot.rerun || daemons_alive;
         match written {
             Written::Stored(stored) => {
                 slot.set_written_rv(rv_of(&stored).or(slot.written_rv()));
@@ -874,7 +896,7 @@ impl Queue {
             slot.last_body.as_ref().map(Stored::value)
         };
         if let Some(body) = body {
-            self.push(EventType::Modified, body);
+            self.queue_body(EventType::Modified, body, false);
         }
     }
 }

@@ -250,7 +250,7 @@ impl Default for Metrics {
         let pending = Family::<ResourceLabels, Gauge>::default();
         registry.register(
             "capstan_objects_pending",
-            "Objects with an event waiting for processing with its body, by resource (at most the queue's waiting bound; more are listed again).",
+            "Objects with an event waiting for processing with its body, by resource (about the queue's waiting bound at most: beyond it, objects wait to be listed again).",
             pending.clone(),
         );
         let processing = Gauge::default();

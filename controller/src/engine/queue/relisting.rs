@@ -77,6 +77,24 @@ pub(super) struct Relisting {
     /// An object was marked since the running listing began its pass (set and read under the
     /// queue's slots lock, with the marks).
     marked: AtomicBool,
+    /// When the last listing ended, and the pause before a listing for new marks may start:
+    /// marks that keep coming while the queue is full must not list the whole collection
+    /// back to back.
+    spacing: Mutex<Spacing>,
+}
+
+struct Spacing {
+    ended: Option<tokio::time::Instant>,
+    pause: Duration,
+}
+
+impl Default for Spacing {
+    fn default() -> Self {
+        Self {
+            ended: None,
+            pause: FIRST_PAUSE,
+        }
+    }
 }
 
 impl Relisting {
@@ -112,7 +130,7 @@ impl Queue {
         if let Some((_, previous)) = current.take() {
             previous.cancel();
         }
-        self.start_listing(&mut current);
+        self.start_listing(&mut current, Duration::ZERO);
     }
 
     /// Makes sure a listing runs for the objects marked (called after marking them): one that
@@ -120,11 +138,26 @@ impl Queue {
     pub(super) fn relist_soon(&self) {
         let mut current = self.relisting.current.lock();
         if current.is_none() {
-            self.start_listing(&mut current);
+            // Soon after the last listing ended, the pause grows with each listing.
+            let mut spacing = self.relisting.spacing.lock();
+            let since = spacing.ended.map(|at| at.elapsed());
+            let delay = match since {
+                Some(since) if since < LONGEST_PAUSE => {
+                    let delay = spacing.pause.saturating_sub(since);
+                    spacing.pause = (spacing.pause * 2).min(LONGEST_PAUSE);
+                    delay
+                }
+                _ => {
+                    spacing.pause = FIRST_PAUSE;
+                    Duration::ZERO
+                }
+            };
+            drop(spacing);
+            self.start_listing(&mut current, delay);
         }
     }
 
-    fn start_listing(&self, current: &mut Option<(u64, CancellationToken)>) {
+    fn start_listing(&self, current: &mut Option<(u64, CancellationToken)>, delay: Duration) {
         let cancel = self.ctx.cancel.child_token();
         let number = self.relisting.started.fetch_add(1, Ordering::Relaxed);
         *current = Some((number, cancel.clone()));
@@ -135,8 +168,13 @@ impl Queue {
                 // Between passes: growing while objects keep being marked during passes (a
                 // trickle of marks must not become a stream of whole LISTs) or listings fail.
                 let mut pause = FIRST_PAUSE;
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    () = tokio::time::sleep(delay) => {}
+                }
                 loop {
-                    if queue.pass_done(number, false) {
+                    // Not while paused: resuming re-processes (and lists) every object.
+                    if !queue.unpaused(&cancel).await || queue.pass_done(number, false) {
                         return;
                     }
                     let listed = tokio::select! {
@@ -195,7 +233,7 @@ impl Queue {
         let done = if listed && !marked_since {
             let mut unlisted = 0_usize;
             for slot in slots.values_mut().filter(|s| s.relist.is_some()) {
-                slot.relist = None;
+                slot.unmark();
                 unlisted += 1;
             }
             if unlisted > 0 {
@@ -209,6 +247,7 @@ impl Queue {
             let mut current = self.relisting.current.lock();
             if current.as_ref().is_some_and(|(n, _)| *n == number) {
                 *current = None;
+                self.relisting.spacing.lock().ended = Some(tokio::time::Instant::now());
             }
             debug!("no object waits for its listed body any more");
         }
@@ -267,17 +306,9 @@ impl Queue {
     /// (paused cycles keep their bodies; resuming re-processes the marked objects), or
     /// `cancel`.
     async fn room(&self, cancel: &CancellationToken) {
-        let mut paused = self.ctx.paused.clone();
         loop {
             let room = self.ready.room.notified();
-            if *paused.borrow_and_update() {
-                tokio::select! {
-                    () = cancel.cancelled() => return,
-                    changed = paused.changed() => if changed.is_err() { return },
-                }
-                continue;
-            }
-            if self.has_room() || cancel.is_cancelled() {
+            if !self.unpaused(cancel).await || self.has_room() {
                 return;
             }
             tokio::select! {
@@ -285,6 +316,20 @@ impl Queue {
                 () = room => {}
             }
         }
+    }
+
+    /// Waits while dispatch is paused; returns false if `cancel` came first.
+    async fn unpaused(&self, cancel: &CancellationToken) -> bool {
+        let mut paused = self.ctx.paused.clone();
+        let unpaused = tokio::select! {
+            () = cancel.cancelled() => return false,
+            unpaused = paused.wait_for(|p| !p) => unpaused.is_ok(),
+        };
+        if !unpaused {
+            // The pause can no longer change: nothing is dispatched any more.
+            cancel.cancelled().await;
+        }
+        !cancel.is_cancelled()
     }
 
     /// Queues a listed body for a marked known object: unless a cycle started since, work

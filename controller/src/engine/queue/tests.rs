@@ -89,9 +89,27 @@ fn queue_with(
     objects: Objects,
     relisting: relisting::Settings,
 ) -> Queue {
+    queue_pausable(
+        invoker,
+        handlers,
+        limit,
+        objects,
+        relisting,
+        watch::channel(false).1,
+    )
+}
+
+/// As [`queue_with`], paused by `paused`.
+fn queue_pausable(
+    invoker: Arc<dyn Invoker>,
+    handlers: Vec<Registration>,
+    limit: Arc<Semaphore>,
+    objects: Objects,
+    relisting: relisting::Settings,
+    paused: watch::Receiver<bool>,
+) -> Queue {
     let cancel = CancellationToken::new();
     let (_handlers_tx, handlers) = watch::channel(Arc::new(handlers));
-    let (_paused_tx, paused) = watch::channel(false);
     let (stopped, _stopped_rx) = tokio::sync::mpsc::unbounded_channel();
     let storage = Storage::annotations("capstan.dev");
     let daemons = super::super::daemons::Daemons::new(super::super::daemons::Context {
@@ -998,4 +1016,123 @@ async fn a_re_run_leaves_a_newer_marked_event_to_its_listed_body() {
         vec![("u1".to_owned(), "60".to_owned())],
         "one cycle, with the newer listed body"
     );
+}
+
+/// A body kept in memory (a timer's or a resync's) read just before a newer event marked the
+/// object is not queued: the listing brings the newer one.
+#[tokio::test(start_paused = true)]
+async fn an_older_body_kept_in_memory_is_not_queued_under_a_newer_mark() {
+    let (_open, invoker) = Gated::new();
+    let queue = queue_with(
+        invoker,
+        vec![create_fn()],
+        Arc::new(Semaphore::new(0)),
+        objects(),
+        bounded(1),
+    );
+    queue.slots.lock().insert(
+        "u1".into(),
+        Slot {
+            last_body: Some(Stored::new(&at_version(1, "50"))),
+            written: NonZeroU64::new(50),
+            relist: Some(EventType::Modified),
+            relist_version: NonZeroU64::new(60),
+            ..Slot::default()
+        },
+    );
+    queue.queue_body(EventType::Modified, at_version(1, "50"), false);
+    let slots = queue.slots.lock();
+    let slot = slots.get("u1").expect("slot");
+    assert!(slot.pending.is_none(), "the older body was queued");
+    assert_eq!(slot.relist_rv(), Some(60), "the mark stays");
+}
+
+/// While dispatch is paused, cycles keep no body and nothing is listed; resuming (a resync)
+/// lists the objects and each gets its cycle.
+#[tokio::test(start_paused = true)]
+async fn a_paused_queue_keeps_no_bodies_and_resuming_lists_the_objects() {
+    let (open, invoker) = Gated::new();
+    open.send_replace(true);
+    let lists = Arc::new(AtomicU32::new(0));
+    let (pause, paused) = watch::channel(true);
+    let queue = queue_pausable(
+        invoker.clone(),
+        vec![create_fn()],
+        Arc::new(Semaphore::new(2)),
+        listing(
+            (0..3).map(numbered).collect(),
+            lists.clone(),
+            watch::channel(true).1,
+        ),
+        bounded(2),
+        paused,
+    );
+    for n in 0..3 {
+        queue.push(EventType::Listing, numbered(n));
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while queue
+        .slots
+        .lock()
+        .values()
+        .any(|s| s.running || s.pending.is_some())
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the paused cycles did not end"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(invoker.total(), 0, "nothing is processed while paused");
+    assert!(
+        queue.slots.lock().values().all(|s| s.last_body.is_none()),
+        "no body kept"
+    );
+    assert_eq!(lists.load(Ordering::SeqCst), 0, "nothing listed while paused");
+    pause.send_replace(false);
+    queue.resync();
+    until_idle(&queue, || invoker.total(), 3).await;
+    assert_eq!(lists.load(Ordering::SeqCst), 1);
+    assert!(invoker.calls.lock().values().all(|n| *n == 1));
+}
+
+/// A listing for new marks soon after the last one ended waits for the pause first: marks
+/// that keep coming while the queue is full do not list the collection back to back.
+#[tokio::test(start_paused = true)]
+async fn listings_for_new_marks_are_spaced() {
+    let (open, invoker) = Gated::new();
+    let lists = Arc::new(AtomicU32::new(0));
+    let queue = queue_with(
+        invoker.clone(),
+        vec![create_fn()],
+        Arc::new(Semaphore::new(1)),
+        listing(
+            (0..3).map(numbered).collect(),
+            lists.clone(),
+            watch::channel(true).1,
+        ),
+        bounded(1),
+    );
+    queue.push(EventType::Listing, numbered(0));
+    queue.push(EventType::Listing, numbered(1));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(lists.load(Ordering::SeqCst), 1);
+    assert!(
+        queue.relisting.current.lock().is_none(),
+        "the first listing ended"
+    );
+    // u0 runs, u1 waits with its body: the queue is full.
+    queue.push(EventType::Listing, numbered(2));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        lists.load(Ordering::SeqCst),
+        1,
+        "the second listing waits for the pause"
+    );
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(lists.load(Ordering::SeqCst), 2);
+    open.send_replace(true);
+    until_idle(&queue, || invoker.total(), 3).await;
+    assert!(invoker.calls.lock().values().all(|n| *n == 1));
 }
