@@ -424,7 +424,7 @@ impl Queue {
             self.relist_soon();
             return;
         }
-        if self.set_pending(slot, event_type, &body) {
+        if self.set_pending(slot, event_type, Stored::new(&body)) {
             drop(slots);
             self.enqueue(uid);
         }
@@ -432,11 +432,11 @@ impl Queue {
 
     /// Makes `body` the object's next work; returns whether the object must be put on the
     /// ready list (it had no worker and none waiting).
-    fn set_pending(&self, slot: &mut Slot, event_type: EventType, body: &Value) -> bool {
+    fn set_pending(&self, slot: &mut Slot, event_type: EventType, body: Stored) -> bool {
         if slot.pending.is_none() {
             self.count_waiting(1);
         }
-        slot.pending = Some((event_type, Stored::new(body)));
+        slot.pending = Some((event_type, body));
         !std::mem::replace(&mut slot.running, true)
     }
 

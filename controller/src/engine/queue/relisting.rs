@@ -30,11 +30,10 @@ use std::{
 };
 
 use parking_lot::Mutex;
-use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::{Queue, rv_of, uid_of};
+use super::{Queue, Stored};
 use crate::k8s::watch::{is_gone, list_page, list_params};
 
 /// How the queue's objects are listed again: as the watch lists them.
@@ -269,23 +268,29 @@ impl Queue {
             let mut params = params.clone();
             loop {
                 let page = list_page(&api, &params, settings.timeout).await?;
-                for obj in page.items {
-                    let marked = obj
-                        .metadata
-                        .uid
-                        .as_deref()
-                        .and_then(|uid| self.slots.lock().get(uid).map(|s| s.relist.is_some()))
-                        .unwrap_or(false);
-                    if !marked {
-                        continue;
-                    }
-                    let body = crate::k8s::objects::to_value(obj);
+                let next = page.metadata.continue_.filter(|c| !c.is_empty());
+                // Only the marked objects are kept, compressed, while the pass waits for room:
+                // a parsed page of 500 objects takes several MiB.
+                let marked: Vec<(String, Stored)> = page
+                    .items
+                    .into_iter()
+                    .filter_map(|obj| {
+                        let uid = obj.metadata.uid.clone()?;
+                        let marked = self
+                            .slots
+                            .lock()
+                            .get(uid.as_str())
+                            .is_some_and(|s| s.relist.is_some());
+                        marked.then(|| (uid, Stored::new(&crate::k8s::objects::to_value(obj))))
+                    })
+                    .collect();
+                for (uid, body) in marked {
                     loop {
                         self.room(cancel).await;
                         if cancel.is_cancelled() {
                             return Ok(queued);
                         }
-                        match self.push_listed(&body) {
+                        match self.push_listed(&uid, &body) {
                             Listed::Queued => queued += 1,
                             Listed::Skipped => {}
                             Listed::NoRoom => continue,
@@ -293,7 +298,7 @@ impl Queue {
                         break;
                     }
                 }
-                match page.metadata.continue_.filter(|c| !c.is_empty()) {
+                match next {
                     Some(token) => params.continue_token = Some(token),
                     None => break,
                 }
@@ -336,15 +341,12 @@ impl Queue {
     /// waits, it is gone, or the body is older than what its last cycle saw (skipped), or
     /// older than the event that marked it (skipped, kept marked for a later pass); or the
     /// queue has no room (checked under the slots lock, with the marks).
-    fn push_listed(&self, body: &Value) -> Listed {
-        let Some(uid) = uid_of(body) else {
-            return Listed::Skipped;
-        };
+    fn push_listed(&self, uid: &str, body: &Stored) -> Listed {
         let mut slots = self.slots.lock();
-        let Some(slot) = slots.get_mut(uid.as_str()) else {
+        let Some(slot) = slots.get_mut(uid) else {
             return Listed::Skipped;
         };
-        let rv = rv_of(body);
+        let rv = body.rv();
         let older = matches!((slot.written_rv(), rv), (Some(w), Some(rv)) if rv < w);
         let Some(event_type) = slot
             .relist
@@ -362,9 +364,9 @@ impl Queue {
             return Listed::NoRoom;
         }
         slot.unmark();
-        if self.set_pending(slot, event_type, body) {
+        if self.set_pending(slot, event_type, body.clone()) {
             drop(slots);
-            self.enqueue(uid);
+            self.enqueue(uid.to_owned());
         }
         Listed::Queued
     }
