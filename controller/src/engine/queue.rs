@@ -413,9 +413,15 @@ impl Queue {
         }
         // The echo of our own write always waits with its body (marking it would cost another
         // LIST): echoes come only as fast as cycles end, so they exceed the bound by the cycles
-        // that ended while their echo is on its way.
+        // that ended while their echo is on its way. So does the next event of an object whose
+        // cycle runs (its echo may come before the write's answer): at most one per worker.
         let echo = watched && rv.is_some() && rv == slot.written_rv();
-        if slot.pending.is_none() && event_type != EventType::Deleted && !echo && !self.has_room() {
+        if slot.pending.is_none()
+            && event_type != EventType::Deleted
+            && !echo
+            && !slot.running
+            && !self.has_room()
+        {
             // As many bodies wait as may: this one is listed again when there is room.
             debug!(%uid, "too many objects wait; the object waits for its listed body");
             slot.mark(event_type, rv);

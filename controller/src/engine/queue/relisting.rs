@@ -172,8 +172,14 @@ impl Queue {
                     () = tokio::time::sleep(delay) => {}
                 }
                 loop {
-                    // Not while paused: resuming re-processes (and lists) every object.
-                    if !queue.unpaused(&cancel).await || queue.pass_done(number, false) {
+                    // Not while paused: resuming re-processes (and lists) every object. Not while
+                    // the queue is more than half full: the bodies would wait for room anyway,
+                    // and the listing that marked the objects (the watch's) is likely still
+                    // going, so a pass now would miss its later marks and need another.
+                    if !queue.unpaused(&cancel).await
+                        || !queue.low_water(&cancel).await
+                        || queue.pass_done(number, false)
+                    {
                         return;
                     }
                     let listed = tokio::select! {
@@ -318,6 +324,22 @@ impl Queue {
             }
             tokio::select! {
                 () = cancel.cancelled() => return,
+                () = room => {}
+            }
+        }
+    }
+
+    /// Waits until at most half the waiting bound is used; returns false if `cancel` came
+    /// first.
+    async fn low_water(&self, cancel: &CancellationToken) -> bool {
+        let half = self.ctx.relisting.waiting_bodies / 2;
+        loop {
+            let room = self.ready.room.notified();
+            if self.ready.waiting.load(std::sync::atomic::Ordering::Relaxed) <= half {
+                return true;
+            }
+            tokio::select! {
+                () = cancel.cancelled() => return false,
                 () = room => {}
             }
         }
