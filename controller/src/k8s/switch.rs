@@ -56,6 +56,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use super::{
     client::{self, USER_AGENT},
     reachability::{self, Reachability},
+    transport,
 };
 use crate::model::Credentials;
 
@@ -122,7 +123,7 @@ impl Switchable {
             .await
             .map_err(|e| client::Error::Config(kube::Error::InferConfig(e)))?;
         with_user_agent(&mut config);
-        let base = Client::try_from(config.clone()).map_err(client::Error::Config)?;
+        let base = transport::client(&config).map_err(client::Error::Config)?;
         Ok(Self::build(
             config,
             base,
@@ -213,7 +214,7 @@ impl Switchable {
     /// See [`Error`]; the previous credentials stay in use.
     pub async fn install(&self, source: &str, credentials: &Credentials) -> Result<(), Error> {
         let config = self.config_for(credentials).await?;
-        let client = Client::try_from(config).map_err(|e| Error::Unusable(e.to_string()))?;
+        let client = transport::client(&config).map_err(|e| Error::Unusable(e.to_string()))?;
         match tokio::time::timeout(VERIFY_TIMEOUT, client.list_core_api_versions()).await {
             Err(_) => {
                 return Err(Error::Unreachable(kube::Error::Service(

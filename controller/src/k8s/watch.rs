@@ -38,7 +38,7 @@ use std::{collections::HashMap, sync::Arc, time::Duration};
 use futures::{StreamExt, TryStreamExt};
 use kube::{
     Api,
-    api::{DynamicObject, ListParams, ObjectList, WatchEvent, WatchParams},
+    api::{DynamicObject, WatchEvent, WatchParams},
     runtime::{utils::Backoff as _, watcher::DefaultBackoff},
 };
 use parking_lot::Mutex;
@@ -48,6 +48,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::{
+    listing::{list_page, list_params},
     objects::to_value,
     reachability::{self, Reachability},
 };
@@ -290,8 +291,10 @@ impl Watch {
         loop {
             let page = list_page(&self.api, &params, self.settings.inactivity_timeout).await?;
             self.status.moved();
-            rv = page.metadata.resource_version.clone().unwrap_or(rv);
-            for obj in page.items {
+            rv = page.resource_version.clone().unwrap_or(rv);
+            let next = page.continue_token.clone();
+            for obj in page.objects() {
+                let obj = obj?;
                 if let Some(uid) = obj.metadata.uid.as_deref() {
                     seen.insert(uid.into(), Known::of(&obj));
                 }
@@ -306,7 +309,7 @@ impl Watch {
                     return Ok(None);
                 }
             }
-            match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            match next {
                 Some(token) => params.continue_token = Some(token),
                 None => break,
             }
@@ -472,33 +475,6 @@ impl Known {
     /// The namespace and the name.
     fn split(&self) -> (&str, &str) {
         self.0.split_once('/').unwrap_or(("", &self.0))
-    }
-}
-
-/// The parameters of a paged LIST with the watch's server-side selectors.
-pub fn list_params(page_size: u32, label_selector: Option<&str>, field_selector: Option<&str>) -> ListParams {
-    let mut params = ListParams::default().limit(page_size);
-    if let Some(l) = label_selector {
-        params = params.labels(l);
-    }
-    if let Some(f) = field_selector {
-        params = params.fields(f);
-    }
-    params
-}
-
-/// One page of a LIST, failing as timed out when it takes longer than `timeout`.
-pub async fn list_page(
-    api: &Api<DynamicObject>,
-    params: &ListParams,
-    timeout: Duration,
-) -> Result<ObjectList<DynamicObject>, kube::Error> {
-    match tokio::time::timeout(timeout, api.list(params)).await {
-        Ok(page) => page,
-        Err(_) => Err(kube::Error::Service(Box::new(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("listing hung for {timeout:?}"),
-        )))),
     }
 }
 

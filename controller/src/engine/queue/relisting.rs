@@ -34,7 +34,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::{Queue, Stored};
-use crate::k8s::watch::{is_gone, list_page, list_params};
+use crate::k8s::{
+    listing::{list_page, list_params},
+    watch::is_gone,
+};
 
 /// How the queue's objects are listed again: as the watch lists them.
 #[derive(Clone, Debug)]
@@ -274,22 +277,24 @@ impl Queue {
             let mut params = params.clone();
             loop {
                 let page = list_page(&api, &params, settings.timeout).await?;
-                let next = page.metadata.continue_.filter(|c| !c.is_empty());
-                // Only the marked objects are kept, compressed, while the pass waits for room:
-                // a parsed page of 500 objects takes several MiB.
-                let marked: Vec<(String, Stored)> = page
-                    .items
-                    .into_iter()
-                    .filter_map(|obj| {
-                        let uid = obj.metadata.uid.clone()?;
-                        let marked = self
-                            .slots
-                            .lock()
-                            .get(uid.as_str())
-                            .is_some_and(|s| s.relist.is_some());
-                        marked.then(|| (uid, Stored::new(&crate::k8s::objects::to_value(obj))))
-                    })
-                    .collect();
+                let next = page.continue_token.clone();
+                // Only the marked objects are kept, compressed, while the pass waits for room;
+                // the page's objects are parsed one at a time (see `k8s::listing`).
+                let mut marked: Vec<(String, Stored)> = Vec::new();
+                for obj in page.objects() {
+                    let obj = obj?;
+                    let Some(uid) = obj.metadata.uid.clone() else {
+                        continue;
+                    };
+                    let is_marked = self
+                        .slots
+                        .lock()
+                        .get(uid.as_str())
+                        .is_some_and(|s| s.relist.is_some());
+                    if is_marked {
+                        marked.push((uid, Stored::new(&crate::k8s::objects::to_value(obj))));
+                    }
+                }
                 for (uid, body) in marked {
                     loop {
                         self.room(cancel).await;

@@ -1,0 +1,147 @@
+//! Paged LISTs whose objects stay text until they are taken, one at a time.
+//!
+//! Why not `Api::list`: it parses a whole page (500 objects by default) into `DynamicObject`s
+//! at once, and a parsed object takes several times the size of its JSON. Listings run when
+//! the controller is busiest — the watch's initial listing at start-up and the listing of
+//! marked objects ([`crate::engine::queue`]) while every worker is taken — and a parsed page
+//! was the largest single item of the start-up peak. Here a page is split into its objects'
+//! texts, and each object is parsed only when the caller takes it.
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ListMeta;
+use kube::{
+    Api,
+    api::{DynamicObject, ListParams},
+};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+/// The parameters of a paged LIST with a watch's server-side selectors.
+pub fn list_params(page_size: u32, label_selector: Option<&str>, field_selector: Option<&str>) -> ListParams {
+    let mut params = ListParams::default().limit(page_size);
+    if let Some(l) = label_selector {
+        params = params.labels(l);
+    }
+    if let Some(f) = field_selector {
+        params = params.fields(f);
+    }
+    params
+}
+
+/// One page of a LIST: its list metadata, and its objects as text.
+#[derive(Debug)]
+pub struct Page {
+    /// The list's resourceVersion, when the server gave one.
+    pub resource_version: Option<String>,
+    /// The token of the next page; `None` on the last page.
+    pub continue_token: Option<String>,
+    items: Vec<Box<RawValue>>,
+}
+
+impl Page {
+    /// Splits a LIST answer into its metadata and its objects' texts.
+    fn parse(text: &str) -> Result<Self, serde_json::Error> {
+        #[derive(Deserialize)]
+        struct Wire {
+            #[serde(default)]
+            metadata: ListMeta,
+            #[serde(default)]
+            items: Option<Vec<Box<RawValue>>>,
+        }
+        let wire: Wire = serde_json::from_str(text)?;
+        Ok(Self {
+            resource_version: wire.metadata.resource_version,
+            continue_token: wire.metadata.continue_.filter(|c| !c.is_empty()),
+            items: wire.items.unwrap_or_default(),
+        })
+    }
+
+    /// How many objects the page holds.
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// Whether the page holds no objects.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// The page's objects in order, each parsed when taken (and its text freed then).
+    pub fn objects(self) -> impl Iterator<Item = Result<DynamicObject, kube::Error>> {
+        self.items
+            .into_iter()
+            .map(|raw| serde_json::from_str(raw.get()).map_err(kube::Error::SerdeError))
+    }
+}
+
+/// One page of a LIST, failing as timed out when it takes longer than `timeout`.
+///
+/// # Errors
+/// The API's answer as [`kube::Error::Api`] (410 Gone for an expired continue token), a
+/// transport error, a timeout, or [`kube::Error::SerdeError`] for an answer that is no list.
+pub async fn list_page(
+    api: &Api<DynamicObject>,
+    params: &ListParams,
+    timeout: Duration,
+) -> Result<Page, kube::Error> {
+    let mut request = kube::core::Request::new(api.resource_url())
+        .list(params)
+        .map_err(kube::Error::BuildRequest)?;
+    request.extensions_mut().insert("list");
+    let client = api.clone().into_client();
+    let text = match tokio::time::timeout(timeout, client.request_text(request)).await {
+        Ok(text) => text?,
+        Err(_) => {
+            return Err(kube::Error::Service(Box::new(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("listing hung for {timeout:?}"),
+            ))));
+        }
+    };
+    Page::parse(&text).map_err(kube::Error::SerdeError)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_keeps_its_metadata_and_yields_its_objects_in_order() {
+        let text = r#"{"apiVersion":"v1","kind":"List","metadata":{"resourceVersion":"42","continue":"next"},
+            "items":[{"apiVersion":"demo.capstan.dev/v1","kind":"Example","metadata":{"name":"a","uid":"u1"},"spec":{"x":1}},
+                     {"apiVersion":"demo.capstan.dev/v1","kind":"Example","metadata":{"name":"b","uid":"u2"}}]}"#;
+        let page = Page::parse(text).unwrap();
+        assert_eq!(page.resource_version.as_deref(), Some("42"));
+        assert_eq!(page.continue_token.as_deref(), Some("next"));
+        assert_eq!(page.len(), 2);
+        let objects: Vec<DynamicObject> = page.objects().collect::<Result<_, _>>().unwrap();
+        assert_eq!(objects[0].metadata.uid.as_deref(), Some("u1"));
+        assert_eq!(objects[0].data["spec"]["x"], 1);
+        assert_eq!(objects[1].metadata.name.as_deref(), Some("b"));
+    }
+
+    #[test]
+    fn the_last_page_has_no_continue_token_and_null_items_are_no_objects() {
+        let page = Page::parse(r#"{"metadata":{"continue":""},"items":null}"#).unwrap();
+        assert_eq!(page.continue_token, None);
+        assert!(page.is_empty());
+        let page = Page::parse(r#"{"metadata":{}}"#).unwrap();
+        assert!(page.is_empty() && page.resource_version.is_none());
+    }
+
+    #[test]
+    fn an_object_that_is_not_one_fails_when_taken() {
+        let page =
+            Page::parse(r#"{"metadata":{},"items":[{"metadata":{"name":"a"}},{"metadata":"nonsense"}]}"#)
+                .unwrap();
+        let taken: Vec<_> = page.objects().collect();
+        assert!(taken[0].is_ok());
+        assert!(matches!(taken[1], Err(kube::Error::SerdeError(_))));
+    }
+
+    #[test]
+    fn an_answer_that_is_no_list_is_an_error() {
+        assert!(Page::parse("[1,2]").is_err());
+    }
+}
