@@ -111,6 +111,8 @@ struct Inner {
     reachability: Reachability,
     /// Room for requests other than watches (see the module docs).
     requests: Arc<Semaphore>,
+    /// How many connections the pool of a client built for new credentials keeps idle.
+    pool_idle: usize,
 }
 
 impl Switchable {
@@ -123,7 +125,7 @@ impl Switchable {
             .await
             .map_err(|e| client::Error::Config(kube::Error::InferConfig(e)))?;
         with_user_agent(&mut config);
-        let base = transport::client(&config).map_err(client::Error::Config)?;
+        let base = transport::client(&config, requests).map_err(client::Error::Config)?;
         Ok(Self::build(
             config,
             base,
@@ -164,6 +166,7 @@ impl Switchable {
             timeout,
             reachability,
             requests: Arc::new(Semaphore::new(requests.max(1))),
+            pool_idle: requests.max(1),
         });
         let routed = Client::new(
             Route {
@@ -214,7 +217,8 @@ impl Switchable {
     /// See [`Error`]; the previous credentials stay in use.
     pub async fn install(&self, source: &str, credentials: &Credentials) -> Result<(), Error> {
         let config = self.config_for(credentials).await?;
-        let client = transport::client(&config).map_err(|e| Error::Unusable(e.to_string()))?;
+        let client =
+            transport::client(&config, self.inner.pool_idle).map_err(|e| Error::Unusable(e.to_string()))?;
         match tokio::time::timeout(VERIFY_TIMEOUT, client.list_core_api_versions()).await {
             Err(_) => {
                 return Err(Error::Unreachable(kube::Error::Service(

@@ -6,9 +6,10 @@
 //! 90 s, however many, and each keeps a read buffer as large as the largest answer it ever read
 //! (up to ~400 KiB: a page of a LIST). A start-up burst runs `--api-requests` requests at once,
 //! so dozens of connections stayed open with their TLS state and buffers long after it, and the
-//! buffers grown by LIST pages were the start-up peak's largest item. Here at most
-//! [`IDLE_CONNECTIONS`] connections wait idle, an idle one closes after [`IDLE_TIMEOUT`], and a
-//! connection's buffers never grow beyond [`BUFFER_LIMIT`].
+//! buffers grown by LIST pages were the start-up peak's largest item. Here an idle connection closes
+//! after [`IDLE_TIMEOUT`], at most as many wait idle as requests may run at once (more would
+//! only be opened by watches, which keep theirs), and a connection's buffers never grow beyond
+//! [`BUFFER_LIMIT`].
 //!
 //! What kube-rs's stack has that this one leaves out: its HTTP tracing spans (debug level), and
 //! the `valid_until` of clients whose exec plugin issues client certificates (nothing here reads
@@ -27,10 +28,6 @@ use kube::{
 };
 use tower::{BoxError, ServiceBuilder, ServiceExt as _, retry::RetryLayer};
 
-/// At most this many connections wait idle for the next request. A burst opens up to
-/// `--api-requests`; those beyond this close as they come back.
-pub const IDLE_CONNECTIONS: usize = 16;
-
 /// An idle connection closes after this long (kube-rs: 90 s). Reconnecting costs a TLS
 /// handshake, which a controller busy enough to notice keeps its connections busy enough to
 /// avoid.
@@ -40,12 +37,14 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 /// answer is read in chunks of this size; TLS records are at most 16 KiB anyway.
 pub const BUFFER_LIMIT: usize = 64 * 1024;
 
-/// Builds an API client for `config` on a bounded connection pool (see the module docs).
+/// Builds an API client for `config` on a bounded connection pool (see the module docs) where
+/// at most `idle` connections wait idle: the number of requests that may run at once, so that
+/// a sustained burst reuses its connections rather than closing and opening them.
 ///
 /// # Errors
 /// What kube-rs reports for an unusable configuration (bad certificates, an auth provider that
 /// cannot start).
-pub fn client(config: &Config) -> Result<Client, kube::Error> {
+pub fn client(config: &Config, idle: usize) -> Result<Client, kube::Error> {
     if config.proxy_url.is_some() {
         return Client::try_from(config.clone());
     }
@@ -54,7 +53,7 @@ pub fn client(config: &Config) -> Result<Client, kube::Error> {
     http.set_connect_timeout(config.connect_timeout);
     let https = config.rustls_https_connector_with_connector(http)?;
     let pool: Pool<_, Body> = Pool::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(IDLE_CONNECTIONS)
+        .pool_max_idle_per_host(idle.max(1))
         .pool_idle_timeout(IDLE_TIMEOUT)
         .pool_timer(TokioTimer::new())
         .http1_max_buf_size(BUFFER_LIMIT)
@@ -85,6 +84,9 @@ mod tests {
     };
 
     use super::*;
+
+    /// The idle bound of the tests' clients.
+    const IDLE: usize = 16;
 
     /// A plain-HTTP API server that answers every request with an empty namespace list and
     /// counts the connections it accepted and those still open.
@@ -135,17 +137,17 @@ mod tests {
     #[tokio::test]
     async fn a_burst_leaves_at_most_the_idle_bound_open_and_none_after_the_idle_timeout() {
         let (config, accepted, open) = server().await;
-        let client = client(&config).unwrap();
+        let client = client(&config, IDLE).unwrap();
         let burst = 40;
         futures::future::join_all((0..burst).map(|_| list(&client))).await;
         assert!(
-            accepted.load(Ordering::SeqCst) > IDLE_CONNECTIONS,
+            accepted.load(Ordering::SeqCst) > IDLE,
             "the burst needed more connections than may wait idle"
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
         let after_burst = open.load(Ordering::SeqCst);
         assert!(
-            after_burst <= IDLE_CONNECTIONS,
+            after_burst <= IDLE,
             "{after_burst} connections open after the burst"
         );
         tokio::time::sleep(IDLE_TIMEOUT * 2 + Duration::from_millis(500)).await;
@@ -161,7 +163,7 @@ mod tests {
     #[tokio::test]
     async fn requests_one_after_another_share_one_connection() {
         let (config, accepted, _) = server().await;
-        let client = client(&config).unwrap();
+        let client = client(&config, IDLE).unwrap();
         for _ in 0..5 {
             list(&client).await;
         }

@@ -112,6 +112,9 @@ func stopAll() {
 type memory struct {
 	RSSKiB int64 `json:"rss_kib"`
 	HWMKiB int64 `json:"hwm_kib"`
+	// The resident set split: anonymous (heap, stacks) and file-backed (the binary's code).
+	AnonKiB int64 `json:"anon_kib,omitempty"`
+	FileKiB int64 `json:"file_kib,omitempty"`
 }
 
 func readMemory(pid int) (memory, error) {
@@ -133,6 +136,10 @@ func readMemory(pid int) (memory, error) {
 			m.RSSKiB = v
 		case "VmHWM:":
 			m.HWMKiB = v
+		case "RssAnon:":
+			m.AnonKiB = v
+		case "RssFile:":
+			m.FileKiB = v
 		}
 	}
 	return m, sc.Err()
