@@ -464,7 +464,7 @@ impl Engine {
                 scopes: scopes.clone(),
                 label_selector: label_selector.clone(),
                 field_selector: field_selector.clone(),
-                page_size: self.settings.watch.page_size.min(queue::relisting::PAGE_SIZE),
+                page_size: self.settings.watch.page_size,
                 timeout: self.settings.watch.inactivity_timeout,
                 // Sixteen waiting bodies per worker (2,048 by default): a burst the workers
                 // keep up with never waits for a listing; a start with more unhandled objects

@@ -42,18 +42,22 @@ pub struct Page {
 impl Page {
     /// Splits a LIST answer into its metadata and its objects' texts.
     fn parse(text: &str) -> Result<Self, serde_json::Error> {
+        /// `items` must be there (an answer without is no list), but may be `null`.
+        fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Box<RawValue>>, D::Error> {
+            Ok(Option::<Vec<Box<RawValue>>>::deserialize(d)?.unwrap_or_default())
+        }
         #[derive(Deserialize)]
         struct Wire {
             #[serde(default)]
             metadata: ListMeta,
-            #[serde(default)]
-            items: Option<Vec<Box<RawValue>>>,
+            #[serde(deserialize_with = "null_as_empty")]
+            items: Vec<Box<RawValue>>,
         }
         let wire: Wire = serde_json::from_str(text)?;
         Ok(Self {
             resource_version: wire.metadata.resource_version,
             continue_token: wire.metadata.continue_.filter(|c| !c.is_empty()),
-            items: wire.items.unwrap_or_default(),
+            items: wire.items,
         })
     }
 
@@ -126,7 +130,7 @@ mod tests {
         let page = Page::parse(r#"{"metadata":{"continue":""},"items":null}"#).unwrap();
         assert_eq!(page.continue_token, None);
         assert!(page.is_empty());
-        let page = Page::parse(r#"{"metadata":{}}"#).unwrap();
+        let page = Page::parse(r#"{"metadata":{},"items":[]}"#).unwrap();
         assert!(page.is_empty() && page.resource_version.is_none());
     }
 
@@ -143,5 +147,11 @@ mod tests {
     #[test]
     fn an_answer_that_is_no_list_is_an_error() {
         assert!(Page::parse("[1,2]").is_err());
+        // Without `items` an answer is no list, even an empty one or a Status: taking it for an
+        // empty last page would make every known object look deleted.
+        assert!(Page::parse("{}").is_err());
+        assert!(
+            Page::parse(r#"{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Success"}"#).is_err()
+        );
     }
 }

@@ -531,7 +531,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let (url, seen) = recording_server().await;
             let config = exec_config(&url, dir.path(), lifetime).await;
-            let base = Client::try_from(config.clone()).unwrap();
+            let base = transport::client(&config, 4).unwrap();
             let switch = Switchable::new(config, base, DEFAULT_REQUEST_TIMEOUT);
             for _ in 0..2 {
                 switch.base().list_core_api_versions().await.unwrap();

@@ -1,23 +1,26 @@
 //! The HTTP transport of the controller's API clients: kube-rs's own layers (base URI, retries
-//! of 429/503/504, authentication with token refresh, extra headers) and its rustls connector,
-//! on a connection pool that keeps only what the steady state needs.
+//! of 429/503/504, authentication with token refresh, extra headers), its rustls connector and
+//! its connect, read and write timeouts, on a connection pool that keeps only what the steady
+//! state needs.
 //!
-//! Why not `Client::try_from(config)`: its pool keeps every connection a burst opened for
-//! 90 s, however many, and each keeps a read buffer as large as the largest answer it ever read
-//! (up to ~400 KiB: a page of a LIST). A start-up burst runs `--api-requests` requests at once,
-//! so dozens of connections stayed open with their TLS state and buffers long after it, and the
-//! buffers grown by LIST pages were the start-up peak's largest item. Here an idle connection closes
-//! after [`IDLE_TIMEOUT`], at most as many wait idle as requests may run at once (more would
-//! only be opened by watches, which keep theirs), and a connection's buffers never grow beyond
-//! [`BUFFER_LIMIT`].
+//! Why not `Client::try_from(config)`: its pool has no idle reaper and no bound on idle
+//! connections, so the connections a burst opened stay until the API server closes them, and
+//! each keeps a read buffer as large as the largest answer it ever read (up to ~400 KiB: a page
+//! of a LIST). A start-up burst runs `--api-requests` requests at once, so dozens of connections
+//! stayed open with their TLS state and buffers long after it, and the buffers grown by LIST
+//! pages were the start-up peak's largest item. Here an idle connection closes 4–8 s after its
+//! last request ([`IDLE_TIMEOUT`], checked as often), at most as many wait idle as requests may
+//! run at once, and a connection's buffers never grow beyond [`BUFFER_LIMIT`].
 //!
-//! What kube-rs's stack has that this one leaves out: its HTTP tracing spans (debug level), and
-//! the `valid_until` of clients whose exec plugin issues client certificates (nothing here reads
-//! it: expiring credentials are renewed as [`crate::k8s::switch`] describes). A configuration
-//! with a proxy (`proxy-url`) is built by kube-rs as before.
+//! What kube-rs's stack has that this one leaves out: its HTTP tracing (debug spans, and an
+//! error line per failed request: [`crate::k8s::switch`] records failures in its reachability
+//! instead), and the `valid_until` of a client whose exec plugin issues client certificates
+//! (nothing here reads it). A configuration with a `proxy-url` goes to kube-rs unchanged, which
+//! refuses it: this build of kube-rs has no proxy support.
 
 use std::time::Duration;
 
+use hyper_timeout::TimeoutConnector;
 use hyper_util::{
     client::legacy::{Client as Pool, connect::HttpConnector},
     rt::{TokioExecutor, TokioTimer},
@@ -28,9 +31,9 @@ use kube::{
 };
 use tower::{BoxError, ServiceBuilder, ServiceExt as _, retry::RetryLayer};
 
-/// An idle connection closes after this long (kube-rs: 90 s). Reconnecting costs a TLS
-/// handshake, which a controller busy enough to notice keeps its connections busy enough to
-/// avoid.
+/// An idle connection closes after this long, or up to twice as long (the pool checks as
+/// often). Reconnecting costs a TLS handshake, which a controller busy enough to notice keeps
+/// its connections busy enough to avoid.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// The largest read or write buffer of one connection (hyper's default: ~400 KiB). A large
@@ -39,25 +42,34 @@ pub const BUFFER_LIMIT: usize = 64 * 1024;
 
 /// Builds an API client for `config` on a bounded connection pool (see the module docs) where
 /// at most `idle` connections wait idle: the number of requests that may run at once, so that
-/// a sustained burst reuses its connections rather than closing and opening them.
+/// a sustained burst mostly reuses its connections rather than closing and opening them.
 ///
 /// # Errors
 /// What kube-rs reports for an unusable configuration (bad certificates, an auth provider that
-/// cannot start).
+/// cannot start, a proxy).
 pub fn client(config: &Config, idle: usize) -> Result<Client, kube::Error> {
+    pooled(config, idle, IDLE_TIMEOUT)
+}
+
+fn pooled(config: &Config, idle: usize, idle_timeout: Duration) -> Result<Client, kube::Error> {
     if config.proxy_url.is_some() {
         return Client::try_from(config.clone());
     }
     let mut http = HttpConnector::new();
     http.enforce_http(false);
-    http.set_connect_timeout(config.connect_timeout);
     let https = config.rustls_https_connector_with_connector(http)?;
+    // As kube-rs does: the connect timeout covers the TLS handshake too.
+    let mut connector = TimeoutConnector::new(https);
+    connector.set_connect_timeout(config.connect_timeout);
+    connector.set_read_timeout(config.read_timeout);
+    connector.set_write_timeout(config.write_timeout);
+    connector.set_reset_reader_on_write(config.reset_reader_on_write);
     let pool: Pool<_, Body> = Pool::builder(TokioExecutor::new())
         .pool_max_idle_per_host(idle.max(1))
-        .pool_idle_timeout(IDLE_TIMEOUT)
+        .pool_idle_timeout(idle_timeout)
         .pool_timer(TokioTimer::new())
         .http1_max_buf_size(BUFFER_LIMIT)
-        .build(https);
+        .build(connector);
     let service = ServiceBuilder::new()
         .layer(config.base_uri_layer())
         .option_layer(
@@ -87,6 +99,9 @@ mod tests {
 
     /// The idle bound of the tests' clients.
     const IDLE: usize = 16;
+
+    /// The idle timeout of the tests' clients.
+    const IDLE_FOR: Duration = Duration::from_millis(300);
 
     /// A plain-HTTP API server that answers every request with an empty namespace list and
     /// counts the connections it accepted and those still open.
@@ -137,14 +152,14 @@ mod tests {
     #[tokio::test]
     async fn a_burst_leaves_at_most_the_idle_bound_open_and_none_after_the_idle_timeout() {
         let (config, accepted, open) = server().await;
-        let client = client(&config, IDLE).unwrap();
+        let client = pooled(&config, IDLE, IDLE_FOR).unwrap();
         let burst = 40;
         futures::future::join_all((0..burst).map(|_| list(&client))).await;
         assert!(
             accepted.load(Ordering::SeqCst) > IDLE,
             "the burst needed more connections than may wait idle"
         );
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
         let after_burst = open.load(Ordering::SeqCst);
         assert!(
             after_burst <= IDLE,
@@ -163,7 +178,7 @@ mod tests {
     #[tokio::test]
     async fn requests_one_after_another_share_one_connection() {
         let (config, accepted, _) = server().await;
-        let client = client(&config, IDLE).unwrap();
+        let client = pooled(&config, IDLE, IDLE_FOR).unwrap();
         for _ in 0..5 {
             list(&client).await;
         }

@@ -56,17 +56,13 @@ pub struct Settings {
     pub waiting_bodies: usize,
 }
 
-/// Objects per page of a listing of marked objects, unless the watch's pages are smaller: the
-/// listing holds a page's marked objects while it waits for room, and its text while parsing it.
-pub const PAGE_SIZE: u32 = 100;
-
 impl Default for Settings {
     fn default() -> Self {
         Self {
             scopes: vec![None],
             label_selector: None,
             field_selector: None,
-            page_size: PAGE_SIZE,
+            page_size: 500,
             timeout: Duration::from_secs(60),
             waiting_bodies: 2048,
         }
