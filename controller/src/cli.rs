@@ -288,8 +288,9 @@ pub struct RunArgs {
 
     /// At most this many API requests (other than watches, leases and peering) in flight at
     /// once; more wait their turn (up to --api-timeout) before their own --api-timeout starts.
-    /// Each holds a connection to the API server with its buffers, so this bounds the
-    /// controller's memory in a burst of writes. The default was measured best for both the
+    /// Each holds a stream of the API server's one HTTP/2 connection, or over HTTP/1.1 a
+    /// connection of its own with its buffers, so this bounds the controller's memory in a
+    /// burst of writes. The default was measured best for both the
     /// API server and the controller; much fewer would hold objects back in the controller
     /// while the API server could take them.
     #[arg(long, env = "CAPSTAN_API_REQUESTS", default_value_t = crate::k8s::switch::DEFAULT_REQUESTS_IN_FLIGHT)]

@@ -4,10 +4,14 @@
 //! at once, and a parsed object takes several times the size of its JSON. Listings run when
 //! the controller is busiest — the watch's initial listing at start-up and the listing of
 //! marked objects ([`crate::engine::queue`]) while every worker is taken — and a parsed page
-//! was the largest single item of the start-up peak. Here a page is split into its objects'
-//! texts, and each object is parsed only when the caller takes it.
+//! was the largest single item of the start-up peak. Here a page's answer is read into one
+//! buffer as it arrives (the transport's chunks are freed as they are copied, and no second
+//! copy is made, as `Client::request_text` makes two), its objects are located in it without
+//! copying, and each is parsed only when the caller takes it.
 
-use std::time::Duration;
+use std::{ops::Range, time::Duration};
+
+use futures::AsyncBufReadExt as _;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ListMeta;
 use kube::{
@@ -36,28 +40,42 @@ pub struct Page {
     pub resource_version: Option<String>,
     /// The token of the next page; `None` on the last page.
     pub continue_token: Option<String>,
-    items: Vec<Box<RawValue>>,
+    /// The answer as it came.
+    text: Vec<u8>,
+    /// Where each object is in `text`.
+    items: Vec<Range<usize>>,
 }
 
 impl Page {
-    /// Splits a LIST answer into its metadata and its objects' texts.
-    fn parse(text: &str) -> Result<Self, serde_json::Error> {
+    /// Splits a LIST answer into its metadata and where its objects are.
+    fn parse(text: Vec<u8>) -> Result<Self, serde_json::Error> {
         /// `items` must be there (an answer without is no list), but may be `null`.
-        fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Box<RawValue>>, D::Error> {
-            Ok(Option::<Vec<Box<RawValue>>>::deserialize(d)?.unwrap_or_default())
+        fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<&'de RawValue>, D::Error> {
+            Ok(Option::<Vec<&'de RawValue>>::deserialize(d)?.unwrap_or_default())
         }
         #[derive(Deserialize)]
-        struct Wire {
+        struct Wire<'a> {
             #[serde(default)]
             metadata: ListMeta,
-            #[serde(deserialize_with = "null_as_empty")]
-            items: Vec<Box<RawValue>>,
+            #[serde(borrow, deserialize_with = "null_as_empty")]
+            items: Vec<&'a RawValue>,
         }
-        let wire: Wire = serde_json::from_str(text)?;
+        let wire: Wire<'_> = serde_json::from_slice(&text)?;
+        // Each object's text borrows from `text`: its place there is its offset from the start.
+        let start = text.as_ptr().addr();
+        let items = wire
+            .items
+            .iter()
+            .map(|raw| {
+                let at = raw.get().as_ptr().addr() - start;
+                at..at + raw.get().len()
+            })
+            .collect();
         Ok(Self {
             resource_version: wire.metadata.resource_version,
             continue_token: wire.metadata.continue_.filter(|c| !c.is_empty()),
-            items: wire.items,
+            text,
+            items,
         })
     }
 
@@ -71,11 +89,30 @@ impl Page {
         self.items.is_empty()
     }
 
-    /// The page's objects in order, each parsed when taken (and its text freed then).
+    /// The page's objects in order, each parsed when taken (the page's text is freed when the
+    /// last is taken).
     pub fn objects(self) -> impl Iterator<Item = Result<DynamicObject, kube::Error>> {
-        self.items
-            .into_iter()
-            .map(|raw| serde_json::from_str(raw.get()).map_err(kube::Error::SerdeError))
+        let Self { text, items, .. } = self;
+        items.into_iter().map(move |at| {
+            let object = text.get(at).ok_or_else(|| {
+                kube::Error::Service(Box::new(std::io::Error::other("an object outside its page")))
+            })?;
+            serde_json::from_slice(object).map_err(kube::Error::SerdeError)
+        })
+    }
+}
+
+/// Reads an answer's body into one buffer as it arrives.
+async fn read_all(mut body: impl futures::AsyncBufRead + Unpin) -> std::io::Result<Vec<u8>> {
+    let mut text = Vec::new();
+    loop {
+        let chunk = body.fill_buf().await?;
+        if chunk.is_empty() {
+            return Ok(text);
+        }
+        let n = chunk.len();
+        text.extend_from_slice(chunk);
+        body.consume_unpin(n);
     }
 }
 
@@ -94,7 +131,13 @@ pub async fn list_page(
         .map_err(kube::Error::BuildRequest)?;
     request.extensions_mut().insert("list");
     let client = api.clone().into_client();
-    let text = match tokio::time::timeout(timeout, client.request_text(request)).await {
+    let answer = async {
+        let body = client.request_stream(request).await?;
+        read_all(body)
+            .await
+            .map_err(|e| kube::Error::Service(Box::new(e)))
+    };
+    let text = match tokio::time::timeout(timeout, answer).await {
         Ok(text) => text?,
         Err(_) => {
             return Err(kube::Error::Service(Box::new(std::io::Error::new(
@@ -103,7 +146,7 @@ pub async fn list_page(
             ))));
         }
     };
-    Page::parse(&text).map_err(kube::Error::SerdeError)
+    Page::parse(text).map_err(kube::Error::SerdeError)
 }
 
 #[cfg(test)]
@@ -115,7 +158,7 @@ mod tests {
         let text = r#"{"apiVersion":"v1","kind":"List","metadata":{"resourceVersion":"42","continue":"next"},
             "items":[{"apiVersion":"demo.capstan.dev/v1","kind":"Example","metadata":{"name":"a","uid":"u1"},"spec":{"x":1}},
                      {"apiVersion":"demo.capstan.dev/v1","kind":"Example","metadata":{"name":"b","uid":"u2"}}]}"#;
-        let page = Page::parse(text).unwrap();
+        let page = Page::parse(text.into()).unwrap();
         assert_eq!(page.resource_version.as_deref(), Some("42"));
         assert_eq!(page.continue_token.as_deref(), Some("next"));
         assert_eq!(page.len(), 2);
@@ -127,31 +170,48 @@ mod tests {
 
     #[test]
     fn the_last_page_has_no_continue_token_and_null_items_are_no_objects() {
-        let page = Page::parse(r#"{"metadata":{"continue":""},"items":null}"#).unwrap();
+        let page = Page::parse(r#"{"metadata":{"continue":""},"items":null}"#.into()).unwrap();
         assert_eq!(page.continue_token, None);
         assert!(page.is_empty());
-        let page = Page::parse(r#"{"metadata":{},"items":[]}"#).unwrap();
+        let page = Page::parse(r#"{"metadata":{},"items":[]}"#.into()).unwrap();
         assert!(page.is_empty() && page.resource_version.is_none());
     }
 
     #[test]
     fn an_object_that_is_not_one_fails_when_taken() {
-        let page =
-            Page::parse(r#"{"metadata":{},"items":[{"metadata":{"name":"a"}},{"metadata":"nonsense"}]}"#)
-                .unwrap();
+        let page = Page::parse(
+            r#"{"metadata":{},"items":[{"metadata":{"name":"a"}},{"metadata":"nonsense"}]}"#.into(),
+        )
+        .unwrap();
         let taken: Vec<_> = page.objects().collect();
         assert!(taken[0].is_ok());
         assert!(matches!(taken[1], Err(kube::Error::SerdeError(_))));
     }
 
+    #[tokio::test]
+    async fn an_answer_that_arrives_in_small_chunks_is_read_whole() {
+        let text = r#"{"metadata":{"resourceVersion":"7"},"items":[{"metadata":{"name":"a"}},{"metadata":{"name":"b"}}]}"#;
+        let body =
+            futures::io::BufReader::with_capacity(3, futures::io::Cursor::new(text.as_bytes().to_vec()));
+        let read = read_all(body).await.unwrap();
+        assert_eq!(read, text.as_bytes());
+        let page = Page::parse(read).unwrap();
+        let names: Vec<_> = page
+            .objects()
+            .map(|o| o.unwrap().metadata.name.unwrap())
+            .collect();
+        assert_eq!(names, ["a", "b"]);
+    }
+
     #[test]
     fn an_answer_that_is_no_list_is_an_error() {
-        assert!(Page::parse("[1,2]").is_err());
+        assert!(Page::parse(b"[1,2]".to_vec()).is_err());
         // Without `items` an answer is no list, even an empty one or a Status: taking it for an
         // empty last page would make every known object look deleted.
-        assert!(Page::parse("{}").is_err());
+        assert!(Page::parse(b"{}".to_vec()).is_err());
         assert!(
-            Page::parse(r#"{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Success"}"#).is_err()
+            Page::parse(r#"{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Success"}"#.into())
+                .is_err()
         );
     }
 }

@@ -29,10 +29,11 @@
 //! ([`crate::k8s::watch`]). Every request's outcome feeds [`Reachability`].
 //!
 //! At most `--api-requests` requests other than watches are in flight at once; more wait
-//! their turn (first come first served, within their request timeout). Each request in flight
-//! holds a connection of its own (HTTP/1.1) with its TLS and read buffers, so a burst of
-//! processing (a start with thousands of unhandled objects, `--worker-limit` cycles writing
-//! at once) would otherwise open a connection per cycle and keep them all.
+//! their turn (first come first served, within their request timeout). Over HTTP/2 (see
+//! [`transport`]) they are streams of one connection; over HTTP/1.1 each request in flight
+//! holds a connection of its own with its TLS and read buffers, so a burst of processing (a
+//! start with thousands of unhandled objects, `--worker-limit` cycles writing at once) would
+//! otherwise open a connection per cycle.
 
 use std::{
     pin::Pin,

@@ -1,16 +1,28 @@
 //! The HTTP transport of the controller's API clients: kube-rs's own layers (base URI, retries
-//! of 429/503/504, authentication with token refresh, extra headers), its rustls connector and
+//! of 429/503/504, authentication with token refresh, extra headers), its TLS configuration and
 //! its connect, read and write timeouts, on a connection pool that keeps only what the steady
-//! state needs.
+//! state needs and speaks HTTP/2 wherever the API server offers it.
 //!
-//! Why not `Client::try_from(config)`: its pool has no idle reaper and no bound on idle
-//! connections, so the connections a burst opened stay until the API server closes them, and
-//! each keeps a read buffer as large as the largest answer it ever read (up to ~400 KiB: a page
-//! of a LIST). A start-up burst runs `--api-requests` requests at once, so dozens of connections
-//! stayed open with their TLS state and buffers long after it, and the buffers grown by LIST
-//! pages were the start-up peak's largest item. Here an idle connection closes 4–8 s after its
-//! last request ([`IDLE_TIMEOUT`], checked as often), at most as many wait idle as requests may
-//! run at once, and a connection's buffers never grow beyond [`BUFFER_LIMIT`].
+//! Why HTTP/2: kube-rs speaks HTTP/1.1 only, so every request in flight needs a connection of
+//! its own, with its TLS session and buffers. A start-up or a burst of writes runs
+//! `--api-requests` requests at once, and their dozens of connections (handshakes, TLS state,
+//! read and write buffers) were the largest part of the burst's memory, which the allocator
+//! then kept. Over HTTP/2, which the API server negotiates over TLS as it does with client-go,
+//! all requests and watches share one connection. Flow control is set as client-go sets it: a
+//! stream may hold [`STREAM_WINDOW`] unread, and the connection's window is large enough that
+//! watches whose events wait to be taken never hold back the answers of other requests.
+//! Keep-alive pings find a connection that died silently ([`KEEP_ALIVE`]). A plain-HTTP API
+//! server is spoken to in HTTP/1.1. Until a connection has negotiated HTTP/2, the pool cannot
+//! know that requests may share it: requests made at once before then (the controller's first
+//! ones, or the first after a connection was lost) each open their own, and those left over
+//! close when idle; the watches keep the one in use open.
+//!
+//! Why not `Client::try_from(config)`: besides HTTP/1.1 only, its pool has no idle reaper and
+//! no bound on idle connections, so the connections a burst opened stay until the API server
+//! closes them, and each keeps a read buffer as large as the largest answer it ever read (up to
+//! ~400 KiB: a page of a LIST). Here an idle connection closes 4–8 s after its last request
+//! ([`IDLE_TIMEOUT`], checked as often), at most as many HTTP/1.1 connections wait idle as
+//! requests may run at once, and their buffers never grow beyond [`BUFFER_LIMIT`].
 //!
 //! What kube-rs's stack has that this one leaves out: its HTTP tracing (debug spans, and an
 //! error line per failed request: [`crate::k8s::switch`] records failures in its reachability
@@ -20,6 +32,7 @@
 
 use std::time::Duration;
 
+use hyper_rustls::{FixedServerNameResolver, HttpsConnectorBuilder};
 use hyper_timeout::TimeoutConnector;
 use hyper_util::{
     client::legacy::{Client as Pool, connect::HttpConnector},
@@ -27,8 +40,9 @@ use hyper_util::{
 };
 use kube::{
     Client, Config,
-    client::{Body, ConfigExt, retry::RetryPolicy},
+    client::{Body, ConfigExt, RustlsTlsError, retry::RetryPolicy},
 };
+use rustls_pki_types::ServerName;
 use tower::{BoxError, ServiceBuilder, ServiceExt as _, retry::RetryLayer};
 
 /// An idle connection closes after this long, or up to twice as long (the pool checks as
@@ -39,6 +53,23 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 /// The largest read or write buffer of one connection (hyper's default: ~400 KiB). A large
 /// answer is read in chunks of this size; TLS records are at most 16 KiB anyway.
 pub const BUFFER_LIMIT: usize = 64 * 1024;
+
+/// How much of one HTTP/2 stream's answer may wait unread (hyper's default: 2 MiB): a page of a
+/// LIST arrives at full speed, and a watch whose events wait to be taken holds at most this.
+pub const STREAM_WINDOW: u32 = 1024 * 1024;
+
+/// How much of all streams' answers may wait unread on one HTTP/2 connection: as client-go's
+/// (1 GiB), so that the streams' own windows are the only bound and watches waiting to be read
+/// cannot hold back other requests' answers. It is credit given to the API server, not memory
+/// set aside.
+pub const CONNECTION_WINDOW: u32 = 1024 * 1024 * 1024;
+
+/// An HTTP/2 connection with nothing received for this long is pinged, and closed (failing
+/// its requests and watches, which are retried on a new connection) when the ping gets no
+/// answer within as long. Over HTTP/1.1 a request that hangs holds its connection alone and the
+/// next request opens another; over HTTP/2 every request would go to the connection that
+/// stopped answering until this closes it, so it is short (client-go: 30 s and 15 s).
+pub const KEEP_ALIVE: Duration = Duration::from_secs(10);
 
 /// Builds an API client for `config` on a bounded connection pool (see the module docs) where
 /// at most `idle` connections wait idle: the number of requests that may run at once, so that
@@ -57,7 +88,19 @@ fn pooled(config: &Config, idle: usize, idle_timeout: Duration) -> Result<Client
     }
     let mut http = HttpConnector::new();
     http.enforce_http(false);
-    let https = config.rustls_https_connector_with_connector(http)?;
+    let https = HttpsConnectorBuilder::new()
+        .with_tls_config(config.rustls_client_config()?)
+        .https_or_http();
+    let https = match &config.tls_server_name {
+        Some(name) => {
+            let name = ServerName::try_from(name.clone())
+                .map_err(|e| kube::Error::RustlsTls(RustlsTlsError::InvalidServerName(e)))?;
+            https.with_server_name_resolver(FixedServerNameResolver::new(name))
+        }
+        None => https,
+    };
+    // Offers HTTP/2 and HTTP/1.1 over TLS (ALPN); the API server picks.
+    let https = https.enable_all_versions().wrap_connector(http);
     // As kube-rs does: the connect timeout covers the TLS handshake too.
     let mut connector = TimeoutConnector::new(https);
     connector.set_connect_timeout(config.connect_timeout);
@@ -69,6 +112,11 @@ fn pooled(config: &Config, idle: usize, idle_timeout: Duration) -> Result<Client
         .pool_idle_timeout(idle_timeout)
         .pool_timer(TokioTimer::new())
         .http1_max_buf_size(BUFFER_LIMIT)
+        .timer(TokioTimer::new())
+        .http2_initial_stream_window_size(STREAM_WINDOW)
+        .http2_initial_connection_window_size(CONNECTION_WINDOW)
+        .http2_keep_alive_interval(KEEP_ALIVE)
+        .http2_keep_alive_timeout(KEEP_ALIVE)
         .build(connector);
     let service = ServiceBuilder::new()
         .layer(config.base_uri_layer())
@@ -144,6 +192,57 @@ mod tests {
         (config, accepted, open)
     }
 
+    /// An HTTPS API server that speaks HTTP/2 only (as its ALPN says), answers every request
+    /// with an empty namespace list after 50 ms, and counts the connections it accepted.
+    async fn http2_server() -> (Config, Arc<AtomicUsize>) {
+        use http_body_util::Full;
+        use hyper::{Response, body::Bytes, service::service_fn};
+        use hyper_util::rt::TokioIo;
+        use rustls_pki_types::PrivateKeyDer;
+        use tokio_rustls::{TlsAcceptor, rustls};
+
+        let key = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut tls = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![key.cert.der().clone()],
+                PrivateKeyDer::Pkcs8(key.signing_key.serialize_der().into()),
+            )
+            .unwrap();
+        tls.alpn_protocols = vec![b"h2".to_vec()];
+        let acceptor = TlsAcceptor::from(Arc::new(tls));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}", listener.local_addr().unwrap());
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let a = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (socket, _) = listener.accept().await.unwrap();
+                a.fetch_add(1, Ordering::SeqCst);
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(socket).await else {
+                        return;
+                    };
+                    let answer = service_fn(|_request| async {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        let body = r#"{"apiVersion":"v1","kind":"NamespaceList","metadata":{},"items":[]}"#;
+                        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(body))))
+                    });
+                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(tls), answer)
+                        .await;
+                });
+            }
+        });
+        let mut config = Config::new(url.parse().unwrap());
+        config.root_cert = Some(vec![key.cert.der().to_vec()]);
+        (config, accepted)
+    }
+
     async fn list(client: &Client) {
         let api: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(client.clone());
         api.list(&Default::default()).await.unwrap();
@@ -173,6 +272,23 @@ mod tests {
         );
         // The client still works afterwards, on a new connection.
         list(&client).await;
+    }
+
+    #[tokio::test]
+    async fn over_tls_a_burst_shares_one_http2_connection() {
+        let (config, accepted) = http2_server().await;
+        let client = pooled(&config, IDLE, IDLE_FOR).unwrap();
+        // As in the controller, where discovery comes first and watches keep the connection
+        // open: until a connection has negotiated HTTP/2, the pool cannot know that requests
+        // may share it, and concurrent first requests would each open their own.
+        list(&client).await;
+        let burst = 40;
+        futures::future::join_all((0..burst).map(|_| list(&client))).await;
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "the burst's requests did not share one connection"
+        );
     }
 
     #[tokio::test]
