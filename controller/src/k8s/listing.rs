@@ -5,9 +5,10 @@
 //! the controller is busiest — the watch's initial listing at start-up and the listing of
 //! marked objects ([`crate::engine::queue`]) while every worker is taken — and a parsed page
 //! was the largest single item of the start-up peak. Here a page's answer is read into one
-//! buffer as it arrives (the transport's chunks are freed as they are copied, and no second
-//! copy is made, as `Client::request_text` makes two), its objects are located in it without
-//! copying, and each is parsed only when the caller takes it.
+//! buffer as it arrives (the transport's chunks are freed as they are copied in, where
+//! `Client::request_text` collects them and then copies the whole twice), its objects are
+//! located in it without copying, and each is parsed only when the caller takes it. The page's
+//! text stays until its last object is taken.
 
 use std::{ops::Range, time::Duration};
 
@@ -108,6 +109,8 @@ async fn read_all(mut body: impl futures::AsyncBufRead + Unpin) -> std::io::Resu
     loop {
         let chunk = body.fill_buf().await?;
         if chunk.is_empty() {
+            // Growing by doubling left up to as much room again as the answer.
+            text.shrink_to_fit();
             return Ok(text);
         }
         let n = chunk.len();

@@ -98,13 +98,11 @@ pub fn is_answer(status: http::StatusCode) -> bool {
 
 /// Whether a request error means that the API server did not answer (as opposed to answering
 /// with an error status it can be blamed for): transport failures, timeouts, `429 Too Many
-/// Requests` and server errors. A watch stream that broke off mid-answer is one too: over
-/// HTTP/2 a connection that stopped answering (found by its keep-alive ping) or was reset
-/// fails its watches' streams this way, where over HTTP/1.1 they end as if closed.
+/// Requests` and server errors.
 pub fn is_unanswered(e: &kube::Error) -> bool {
     match e {
         kube::Error::Api(s) => s.code == 429 || s.code >= 500,
-        kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => true,
+        kube::Error::HyperError(_) | kube::Error::Service(_) => true,
         _ => false,
     }
 }
@@ -124,14 +122,6 @@ mod tests {
         assert!(!r.is_reachable() && !r.answered_within(Duration::from_secs(60)));
         r.answered();
         assert!(r.is_reachable() && r.answered_within(Duration::from_secs(60)));
-    }
-
-    #[test]
-    fn a_stream_that_broke_off_is_no_answer_and_an_unreadable_answer_is_one() {
-        let broke = kube::Error::ReadEvents(std::io::Error::other("error reading a body from connection"));
-        assert!(is_unanswered(&broke));
-        let unreadable = kube::Error::SerdeError(serde_json::from_str::<u8>("x").unwrap_err());
-        assert!(!is_unanswered(&unreadable));
     }
 
     #[test]

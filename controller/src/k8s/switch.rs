@@ -388,7 +388,7 @@ fn is_coordination(uri: &Uri) -> bool {
             .is_some_and(|rest| rest.starts_with('/'))
 }
 
-fn is_watch(uri: &Uri) -> bool {
+pub(super) fn is_watch(uri: &Uri) -> bool {
     uri.query().is_some_and(|q| {
         q.split('&')
             .any(|pair| matches!(pair, "watch=true" | "watch=1" | "watch=True"))

@@ -6,16 +6,24 @@
 //! Why HTTP/2: kube-rs speaks HTTP/1.1 only, so every request in flight needs a connection of
 //! its own, with its TLS session and buffers. A start-up or a burst of writes runs
 //! `--api-requests` requests at once, and their dozens of connections (handshakes, TLS state,
-//! read and write buffers) were the largest part of the burst's memory, which the allocator
-//! then kept. Over HTTP/2, which the API server negotiates over TLS as it does with client-go,
-//! all requests and watches share one connection. Flow control is set as client-go sets it: a
-//! stream may hold [`STREAM_WINDOW`] unread, and the connection's window is large enough that
-//! watches whose events wait to be taken never hold back the answers of other requests.
-//! Keep-alive pings find a connection that died silently ([`KEEP_ALIVE`]). A plain-HTTP API
-//! server is spoken to in HTTP/1.1. Until a connection has negotiated HTTP/2, the pool cannot
-//! know that requests may share it: requests made at once before then (the controller's first
-//! ones, or the first after a connection was lost) each open their own, and those left over
-//! close when idle; the watches keep the one in use open.
+//! read and write buffers) were the largest part of the burst's memory and much of its CPU, on
+//! both sides. Over HTTP/2, which the API server negotiates over TLS as it does with client-go,
+//! the requests share one connection. Keep-alive pings find a connection that stopped
+//! answering while requests wait on it ([`KEEP_ALIVE`]). A plain-HTTP API server, or one that
+//! offers only HTTP/1.1, is spoken to in HTTP/1.1.
+//!
+//! Why watches stay on HTTP/1.1, each on a connection of its own: a watch is a stream that
+//! lasts minutes, the API server allows a connection only so many streams at once (100 unless
+//! configured otherwise), and this pool never opens a second HTTP/2 connection to the same
+//! server: watches sharing the requests' connection could hold every request back. And a watch
+//! whose events wait to be taken (the queue's backpressure) leaves them in the kernel's socket
+//! buffer, where over HTTP/2 they would have to be read into the controller's memory to get at
+//! the other streams.
+//!
+//! An HTTP/2 connection is forgotten by the pool 4–8 s after its last request, like an idle
+//! HTTP/1.1 connection, and closes once its last request ends; the next request opens a new one.
+//! Until a connection has negotiated HTTP/2, the pool cannot know that requests may share it:
+//! requests made at once before then each open their own, and those left over close when idle.
 //!
 //! Why not `Client::try_from(config)`: besides HTTP/1.1 only, its pool has no idle reaper and
 //! no bound on idle connections, so the connections a burst opened stay until the API server
@@ -54,21 +62,22 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 /// answer is read in chunks of this size; TLS records are at most 16 KiB anyway.
 pub const BUFFER_LIMIT: usize = 64 * 1024;
 
-/// How much of one HTTP/2 stream's answer may wait unread (hyper's default: 2 MiB): a page of a
-/// LIST arrives at full speed, and a watch whose events wait to be taken holds at most this.
+/// How much of one HTTP/2 stream's answer may wait unread (hyper's default: 2 MiB; client-go's:
+/// 4 MiB): a page of a LIST arrives at full speed, and an answer being read holds at most this.
 pub const STREAM_WINDOW: u32 = 1024 * 1024;
 
-/// How much of all streams' answers may wait unread on one HTTP/2 connection: as client-go's
-/// (1 GiB), so that the streams' own windows are the only bound and watches waiting to be read
+/// How much of all streams' answers may wait unread on one HTTP/2 connection: client-go's
+/// (1 GiB), so that the streams' own windows are the only bound and an answer read slowly
 /// cannot hold back other requests' answers. It is credit given to the API server, not memory
 /// set aside.
 pub const CONNECTION_WINDOW: u32 = 1024 * 1024 * 1024;
 
-/// An HTTP/2 connection with nothing received for this long is pinged, and closed (failing
-/// its requests and watches, which are retried on a new connection) when the ping gets no
-/// answer within as long. Over HTTP/1.1 a request that hangs holds its connection alone and the
-/// next request opens another; over HTTP/2 every request would go to the connection that
-/// stopped answering until this closes it, so it is short (client-go: 30 s and 15 s).
+/// While requests wait on an HTTP/2 connection, one with nothing received for this long is
+/// pinged, and closed when the ping gets no answer within as long, failing its requests (their
+/// callers retry them, on a new connection). Over HTTP/1.1 a request that hangs holds its
+/// connection alone and the next request opens another; over HTTP/2 every new request would go
+/// to the connection that stopped answering until this closes it, so it is short (client-go:
+/// 30 s and 15 s) and shorter than the default request timeout.
 pub const KEEP_ALIVE: Duration = Duration::from_secs(10);
 
 /// Builds an API client for `config` on a bounded connection pool (see the module docs) where
@@ -86,29 +95,39 @@ fn pooled(config: &Config, idle: usize, idle_timeout: Duration) -> Result<Client
     if config.proxy_url.is_some() {
         return Client::try_from(config.clone());
     }
-    let mut http = HttpConnector::new();
-    http.enforce_http(false);
-    let https = HttpsConnectorBuilder::new()
-        .with_tls_config(config.rustls_client_config()?)
-        .https_or_http();
-    let https = match &config.tls_server_name {
-        Some(name) => {
-            let name = ServerName::try_from(name.clone())
-                .map_err(|e| kube::Error::RustlsTls(RustlsTlsError::InvalidServerName(e)))?;
-            https.with_server_name_resolver(FixedServerNameResolver::new(name))
-        }
-        None => https,
+    let tls = config.rustls_client_config()?;
+    let server_name = match &config.tls_server_name {
+        Some(name) => Some(
+            ServerName::try_from(name.clone())
+                .map_err(|e| kube::Error::RustlsTls(RustlsTlsError::InvalidServerName(e)))?,
+        ),
+        None => None,
     };
-    // Offers HTTP/2 and HTTP/1.1 over TLS (ALPN); the API server picks.
-    let https = https.enable_all_versions().wrap_connector(http);
-    // As kube-rs does: the connect timeout covers the TLS handshake too.
-    let mut connector = TimeoutConnector::new(https);
-    connector.set_connect_timeout(config.connect_timeout);
-    connector.set_read_timeout(config.read_timeout);
-    connector.set_write_timeout(config.write_timeout);
-    connector.set_reset_reader_on_write(config.reset_reader_on_write);
-    let pool: Pool<_, Body> = Pool::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(idle.max(1))
+    let connector = |tls, http2: bool| {
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        let https = HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http();
+        let https = match &server_name {
+            Some(name) => https.with_server_name_resolver(FixedServerNameResolver::new(name.clone())),
+            None => https,
+        };
+        // Requests offer HTTP/2 and HTTP/1.1 over TLS (ALPN), and the API server picks;
+        // watches speak HTTP/1.1 (see the module docs).
+        let https = if http2 {
+            https.enable_all_versions().wrap_connector(http)
+        } else {
+            https.enable_http1().wrap_connector(http)
+        };
+        // As kube-rs does: the connect timeout covers the TLS handshake too.
+        let mut connector = TimeoutConnector::new(https);
+        connector.set_connect_timeout(config.connect_timeout);
+        connector.set_read_timeout(config.read_timeout);
+        connector.set_write_timeout(config.write_timeout);
+        connector.set_reset_reader_on_write(config.reset_reader_on_write);
+        connector
+    };
+    let mut pool = Pool::builder(TokioExecutor::new());
+    pool.pool_max_idle_per_host(idle.max(1))
         .pool_idle_timeout(idle_timeout)
         .pool_timer(TokioTimer::new())
         .http1_max_buf_size(BUFFER_LIMIT)
@@ -116,8 +135,17 @@ fn pooled(config: &Config, idle: usize, idle_timeout: Duration) -> Result<Client
         .http2_initial_stream_window_size(STREAM_WINDOW)
         .http2_initial_connection_window_size(CONNECTION_WINDOW)
         .http2_keep_alive_interval(KEEP_ALIVE)
-        .http2_keep_alive_timeout(KEEP_ALIVE)
-        .build(connector);
+        .http2_keep_alive_timeout(KEEP_ALIVE);
+    let requests: Pool<_, Body> = pool.build(connector(tls.clone(), true));
+    let watches: Pool<_, Body> = pool.build(connector(tls, false));
+    let pools = tower::service_fn(move |request: http::Request<Body>| {
+        let pool = if super::switch::is_watch(request.uri()) {
+            watches.clone()
+        } else {
+            requests.clone()
+        };
+        async move { pool.request(request).await }
+    });
     let service = ServiceBuilder::new()
         .layer(config.base_uri_layer())
         .option_layer(
@@ -127,7 +155,7 @@ fn pooled(config: &Config, idle: usize, idle_timeout: Duration) -> Result<Client
         )
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)
-        .service(pool.map_err(BoxError::from));
+        .service(pools.map_err(BoxError::from));
     Ok(Client::new(service, config.default_namespace.clone()))
 }
 
@@ -192,9 +220,13 @@ mod tests {
         (config, accepted, open)
     }
 
-    /// An HTTPS API server that speaks HTTP/2 only (as its ALPN says), answers every request
-    /// with an empty namespace list after 50 ms, and counts the connections it accepted.
-    async fn http2_server() -> (Config, Arc<AtomicUsize>) {
+    /// The protocol of each request an HTTPS test server answered, by path and query.
+    type Seen = Arc<parking_lot::Mutex<Vec<(String, http::Version)>>>;
+
+    /// An HTTPS API server that offers `alpn` (and speaks HTTP/1.1 when the client offers none
+    /// of it), answers every request with an empty namespace list after 50 ms, and counts the
+    /// connections it accepted.
+    async fn tls_server(alpn: &[&[u8]]) -> (Config, Arc<AtomicUsize>, Seen) {
         use http_body_util::Full;
         use hyper::{Response, body::Bytes, service::service_fn};
         use hyper_util::rt::TokioIo;
@@ -212,35 +244,57 @@ mod tests {
                 PrivateKeyDer::Pkcs8(key.signing_key.serialize_der().into()),
             )
             .unwrap();
-        tls.alpn_protocols = vec![b"h2".to_vec()];
+        tls.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
         let acceptor = TlsAcceptor::from(Arc::new(tls));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("https://{}", listener.local_addr().unwrap());
         let accepted = Arc::new(AtomicUsize::new(0));
-        let a = accepted.clone();
+        let seen = Seen::default();
+        let (a, s) = (accepted.clone(), seen.clone());
         tokio::spawn(async move {
             loop {
                 let (socket, _) = listener.accept().await.unwrap();
                 a.fetch_add(1, Ordering::SeqCst);
-                let acceptor = acceptor.clone();
+                let (acceptor, s) = (acceptor.clone(), s.clone());
                 tokio::spawn(async move {
                     let Ok(tls) = acceptor.accept(socket).await else {
                         return;
                     };
-                    let answer = service_fn(|_request| async {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        let body = r#"{"apiVersion":"v1","kind":"NamespaceList","metadata":{},"items":[]}"#;
-                        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(body))))
+                    let http2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                    let answer = service_fn(move |request: http::Request<hyper::body::Incoming>| {
+                        let target = request.uri().path_and_query().map(ToString::to_string);
+                        s.lock().push((target.unwrap_or_default(), request.version()));
+                        async {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            let body =
+                                r#"{"apiVersion":"v1","kind":"NamespaceList","metadata":{},"items":[]}"#;
+                            Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(body))))
+                        }
                     });
-                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(tls), answer)
-                        .await;
+                    let io = TokioIo::new(tls);
+                    let _ = if http2 {
+                        hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                            .serve_connection(io, answer)
+                            .await
+                    } else {
+                        hyper::server::conn::http1::Builder::new()
+                            .serve_connection(io, answer)
+                            .await
+                    };
                 });
             }
         });
         let mut config = Config::new(url.parse().unwrap());
         config.root_cert = Some(vec![key.cert.der().to_vec()]);
-        (config, accepted)
+        (config, accepted, seen)
+    }
+
+    /// A watch request (whose answer here is a list, which is all the test needs).
+    async fn watch(client: &Client) {
+        let request = http::Request::get("/api/v1/namespaces?watch=true")
+            .body(Vec::new())
+            .unwrap();
+        client.request_text(request).await.unwrap();
     }
 
     async fn list(client: &Client) {
@@ -275,12 +329,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn over_tls_a_burst_shares_one_http2_connection() {
-        let (config, accepted) = http2_server().await;
+    async fn over_tls_a_burst_shares_one_http2_connection_and_watches_speak_http1() {
+        let (config, accepted, seen) = tls_server(&[b"h2", b"http/1.1"]).await;
         let client = pooled(&config, IDLE, IDLE_FOR).unwrap();
-        // As in the controller, where discovery comes first and watches keep the connection
-        // open: until a connection has negotiated HTTP/2, the pool cannot know that requests
-        // may share it, and concurrent first requests would each open their own.
+        // As in the controller, where discovery comes first: until a connection has
+        // negotiated HTTP/2, the pool cannot know that requests may share it, and concurrent
+        // first requests would each open their own.
         list(&client).await;
         let burst = 40;
         futures::future::join_all((0..burst).map(|_| list(&client))).await;
@@ -289,6 +343,28 @@ mod tests {
             1,
             "the burst's requests did not share one connection"
         );
+        watch(&client).await;
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            2,
+            "the watch shared the requests' connection"
+        );
+        let seen = seen.lock();
+        assert!(
+            seen.iter().all(
+                |(target, version)| (*version == http::Version::HTTP_11) == target.contains("watch=true")
+            ),
+            "{seen:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_server_that_offers_only_http1_over_tls_is_spoken_to_in_http1() {
+        let (config, accepted, seen) = tls_server(&[b"http/1.1"]).await;
+        let client = pooled(&config, IDLE, IDLE_FOR).unwrap();
+        futures::future::join_all((0..4).map(|_| list(&client))).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 4);
+        assert!(seen.lock().iter().all(|(_, v)| *v == http::Version::HTTP_11));
     }
 
     #[tokio::test]
