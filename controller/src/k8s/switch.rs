@@ -374,8 +374,6 @@ impl tower::Service<Request<Body>> for Route {
     }
 }
 
-/// Whether a request is a watch (`?watch=true` or `?watch=1`): its body streams for as long as
-/// the watch lives.
 /// Leases and peering objects: the requests that keep leadership and presence. They never
 /// wait behind a burst of the engine's writes, which could otherwise outlast the lease's
 /// renewal deadline and hand leadership to a standby that meets the same burst.
@@ -388,6 +386,8 @@ fn is_coordination(uri: &Uri) -> bool {
             .is_some_and(|rest| rest.starts_with('/'))
 }
 
+/// Whether a request is a watch (`?watch=true`, `?watch=1` or `?watch=True`): its body streams
+/// for as long as the watch lives.
 pub(super) fn is_watch(uri: &Uri) -> bool {
     uri.query().is_some_and(|q| {
         q.split('&')
