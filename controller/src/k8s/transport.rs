@@ -384,7 +384,7 @@ mod tests {
                 .header("content-type", "application/merge-patch+json")
                 .body(br#"{"metadata":{"annotations":{"capstan.dev/x":"1"}}}"#.to_vec())
                 .unwrap();
-            let started = std::time::Instant::now();
+            let started = tokio::time::Instant::now();
             client.request_text(request).await.unwrap();
             took.push(started.elapsed());
         }
