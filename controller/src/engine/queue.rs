@@ -6,9 +6,11 @@
 //! object's small memory: its body is kept only while something will need it without a new
 //! event (a retry or re-run due, daemons or timers running); objects at rest
 //! are listed again when they must all be re-processed (see [`relisting`]). Delayed retries
-//! are scheduled here by the controller's own timer, never by "touch" patches. After our own
-//! write, events older than the version it produced are stale echoes and are dropped before
-//! they reach a cycle.
+//! are scheduled here by the controller's own timer, never by "touch" patches. A write answers
+//! with the object as stored, which is what the write's echo will bring: the worker checks that
+//! version at once (a handler added meanwhile, a webhook's change, the handlers due after a
+//! finalizer's write), and watch events of versions a cycle has seen — the echo, and anything
+//! older — are dropped before they reach a cycle.
 //!
 //! # Bounded memory
 //!
@@ -159,6 +161,11 @@ impl Drop for Working {
         crate::observability::metrics::global().processing(-1);
     }
 }
+
+/// How many answers of its own writes one worker checks in a row before the object goes to the
+/// end of the ready list (a finalizer's write, the handlers' write, the check that finds
+/// nothing to do).
+const FOLLOW_UPS: usize = 4;
 
 /// How many tombstones are kept, and for how long.
 const TOMBSTONES: usize = 4096;
@@ -397,11 +404,15 @@ impl Queue {
             ..Slot::default()
         });
         let rv = rv_of(&body);
+        // A watch event of a version a cycle has seen — our own write's echo (its answer was
+        // checked when it came) or an event older than that — brings nothing new. Bodies
+        // queued from memory or listed again (watched = false) are of versions that must be
+        // processed again.
         if event_type != EventType::Deleted
             && let (Some(written), Some(rv)) = (slot.written_rv(), rv)
-            && rv < written
+            && (rv < written || watched && rv == written)
         {
-            debug!(%uid, rv, written, "stale event older than our own write dropped");
+            debug!(%uid, rv, written, "event of a version already seen dropped");
             return;
         }
         if event_type != EventType::Deleted
@@ -411,17 +422,10 @@ impl Queue {
             debug!(%uid, rv, marked, "a newer version waits for its listed body; older one dropped");
             return;
         }
-        // The echo of our own write always waits with its body (marking it would cost another
-        // LIST): echoes come only as fast as cycles end, so they exceed the bound by the cycles
-        // that ended while their echo is on its way. So does the next event of an object whose
-        // cycle runs (its echo may come before the write's answer): at most one per worker.
-        let echo = watched && rv.is_some() && rv == slot.written_rv();
-        if slot.pending.is_none()
-            && event_type != EventType::Deleted
-            && !echo
-            && !slot.running
-            && !self.has_room()
-        {
+        // The next event of an object whose cycle runs waits with its body beyond the bound
+        // (it may be the echo of the write in flight, which the write's answer then replaces):
+        // at most one per worker.
+        if slot.pending.is_none() && event_type != EventType::Deleted && !slot.running && !self.has_room() {
             // As many bodies wait as may: this one is listed again when there is room.
             debug!(%uid, "too many objects wait; the object waits for its listed body");
             slot.mark(event_type, rv);
@@ -538,7 +542,10 @@ impl Queue {
             uid: &uid,
             armed: true,
         };
-        self.cycle(&uid).await;
+        let mut checked = 0;
+        while self.cycle(&uid).await && checked < FOLLOW_UPS {
+            checked += 1;
+        }
         drop(working);
         self.finish(&uid);
         guard.armed = false;
@@ -623,9 +630,11 @@ impl Queue {
         }
     }
 
-    async fn cycle(&self, uid: &str) {
+    /// Runs one cycle with the object's next work; returns whether it left the answer to its
+    /// write as the next work (see [`Queue::check_answer`]).
+    async fn cycle(&self, uid: &str) -> bool {
         let Some(((event_type, stored), memory)) = self.take_next(uid) else {
-            return;
+            return false;
         };
         let body = stored.value();
         if *self.ctx.paused.borrow() && event_type != EventType::Deleted {
@@ -635,14 +644,14 @@ impl Queue {
             if let Some(slot) = self.slots.lock().get_mut(uid) {
                 slot.last_body = None;
             }
-            return;
+            return false;
         }
         if self.ctx.cancel.is_cancelled() {
             let removed = self.slots.lock().remove(uid);
             if removed.is_some_and(|s| s.pending.is_some()) {
                 self.count_waiting(-1);
             }
-            return;
+            return false;
         }
         let name = body
             .pointer("/metadata/name")
@@ -658,8 +667,12 @@ impl Queue {
         let cycle = self
             .process(uid, event_type, body, memory)
             .instrument(span.clone());
-        if let Err(panic) = AssertUnwindSafe(cycle).catch_unwind().await {
-            span.in_scope(|| self.recover(uid, stored, panic.as_ref()));
+        match AssertUnwindSafe(cycle).catch_unwind().await {
+            Ok(answer_next) => answer_next,
+            Err(panic) => {
+                span.in_scope(|| self.recover(uid, stored, panic.as_ref()));
+                false
+            }
         }
     }
 
@@ -696,7 +709,9 @@ impl Queue {
         }));
     }
 
-    async fn process(&self, uid: &str, event_type: EventType, mut body: Value, memory: Memory) {
+    /// One cycle with `body`; returns whether the answer to its write is the object's next
+    /// work (see [`Queue::check_answer`]).
+    async fn process(&self, uid: &str, event_type: EventType, mut body: Value, memory: Memory) -> bool {
         if event_type == EventType::Deleted {
             self.bury(uid, rv_of(&body));
             self.forget_locally(uid, &body).await;
@@ -712,8 +727,9 @@ impl Queue {
                 slot.gone = true;
             }
             debug!("object is gone; forgotten");
-            return;
+            return false;
         }
+        let started_at = rv_of(&body);
         if let Some(local) = self.ctx.storage.local.as_deref() {
             local.overlay(uid, &mut body).await;
         }
@@ -741,7 +757,11 @@ impl Queue {
             self.ctx.invoker.as_ref(),
         )
         .await;
-        let written = self.writer.write(&body, &plan).await;
+        // The plan's base is this object as stored (the cycle's body, or what a checkpoint
+        // wrote): the cycle's own copy of the body is not held while the write waits.
+        drop(body);
+        let body = &plan.base;
+        let written = self.writer.write(body, &plan).await;
         let mut notes = plan.notes.clone();
         if let Written::Refused(message) = &written {
             error!(%message, cause = %plan.cause, "the API server refused the cycle's write for good; its changes are dropped, later changes of the object are handled");
@@ -753,7 +773,7 @@ impl Queue {
         // Announcements (a consumed retry request) tell what the write did: posted only once
         // it landed, so a failed write and the cycle that repeats it post one Event, not two.
         if !plan.announcements.is_empty() && written.landed() {
-            let object = processing::object_ref(&self.ctx.resource, &body);
+            let object = processing::object_ref(&self.ctx.resource, body);
             for (level, reason, message) in &plan.announcements {
                 self.ctx.poster.post(crate::model::Posting {
                     object: object.clone(),
@@ -765,7 +785,7 @@ impl Queue {
             }
         }
         if !notes.is_empty() {
-            let object = processing::object_ref(&self.ctx.resource, &body);
+            let object = processing::object_ref(&self.ctx.resource, body);
             for (level, message) in &notes {
                 self.ctx.poster.post(crate::model::Posting {
                     object: object.clone(),
@@ -778,7 +798,7 @@ impl Queue {
         }
         let refused = matches!(written, Written::Refused(_));
         if matches!(written, Written::Gone) {
-            let mut last = rv_of(&body);
+            let mut last = rv_of(body);
             if let Some(slot) = self.slots.lock().get_mut(uid) {
                 slot.gone = true;
                 if slot.pending.take().is_some() {
@@ -796,12 +816,14 @@ impl Queue {
             self.ctx.daemons.forget(uid);
             self.ctx
                 .invoker
-                .object_gone(&processing::object_ref(&self.ctx.resource, &body));
-            self.forget_locally(uid, &body).await;
-            return;
+                .object_gone(&processing::object_ref(&self.ctx.resource, body));
+            self.forget_locally(uid, body).await;
+            return false;
         }
         let mut slots = self.slots.lock();
-        let Some(slot) = slots.get_mut(uid) else { return };
+        let Some(slot) = slots.get_mut(uid) else {
+            return false;
+        };
         if plan.done {
             slot.memory.fully_handled_once = true;
         }
@@ -823,26 +845,63 @@ impl Queue {
         // The body is kept only when something will run again without a new event; an object
         // at rest is listed again if it must be re-processed (see `relisting`).
         let keep = wake_at.is_some() || slot.rerun || daemons_alive;
-        match written {
+        // The object as stored after this cycle (its write's answer, or what a checkpoint wrote)
+        // is checked next when it is a version the cycle did not start with: a write that
+        // changed nothing answers with that version, and so does a cycle that wrote nothing.
+        // An answer of another object (one that took the name over) is not this one's.
+        let after = match &written {
             Written::Stored(stored) => {
-                slot.set_written_rv(rv_of(&stored).or(slot.written_rv()));
-                slot.last_body = keep.then(|| Stored::new(&stored));
+                slot.set_written_rv(rv_of(stored).or(slot.written_rv()));
+                Some((stored, uid_of(stored).as_deref() == Some(uid)))
             }
             Written::Nothing => {
                 slot.set_written_rv(rv_of(&plan.base).max(slot.written_rv()));
-                slot.last_body = keep.then(|| Stored::new(&plan.base));
+                Some((&plan.base, true))
             }
-            Written::Gone | Written::Failed => {
-                if !keep {
-                    slot.last_body = None;
+            Written::Refused(_) => Some((&plan.base, false)),
+            Written::Gone | Written::Failed => None,
+        };
+        let mut answer = None;
+        match after {
+            Some((after, same)) => {
+                let check = same && rv_of(after) != started_at;
+                let kept = (keep || check).then(|| Stored::new(after));
+                if check {
+                    slot.last_body = kept.clone().filter(|_| keep);
+                    answer = kept;
+                } else {
+                    slot.last_body = kept;
                 }
             }
-            Written::Refused(_) => slot.last_body = keep.then(|| Stored::new(&plan.base)),
+            None if !keep => slot.last_body = None,
+            None => {}
         }
         if let Some(at) = wake_at {
             let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
             self.schedule(slot, uid, delay);
         }
+        answer.is_some_and(|answer| self.check_answer(slot, answer))
+    }
+
+    /// Makes the object as its cycle left it stored the object's next work, as its echo would
+    /// have: a write's answer is the object at the version the write produced, the same body
+    /// the watch brings later. The echo then finds its version seen and is dropped
+    /// ([`Queue::queue_body`]), so no echo ever waits with its body — the echoes of writes
+    /// made while a long listing ran come all at once when the watch starts. Not when newer
+    /// work waits already (a change by someone else, or a deletion): its cycle sees what the
+    /// answer holds. Returns whether the answer is the next work.
+    fn check_answer(&self, slot: &mut Slot, answer: Stored) -> bool {
+        if slot.gone || self.ctx.cancel.is_cancelled() || answer.rv().is_none() {
+            return false;
+        }
+        if let Some((event_type, waiting)) = &slot.pending
+            && (*event_type == EventType::Deleted || waiting.rv() > answer.rv())
+        {
+            return false;
+        }
+        // What waits is this write's echo, come before the answer, or older.
+        self.set_pending(slot, EventType::Modified, answer);
+        true
     }
 
     /// Removes a gone object's node-local state — after making sure it is gone: a watch with

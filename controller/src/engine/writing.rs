@@ -8,7 +8,7 @@
 //! server refuses is traced back to the handler whose changes caused it (server-side dry runs),
 //! which gets a failed attempt instead.
 
-use std::time::Duration;
+use std::{borrow::Cow, time::Duration};
 
 use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
@@ -86,8 +86,10 @@ impl Writer {
     /// Writes a plan: the finalizer, then the object and status changes, retrying conflicts and
     /// unavailability without re-running any handler.
     pub async fn write(&self, body: &Value, plan: &Plan) -> Written {
-        let mut desired = plan.desired.clone();
-        let mut base = plan.base.clone();
+        // Borrowed until a conflict rebases them: while a write waits for the API server, its
+        // cycle holds no more copies of the object than its plan.
+        let mut desired = Cow::Borrowed(&plan.desired);
+        let mut base = Cow::Borrowed(&plan.base);
         let mut attempts = 0u32;
         let mut isolated = false;
         if desired.is_none() && plan.finalizer == FinalizerChange::Keep {
@@ -95,7 +97,7 @@ impl Writer {
         }
         loop {
             attempts += 1;
-            match self.write_once(&base, desired.as_ref(), plan.finalizer).await {
+            match self.write_once(&base, (*desired).as_ref(), plan.finalizer).await {
                 // The last finalizer of a deleting object went: the API server deleted it, and
                 // answered with the object as it was, at the version this write was based on.
                 // Events of that version still to come predate the write; none may run a
@@ -129,10 +131,10 @@ impl Writer {
                             if let Some(local) = self.storage.local.as_deref() {
                                 local.overlay(uid_of(body).unwrap_or_default(), &mut fresh).await;
                             }
-                            if let Some(d) = desired.as_mut() {
+                            if let Some(d) = desired.to_mut().as_mut() {
                                 rebase(d, &base, &fresh);
                             }
-                            base = fresh;
+                            base = Cow::Owned(fresh);
                         }
                         Err(objects::Error::NotFound) => return Written::Gone,
                         Err(e) => warn!(error = %e, "re-reading after a conflict failed"),
@@ -144,7 +146,7 @@ impl Writer {
                         return Written::Refused(message);
                     }
                     warn!(%message, "the API server rejected the handlers' patch; finding which handler's patch it was");
-                    desired = Some(self.isolate(plan, &base, &message).await);
+                    desired = Cow::Owned(Some(self.isolate(plan, &base, &message).await));
                     isolated = true;
                 }
                 Err(e) => {
