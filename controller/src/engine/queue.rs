@@ -24,7 +24,8 @@
 //! an object's event only marks it, and its body is listed again once there is room (see
 //! [`relisting`]), paced by the workers — so a start with 100,000 unhandled objects holds a
 //! bounded number of bodies, not all of them. An object with more work after its cycle goes to
-//! the end of the ready list again, so a busy object cannot keep a permit from the others.
+//! the end of the ready list again (after checking at most [`FOLLOW_UPS`] answers of its own
+//! writes in a row), so a busy object cannot keep a permit from the others.
 //! `capstan_objects_processing` (and its `_peak`) shows how many objects run at once;
 //! `capstan_objects_pending` how many wait.
 
@@ -164,8 +165,18 @@ impl Drop for Working {
 
 /// How many answers of its own writes one worker checks in a row before the object goes to the
 /// end of the ready list (a finalizer's write, the handlers' write, the check that finds
-/// nothing to do).
+/// nothing to do; more only for an object that changes with every write, such as one a
+/// webhook edits each time).
 const FOLLOW_UPS: usize = 4;
+
+/// An object's next piece of work (see [`Queue::take_next`]).
+struct Next {
+    event_type: EventType,
+    body: Stored,
+    /// Whether `body` is the object as the API server stored it (see [`Slot::seen`]).
+    as_stored: bool,
+    memory: Memory,
+}
 
 /// How many tombstones are kept, and for how long.
 const TOMBSTONES: usize = 4096;
@@ -179,6 +190,15 @@ struct Slot {
     last_body: Option<Stored>,
     /// The newest version our own cycles wrote or saw (see [`Slot::written_rv`]).
     written: Option<NonZeroU64>,
+    /// Whether a cycle has seen that version's body as the API server stored it, or will (its
+    /// write's answer waits as the next work): its watch event then brings nothing new. Not
+    /// after a checkpoint with nothing written since: the plan's base is then a body the
+    /// controller composed (what it wrote, with the server's version), and so is a body kept
+    /// from it.
+    seen: bool,
+    /// Whether the pending body is the object as the API server stored it (a watch event, a
+    /// listing, a write's answer), not one kept in memory.
+    pending_as_stored: bool,
     timer: Option<JoinHandle<()>>,
     gone: bool,
     /// Run another cycle with the latest body once the current one ends.
@@ -410,7 +430,7 @@ impl Queue {
         // processed again.
         if event_type != EventType::Deleted
             && let (Some(written), Some(rv)) = (slot.written_rv(), rv)
-            && (rv < written || watched && rv == written)
+            && (rv < written || watched && rv == written && slot.seen)
         {
             debug!(%uid, rv, written, "event of a version already seen dropped");
             return;
@@ -434,7 +454,7 @@ impl Queue {
             self.relist_soon();
             return;
         }
-        if self.set_pending(slot, event_type, Stored::new(&body)) {
+        if self.set_pending(slot, event_type, Stored::new(&body), watched) {
             drop(slots);
             self.enqueue(uid);
         }
@@ -442,11 +462,12 @@ impl Queue {
 
     /// Makes `body` the object's next work; returns whether the object must be put on the
     /// ready list (it had no worker and none waiting).
-    fn set_pending(&self, slot: &mut Slot, event_type: EventType, body: Stored) -> bool {
+    fn set_pending(&self, slot: &mut Slot, event_type: EventType, body: Stored, as_stored: bool) -> bool {
         if slot.pending.is_none() {
             self.count_waiting(1);
         }
         slot.pending = Some((event_type, body));
+        slot.pending_as_stored = as_stored;
         !std::mem::replace(&mut slot.running, true)
     }
 
@@ -542,9 +563,13 @@ impl Queue {
             uid: &uid,
             armed: true,
         };
-        let mut checked = 0;
-        while self.cycle(&uid).await && checked < FOLLOW_UPS {
-            checked += 1;
+        let mut answers = 0;
+        while self.cycle(&uid).await {
+            answers += 1;
+            if answers == FOLLOW_UPS {
+                self.defer_answer(&uid);
+                break;
+            }
         }
         drop(working);
         self.finish(&uid);
@@ -553,7 +578,7 @@ impl Queue {
 
     /// Takes the object's next piece of work: its latest event (unless it predates our own
     /// write), or a re-run with its latest body.
-    fn take_next(&self, uid: &str) -> Option<((EventType, Stored), Memory)> {
+    fn take_next(&self, uid: &str) -> Option<Next> {
         let mut slots = self.slots.lock();
         let slot = slots.get_mut(uid)?;
         loop {
@@ -570,14 +595,19 @@ impl Queue {
                     debug!(%uid, "stale event older than our own write dropped");
                     continue;
                 }
-                Some(next) => {
+                Some((event_type, body)) => {
                     if slot
                         .relist_rv()
-                        .is_none_or(|marked| next.1.rv().is_some_and(|rv| rv >= marked))
+                        .is_none_or(|marked| body.rv().is_some_and(|rv| rv >= marked))
                     {
                         slot.unmark();
                     }
-                    Some((next, slot.memory))
+                    Some(Next {
+                        event_type,
+                        body,
+                        as_stored: slot.pending_as_stored,
+                        memory: slot.memory,
+                    })
                 }
                 None if slot.rerun && !slot.gone && slot.last_body.is_some() => {
                     slot.rerun = false;
@@ -591,9 +621,12 @@ impl Queue {
                         return None;
                     }
                     slot.unmark();
-                    slot.last_body
-                        .clone()
-                        .map(|b| ((EventType::Modified, b), slot.memory))
+                    slot.last_body.clone().map(|body| Next {
+                        event_type: EventType::Modified,
+                        body,
+                        as_stored: false,
+                        memory: slot.memory,
+                    })
                 }
                 // The slot stays running: `finish` marks it idle (or removes a gone object)
                 // under the same lock as it checks for work pushed meanwhile, so the object
@@ -633,7 +666,13 @@ impl Queue {
     /// Runs one cycle with the object's next work; returns whether it left the answer to its
     /// write as the next work (see [`Queue::check_answer`]).
     async fn cycle(&self, uid: &str) -> bool {
-        let Some(((event_type, stored), memory)) = self.take_next(uid) else {
+        let Some(Next {
+            event_type,
+            body: stored,
+            as_stored,
+            memory,
+        }) = self.take_next(uid)
+        else {
             return false;
         };
         let body = stored.value();
@@ -665,7 +704,7 @@ impl Queue {
             .to_owned();
         let span = info_span!("object", object.resource = %self.ctx.resource.plural, object.namespace = %namespace, object.name = %name, object.uid = %uid, trace.id = tracing::field::Empty);
         let cycle = self
-            .process(uid, event_type, body, memory)
+            .process(uid, event_type, body, as_stored, memory)
             .instrument(span.clone());
         match AssertUnwindSafe(cycle).catch_unwind().await {
             Ok(answer_next) => answer_next,
@@ -711,7 +750,14 @@ impl Queue {
 
     /// One cycle with `body`; returns whether the answer to its write is the object's next
     /// work (see [`Queue::check_answer`]).
-    async fn process(&self, uid: &str, event_type: EventType, mut body: Value, memory: Memory) -> bool {
+    async fn process(
+        &self,
+        uid: &str,
+        event_type: EventType,
+        mut body: Value,
+        as_stored: bool,
+        memory: Memory,
+    ) -> bool {
         if event_type == EventType::Deleted {
             self.bury(uid, rv_of(&body));
             self.forget_locally(uid, &body).await;
@@ -729,7 +775,6 @@ impl Queue {
             debug!("object is gone; forgotten");
             return false;
         }
-        let started_at = rv_of(&body);
         if let Some(local) = self.ctx.storage.local.as_deref() {
             local.overlay(uid, &mut body).await;
         }
@@ -739,6 +784,8 @@ impl Queue {
         let echo = written_rv.is_some() && rv_of(&body) == written_rv;
         let (body, event_wake) = self.retry_event_handlers(event_type, body, &handlers, echo).await;
         let daemons_alive = self.ctx.daemons.sync(uid, &body, &handlers, paused);
+        // The version this cycle sees (the event handlers' progress write may have moved it on).
+        let cycle_rv = rv_of(&body);
         let plan = processing::cycle(
             Input {
                 body: &body,
@@ -845,42 +892,77 @@ impl Queue {
         // The body is kept only when something will run again without a new event; an object
         // at rest is listed again if it must be re-processed (see `relisting`).
         let keep = wake_at.is_some() || slot.rerun || daemons_alive;
-        // The object as stored after this cycle (its write's answer, or what a checkpoint wrote)
-        // is checked next when it is a version the cycle did not start with: a write that
-        // changed nothing answers with that version, and so does a cycle that wrote nothing.
-        // An answer of another object (one that took the name over) is not this one's.
-        let after = match &written {
+        // The object as stored after this cycle: its write's answer — checked next when it is a
+        // version newer than the one the cycle saw (a write that changed nothing answers with
+        // that one) — or, when nothing was written, the plan's base. That base is the cycle's own
+        // body, or after a checkpoint what the cycle wrote with the server's version: not the
+        // object as stored (someone may have changed it meanwhile), so the watch's event of that
+        // version must still be processed. An answer of another object (one that took the name
+        // over) is not this one's.
+        let mut answer = None;
+        let (after, checked) = match &written {
+            Written::Stored(stored) if uid_of(stored).as_deref() == Some(uid) => {
+                slot.set_written_rv(rv_of(stored).or(slot.written_rv()));
+                slot.seen = true;
+                let check = rv_of(stored) > cycle_rv;
+                (Some(stored), check)
+            }
             Written::Stored(stored) => {
                 slot.set_written_rv(rv_of(stored).or(slot.written_rv()));
-                Some((stored, uid_of(stored).as_deref() == Some(uid)))
+                slot.seen = false;
+                (None, false)
             }
             Written::Nothing => {
                 slot.set_written_rv(rv_of(&plan.base).max(slot.written_rv()));
-                Some((&plan.base, true))
+                if rv_of(&plan.base) != cycle_rv {
+                    // A checkpoint's composed body.
+                    slot.seen = false;
+                } else if as_stored {
+                    slot.seen = true;
+                }
+                // Otherwise a body kept in memory was seen again: what was seen stays.
+                (Some(&plan.base), false)
             }
-            Written::Refused(_) => Some((&plan.base, false)),
-            Written::Gone | Written::Failed => None,
+            Written::Refused(_) => (Some(&plan.base), false),
+            Written::Gone | Written::Failed => (None, false),
         };
-        let mut answer = None;
         match after {
-            Some((after, same)) => {
-                let check = same && rv_of(after) != started_at;
-                let kept = (keep || check).then(|| Stored::new(after));
-                if check {
-                    slot.last_body = kept.clone().filter(|_| keep);
-                    answer = kept;
+            Some(after) if keep || checked => {
+                let kept = Stored::new(after);
+                if checked {
+                    slot.last_body = keep.then(|| kept.clone());
+                    answer = Some(kept);
                 } else {
-                    slot.last_body = kept;
+                    slot.last_body = Some(kept);
                 }
             }
-            None if !keep => slot.last_body = None,
-            None => {}
+            _ if !keep || matches!(written, Written::Stored(_)) => slot.last_body = None,
+            _ => {}
         }
         if let Some(at) = wake_at {
             let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
             self.schedule(slot, uid, delay);
         }
         answer.is_some_and(|answer| self.check_answer(slot, answer))
+    }
+
+    /// After [`FOLLOW_UPS`] answers in a row, the object's turn is over: the answer waiting as
+    /// its next work goes to the end of the ready list like any other work, and within the
+    /// waiting bound — beyond it, the object is marked and its body listed again.
+    fn defer_answer(&self, uid: &str) {
+        let mut slots = self.slots.lock();
+        let Some(slot) = slots.get_mut(uid) else { return };
+        let over = self.ready.waiting.load(Ordering::Relaxed) > self.ctx.relisting.waiting_bodies.max(1);
+        if !over {
+            return;
+        }
+        if let Some((event_type, body)) = slot.pending.take() {
+            self.count_waiting(-1);
+            slot.mark(event_type, body.rv());
+            self.relisting.marked();
+            drop(slots);
+            self.relist_soon();
+        }
     }
 
     /// Makes the object as its cycle left it stored the object's next work, as its echo would
@@ -900,7 +982,7 @@ impl Queue {
             return false;
         }
         // What waits is this write's echo, come before the answer, or older.
-        self.set_pending(slot, EventType::Modified, answer);
+        self.set_pending(slot, EventType::Modified, answer, true);
         true
     }
 

@@ -102,11 +102,13 @@ impl Writer {
                 // answered with the object as it was, at the version this write was based on.
                 // Events of that version still to come predate the write; none may run a
                 // handler again.
-                Ok(stored) if released(&stored) => {
+                // Nothing to send to the API server (the changes were node-local records).
+                Ok(None) => return Written::Nothing,
+                Ok(Some(stored)) if released(&stored) => {
                     debug!("the object's last finalizer was removed; it is gone");
                     return Written::Gone;
                 }
-                Ok(stored) => return Written::Stored(stored),
+                Ok(Some(stored)) => return Written::Stored(stored),
                 Err(objects::Error::NotFound) => {
                     debug!("object deleted meanwhile; dropped");
                     return Written::Gone;
@@ -249,12 +251,14 @@ impl Writer {
         Ok(())
     }
 
+    /// Writes once; the object as the API server stored it, or `None` when there was nothing
+    /// to send to it.
     pub(crate) async fn write_once(
         &self,
         base: &Value,
         desired: Option<&Value>,
         finalizer: FinalizerChange,
-    ) -> Result<Value, objects::Error> {
+    ) -> Result<Option<Value>, objects::Error> {
         let Some(local) = self.storage.local.as_deref() else {
             return self.write_remote(base, desired, finalizer).await;
         };
@@ -283,13 +287,14 @@ impl Writer {
         Ok(stored)
     }
 
-    /// Writes to the API server what changed from `base` to `desired` and the finalizer.
+    /// Writes to the API server what changed from `base` to `desired` and the finalizer; the
+    /// object as stored, or `None` when nothing changed.
     async fn write_remote(
         &self,
         base: &Value,
         desired: Option<&Value>,
         finalizer: FinalizerChange,
-    ) -> Result<Value, objects::Error> {
+    ) -> Result<Option<Value>, objects::Error> {
         let (ns, name) = identity(base);
         let resource = &self.resource;
         let mut patch = desired
@@ -303,7 +308,7 @@ impl Writer {
         } else if finalizer == FinalizerChange::Remove {
             info!("finalizer removed");
         }
-        Ok(stored.unwrap_or_else(|| base.clone()))
+        Ok(stored)
     }
 }
 
@@ -371,7 +376,7 @@ impl processing::Checkpoint for Writer {
     ) -> futures::future::BoxFuture<'a, Option<Value>> {
         Box::pin(async move {
             match self.write_once(base, Some(desired), FinalizerChange::Keep).await {
-                Ok(stored) => Some(stored),
+                Ok(stored) => Some(stored.unwrap_or_else(|| base.clone())),
                 Err(e) => {
                     debug!(error = %crate::error::chain(&e), "checkpoint not written; the final write will carry it");
                     None

@@ -17,8 +17,8 @@
 //! a body at least as new (a watch event) clears the mark, so each object gets one cycle, also
 //! when a listing is retried or superseded. A listed body older than the event that marked
 //! the object (the LIST's snapshot predates it) leaves the mark for a later pass. The echoes
-//! of the controller's own writes always wait with their body: they come only as fast as
-//! cycles end. One listing per queue runs at a time: a resync supersedes a running one (the
+//! of the controller's own writes never wait: the write's answer was checked instead (see
+//! [`super`]). One listing per queue runs at a time: a resync supersedes a running one (the
 //! handlers changed), a new mark beyond the bound asks the running one for another pass. A
 //! failed listing is tried again with a growing pause until no marked object is left or the
 //! queue stops; a listing that ends with no new mark since it started clears the marks of
@@ -391,7 +391,7 @@ impl Queue {
             return Listed::NoRoom;
         }
         slot.unmark();
-        if self.set_pending(slot, event_type, body.clone()) {
+        if self.set_pending(slot, event_type, body.clone(), true) {
             drop(slots);
             self.enqueue(uid.to_owned());
         }

@@ -1,7 +1,10 @@
 //! The object queues against fakes: a panicking cycle, bounded event dispatch, stored bodies,
 //! the merge diff and dropped fields.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::{
+    collections::HashMap,
+    sync::atomic::{AtomicU32, Ordering},
+};
 
 use futures::future::BoxFuture;
 use serde_json::json;
@@ -34,17 +37,72 @@ fn example(rv: &str) -> Value {
            "spec": {"size": 1}})
 }
 
-/// An API server that accepts every write, answering with [`another_object`].
+/// An API server holding the tests' objects, as [`Store`] answers.
 fn objects() -> Objects {
-    answering(another_object())
+    patching(|_| {})
 }
 
-/// The answer of the tests' API servers to a write: version 20 of an object of another uid, so
-/// that no test object's cycle checks it as its own next version.
-fn another_object() -> Value {
-    let mut other = example("20");
-    other["metadata"]["uid"] = json!("u-other");
-    other
+/// The objects of a fake API server. An object is first the tests' example of its name
+/// (`one` is `u1`, `object-N` is `uN`) at version 19; a merge PATCH of it (or of its status)
+/// is applied, then `mutate` (an admission webhook, say), its resourceVersion goes up by one,
+/// and the answer is the object as stored — as a real API server answers.
+#[derive(Clone)]
+struct Store {
+    objects: Arc<Mutex<HashMap<String, Value>>>,
+    mutate: fn(&mut Value),
+}
+
+impl Store {
+    fn new(mutate: fn(&mut Value)) -> Self {
+        Self {
+            objects: Arc::default(),
+            mutate,
+        }
+    }
+
+    /// The answer to a PATCH of `path` with `patch`.
+    fn patch(&self, path: &str, patch: &[u8]) -> Value {
+        let name = path
+            .trim_end_matches("/status")
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        let mut objects = self.objects.lock();
+        let object = objects.entry(name.clone()).or_insert_with(|| {
+            let mut body = example("19");
+            if let Some(n) = name.strip_prefix("object-") {
+                body["metadata"]["name"] = json!(name);
+                body["metadata"]["uid"] = json!(format!("u{n}"));
+            }
+            body
+        });
+        if let Ok(patch) = serde_json::from_slice::<Value>(patch) {
+            json_patch::merge(object, &patch);
+            (self.mutate)(object);
+            let rv = rv_of(object).unwrap_or(0) + 1;
+            object["metadata"]["resourceVersion"] = json!(rv.to_string());
+        }
+        object.clone()
+    }
+}
+
+/// An API server whose answers to writes are those of a [`Store`] with `mutate`.
+fn patching(mutate: fn(&mut Value)) -> Objects {
+    let store = Store::new(mutate);
+    let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+        let store = store.clone();
+        async move {
+            let path = req.uri().path().to_owned();
+            let patch = http_body_util::BodyExt::collect(req.into_body())
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            let answer = serde_json::to_vec(&store.patch(&path, &patch)).unwrap_or_default();
+            Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::from(answer)))
+        }
+    });
+    Objects::new(kube::Client::new(service, "default"))
 }
 
 /// An API server that answers every request with `body`.
@@ -565,22 +623,33 @@ fn listing(items: Vec<Value>, lists: Arc<AtomicU32>, open: watch::Receiver<bool>
 
 /// As [`listing`], with the items as they are when each LIST arrives.
 fn listing_of(items: Arc<Mutex<Vec<Value>>>, lists: Arc<AtomicU32>, open: watch::Receiver<bool>) -> Objects {
+    let store = Store::new(|_| {});
     let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
         let list =
             req.method() == http::Method::GET && req.uri().path() == "/apis/demo.capstan.dev/v1/examples";
-        let answer = if list {
+        let listed = list.then(|| {
             lists.fetch_add(1, Ordering::SeqCst);
             json!({"apiVersion": "demo.capstan.dev/v1", "kind": "ExampleList",
                    "metadata": {"resourceVersion": "30"}, "items": items.lock().clone()})
-        } else {
-            another_object()
-        };
-        let body = serde_json::to_vec(&answer).unwrap_or_default();
+        });
         let mut open = open.clone();
+        let store = store.clone();
         async move {
-            if list {
-                let _ = open.wait_for(|o| *o).await;
-            }
+            let answer = match listed {
+                Some(listed) => {
+                    let _ = open.wait_for(|o| *o).await;
+                    listed
+                }
+                None => {
+                    let path = req.uri().path().to_owned();
+                    let patch = http_body_util::BodyExt::collect(req.into_body())
+                        .await
+                        .map(|b| b.to_bytes())
+                        .unwrap_or_default();
+                    store.patch(&path, &patch)
+                }
+            };
+            let body = serde_json::to_vec(&answer).unwrap_or_default();
             Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::from(body)))
         }
     });
@@ -601,7 +670,8 @@ async fn until_idle(queue: &Queue, calls: impl Fn() -> u32, want: u32) {
 
 /// A handled object with nothing due keeps no body in memory; a change of handlers (or a
 /// resume) lists the objects again and gives each object at rest a cycle with its listed
-/// body.
+/// body. (The listed bodies are newer versions without the controller's records, as after a
+/// `kubectl replace`: each cycle calls the handler again, which the test counts.)
 #[tokio::test(start_paused = true)]
 async fn objects_at_rest_keep_no_body_and_are_listed_again_to_be_re_processed() {
     let create = create_fn();
@@ -611,7 +681,7 @@ async fn objects_at_rest_keep_no_body_and_are_listed_again_to_be_re_processed() 
     let listed: Vec<Value> = (0..3)
         .map(|n| {
             let mut body = numbered(n);
-            body["metadata"]["resourceVersion"] = json!("20");
+            body["metadata"]["resourceVersion"] = json!("40");
             body
         })
         .collect();
@@ -646,7 +716,7 @@ async fn objects_at_rest_keep_no_body_and_are_listed_again_to_be_re_processed() 
         .lock()
         .get_mut("u0")
         .expect("slot")
-        .set_written_rv(Some(25));
+        .set_written_rv(Some(45));
     queue.resync();
     until_idle(&queue, || invoker.total(), 8).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -703,11 +773,12 @@ fn a_slot_and_its_key_take_at_most_88_bytes() {
     assert!(std::mem::size_of::<(Box<str>, Slot)>() <= 88);
 }
 
-/// A resync while the object's cycle runs (maybe with the old handlers): the object gets a
-/// cycle with its listed body even when that running cycle ends keeping a body (a retry due)
-/// before the listing arrives — not only when its retry comes.
+/// A resync while the object's cycle runs (maybe with the old handlers): once that cycle ends,
+/// keeping its body (a retry is due), the object runs a cycle with the handlers registered now
+/// — the answer to that cycle's write, checked at once — and the listing the resync started
+/// finds nothing left to do for it: it queues no body, and the retry stays due when it was.
 #[tokio::test(start_paused = true)]
-async fn an_object_whose_cycle_ran_during_a_resync_is_re_processed_from_the_listing() {
+async fn an_object_whose_cycle_ran_during_a_resync_gets_a_cycle_after_it() {
     let create = create_fn();
     let lists = Arc::new(AtomicU32::new(0));
     let (answer, invoker) = Failing::new(false);
@@ -728,25 +799,30 @@ async fn an_object_whose_cycle_ran_during_a_resync_is_re_processed_from_the_list
         1,
         "the listing waits for its answer"
     );
-    // The running cycle ends with a retry due in 60 s: it keeps its body.
-    answer.send_replace(true);
-    tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(
         queue
             .slots
             .lock()
             .get("u1")
-            .is_some_and(|s| !s.running && s.last_body.is_some())
+            .is_some_and(|s| s.relist.is_some() && s.rerun)
     );
+    // The running cycle ends with a retry due in 60 s: it keeps its body, and the object runs
+    // once more at once.
+    answer.send_replace(true);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(queue.slots.lock().get("u1").is_some_and(|s| !s.running
+        && s.last_body.is_some()
+        && s.relist.is_none()
+        && !s.rerun
+        && s.timer.is_some()));
     list_open.send_replace(true);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while invoker.calls.load(Ordering::SeqCst) < 2 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the object waited for its retry instead of getting its listed body"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(pending_bodies(&queue), 0, "the listing queued a body again");
+    assert_eq!(
+        invoker.calls.load(Ordering::SeqCst),
+        1,
+        "the retry is not due yet"
+    );
 }
 
 /// A resync while a cycle of an object with a body in memory runs, and that cycle ends
@@ -1147,32 +1223,6 @@ async fn listings_for_new_marks_are_spaced() {
     assert!(invoker.calls.lock().values().all(|n| *n == 1));
 }
 
-/// An API server holding one object: a merge PATCH (of the object or its status) is applied
-/// to it and `mutate` (an admission webhook, say), its resourceVersion goes up by one, and the
-/// answer is the object as stored — as a real API server answers.
-fn patching(body: Value, mutate: fn(&mut Value)) -> Objects {
-    let stored = Arc::new(Mutex::new(body));
-    let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
-        let stored = stored.clone();
-        async move {
-            let patch = http_body_util::BodyExt::collect(req.into_body())
-                .await
-                .map(|b| b.to_bytes())
-                .unwrap_or_default();
-            let mut object = stored.lock();
-            if let Ok(patch) = serde_json::from_slice::<Value>(&patch) {
-                json_patch::merge(&mut object, &patch);
-                mutate(&mut object);
-                let rv = rv_of(&object).unwrap_or(0) + 1;
-                object["metadata"]["resourceVersion"] = json!(rv.to_string());
-            }
-            let answer = serde_json::to_vec(&*object).unwrap_or_default();
-            Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::from(answer)))
-        }
-    });
-    Objects::new(kube::Client::new(service, "default"))
-}
-
 /// The echoes of the controller's own writes made while the watch's initial listing ran come
 /// all at once when the watch starts (from the listing's version). Each is of a version
 /// whose cycle has run: none may wait with its body. (A start with 10,000 unhandled objects
@@ -1191,6 +1241,7 @@ async fn echoes_of_handled_versions_arriving_at_once_wait_with_no_body() {
             format!("u{n}").into(),
             Slot {
                 written: NonZeroU64::new(10),
+                seen: true,
                 ..Slot::default()
             },
         );
@@ -1222,7 +1273,7 @@ async fn the_answer_to_a_write_is_checked_at_once_and_its_echo_runs_nothing() {
     let mut update = Registration::new("update_fn", HandlerKind::Update, None);
     update.resource = Some(resource());
     let invoker = Arc::new(Slow::default());
-    let objects = patching(example("10"), |o| o["spec"]["size"] = json!(2));
+    let objects = patching(|o| o["spec"]["size"] = json!(2));
     let q = queue_of(
         invoker.clone(),
         vec![create_fn(), update],
@@ -1244,18 +1295,193 @@ async fn the_answer_to_a_write_is_checked_at_once_and_its_echo_runs_nothing() {
     };
     assert!(slot_idle(&q));
     // The echoes of both writes come late: nothing runs, nothing waits.
-    let written = q.slots.lock().get("u1").and_then(Slot::written_rv);
-    for rv in [11, 12] {
+    // Two writes from version 19 (a checkpoint may make it three: the handler takes as long
+    // as the checkpoint waits).
+    let written = q.slots.lock().get("u1").and_then(Slot::written_rv).unwrap_or(0);
+    assert!(written >= 21, "written {written}");
+    for rv in 20..=written {
         let mut echo = example(&rv.to_string());
         echo["spec"]["size"] = json!(2);
         q.push(EventType::Modified, echo);
         assert_eq!(
             pending_bodies(&q),
             0,
-            "the echo of version {rv} (written {written:?}) waits"
+            "the echo of version {rv} (written {written}) waits"
         );
     }
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(invoker.calls.load(Ordering::SeqCst), 2);
     assert!(slot_idle(&q));
+}
+
+/// An object's next work while its handler runs, and what the cycle's write answer does to it.
+async fn while_the_handler_runs(
+    next: Option<(EventType, Value)>,
+    handlers: Vec<Registration>,
+) -> (Queue, Arc<Gated>) {
+    let (open, invoker) = Gated::new();
+    let q = queue(invoker.clone(), handlers, Arc::new(Semaphore::new(1)));
+    q.push(EventType::Added, example("10"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(invoker.total(), 1);
+    if let Some((event_type, body)) = next {
+        q.push(event_type, body);
+    }
+    open.send_replace(true);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    (q, invoker)
+}
+
+/// The echo of a write may come before the write's answer: it waits as the object's next work
+/// and the answer (the same version) replaces it — one check, no handler run again, even
+/// though this echo carries none of the controller's records.
+#[tokio::test(start_paused = true)]
+async fn an_echo_before_the_answer_is_replaced_by_the_answer() {
+    let (q, invoker) =
+        while_the_handler_runs(Some((EventType::Modified, example("20"))), vec![create_fn()]).await;
+    assert_eq!(invoker.total(), 1, "the early echo ran the handler again");
+    assert_eq!(pending_bodies(&q), 0);
+    assert!(
+        q.slots
+            .lock()
+            .get("u1")
+            .is_some_and(|s| !s.running && s.written_rv() == Some(20))
+    );
+}
+
+/// A change by someone else that comes while the handler runs is newer than the cycle's write
+/// answer... or not: here it is older than the answer, so the answer supersedes it. A change
+/// newer than the answer is processed itself.
+#[tokio::test(start_paused = true)]
+async fn a_change_newer_than_the_answer_is_processed_and_an_older_one_is_not() {
+    let mut update = Registration::new("update_fn", HandlerKind::Update, None);
+    update.resource = Some(resource());
+    let mut newer = example("30");
+    newer["spec"]["size"] = json!(7);
+    let (q, invoker) =
+        while_the_handler_runs(Some((EventType::Modified, newer)), vec![create_fn(), update]).await;
+    // The change (version 30) carries none of the controller's records: it is a creation to
+    // the cycle that runs it, which proves that it ran rather than the answer (version 20).
+    assert_eq!(
+        invoker
+            .versions
+            .lock()
+            .iter()
+            .map(|(_, rv)| rv.as_str())
+            .collect::<Vec<_>>(),
+        ["10", "30"]
+    );
+    assert_eq!(pending_bodies(&q), 0);
+}
+
+/// A deletion that comes while the handler runs is not superseded by the write's answer.
+#[tokio::test(start_paused = true)]
+async fn a_deletion_while_the_handler_runs_is_not_superseded_by_the_answer() {
+    let (q, invoker) =
+        while_the_handler_runs(Some((EventType::Deleted, example("15"))), vec![create_fn()]).await;
+    assert_eq!(invoker.total(), 1);
+    assert!(
+        q.slots.lock().get("u1").is_none(),
+        "the deleted object is forgotten"
+    );
+}
+
+/// An object that an admission webhook changes with every write never stops changing, as with
+/// kopf; it gets [`FOLLOW_UPS`] checks of its answers in a row, then waits its turn: another
+/// object is handled meanwhile.
+#[tokio::test(start_paused = true)]
+async fn an_object_changed_by_every_write_does_not_keep_its_worker() {
+    let mut update = Registration::new("update_fn", HandlerKind::Update, None);
+    update.resource = Some(resource());
+    let (open, invoker) = Gated::new();
+    open.send_replace(true);
+    let bump = |o: &mut Value| {
+        if o["metadata"]["name"] == "one" {
+            let size = o["spec"]["size"].as_u64().unwrap_or(0);
+            o["spec"]["size"] = json!(size + 1);
+        }
+    };
+    let q = queue_of(
+        invoker.clone(),
+        vec![create_fn(), update],
+        Arc::new(Semaphore::new(1)),
+        patching(bump),
+    );
+    let calls = |uid: &str| invoker.calls.lock().get(uid).copied().unwrap_or(0);
+    q.push(EventType::Added, example("10"));
+    // The changing object keeps the runtime busy, so paused time does not move: progress is
+    // counted in yields.
+    let mut yields = 0;
+    while calls("u1") < 2 {
+        yields += 1;
+        assert!(yields < 100_000, "the changing object's update handler never ran");
+        tokio::task::yield_now().await;
+    }
+    q.push(EventType::Added, numbered(5));
+    let before = invoker.order.lock().len();
+    while calls("u5") == 0 {
+        yields += 1;
+        assert!(yields < 200_000, "the other object never got the worker");
+        tokio::task::yield_now().await;
+    }
+    // Invocations in order: the changing object's that came after the other object was pushed
+    // and before its handler ran.
+    let order = invoker.order.lock().clone();
+    let meanwhile = order.iter().skip(before).take_while(|uid| *uid != "u5").count();
+    assert!(
+        meanwhile <= FOLLOW_UPS + 1,
+        "the changing object ran {meanwhile} more handlers first: {order:?}"
+    );
+}
+
+/// Its first invocation runs past the checkpoint time and is then withdrawn (its process
+/// left), the second is withdrawn before the checkpoint time, the third runs on: the first two cycles end with
+/// nothing to write after a checkpoint, the second with the body the first left in memory.
+#[derive(Default)]
+struct WithdrawnTwice {
+    calls: AtomicU32,
+}
+
+impl Invoker for WithdrawnTwice {
+    fn invoke(&self, _work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async move {
+            match call {
+                0 => tokio::time::sleep(Duration::from_secs(3)).await,
+                1 => tokio::time::sleep(Duration::from_millis(10)).await,
+                _ => std::future::pending().await,
+            }
+            Outcome::Cancelled
+        })
+    }
+}
+
+/// After a checkpoint with nothing written since, the plan's base is the body the cycle wrote,
+/// not the object as stored (a user may have changed it in between), and so is the body kept
+/// from it for the re-run: the watch's event of the checkpoint's version still waits to be
+/// processed.
+#[tokio::test(start_paused = true)]
+async fn the_event_of_a_checkpoint_with_nothing_written_after_it_is_processed() {
+    let invoker = Arc::new(WithdrawnTwice::default());
+    let q = queue(invoker.clone(), vec![create_fn()], Arc::new(Semaphore::new(1)));
+    q.push(EventType::Added, example("10"));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        invoker.calls.load(Ordering::SeqCst),
+        3,
+        "two re-runs after withdrawals"
+    );
+    let (written, seen) = q
+        .slots
+        .lock()
+        .get("u1")
+        .map(|s| (s.written_rv(), s.seen))
+        .unwrap_or_default();
+    assert_eq!(written, Some(20), "one write: the checkpoint");
+    assert!(!seen, "the checkpoint's version counts as seen");
+    let mut edited = example("20");
+    edited["spec"]["size"] = json!(3);
+    q.push(EventType::Modified, edited);
+    let waiting = q.slots.lock().get("u1").is_some_and(|s| s.pending.is_some());
+    assert!(waiting, "the event of the checkpoint's version was dropped");
 }
