@@ -24,8 +24,9 @@
 //! an object's event only marks it, and its body is listed again once there is room (see
 //! [`relisting`]), paced by the workers — so a start with 100,000 unhandled objects holds a
 //! bounded number of bodies, not all of them. An object with more work after its cycle goes to
-//! the end of the ready list again (after checking at most [`FOLLOW_UPS`] answers of its own
-//! writes in a row), so a busy object cannot keep a permit from the others.
+//! the end of the ready list again (after at most [`FOLLOW_UPS`] cycles in a row, each
+//! checking the answer of the write before), so a busy object cannot keep a permit from the
+//! others.
 //! `capstan_objects_processing` (and its `_peak`) shows how many objects run at once;
 //! `capstan_objects_pending` how many wait.
 
@@ -163,10 +164,10 @@ impl Drop for Working {
     }
 }
 
-/// How many answers of its own writes one worker checks in a row before the object goes to the
-/// end of the ready list (a finalizer's write, the handlers' write, the check that finds
-/// nothing to do; more only for an object that changes with every write, such as one a
-/// webhook edits each time).
+/// How many cycles one worker runs in a row, each after the first checking the answer of the
+/// write before, until the object goes to the end of the ready list with the answer still to
+/// check (a finalizer's write, the handlers' write, the check that finds nothing to do; more
+/// only for an object that changes with every write, such as one a webhook edits each time).
 const FOLLOW_UPS: usize = 4;
 
 /// An object's next piece of work (see [`Queue::take_next`]).
@@ -903,8 +904,13 @@ impl Queue {
         let (after, checked) = match &written {
             Written::Stored(stored) if uid_of(stored).as_deref() == Some(uid) => {
                 slot.set_written_rv(rv_of(stored).or(slot.written_rv()));
-                slot.seen = true;
                 let check = rv_of(stored) > cycle_rv;
+                // A write that changed nothing answers with the version the cycle saw: seen now
+                // if the cycle's body was that version as stored; for a body kept in memory,
+                // what was seen stays (not after a checkpoint composed it).
+                if check || as_stored {
+                    slot.seen = true;
+                }
                 (Some(stored), check)
             }
             Written::Stored(stored) => {

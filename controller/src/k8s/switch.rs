@@ -376,8 +376,9 @@ impl tower::Service<Request<Body>> for Route {
 
 /// Leases and peering objects: the requests that keep leadership and presence. They never
 /// wait behind a burst of the engine's writes, which could otherwise outlast the lease's
-/// renewal deadline and hand leadership to a standby that meets the same burst.
-fn is_coordination(uri: &Uri) -> bool {
+/// renewal deadline and hand leadership to a standby that meets the same burst; nor do they
+/// share the other requests' HTTP/2 connection (see [`super::transport`]).
+pub(super) fn is_coordination(uri: &Uri) -> bool {
     let path = uri.path();
     path.starts_with("/apis/coordination.k8s.io/")
         || path

@@ -20,6 +20,13 @@
 //! buffer, where over HTTP/2 they would have to be read into the controller's memory to get at
 //! the other streams.
 //!
+//! Why leases and peering do too: over HTTP/2 every request goes to the one connection until
+//! keep-alive pings find it dead ([`KEEP_ALIVE`] twice), and a connection that stopped
+//! answering without being closed (an API server lost behind a load balancer) would hold every
+//! renewal of the leader's lease until the renewal deadline (10 s by default) passed and the
+//! leader stepped down. Over HTTP/1.1 a renewal that times out closes its connection, and the
+//! next one opens a new connection.
+//!
 //! An HTTP/2 connection is forgotten by the pool 4–8 s after its last request, like an idle
 //! HTTP/1.1 connection, and closes once its last request ends; the next request opens a new one.
 //! Until a connection has negotiated HTTP/2, the pool cannot know that requests may share it:
@@ -116,7 +123,7 @@ fn pooled(config: &Config, idle: usize, idle_timeout: Duration) -> Result<Client
             None => https,
         };
         // Requests offer HTTP/2 and HTTP/1.1 over TLS (ALPN), and the API server picks;
-        // watches speak HTTP/1.1 (see the module docs).
+        // watches, leases and peering speak HTTP/1.1 (see the module docs).
         let https = if http2 {
             https.enable_all_versions().wrap_connector(http)
         } else {
@@ -141,10 +148,11 @@ fn pooled(config: &Config, idle: usize, idle_timeout: Duration) -> Result<Client
         .http2_keep_alive_interval(KEEP_ALIVE)
         .http2_keep_alive_timeout(KEEP_ALIVE);
     let requests: Pool<_, Body> = pool.build(connector(tls.clone(), true));
-    let watches: Pool<_, Body> = pool.build(connector(tls, false));
+    let own: Pool<_, Body> = pool.build(connector(tls, false));
     let pools = tower::service_fn(move |request: http::Request<Body>| {
-        let pool = if super::switch::is_watch(request.uri()) {
-            watches.clone()
+        let uri = request.uri();
+        let pool = if super::switch::is_watch(uri) || super::switch::is_coordination(uri) {
+            own.clone()
         } else {
             requests.clone()
         };
@@ -301,9 +309,20 @@ mod tests {
 
     /// A watch request (whose answer here is a list, which is all the test needs).
     async fn watch(client: &Client) {
-        let request = http::Request::get("/api/v1/namespaces?watch=true")
-            .body(Vec::new())
-            .unwrap();
+        get(client, "/api/v1/namespaces?watch=true").await;
+    }
+
+    /// A request of a lease (answered with a list too).
+    async fn lease(client: &Client) {
+        get(
+            client,
+            "/apis/coordination.k8s.io/v1/namespaces/default/leases/one",
+        )
+        .await;
+    }
+
+    async fn get(client: &Client, target: &str) {
+        let request = http::Request::get(target).body(Vec::new()).unwrap();
         client.request_text(request).await.unwrap();
     }
 
@@ -339,7 +358,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn over_tls_a_burst_shares_one_http2_connection_and_watches_speak_http1() {
+    async fn over_tls_a_burst_shares_one_http2_connection_and_watches_and_leases_speak_http1() {
         let (config, accepted, seen) = tls_server(&[b"h2", b"http/1.1"], ANSWER_AFTER).await;
         let client = pooled(&config, IDLE, IDLE_FOR).unwrap();
         // As in the controller, where discovery comes first: until a connection has
@@ -359,11 +378,14 @@ mod tests {
             2,
             "the watch shared the requests' connection"
         );
+        // A lease's renewal must not wait on a shared connection that may have stopped
+        // answering (see the module docs).
+        lease(&client).await;
         let seen = seen.lock();
         assert!(
-            seen.iter().all(
-                |(target, version)| (*version == http::Version::HTTP_11) == target.contains("watch=true")
-            ),
+            seen.iter()
+                .all(|(target, version)| (*version == http::Version::HTTP_11)
+                    == (target.contains("watch=true") || target.contains("/leases/"))),
             "{seen:?}"
         );
     }

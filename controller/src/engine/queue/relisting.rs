@@ -17,8 +17,8 @@
 //! a body at least as new (a watch event) clears the mark, so each object gets one cycle, also
 //! when a listing is retried or superseded. A listed body older than the event that marked
 //! the object (the LIST's snapshot predates it) leaves the mark for a later pass. The echoes
-//! of the controller's own writes never wait: the write's answer was checked instead (see
-//! [`super`]). One listing per queue runs at a time: a resync supersedes a running one (the
+//! of the controller's own writes are dropped, as the write's answer was checked instead (see
+//! [`super`]): only one that comes before its answer waits, one per running worker. One listing per queue runs at a time: a resync supersedes a running one (the
 //! handlers changed), a new mark beyond the bound asks the running one for another pass. A
 //! failed listing is tried again with a growing pause until no marked object is left or the
 //! queue stops; a listing that ends with no new mark since it started clears the marks of

@@ -1485,3 +1485,75 @@ async fn the_event_of_a_checkpoint_with_nothing_written_after_it_is_processed() 
     let waiting = q.slots.lock().get("u1").is_some_and(|s| s.pending.is_some());
     assert!(waiting, "the event of the checkpoint's version was dropped");
 }
+
+/// Its first invocation runs past the checkpoint time and is then withdrawn; the second (the
+/// re-run, from the body the checkpoint composed) succeeds.
+#[derive(Default)]
+struct WithdrawnOnce {
+    calls: AtomicU32,
+}
+
+impl Invoker for WithdrawnOnce {
+    fn invoke(&self, _work: Work, _control: Control) -> BoxFuture<'static, Outcome> {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async move {
+            if call == 0 {
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                return Outcome::Cancelled;
+            }
+            Outcome::success(None)
+        })
+    }
+}
+
+/// An API server where a PATCH changes nothing stored (the object already holds what it
+/// sets, as when another writer got there first): the version stays.
+fn keeps_version(object: &mut Value) {
+    let rv = rv_of(object).unwrap_or(1).saturating_sub(1);
+    object["metadata"]["resourceVersion"] = json!(rv.to_string());
+}
+
+/// A write from a body the cycle did not get from the API server (the one a checkpoint
+/// composed) whose answer is that body's version: the answer is the object as stored, which
+/// the cycle never saw, so the watch's event of that version is still processed.
+#[tokio::test(start_paused = true)]
+async fn a_write_that_changed_nothing_from_a_composed_body_leaves_its_version_unseen() {
+    let invoker = Arc::new(WithdrawnOnce::default());
+    let q = queue_of(
+        invoker.clone(),
+        vec![create_fn()],
+        Arc::new(Semaphore::new(1)),
+        patching(keeps_version),
+    );
+    q.push(EventType::Added, example("10"));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        invoker.calls.load(Ordering::SeqCst),
+        2,
+        "a re-run after the withdrawal"
+    );
+    let (written, seen) = q
+        .slots
+        .lock()
+        .get("u1")
+        .map(|s| (s.written_rv(), s.seen))
+        .unwrap_or_default();
+    assert_eq!(
+        written,
+        Some(19),
+        "the checkpoint and the re-run's write, both at 19"
+    );
+    assert!(
+        !seen,
+        "a version the cycles never got from the API server counts as seen"
+    );
+    let mut edited = example("19");
+    edited["spec"]["size"] = json!(3);
+    q.push(EventType::Modified, edited);
+    let waiting = q
+        .slots
+        .lock()
+        .get("u1")
+        .is_some_and(|s| s.pending.is_some() || s.running);
+    assert!(waiting, "the event of the stored version was dropped");
+}
