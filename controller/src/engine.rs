@@ -211,7 +211,7 @@ impl Engine {
         let scan = match discovery.rescan().await {
             Ok(scan) => scan,
             Err(e) => {
-                warn!(error = %crate::error::chain(&e), "discovery failed; resources stay as they were");
+                warn!(error = %crate::diagnostic::chain(&e), "discovery failed; resources stay as they were");
                 return;
             }
         };

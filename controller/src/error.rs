@@ -37,15 +37,3 @@ pub enum Error {
 
 /// The controller's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// Formats an error with its chain of causes on one line (`outer: inner: root`).
-pub fn chain(error: &dyn std::error::Error) -> String {
-    let mut out = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    out
-}

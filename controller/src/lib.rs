@@ -16,8 +16,11 @@
 //!  │        ├──► k8s  (client, discovery, objects, watch,  ── the only layer that calls the API
 //!  │        │          peering, lease)
 //!  │        └──► persistence (keys, progress, diffbase)    ── names and formats of stored state
-//!  └──────────► observability (logging, health, admin), config, error, model
+//!  └──────────► observability (logging, health, admin), config, model, diagnostic
 //! ```
+//!
+//! `error` aggregates the subsystems' errors for `main`; nothing below `app` imports it.
+//! `diagnostic` (an error with its causes on one line) imports nothing of the crate.
 //!
 //! `engine` and `peering` are siblings: the peering gate pauses dispatch in the hub, and the
 //! engine (like daemons later) can follow the gate's `paused` receiver without importing the
@@ -37,6 +40,7 @@ pub mod app;
 pub mod check;
 pub mod cli;
 pub mod config;
+pub mod diagnostic;
 pub mod engine;
 pub mod error;
 pub mod grpc;

@@ -53,7 +53,7 @@ fn main() -> ExitCode {
             match capstan::persistence::node_store::prepare(&args.dir, args.owner) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("capstan: {}", capstan::error::chain(&e));
+                    eprintln!("capstan: {}", capstan::diagnostic::chain(&e));
                     ExitCode::FAILURE
                 }
             }
@@ -82,7 +82,7 @@ fn main() -> ExitCode {
                 return ExitCode::from(64);
             }
             if let Err(e) = logging::init(args.log_format, &args.log) {
-                eprintln!("capstan: {}", capstan::error::chain(&e));
+                eprintln!("capstan: {}", capstan::diagnostic::chain(&e));
                 return ExitCode::from(64);
             }
             let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -100,8 +100,8 @@ fn main() -> ExitCode {
             match result {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    tracing::error!(error = %capstan::error::chain(&e), "capstan failed");
-                    eprintln!("capstan: {}", capstan::error::chain(&e));
+                    tracing::error!(error = %capstan::diagnostic::chain(&e), "capstan failed");
+                    eprintln!("capstan: {}", capstan::diagnostic::chain(&e));
                     ExitCode::FAILURE
                 }
             }
@@ -133,7 +133,7 @@ fn terminal(
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("capstan: {}", capstan::error::chain(e.as_ref()));
+            eprintln!("capstan: {}", capstan::diagnostic::chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }

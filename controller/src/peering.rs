@@ -156,7 +156,7 @@ impl Peering {
             if settings.required {
                 return Err(Error::Required(e));
             }
-            warn!(error = %crate::error::chain(&e), "running without peering: other operators cannot pause this one");
+            warn!(error = %crate::diagnostic::chain(&e), "running without peering: other operators cannot pause this one");
             return Ok(None);
         }
         let identity = settings.identity();

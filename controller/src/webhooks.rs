@@ -341,7 +341,7 @@ async fn serve(
             {
                 Ok(server) => break server,
                 Err(e) => {
-                    error!(error = %crate::error::chain(&e), "the admission webhook server cannot start; trying again");
+                    error!(error = %crate::diagnostic::chain(&e), "the admission webhook server cannot start; trying again");
                     tokio::select! {
                         () = stop.cancelled() => return,
                         () = tokio::time::sleep(REBIND_DELAY) => {}

@@ -481,7 +481,7 @@ impl Activities {
                         self.bump();
                         return;
                     }
-                    Err(e) => problems.push(format!("{id}: {}", crate::error::chain(&e))),
+                    Err(e) => problems.push(format!("{id}: {}", crate::diagnostic::chain(&e))),
                 }
             }
             let backoff = logins

@@ -448,7 +448,7 @@ impl Daemons {
                     object.body.send_replace(stored);
                 }
             }
-            Err(e) => warn!(error = %crate::error::chain(&e), "writing the handler's patch failed"),
+            Err(e) => warn!(error = %crate::diagnostic::chain(&e), "writing the handler's patch failed"),
         }
     }
 }

@@ -182,7 +182,7 @@ impl Sweep {
                 match self.sweep_listed_retrying(&resource, scope.as_deref()).await {
                     Ok(n) => cleaned += n,
                     Err(e) => {
-                        warn!(%resource, namespace = scope.as_deref().unwrap_or("*"), error = %crate::error::chain(&e), "listing the objects to clean failed again and again; cleaning those with a body in memory only");
+                        warn!(%resource, namespace = scope.as_deref().unwrap_or("*"), error = %crate::diagnostic::chain(&e), "listing the objects to clean failed again and again; cleaning those with a body in memory only");
                         unlisted = true;
                     }
                 }
@@ -211,7 +211,7 @@ impl Sweep {
         loop {
             match self.sweep_listed(resource, scope).await {
                 Err(e) if attempt < LIST_ATTEMPTS => {
-                    warn!(%resource, namespace = scope.unwrap_or("*"), error = %crate::error::chain(&e), retry_in = ?pause, "listing the objects to clean failed; trying again");
+                    warn!(%resource, namespace = scope.unwrap_or("*"), error = %crate::diagnostic::chain(&e), retry_in = ?pause, "listing the objects to clean failed; trying again");
                     tokio::time::sleep(pause).await;
                     pause = pause.saturating_mul(2);
                     attempt += 1;
@@ -253,7 +253,7 @@ impl Sweep {
             match clean(&self.objects, resource, &body, &self.prefix, &self.stanza).await {
                 Ok(true) => cleaned += 1,
                 Ok(false) => {}
-                Err(e) => warn!(error = %crate::error::chain(&e), "cleaning up an object failed"),
+                Err(e) => warn!(error = %crate::diagnostic::chain(&e), "cleaning up an object failed"),
             }
         }
         cleaned
@@ -295,7 +295,7 @@ pub async fn collect_garbage(
                 match list_uids(&objects, &resource, scope.as_deref(), &mut live).await {
                     Ok(()) => {}
                     Err(e) => {
-                        warn!(%resource, error = %crate::error::chain(&e), "listing for the node-local storage's sweep failed; its files stay");
+                        warn!(%resource, error = %crate::diagnostic::chain(&e), "listing for the node-local storage's sweep failed; its files stay");
                         listed = false;
                     }
                 }

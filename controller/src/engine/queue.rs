@@ -1017,12 +1017,12 @@ impl Queue {
             }
             Ok(_) | Err(crate::k8s::objects::Error::NotFound) => {}
             Err(e) => {
-                debug!(%uid, error = %crate::error::chain(&e), "cannot tell whether the object is gone; its node-local state stays for the sweep");
+                debug!(%uid, error = %crate::diagnostic::chain(&e), "cannot tell whether the object is gone; its node-local state stays for the sweep");
                 return;
             }
         }
         if let Err(e) = local.remove(uid).await {
-            warn!(error = %crate::error::chain(&e), "removing a gone object's node-local state failed");
+            warn!(error = %crate::diagnostic::chain(&e), "removing a gone object's node-local state failed");
         }
     }
 

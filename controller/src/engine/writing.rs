@@ -156,7 +156,7 @@ impl Writer {
                         return Written::Failed;
                     }
                     let delay = retry_delay(attempts);
-                    warn!(error = %crate::error::chain(&e), retry_in = ?delay, "writing the object failed; retrying");
+                    warn!(error = %crate::diagnostic::chain(&e), retry_in = ?delay, "writing the object failed; retrying");
                     tokio::select! {
                         () = self.cancel.cancelled() => return Written::Failed,
                         () = tokio::time::sleep(delay) => {}
@@ -174,7 +174,7 @@ impl Writer {
             return;
         }
         if let Err(e) = self.write_once(base, None, change).await {
-            warn!(error = %crate::error::chain(&e), ?change, "the finalizer change alone failed too");
+            warn!(error = %crate::diagnostic::chain(&e), ?change, "the finalizer change alone failed too");
         }
     }
 
@@ -197,7 +197,7 @@ impl Writer {
                 Err(e) => {
                     // Not the handler's fault: its patch is kept; if it was the refused one,
                     // the write is refused again and reported as the cycle's.
-                    warn!(handler.id = %p.registration.id, error = %crate::error::chain(&e), refused = message, "could not validate this handler's patch; kept");
+                    warn!(handler.id = %p.registration.id, error = %crate::diagnostic::chain(&e), refused = message, "could not validate this handler's patch; kept");
                     body = candidate;
                 }
             }
@@ -378,7 +378,7 @@ impl processing::Checkpoint for Writer {
             match self.write_once(base, Some(desired), FinalizerChange::Keep).await {
                 Ok(stored) => Some(stored.unwrap_or_else(|| base.clone())),
                 Err(e) => {
-                    debug!(error = %crate::error::chain(&e), "checkpoint not written; the final write will carry it");
+                    debug!(error = %crate::diagnostic::chain(&e), "checkpoint not written; the final write will carry it");
                     None
                 }
             }
@@ -399,7 +399,7 @@ pub(crate) async fn keep_locally(
         .and_then(Value::as_str)
         .unwrap_or_default();
     if let Err(e) = local.persist(uid, &resource.to_string(), body, state).await {
-        warn!(error = %crate::error::chain(&e), "the node-local state was not kept; the object's handlers may run again");
+        warn!(error = %crate::diagnostic::chain(&e), "the node-local state was not kept; the object's handlers may run again");
     }
 }
 

@@ -187,7 +187,7 @@ impl Keepalive {
                             every
                         }
                         Err(e) => {
-                            warn!(peering = %self.target, error = %crate::error::chain(&e), "the peering keep-alive failed; retrying");
+                            warn!(peering = %self.target, error = %crate::diagnostic::chain(&e), "the peering keep-alive failed; retrying");
                             every.min(Duration::from_secs(5))
                         }
                     };
@@ -209,7 +209,7 @@ impl Keepalive {
                             next_touch = tokio::time::Instant::now();
                         }
                     }
-                    Some(Err(e)) => debug!(peering = %self.target, error = %crate::error::chain(&e), "peering watch error; it restarts by itself"),
+                    Some(Err(e)) => debug!(peering = %self.target, error = %crate::diagnostic::chain(&e), "peering watch error; it restarts by itself"),
                     None => {
                         updates = Box::pin(self.peerings.watch(&self.target));
                     }
@@ -225,7 +225,7 @@ impl Keepalive {
         match removed {
             Ok(Ok(_)) => info!(peering = %self.target, id = %self.me.id, "left the peering"),
             Ok(Err(e)) => {
-                warn!(peering = %self.target, error = %crate::error::chain(&e), "could not remove our peering entry; it expires by itself")
+                warn!(peering = %self.target, error = %crate::diagnostic::chain(&e), "could not remove our peering entry; it expires by itself")
             }
             Err(_) => {
                 warn!(peering = %self.target, "removing our peering entry timed out; it expires by itself")

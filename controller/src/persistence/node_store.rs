@@ -486,7 +486,7 @@ impl NodeStore {
             match self.remove(&uid).await {
                 Ok(()) => removed += 1,
                 Err(e) => {
-                    warn!(error = %crate::error::chain(&e), "removing the state of a gone object failed")
+                    warn!(error = %crate::diagnostic::chain(&e), "removing the state of a gone object failed")
                 }
             }
         }

@@ -91,7 +91,7 @@ impl Manager {
                 match self.sync().await {
                     Ok(()) => backoff = Duration::from_secs(1),
                     Err(e) => {
-                        warn!(error = %crate::error::chain(&e), ?backoff, "the managed webhook configurations could not be written; retrying");
+                        warn!(error = %crate::diagnostic::chain(&e), ?backoff, "the managed webhook configurations could not be written; retrying");
                         retry = true;
                     }
                 }
@@ -145,7 +145,7 @@ impl Manager {
         let removal = async {
             for which in [Which::Validating, Which::Mutating] {
                 if let Err(e) = api::remove(&self.client, which, &self.layout.name).await {
-                    warn!(error = %crate::error::chain(&e), "a managed webhook configuration could not be removed");
+                    warn!(error = %crate::diagnostic::chain(&e), "a managed webhook configuration could not be removed");
                 }
             }
         };

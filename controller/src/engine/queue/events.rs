@@ -246,7 +246,7 @@ impl Queue {
                 (stored, wake)
             }
             Err(e) => {
-                warn!(error = %crate::error::chain(&e), "recording event handler progress failed");
+                warn!(error = %crate::diagnostic::chain(&e), "recording event handler progress failed");
                 (body, wake)
             }
         }
