@@ -95,6 +95,10 @@ class Session:
     def __init__(self, operator, call):
         self.operator = operator
         self.call = call
+        # This stream's own indexes: the controller feeds every object to the index handlers
+        # again on a new stream, and an index handler of a lost stream that answers late
+        # folds into the lost stream's indexes, never into these.
+        self.indexes = Indexes(operator.registry.index_names())
         self.queue = asyncio.Queue(QUEUE_BOUND)
         self.running = {}  # invocation id -> (Running, task)
         self.draining = False
@@ -156,7 +160,6 @@ class Operator:
         self.executor = HandlerThreads(thread_name_prefix="capstan-handler")
         self.by_id = {h.id: h for h in registry.handlers}
         registry.check()
-        self.indexes = Indexes(registry.index_names())
         self.flow = {}  # handler id ("" for the process) -> the cap set with set_max_in_flight
         self.session = None
 
@@ -229,8 +232,6 @@ class Operator:
             writer = asyncio.create_task(self._writer(session))
             stopper = asyncio.create_task(self._stop_on_signal(session))
             self.session = session
-            # The controller feeds every object to the index handlers again on a new stream.
-            self.indexes.clear()
             try:
                 await session.queue.put(self.hello())
                 # Caps set with set_max_in_flight hold on every connection (0, a pause, has no
@@ -357,7 +358,7 @@ class Operator:
         uid = (call.body.get("metadata") or {}).get("uid") if isinstance(call.body, dict) else None
         # Index calls get no memo (and removals must not make one for an object just gone).
         call.memo = self.memos.of(uid) if handler.kind != "index" else None
-        call.indexes = self.indexes
+        call.indexes = session.indexes
         running = Running(call)
         task = asyncio.create_task(self._invoke(session, running, uid))
         session.running[message.invocation_id] = (running, task)
