@@ -154,10 +154,12 @@ async fn a_late_login_handler_that_never_answers_stalls_no_one() -> Result<()> {
         "/readyz is {code} while working credentials are in use: {body}"
     );
 
+    // The silent handler ignores its cancellation too: its process goes first, so that the
+    // controller's shutdown need not wait out its grace period for it.
+    late.kill().await?;
     let status = controller.process.terminate().await?;
     ensure!(status.success(), "controller exited with {status}");
     first.kill().await?;
-    late.kill().await?;
     env.stop().await
 }
 
@@ -214,9 +216,11 @@ async fn a_renewal_installs_the_credentials_that_answer_without_waiting_for_a_si
     create_example(&env, "after", json!({})).await?;
     wait_line(&calls, "create_fn after 1", PROMPT, &controller).await?;
 
+    // The silent handler ignores its cancellation too: its process goes first, so that the
+    // controller's shutdown need not wait out its grace period for it.
+    late.kill().await?;
     let status = controller.process.terminate().await?;
     ensure!(status.success(), "controller exited with {status}");
     first.kill().await?;
-    late.kill().await?;
     env.stop().await
 }
