@@ -109,8 +109,10 @@ class Session:
         self.stalled = self.loop.create_future()
 
     async def send(self, message):
-        """Queues a message that must not be dropped (a result): waits for room, and raises
-        `StreamStalled` (ending the session) when there is none for `STALL_TIMEOUT`."""
+        """Queues a message that must not be dropped (a result, a pong, the goodbye): waits for
+        room, and raises `StreamStalled` (ending the session) when there is none for
+        `STALL_TIMEOUT`, so that neither the reader nor a stop waits on a stalled stream
+        forever."""
         try:
             await asyncio.wait_for(self.queue.put(message), STALL_TIMEOUT)
         except asyncio.TimeoutError:
@@ -282,13 +284,13 @@ class Operator:
         """On stop: goodbye, let running invocations end (they are told to stop), close."""
         await self.stop.wait()
         log.info("stopping")
-        await session.queue.put(rs.ConnectRequest(goodbye=rs.Goodbye(reason="handler process stopping")))
+        await session.send(rs.ConnectRequest(goodbye=rs.Goodbye(reason="handler process stopping")))
         for running, _ in list(session.running.values()):
             running.stop.set(DaemonStoppingReason.OPERATOR_EXITING)
         tasks = [task for _, task in session.running.values()]
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_GRACE)
-        await session.queue.put(None)
+        await session.send(None)
 
     async def _reader(self, session):
         while True:
@@ -300,7 +302,7 @@ class Operator:
             which = message.WhichOneof("message")
             if which == "ping":
                 in_flight = len(session.running)
-                await session.queue.put(rs.ConnectRequest(pong=rs.Pong(nonce=message.ping.nonce, in_flight=in_flight)))
+                await session.send(rs.ConnectRequest(pong=rs.Pong(nonce=message.ping.nonce, in_flight=in_flight)))
             elif which == "welcome":
                 self._welcome(message.welcome)
             elif which == "invocation":
