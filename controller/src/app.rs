@@ -141,9 +141,7 @@ fn open_node_store(settings: &mut Settings) -> Result<()> {
         return Ok(());
     };
     let keys = settings.engine.storage.keys.clone();
-    let store = Arc::new(crate::persistence::node_store::NodeStore::open(
-        &spec.dir, keys, spec.limit,
-    )?);
+    let store = Arc::new(crate::persistence::node_store::NodeStore::open(&spec, keys)?);
     info!(dir = %spec.dir.display(), objects = store.entries(), bytes = store.bytes(), "node-local storage opened");
     let metrics = crate::observability::metrics::global();
     let s = store.clone();
