@@ -839,3 +839,46 @@ async fn an_unreadable_state_file_defers_its_object_and_never_runs_its_create_ha
     assert_eq!(a.count("create_fn", "kept"), 1, "the create handler ran again");
     Ok(())
 }
+
+/// A controller whose node-local storage another process still holds (the old pod of a
+/// surge rollout) waits for it without blocking: its admin endpoint answers probes
+/// meanwhile — alive, not ready, "waiting for storage" — and it starts once the other lets go.
+#[tokio::test]
+async fn a_held_store_is_waited_for_while_the_admin_endpoint_answers_probes() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let (_, flag) = node_storage(&env, "node-a");
+    let args = ["--node-name", "node-a", "--node-storage", flag.as_str()];
+    let mut old = Controller::start(&env, "capstan-old", &args).await?;
+    let mut new = Controller::spawn(&env, "capstan-new", &args).await?;
+    new.process
+        .wait_for(
+            "another process holds the node-local storage",
+            Duration::from_secs(30),
+        )
+        .await?;
+    for _ in 0..3 {
+        let (live, body) = new.admin_get("/healthz").await?;
+        anyhow::ensure!(live == 200, "not alive while waiting: {live} {body}");
+        let (ready, body) = new.admin_get("/readyz").await?;
+        anyhow::ensure!(
+            ready == 503 && body.contains("waiting for storage"),
+            "readiness while waiting: {ready} {body}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    anyhow::ensure!(
+        !new.process.output().contains("capstan started"),
+        "started while the store is held"
+    );
+    old.process.terminate().await?;
+    new.process
+        .wait_for("capstan started", Duration::from_secs(30))
+        .await?;
+    let (_, body) = new.admin_get("/readyz").await?;
+    anyhow::ensure!(
+        body.contains("node-local storage opened") && !body.contains("waiting for storage"),
+        "readiness once opened: {body}"
+    );
+    Ok(())
+}

@@ -184,40 +184,42 @@ pub struct NodeStore {
 impl NodeStore {
     /// Opens the store of the annotations `keys` owns under `spec`'s directory: claims that
     /// directory for `spec`'s release (when it names one), then the directory
-    /// `<dir>/<prefix>` (created, mode 0700), locked against other processes (waiting for a
-    /// previous pod to let go), with at most `spec.limit` bytes in use; counts what is there
-    /// and removes temporary files a crash left behind.
+    /// `<dir>/<prefix>` (created, mode 0700), locked against other processes (waiting up to
+    /// two minutes for a previous pod to let go: off the runtime, so the admin endpoint
+    /// answers probes meanwhile), with at most `spec.limit` bytes in use; counts what is
+    /// there and removes temporary files a crash left behind.
     ///
     /// # Errors
     /// [`Error::Claim`] when the directory is another release's, overlaps one or is reached
-    /// through a link; [`Error::Directory`] when it cannot be created, read, written or locked.
-    pub fn open(spec: &Spec, keys: Keys) -> Result<Self, Error> {
-        if let Some(name) = &spec.claim {
-            claim::claim(&spec.dir, name)?;
-        }
-        let dir = &spec.dir.join(&keys.prefix);
+    /// through a link; [`Error::Directory`] when it cannot be created, read, written or
+    /// locked.
+    pub async fn open(spec: &Spec, keys: Keys) -> Result<Self, Error> {
+        let dir = spec.dir.join(&keys.prefix);
         let directory = |source| Error::Directory {
-            path: dir.to_owned(),
+            path: dir.clone(),
             source,
         };
-        std::fs::create_dir_all(dir).map_err(directory)?;
-        if let Some(link) = dir.ancestors().find(|p| files::is_link(p)) {
-            return Err(claim::Error::Linked {
-                path: link.to_owned(),
-            }
-            .into());
-        }
-        let lock = files::open_or_create(&dir.join(".lock")).map_err(directory)?;
+        let claimed = {
+            let (spec, dir) = (spec.clone(), dir.clone());
+            blocking(move || Self::claimed(&spec, &dir)).await
+        };
+        let mut lock = claimed?;
         const STEP: Duration = Duration::from_millis(500);
         let mut waited = Duration::ZERO;
         loop {
-            match lock.try_lock() {
+            let (file, attempt) = blocking(move || {
+                let attempt = lock.try_lock();
+                Ok((lock, attempt))
+            })
+            .await?;
+            lock = file;
+            match attempt {
                 Ok(()) => break,
                 Err(std::fs::TryLockError::WouldBlock) if waited < LOCK_WAIT => {
                     if waited.is_zero() {
                         warn!(dir = %dir.display(), "another process holds the node-local storage; waiting for it to exit");
                     }
-                    std::thread::sleep(STEP);
+                    tokio::time::sleep(STEP).await;
                     waited += STEP;
                 }
                 Err(std::fs::TryLockError::WouldBlock) => {
@@ -229,7 +231,28 @@ impl NodeStore {
                 Err(std::fs::TryLockError::Error(e)) => return Err(directory(e)),
             }
         }
-        Self::opened(dir, keys, spec.limit, lock)
+        let limit = spec.limit;
+        blocking(move || Self::opened(&dir, keys, limit, lock)).await
+    }
+
+    /// Claims `spec`'s directory, creates the prefix's directory `dir` in it and opens (not
+    /// locks) its lock file.
+    fn claimed(spec: &Spec, dir: &Path) -> Result<std::fs::File, Error> {
+        if let Some(name) = &spec.claim {
+            claim::claim(&spec.dir, name)?;
+        }
+        let directory = |source| Error::Directory {
+            path: dir.to_owned(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(directory)?;
+        if let Some(link) = dir.ancestors().find(|p| files::is_link(p)) {
+            return Err(claim::Error::Linked {
+                path: link.to_owned(),
+            }
+            .into());
+        }
+        files::open_or_create(&dir.join(".lock")).map_err(directory)
     }
 
     /// The store of the locked directory `dir`.
@@ -621,6 +644,18 @@ pub fn prepare(dir: &Path, owner: (u32, u32), claim: Option<&str>) -> Result<(),
     Ok(())
 }
 
+/// Runs `f` on the blocking pool: file-system calls never stall the runtime's threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
+) -> Result<T, Error> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(Error::Directory {
+            path: PathBuf::new(),
+            source: std::io::Error::other(e.to_string()),
+        })
+    })
+}
+
 /// What [`NodeStore::uids`] lists, reading the directory `dir`.
 fn files_of(dir: &Path, resource: &str, before: SystemTime) -> Vec<String> {
     let Ok(items) = std::fs::read_dir(dir) else {
@@ -663,13 +698,15 @@ mod tests {
 
     use super::*;
 
-    fn store(dir: &Path, limit: u64) -> NodeStore {
+    async fn store(dir: &Path, limit: u64) -> NodeStore {
         let spec = Spec {
             dir: dir.to_owned(),
             limit,
             claim: None,
         };
-        NodeStore::open(&spec, Keys::new("node-a.capstan.dev")).unwrap()
+        NodeStore::open(&spec, Keys::new("node-a.capstan.dev"))
+            .await
+            .unwrap()
     }
 
     fn body() -> Value {
@@ -681,7 +718,7 @@ mod tests {
     #[tokio::test]
     async fn state_round_trips_and_leaves_the_object() {
         let dir = tempfile::tempdir().unwrap();
-        let s = store(dir.path(), 1 << 20);
+        let s = store(dir.path(), 1 << 20).await;
         let mut b = body();
         b["metadata"]["annotations"]["node-a.capstan.dev/retry-request"] = json!("{}");
         let ours = s.detach(&mut b);
@@ -725,7 +762,7 @@ mod tests {
     #[tokio::test]
     async fn records_on_the_object_are_taken_over_and_replacing_a_file_counts_its_old_size() {
         let dir = tempfile::tempdir().unwrap();
-        let s = store(dir.path(), 1 << 20);
+        let s = store(dir.path(), 1 << 20).await;
         // An object handled before the store: its records are kept, and marked for removal
         // from the object by its next write.
         let mut b = body();
@@ -747,14 +784,14 @@ mod tests {
         // Near the limit, replacing a file is measured against what it replaces.
         let limit = s.bytes() + 10;
         drop(s);
-        let s = store(dir.path(), limit);
+        let s = store(dir.path(), limit).await;
         s.persist("u-1", "r", &stored, ours).await.unwrap();
     }
 
     #[tokio::test]
     async fn a_corrupt_file_affects_only_its_object() {
         let dir = tempfile::tempdir().unwrap();
-        let s = store(dir.path(), 1 << 20);
+        let s = store(dir.path(), 1 << 20).await;
         let mut b = body();
         let ours = s.detach(&mut b);
         for uid in ["u-1", "u-2", "u-3"] {
@@ -780,7 +817,7 @@ mod tests {
     #[tokio::test]
     async fn an_unreadable_file_is_an_error_retried_with_growing_delays_not_an_empty_state() {
         let dir = tempfile::tempdir().unwrap();
-        let s = store(dir.path(), 1 << 20);
+        let s = store(dir.path(), 1 << 20).await;
         let mut b = body();
         let ours = s.detach(&mut b);
         s.persist("u-1", "r", &b, ours.clone()).await.unwrap();
@@ -821,7 +858,7 @@ mod tests {
     #[tokio::test]
     async fn links_planted_in_the_node_local_store_are_never_followed() {
         let dir = tempfile::tempdir().unwrap();
-        let s = store(dir.path(), 1 << 20);
+        let s = store(dir.path(), 1 << 20).await;
         let mut b = body();
         let ours = s.detach(&mut b);
         s.persist("u-1", "r", &b, ours.clone()).await.unwrap();
@@ -862,7 +899,7 @@ mod tests {
         // A temporary file of a crash that is a link: removed as a link at the next start.
         std::os::unix::fs::symlink(&elsewhere, store_dir.join(".x.tmp")).unwrap();
         drop(s);
-        let s = store(dir.path(), 1 << 20);
+        let s = store(dir.path(), 1 << 20).await;
         assert!(elsewhere.exists() && !files::is_link(&store_dir.join(".x.tmp")));
         // A lock file or a store directory that is a link: refused.
         drop(s);
@@ -873,20 +910,45 @@ mod tests {
             limit: 1 << 20,
             claim: None,
         };
-        assert!(NodeStore::open(&spec, Keys::new("node-a.capstan.dev")).is_err());
+        assert!(
+            NodeStore::open(&spec, Keys::new("node-a.capstan.dev"))
+                .await
+                .is_err()
+        );
         assert_eq!(std::fs::read(&elsewhere).unwrap(), before);
         let other = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink(other.path(), dir.path().join("node-b.capstan.dev")).unwrap();
         assert!(matches!(
-            NodeStore::open(&spec, Keys::new("node-b.capstan.dev")),
+            NodeStore::open(&spec, Keys::new("node-b.capstan.dev")).await,
             Err(Error::Claim(claim::Error::Linked { .. }))
         ));
     }
 
     #[tokio::test]
+    async fn a_held_store_is_waited_for_without_stalling_the_runtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = store(dir.path(), 1 << 20).await;
+        let path = dir.path().to_owned();
+        // One runtime thread: the wait must leave it free for others (the admin endpoint).
+        let second = tokio::spawn(async move { store(&path, 1 << 20).await });
+        let mut ticks = 0;
+        while ticks < 10 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            ticks += 1;
+            assert!(!second.is_finished(), "opened while held");
+        }
+        drop(first);
+        let second = tokio::time::timeout(Duration::from_secs(5), second)
+            .await
+            .expect("opened once let go")
+            .unwrap();
+        assert_eq!(second.entries(), 0);
+    }
+
+    #[tokio::test]
     async fn sizes_are_bounded_and_gone_objects_are_collected() {
         let dir = tempfile::tempdir().unwrap();
-        let s = store(dir.path(), 600);
+        let s = store(dir.path(), 600).await;
         let b = body();
         let big: Map<String, Value> = [("node-a.capstan.dev/x".to_owned(), json!("y".repeat(ENTRY_LIMIT)))]
             .into_iter()
