@@ -725,12 +725,17 @@ impl Queue {
             .or_else(|| panic.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "a panic without a message".to_owned());
         error!(panic = %what, retry_in = ?PANIC_RETRY, "processing the object panicked; it is processed again after a pause");
+        self.defer(uid, stored, PANIC_RETRY);
+    }
+
+    /// Runs the object again after `delay`, with `stored` (or a newer body).
+    fn defer(&self, uid: &str, stored: Stored, delay: Duration) {
         let mut slots = self.slots.lock();
         let Some(slot) = slots.get_mut(uid) else { return };
         if slot.last_body.as_ref().is_none_or(|b| b.rv() <= stored.rv()) {
             slot.last_body = Some(stored);
         }
-        self.schedule(slot, uid, PANIC_RETRY);
+        self.schedule(slot, uid, delay);
     }
 
     /// Wakes the object after `delay` (replacing any earlier wake-up).
@@ -776,8 +781,15 @@ impl Queue {
             debug!("object is gone; forgotten");
             return false;
         }
-        if let Some(local) = self.ctx.storage.local.as_deref() {
-            local.overlay(uid, &mut body).await;
+        if let Some(local) = self.ctx.storage.local.as_deref()
+            && let Err(e) = local.overlay(uid, &mut body).await
+        {
+            // Its records exist but cannot be read: processed without them, the object would
+            // be taken for new and its create handlers would run again.
+            let delay = local.retry_delay(uid);
+            warn!(error = %crate::diagnostic::chain(&e), retry_in = ?delay, "the object's node-local state cannot be read; it is not processed until it can be");
+            self.defer(uid, Stored::new(&body), delay);
+            return false;
         }
         let handlers = self.ctx.handlers.borrow().clone();
         let paused = *self.ctx.paused.borrow();

@@ -177,6 +177,7 @@ pub struct Metrics {
     api_requests: Gauge,
     writes: Family<ResourceLabels, Counter>,
     events_dropped: Family<HandlerLabels, Counter>,
+    node_storage_read_errors: Counter,
     admission: AdmissionFamilies,
     samplers: Arc<Samplers>,
 }
@@ -283,6 +284,12 @@ impl Default for Metrics {
             "Watch events not passed to a fire-and-forget event handler because its invocations were at their limit, by handler.",
             events_dropped.clone(),
         );
+        let node_storage_read_errors = Counter::default();
+        registry.register(
+            "capstan_node_storage_read_errors",
+            "Reads of node-local state files that failed other than for a missing file (their objects wait until the file can be read).",
+            node_storage_read_errors.clone(),
+        );
         let admission = AdmissionFamilies::register(&mut registry);
         let samplers = Arc::new(Samplers::default());
         registry.register_collector(Box::new(samplers.clone()));
@@ -297,6 +304,7 @@ impl Default for Metrics {
             api_requests,
             writes,
             events_dropped,
+            node_storage_read_errors,
             admission,
             samplers,
         }
@@ -379,6 +387,12 @@ impl Metrics {
                 handler: handler.to_owned(),
             })
             .inc();
+    }
+
+    /// Counts a node-local state file that exists but could not be read
+    /// (`capstan_node_storage_read_errors_total`).
+    pub fn node_storage_read_error(&self) {
+        self.node_storage_read_errors.inc();
     }
 
     /// Records one answered admission review (`capstan_admission_requests_total`,

@@ -236,7 +236,9 @@ impl Queue {
                     writing::keep_locally(local, &self.ctx.resource, &body, state).await;
                     // The cycle that follows sees the node's records, as on the object.
                     let uid = uid_of(&body).unwrap_or_default();
-                    local.overlay(&uid, &mut stored).await;
+                    if local.overlay(&uid, &mut stored).await.is_err() {
+                        local.carry(&desired, &mut stored);
+                    }
                 }
                 if let Some(uid) = uid_of(&stored)
                     && let Some(slot) = self.slots.lock().get_mut(uid.as_str())
