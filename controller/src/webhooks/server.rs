@@ -41,7 +41,10 @@ use hyper::{
     service::service_fn,
 };
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::{net::TcpListener, task::JoinSet};
+use tokio::{
+    net::{TcpListener, TcpSocket},
+    task::JoinSet,
+};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tower::{Service, ServiceBuilder, ServiceExt as _};
@@ -131,7 +134,7 @@ impl Server {
         settings: Settings,
     ) -> Result<Self, Error> {
         let config = certs.server_config()?;
-        let listener = TcpListener::bind(addr).await.map_err(|e| Error::Bind(addr, e))?;
+        let listener = listen(addr, settings.max_connections).map_err(|e| Error::Bind(addr, e))?;
         Ok(Self {
             listener,
             acceptor: TlsAcceptor::from(Arc::new(config)),
@@ -228,6 +231,20 @@ impl Server {
         }
         connections.shutdown().await;
     }
+}
+
+/// Binds with a listen backlog as deep as the connection slots (the kernel caps it at its
+/// `somaxconn`): a burst of connections beyond the default backlog would otherwise be left
+/// half-open on the peer's side, where the server cannot close them.
+fn listen(addr: SocketAddr, max_connections: usize) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(u32::try_from(max_connections.max(1024)).unwrap_or(u32::MAX))
 }
 
 /// The innermost service: the handlers' verdict on a review that was read whole.
