@@ -87,7 +87,7 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
         serving.clone(),
     )
     .await?;
-    let admin = Admin::bind(settings.admin_listen, core.health.clone()).await?;
+    let admin = Admin::bind(settings.admin_listen, settings.admin.clone(), core.health.clone()).await?;
     let webhooks = crate::webhooks::Webhooks::start(
         &settings.webhooks,
         &core.hub,
