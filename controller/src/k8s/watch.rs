@@ -82,6 +82,9 @@ pub struct Event {
     pub event_type: EventType,
     /// The object, without managed fields.
     pub body: Value,
+    /// For an object of a listing: when that listing started (it reflects every write
+    /// answered before).
+    pub listed: Option<tokio::time::Instant>,
 }
 
 /// The health of one watch, shared with the health endpoint (see the module docs).
@@ -288,6 +291,7 @@ impl Watch {
         );
         let mut seen: HashMap<Box<str>, Known> = HashMap::new();
         let mut rv = String::new();
+        let started = tokio::time::Instant::now();
         loop {
             let page = list_page(&self.api, &params, self.settings.inactivity_timeout).await?;
             self.status.moved();
@@ -302,6 +306,7 @@ impl Watch {
                     .send(Event {
                         event_type: EventType::Listing,
                         body: to_value(obj),
+                        listed: Some(started),
                     })
                     .await
                     .is_err()
@@ -327,6 +332,7 @@ impl Watch {
                 .send(Event {
                     event_type: EventType::Deleted,
                     body,
+                    listed: None,
                 })
                 .await
                 .is_err()
@@ -443,6 +449,7 @@ impl Watch {
                 .send(Event {
                     event_type,
                     body: to_value(obj),
+                    listed: None,
                 })
                 .await
                 .is_err()
