@@ -177,6 +177,7 @@ pub struct Metrics {
     api_requests: Gauge,
     writes: Family<ResourceLabels, Counter>,
     events_dropped: Family<HandlerLabels, Counter>,
+    quarantined: Family<ResourceLabels, Counter>,
     admission: AdmissionFamilies,
     samplers: Arc<Samplers>,
 }
@@ -283,6 +284,12 @@ impl Default for Metrics {
             "Watch events not passed to a fire-and-forget event handler because its invocations were at their limit, by handler.",
             events_dropped.clone(),
         );
+        let quarantined = Family::<ResourceLabels, Counter>::default();
+        registry.register(
+            "capstan_objects_quarantined",
+            "Objects received that could not be parsed (logged with their name and skipped; the others of the resource are processed), by resource.",
+            quarantined.clone(),
+        );
         let admission = AdmissionFamilies::register(&mut registry);
         let samplers = Arc::new(Samplers::default());
         registry.register_collector(Box::new(samplers.clone()));
@@ -297,6 +304,7 @@ impl Default for Metrics {
             api_requests,
             writes,
             events_dropped,
+            quarantined,
             admission,
             samplers,
         }
@@ -377,6 +385,16 @@ impl Metrics {
         self.events_dropped
             .get_or_create(&HandlerLabels {
                 handler: handler.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts an object received that could not be parsed and was skipped
+    /// (`capstan_objects_quarantined_total`).
+    pub fn object_quarantined(&self, resource: &str) {
+        self.quarantined
+            .get_or_create(&ResourceLabels {
+                resource: resource.to_owned(),
             })
             .inc();
     }
@@ -483,6 +501,7 @@ mod tests {
         m.pending("examples", -1);
         m.api_write("examples");
         m.event_dropped("h");
+        m.object_quarantined("examples");
         m.sample(Sampled::Paused, || 0);
         m.sample(Sampled::Leader, || 1);
         let text = m.render();
@@ -493,6 +512,7 @@ mod tests {
             "capstan_objects_pending{resource=\"examples\"} 1",
             "capstan_api_writes_total{resource=\"examples\"} 1",
             "capstan_events_dropped_total{handler=\"h\"} 1",
+            "capstan_objects_quarantined_total{resource=\"examples\"} 1",
             "capstan_paused 0",
             "capstan_leader 1",
         ] {

@@ -299,7 +299,13 @@ impl Queue {
                 // the page's objects are parsed one at a time (see `k8s::listing`).
                 let mut marked: Vec<(String, Stored)> = Vec::new();
                 for obj in page.objects() {
-                    let obj = obj?;
+                    let obj = match obj {
+                        Ok(obj) => obj,
+                        Err(unparsed) => {
+                            crate::k8s::quarantine::quarantine(&self.ctx.resource.plural, &unparsed);
+                            continue;
+                        }
+                    };
                     let Some(uid) = obj.metadata.uid.clone() else {
                         continue;
                     };
