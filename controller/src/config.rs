@@ -39,6 +39,8 @@ pub struct Settings {
     pub election: peering::election::Settings,
     /// Node-local storage of per-node state (per-node mode only).
     pub node_store: Option<crate::persistence::node_store::Spec>,
+    /// The handler container's own identity, kept fresh by the controller.
+    pub handler_identity: Option<crate::k8s::handler_identity::Spec>,
     /// Admission webhooks.
     pub webhooks: crate::webhooks::Settings,
 }
@@ -58,6 +60,7 @@ impl Default for Settings {
             peering: peering::Settings::default(),
             election: peering::election::Settings::default(),
             node_store: None,
+            handler_identity: None,
             webhooks: crate::webhooks::Settings::default(),
         }
     }

@@ -559,16 +559,48 @@ fn check_ci_objects(stem: &str, ns: &str, objs: &[Value]) -> Result<()> {
                 name != capstan_token,
                 "{stem}: the handler gets the controller's token"
             );
-            let secret = volume(&name).and_then(|v| v["secret"]["secretName"].as_str());
-            let token = objs
-                .iter()
-                .find(|o| o["kind"] == "Secret" && o["metadata"]["name"].as_str() == secret)
-                .context("the handler's token Secret")?;
-            ensure!(token["type"] == "kubernetes.io/service-account-token");
+            // An in-memory volume the controller fills with expiring tokens of the handler's
+            // own ServiceAccount; no token Secret (which never expires).
             ensure!(
-                token["metadata"]["annotations"]["kubernetes.io/service-account.name"]
-                    != workload["spec"]["template"]["spec"]["serviceAccountName"],
-                "{stem}: the handler's token is of its own ServiceAccount"
+                volume(&name).is_some_and(|v| v["emptyDir"]["medium"] == "Memory"),
+                "{stem}: the handler's identity volume: {:?}",
+                volume(&name)
+            );
+            ensure!(
+                mount_at(capstan, "/run/capstan-handler-identity").as_deref() == Some(name.as_str()),
+                "{stem}: the controller writes the handler's identity"
+            );
+            ensure!(
+                lookup(&env_of(capstan), "CAPSTAN_HANDLER_IDENTITY")
+                    == Some(
+                        format!(
+                            "{ns}/{}-handler",
+                            workload["metadata"]["name"].as_str().unwrap_or_default()
+                        )
+                        .as_str()
+                    ),
+                "{stem}: the handler's ServiceAccount"
+            );
+            ensure!(
+                !objs
+                    .iter()
+                    .any(|o| o["kind"] == "Secret" && o["type"] == "kubernetes.io/service-account-token"),
+                "{stem}: a token Secret that never expires"
+            );
+            let token_role = find(objs, "Role")
+                .into_iter()
+                .find(|r| {
+                    r["metadata"]["name"]
+                        .as_str()
+                        .is_some_and(|n| n.ends_with("-handler-token"))
+                })
+                .context("the Role to request the handler's tokens")?;
+            ensure!(
+                token_role["rules"]
+                    == json!([{"apiGroups": [""], "resources": ["serviceaccounts/token"],
+                               "resourceNames": [format!("{}-handler", workload["metadata"]["name"].as_str().unwrap_or_default())],
+                               "verbs": ["create"]}]),
+                "{stem}: tokens of the handler's account only: {token_role}"
             );
         }
     }
@@ -1385,23 +1417,62 @@ async fn the_handler_gets_its_own_identity_and_none_of_the_controllers_rights() 
     .manifests()
     .await?;
     env.apply(&manifests).await?;
-    let secret = env
-        .kubectl_ok(&[
-            "get",
-            "secret",
-            "-n",
-            ns,
-            "ops-capstan-handler-token",
-            "-o",
-            "json",
-        ])
-        .await?;
-    let secret: Value = serde_json::from_str(&secret)?;
     ensure!(
-        secret["type"] == "kubernetes.io/service-account-token"
-            && secret["metadata"]["annotations"]["kubernetes.io/service-account.name"]
-                == "ops-capstan-handler",
-        "the handler's token Secret: {secret}"
+        !manifests.contains("kubernetes.io/service-account-token"),
+        "a token Secret that never expires:\n{manifests}"
+    );
+    // The controller, with exactly the chart's rights, writes an expiring token of the
+    // handler's ServiceAccount for the handler container.
+    let controller_user = format!("system:serviceaccount:{ns}:ops-capstan");
+    let controller = impersonating_kubeconfig(&env, &controller_user).await?;
+    let identity = env.scratch().join("handler-identity");
+    std::fs::create_dir_all(&identity)?;
+    let account = format!("{ns}/ops-capstan-handler");
+    let dir = identity.to_string_lossy().into_owned();
+    let mut capstan = capstan_tests::process::Controller::start_with(
+        &env,
+        &controller,
+        "capstan-identity",
+        &["--handler-identity", &account, "--handler-identity-dir", &dir],
+    )
+    .await?;
+    capstan
+        .process
+        .wait_for("the handler's identity is written", T)
+        .await?;
+    let token = std::fs::read_to_string(identity.join("token"))?;
+    ensure!(std::fs::read_to_string(identity.join("namespace"))? == ns);
+    let claims = jwt_claims(&token)?;
+    let lifetime = claims["exp"].as_i64().unwrap_or(0) - claims["iat"].as_i64().unwrap_or(0);
+    ensure!(
+        claims["sub"] == format!("system:serviceaccount:{ns}:ops-capstan-handler")
+            && (600..=3600).contains(&lifetime),
+        "the handler's token is of its own account and expires within the hour: {claims}"
+    );
+    let as_handler = token_kubeconfig(&env, &token)?;
+    let whoami = env
+        .kubectl()
+        .arg("--kubeconfig")
+        .arg(&as_handler)
+        .args(["auth", "whoami", "-o", "jsonpath={.status.userInfo.username}"])
+        .output()
+        .await?;
+    ensure!(
+        String::from_utf8_lossy(&whoami.stdout) == format!("system:serviceaccount:{ns}:ops-capstan-handler"),
+        "the API server takes the token for the handler's account: {whoami:?}"
+    );
+    capstan.process.terminate().await?;
+    // The controller may not mint tokens of any other account.
+    ensure!(
+        !env.kubectl()
+            .arg("--kubeconfig")
+            .arg(&controller)
+            .args(["create", "token", "ops-capstan", "-n", ns])
+            .output()
+            .await?
+            .status
+            .success(),
+        "the controller can request tokens of other accounts"
     );
 
     let handler_user = format!("system:serviceaccount:{ns}:ops-capstan-handler");
@@ -1422,8 +1493,6 @@ async fn the_handler_gets_its_own_identity_and_none_of_the_controllers_rights() 
         ],
     )
     .await?;
-    let controller_user = format!("system:serviceaccount:{ns}:ops-capstan");
-    let controller = impersonating_kubeconfig(&env, &controller_user).await?;
     permissions_are(
         &env,
         &controller,
@@ -1858,4 +1927,47 @@ async fn helm_template_passes_the_charts_kube_version_without_being_told_one() -
         );
     }
     Ok(())
+}
+
+/// The claims of a JSON Web Token (its middle part), unverified.
+fn jwt_claims(token: &str) -> Result<Value> {
+    let payload = token.split('.').nth(1).context("not a JWT")?;
+    let mut bytes = Vec::new();
+    let (mut buffer, mut bits) = (0u32, 0);
+    for c in payload.bytes() {
+        let value = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'-' | b'+' => 62,
+            b'_' | b'/' => 63,
+            _ => continue,
+        };
+        buffer = (buffer << 6) | u32::from(value);
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            bytes.push(u8::try_from((buffer >> bits) & 0xff)?);
+        }
+    }
+    Ok(serde_json::from_slice(&bytes)?)
+}
+
+/// A kubeconfig for the testenv's API server that authenticates with `token` only.
+fn token_kubeconfig(env: &TestEnv, token: &str) -> Result<PathBuf> {
+    let base = kube::config::Kubeconfig::read_from(&env.kubeconfig)?;
+    let mut config = base.clone();
+    for user in &mut config.auth_infos {
+        if let Some(auth) = user.auth_info.as_mut() {
+            *auth = kube::config::AuthInfo {
+                token: Some(token.to_owned().into()),
+                ..kube::config::AuthInfo::default()
+            };
+        }
+    }
+    let path = env
+        .scratch()
+        .join(format!("token-{}.kubeconfig", std::process::id()));
+    std::fs::write(&path, serde_json::to_string(&config)?)?;
+    Ok(path)
 }

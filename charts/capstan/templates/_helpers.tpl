@@ -251,6 +251,12 @@ The environment of the capstan container: how the chart configures `capstan run`
   value: {{ .Values.daemonset.nodeStorage.limitMiB | int | quote }}
 {{- end }}
 {{- end }}
+{{- if .Values.handler.apiAccess }}
+- name: CAPSTAN_HANDLER_IDENTITY
+  value: {{ printf "%s/%s" .Release.Namespace (include "capstan.handlerServiceAccountName" .) | quote }}
+- name: CAPSTAN_HANDLER_IDENTITY_DIR
+  value: /run/capstan-handler-identity
+{{- end }}
 {{- if not .Values.rbac.watchCrds }}
 - name: CAPSTAN_NO_CRD_WATCH
   value: "true"
@@ -364,6 +370,10 @@ The capstan container. As a native sidecar (an initContainer) it carries
     {{- if include "capstan.nodeStorage" . }}
     - name: capstan-node-storage
       mountPath: {{ include "capstan.nodeStoragePath" . | quote }}
+    {{- end }}
+    {{- if .Values.handler.apiAccess }}
+    - name: handler-api-access
+      mountPath: /run/capstan-handler-identity
     {{- end }}
     {{- if include "capstan.webhookSecret" . }}
     - name: webhook-tls
@@ -543,10 +553,12 @@ spec:
         secretName: {{ . }}
     {{- end }}
     {{- if .Values.handler.apiAccess }}
-    # The handler's own identity (token, ca.crt and namespace, filled in by the cluster).
+    # The handler's own identity: an expiring token of its ServiceAccount, ca.crt and
+    # namespace, written and renewed by the controller (`--handler-identity`).
     - name: handler-api-access
-      secret:
-        secretName: {{ include "capstan.handlerTokenSecret" . }}
+      emptyDir:
+        medium: Memory
+        sizeLimit: 1Mi
     {{- end }}
     {{- if include "capstan.nodeStorage" . }}
     # This node's per-node state (`--node-storage`).
@@ -607,13 +619,6 @@ The handler container's own ServiceAccount (with handler.apiAccess).
 */}}
 {{- define "capstan.handlerServiceAccountName" -}}
 {{- printf "%s-handler" (include "capstan.fullname" .) -}}
-{{- end -}}
-
-{{/*
-The Secret holding the token of the handler's ServiceAccount.
-*/}}
-{{- define "capstan.handlerTokenSecret" -}}
-{{- printf "%s-handler-token" (include "capstan.fullname" .) -}}
 {{- end -}}
 
 {{/*
