@@ -711,7 +711,7 @@ impl RunArgs {
     pub fn settings(&self) -> Settings {
         let mut settings = Settings {
             listen: self.listen.clone(),
-            admin_listen: self.admin_listen,
+            admin_listen: crate::config::bindable(self.admin_listen),
             shutdown_grace: self.shutdown_grace,
             discovery_ttl: self.discovery_ttl,
             api_timeout: self.api_timeout,
@@ -729,6 +729,7 @@ impl RunArgs {
         settings.hub.max_losses = self.max_losses.max(1);
         settings.connection.supported_kinds = Some(crate::engine::SUPPORTED_KINDS.to_vec());
         settings.webhooks = self.webhook.settings();
+        settings.webhooks.listen = crate::config::bindable(settings.webhooks.listen);
         if settings.webhooks.mode != crate::webhooks::Mode::Off
             && let Some(kinds) = settings.connection.supported_kinds.as_mut()
         {
