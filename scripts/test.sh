@@ -42,6 +42,9 @@ export CAPSTAN_INTEROP_PYTHON
 step "Python SDK: pinned venv, pytest (with the generated-code and Python 3.9 checks)"
 CAPSTAN_PYTHON_SDK_PYTHON=$(bash sdk-python/scripts/venv.sh | tail -n1)
 export CAPSTAN_PYTHON_SDK_PYTHON
+# Real kopf, pinned with its dependencies, that the kopf-compatibility tests compare against.
+CAPSTAN_KOPF_PYTHON=$(bash sdk-python/scripts/kopf-venv.sh | tail -n1)
+export CAPSTAN_KOPF_PYTHON
 (cd sdk-python && "$CAPSTAN_PYTHON_SDK_PYTHON" -m pytest -q tests)
 
 step "cargo test"

@@ -5,7 +5,7 @@ import logging
 import sys
 
 from capstan.errors import RegistrationError
-from capstan.registry import default_registry
+from capstan.registry import get_default_registry
 from capstan.runner import configure_logging, load, run
 
 
@@ -27,7 +27,7 @@ def main(argv=None):
         parser.error("give at least one file or -m module")
     try:
         load(args.paths, args.modules)
-        default_registry.check()
+        get_default_registry().check()
     except RegistrationError as error:
         logging.getLogger("capstan").error("%s", error)
         return 2

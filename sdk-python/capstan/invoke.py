@@ -146,13 +146,14 @@ def _logger(call: Call, handler_id: str):
     meta = meta if isinstance(meta, dict) else {}
     name = meta.get("name") or ""
     obj = f"{meta['namespace']}/{name}" if meta.get("namespace") else name
-    return _LoggerAdapter(logger, call.log_sink, obj, call.invocation_id)
+    return ObjectLogger(logger, call.log_sink, obj, call.invocation_id)
 
 
-class _LoggerAdapter(logging.LoggerAdapter):
-    """The handler's `logger` (kopf's): logs locally, with the object and the invocation as
-    record attributes (`capstan_object`, `capstan_invocation`, shown by the runner's
-    formats), and forwards the message to the controller."""
+class ObjectLogger(logging.LoggerAdapter):
+    """The handler's `logger` (kopf's `kopf.ObjectLogger`): logs locally, with the object and
+    the invocation as record attributes (`capstan_object`, `capstan_invocation`, shown by the
+    runner's formats), and forwards the message to the controller (posted as an Event only as
+    `settings.posting` says)."""
 
     def __init__(self, logger, sink, obj, invocation_id):
         super().__init__(logger, {"capstan_sink": sink, "capstan_object": obj, "capstan_invocation": invocation_id})
@@ -166,6 +167,13 @@ class _LoggerAdapter(logging.LoggerAdapter):
 
     def close(self):
         self.extra = {**self.extra, "capstan_sink": None}
+
+
+class LocalObjectLogger(ObjectLogger):
+    """An object's logger that only logs locally (kopf's `kopf.LocalObjectLogger`)."""
+
+    def __init__(self, logger, sink=None, obj="", invocation_id=""):
+        super().__init__(logger, None, obj, invocation_id)
 
 
 def kwargs_for(call: Call, handler: Handler, running: Running, logger, patch, retry, started):
@@ -543,3 +551,17 @@ def _merge(base, patch):
 
 def monotonic():
     return time.monotonic()
+
+
+async def execute(*, fns=None, handlers=None, registry=None, lifecycle=None, cause=None):
+    """kopf's `await kopf.execute(fns=...)`: declares the functions (a mapping of ids to
+    functions, or functions named by their qualified names) as sub-handlers of the running
+    handler. They run once the handler returns, each retried on its own, as sub-handlers
+    declared with `subhandler` do (kopf runs them inside `execute`)."""
+    if handlers is not None or registry is not None or cause is not None:
+        raise RegistrationError("kopf.execute takes fns= only with Capstan (handlers=, registry= and cause= are kopf's internals)")
+    if fns is None:
+        return
+    items = fns.items() if isinstance(fns, dict) else [(None, fn) for fn in fns]
+    for handler_id, fn in items:
+        _declare(fn, {"id": handler_id} if handler_id else {})

@@ -330,5 +330,22 @@ def _count(value):
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32
 
 
-#: The operator's default registry (kopf's default registry).
+#: The operator's default registry as the process started (kopf's default registry); the
+#: decorators use whichever `set_default_registry()` made current.
 default_registry = Registry()
+_default = default_registry
+
+
+def get_default_registry() -> Registry:
+    """The registry that decorators without `registry=` register into (kopf's
+    `kopf.get_default_registry()`)."""
+    return _default
+
+
+def set_default_registry(registry: Registry):
+    """Makes `registry` the one that decorators without `registry=` register into and that the
+    runner serves (kopf's `kopf.set_default_registry()`)."""
+    global _default
+    if not isinstance(registry, Registry):
+        raise TypeError(f"a default registry must be a Registry, got {registry!r}")
+    _default = registry

@@ -12,7 +12,7 @@ import sys
 
 from capstan.connection import Operator
 from capstan.errors import ConnectionFatal
-from capstan.registry import Registry, default_registry
+from capstan.registry import Registry, get_default_registry
 
 log = logging.getLogger("capstan")
 
@@ -22,7 +22,7 @@ async def operator(*, registry: Registry = None, endpoint: str = None, memo=None
     """Serves the registered handlers until `stop_flag` is set (kopf's `kopf.operator()`):
     dials `endpoint` (default `$CAPSTAN_ENDPOINT`, else the pod's socket) and reconnects with
     backoff whenever the stream breaks."""
-    op = Operator(registry or default_registry, endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
+    op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
                   stop=stop_flag)
     _running.append(op)
     try:

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from capstan.indexes import Indexes
 from capstan.invoke import Call, Outcome, Running, SubState, run
-from capstan.registry import Registry, default_registry
+from capstan.registry import Registry, get_default_registry
 from capstan.structs import DaemonStoppingReason, Diff, DiffItem, DiffOperation, Memo, Reason
 
 
@@ -90,7 +90,7 @@ class TestKit:
     __test__ = False  # not a pytest test class
 
     def __init__(self, registry: Optional[Registry] = None, memo: Optional[Memo] = None):
-        self.registry = registry or default_registry
+        self.registry = registry or get_default_registry()
         self.registry.check()
         self.memo = memo if memo is not None else Memo()
         #: The indexes, filled by `index()` as the controller would before other handlers run.
