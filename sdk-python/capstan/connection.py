@@ -8,7 +8,6 @@ attempts for the next connection.
 """
 
 import asyncio
-import concurrent.futures
 import json
 import logging
 import os
@@ -19,6 +18,7 @@ import uuid
 import grpc
 
 from capstan import __version__, events, wire
+from capstan import settings as settings_module
 from capstan.errors import ConnectionFatal
 from capstan.indexes import Indexes
 from capstan.invoke import Running, run
@@ -128,19 +128,27 @@ class Session:
 class Operator:
     """The handler process: its registry, and the reconnecting loop around sessions."""
 
-    def __init__(self, registry: Registry, endpoint=None, memo=None, max_in_flight=0, stop=None):
+    def __init__(self, registry: Registry, endpoint=None, memo=None, max_in_flight=0, stop=None, settings=None):
         self.registry = registry
         self.endpoint = endpoint or os.environ.get("CAPSTAN_ENDPOINT") or DEFAULT_ENDPOINT
         self.memos = Memos(memo)
         self.max_in_flight = max_in_flight
         self.stop = stop or asyncio.Event()
         self.instance_id = str(uuid.uuid4())
-        self.executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="capstan-handler")
+        # kopf's settings: startup handlers change them; the posting and the executor of sync
+        # handlers are read from them on every use.
+        self.settings = settings if settings is not None else settings_module.active()
+        settings_module.activate(self.settings)
         self.by_id = {h.id: h for h in registry.handlers}
         registry.check()
         self.indexes = Indexes(registry.index_names())
         self.flow = {}  # handler id ("" for the process) -> the cap set with set_max_in_flight
         self.session = None
+
+    @property
+    def executor(self):
+        """The executor of sync handlers (`settings.execution.executor`)."""
+        return self.settings.execution.executor
 
     def set_max_in_flight(self, limit, handler=None):
         """Changes how many invocations the controller sends this process at once — or, with
@@ -200,7 +208,7 @@ class Operator:
                     pass
                 delay = min(delay * 2, BACKOFF_MAX)
         finally:
-            self.executor.shutdown(wait=False, cancel_futures=True)
+            settings_module.retire_executor(self.settings)
 
     async def _session(self):
         options = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
@@ -332,6 +340,7 @@ class Operator:
         uid = (call.body.get("metadata") or {}).get("uid") if isinstance(call.body, dict) else None
         # Index calls get no memo (and removals must not make one for an object just gone).
         call.memo = self.memos.of(uid) if handler.kind != "index" else None
+        call.settings = self.settings
         call.indexes = self.indexes
         running = Running(call)
         task = asyncio.create_task(self._invoke(session, running, uid))

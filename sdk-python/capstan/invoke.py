@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
+from capstan import settings as settings_module
 from capstan.errors import AdmissionError, PermanentError, RegistrationError, TemporaryError
 from capstan.indexes import KEEP, REMOVE, change_of
 from capstan.registry import Handler, build_handler
@@ -68,6 +69,9 @@ class Call:
     index_deleted: bool = False
     # For a validate or mutate handler's call: the admission request's parts.
     admission: Optional[Dict[str, Any]] = None
+    # The operator's settings (kopf's `settings` kwarg of activity handlers); None: the
+    # process's (`capstan.settings.active()`).
+    settings: Any = None
 
 
 @dataclasses.dataclass
@@ -190,7 +194,9 @@ def kwargs_for(call: Call, handler: Handler, running: Running, logger, patch, re
         "started": started,
         "runtime": now - started,
     }
-    if handler.kind not in ("startup", "cleanup", "login", "probe"):
+    if handler.kind in ("startup", "cleanup", "login", "probe"):
+        values["settings"] = call.settings if call.settings is not None else settings_module.active()
+    else:
         values.update(
             body=body, spec=body.spec, meta=meta, status=body.status, name=meta.name,
             namespace=meta.namespace, uid=meta.uid, labels=meta.labels,
@@ -375,6 +381,10 @@ async def run(running: Running, executor=None) -> Outcome:
             outcome = Outcome("success", result=value)
         else:
             outcome = Outcome("success", result=_encode(value, "result", handler.id))
+        if handler.kind == "startup":
+            # What a startup handler set in `settings`: applied here, or named once (the
+            # controller's flags, or no meaning with Capstan).
+            settings_module.review(call.settings if call.settings is not None else settings_module.active())
         obj, status = patch.as_documents()
         outcome.object_patch = _encode(obj, "patch", handler.id)
         outcome.status_patch = _encode(status, "patch", handler.id)

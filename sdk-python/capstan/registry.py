@@ -29,7 +29,8 @@ _RESOURCE_KWARGS = {
     "body", "spec", "meta", "status", "name", "namespace", "uid", "labels", "annotations",
     "patch", "logger", "resource", "memo", "param", "retry", "started", "runtime",
 }
-_ACTIVITY_KWARGS = {"logger", "memo", "param", "retry", "started", "runtime"}
+# `settings`: kopf's OperatorSettings, for startup handlers to configure the operator (capstan.settings).
+_ACTIVITY_KWARGS = {"logger", "memo", "param", "retry", "started", "runtime", "settings"}
 KWARGS = {
     "create": _RESOURCE_KWARGS | {"reason", "diff", "old", "new"},
     "update": _RESOURCE_KWARGS | {"reason", "diff", "old", "new"},
@@ -51,7 +52,6 @@ KWARGS = {
 }
 #: kopf kwargs that need parts of kopf this controller does not have, and what to do instead.
 _UNSUPPORTED_KWARGS = {
-    "settings": "operator settings belong to the controller: use its command-line flags",
     "indices": "read an index by its name as a kwarg (kopf's way), e.g. def fn(by_label, **_)",
     "indexes": "read an index by its name as a kwarg (kopf's way), e.g. def fn(by_label, **_)",
     "sslpeer": "the controller's webhook server does not pass the client's certificate to handlers",

@@ -18,12 +18,12 @@ log = logging.getLogger("capstan")
 
 
 async def operator(*, registry: Registry = None, endpoint: str = None, memo=None, stop_flag: asyncio.Event = None,
-                   max_in_flight: int = 0):
+                   max_in_flight: int = 0, settings=None):
     """Serves the registered handlers until `stop_flag` is set (kopf's `kopf.operator()`):
     dials `endpoint` (default `$CAPSTAN_ENDPOINT`, else the pod's socket) and reconnects with
     backoff whenever the stream breaks."""
     op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
-                  stop=stop_flag)
+                  stop=stop_flag, settings=settings)
     _running.append(op)
     try:
         await op.run()
@@ -44,7 +44,7 @@ def set_max_in_flight(limit: int, handler: str = None):
     _running[0].set_max_in_flight(limit, handler)
 
 
-def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_flight: int = 0):
+def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_flight: int = 0, settings=None):
     """Runs `operator()` in a new event loop until SIGTERM or SIGINT (kopf's `kopf.run()`)."""
 
     async def main():
@@ -52,7 +52,8 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await operator(registry=registry, endpoint=endpoint, memo=memo, stop_flag=stop, max_in_flight=max_in_flight)
+        await operator(registry=registry, endpoint=endpoint, memo=memo, stop_flag=stop, max_in_flight=max_in_flight,
+                       settings=settings)
 
     try:
         asyncio.run(main())

@@ -313,6 +313,17 @@ def _forget_reported():
         _reported.clear()
 
 
+def retire_executor(settings: OperatorSettings):
+    """Shuts down the executor of a stopping operator, leaving a fresh one of the same size
+    for an operator started later in the process."""
+    execution = settings.execution
+    old = execution.executor
+    execution.executor = _executor()
+    if execution._max_workers is not None:
+        execution.executor._max_workers = execution._max_workers
+    old.shutdown(wait=False, cancel_futures=True)
+
+
 _active: Optional[OperatorSettings] = None
 _active_lock = threading.Lock()
 

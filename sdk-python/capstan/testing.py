@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from capstan.indexes import Indexes
 from capstan.invoke import Call, Outcome, Running, SubState, run
 from capstan.registry import Registry, get_default_registry
+from capstan.settings import OperatorSettings
 from capstan.structs import DaemonStoppingReason, Diff, DiffItem, DiffOperation, Memo, Reason
 
 
@@ -89,10 +90,12 @@ class TestKit:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, registry: Optional[Registry] = None, memo: Optional[Memo] = None):
+    def __init__(self, registry: Optional[Registry] = None, memo: Optional[Memo] = None, settings=None):
         self.registry = registry or get_default_registry()
         self.registry.check()
         self.memo = memo if memo is not None else Memo()
+        #: kopf's settings, as startup handlers get them (and change them).
+        self.settings = settings if settings is not None else OperatorSettings()
         #: The indexes, filled by `index()` as the controller would before other handlers run.
         self.indexes = Indexes(self.registry.index_names())
 
@@ -125,7 +128,7 @@ class TestKit:
             logs.append((level_names.get(levelno, "error" if levelno > logging.ERROR else "debug"), message))
 
         return Call(handler=handler, body=dict(body or {}), attempt=attempt, reason=reason, old=old, new=new,
-                    diff=diff, event_type=event_type, memo=self.memo, subhandlers=states, log_sink=sink,
+                    diff=diff, event_type=event_type, memo=self.memo, subhandlers=states, log_sink=sink, settings=self.settings,
                     event_sink=events.append if events is not None else None,
                     started=started or datetime.datetime.now(datetime.timezone.utc), invocation_id="test",
                     indexes=self.indexes, index_deleted=deleted,

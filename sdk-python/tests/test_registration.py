@@ -133,11 +133,12 @@ def test_kwarg_of_another_kind_is_unknown(registry):
         registry.check()
 
 
-def test_settings_kwarg_fails_with_what_to_do(registry):
-    with pytest.raises(capstan.RegistrationError, match="settings.*controller"):
-        @capstan.on.startup(registry=registry)
-        def fn(settings, **_):
-            pass
+def test_settings_kwarg_is_taken_by_startup_handlers(registry):
+    @capstan.on.startup(registry=registry)
+    def fn(settings, **_):
+        pass
+
+    registry.check()
 
 
 def test_bad_option_values(registry):

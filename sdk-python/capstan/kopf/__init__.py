@@ -115,9 +115,6 @@ def _operator_options(settings, options):
     flags = [f"{k} ({_CONTROLLER_OPTIONS[k]})" for k, v in options.items() if v and _CONTROLLER_OPTIONS.get(k)]
     if flags:
         log.info("the controller's flags do the job of these options: %s", ", ".join(flags))
-    if settings is not None:
-        from capstan import settings as settings_module
-        settings_module.activate(settings)
 
 
 async def operator(*, registry=None, settings=None, memo=None, stop_flag=None, **options):
@@ -127,19 +124,19 @@ async def operator(*, registry=None, settings=None, memo=None, stop_flag=None, *
     ready = options.get("ready_flag")
     if ready is not None:
         ready.set()
-    await runner.operator(registry=registry, memo=memo, stop_flag=stop_flag)
+    await runner.operator(registry=registry, memo=memo, stop_flag=stop_flag, settings=settings)
 
 
 def run(*, registry=None, settings=None, memo=None, **options):
     """kopf's `kopf.run()`: serves the handlers until SIGTERM or SIGINT."""
     _operator_options(settings, options)
-    runner.run(registry=registry, memo=memo)
+    runner.run(registry=registry, memo=memo, settings=settings)
 
 
 async def spawn_tasks(*, registry=None, settings=None, memo=None, stop_flag=None, **options):
     """kopf's `kopf.spawn_tasks()`: the operator as a task, for `kopf.run_tasks()`."""
     _operator_options(settings, options)
-    return [asyncio.create_task(runner.operator(registry=registry, memo=memo, stop_flag=stop_flag),
+    return [asyncio.create_task(runner.operator(registry=registry, memo=memo, stop_flag=stop_flag, settings=settings),
                                 name="capstan-operator")]
 
 
