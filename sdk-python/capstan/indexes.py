@@ -38,7 +38,8 @@ class Store(Collection):
         return value in self._values
 
     def __repr__(self):
-        return f"Store({self._values!r})"
+        # kopf's Store shows as the list of its values.
+        return repr(self._values)
 
 
 class Index(Mapping):

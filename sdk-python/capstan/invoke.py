@@ -422,7 +422,7 @@ async def _run_admission(running: Running, handler: Handler, logger, retry, exec
         await _execute(handler, kwargs_for(call, handler, running, logger, patch, retry, call.started), executor)
     except AdmissionError as denial:
         logger.info("Admission handler %r denied the request: %s", handler.id, denial)
-        return Outcome("success", verdict={"allowed": False, "message": str(denial), "code": denial.code or 0,
+        return Outcome("success", verdict={"allowed": False, "message": str(denial), "code": denial.code or 500,
                                            "warnings": list(running.warnings)})
     outcome = Outcome("success", verdict={"allowed": True, "warnings": list(running.warnings)})
     if handler.kind == "mutate":
