@@ -237,9 +237,19 @@ class Registry:
                                 annotations=annotations, field=field, value=value, old=old, new=new,
                                 when=when, optional=optional, deleted=deleted, options=options,
                                 max_in_flight=max_in_flight)
-        for other in self.handlers:
-            if other.id == handler.id and other.resource == handler.resource:
-                raise RegistrationError(f"handler {handler.id!r} is registered twice for {handler.resource or 'the operator'}; give one of them another id=")
+        base = handler.id
+        while True:
+            other = next((o for o in self.handlers if o.id == handler.id
+                          and (o.kind != handler.kind or o.resource == handler.resource)), None)
+            if other is None:
+                break
+            if other.fn is handler.fn and other.kind != handler.kind and handler.id == base:
+                # One function under stacked decorators (kopf's `@on.resume` over `@on.create`):
+                # kopf gives both the same id; the controller takes one id per kind, so this
+                # registration is `<id>.<kind>`.
+                handler.id = f"{base}.{handler.kind}"
+                continue
+            raise RegistrationError(f"handler {handler.id!r} is registered twice for {handler.resource or 'the operator'}; give one of them another id=")
         self.handlers.append(handler)
         return handler
 

@@ -6,6 +6,7 @@ import capstan
 import capstan.kopf as kopf
 from capstan import wire
 from capstan.registry import Registry
+from capstan.testing import TestKit
 from capstan.v1 import registration_pb2 as reg
 
 
@@ -170,3 +171,37 @@ def test_kopf_module_exposes_kopfs_names_and_refuses_controller_logins():
         assert hasattr(kopf, name), name
     with pytest.raises(capstan.RegistrationError, match="the controller logs in"):
         kopf.login_via_client(logger=None, settings=kopf.OperatorSettings())
+
+
+def test_stacked_decorators_register_one_function_under_each_kind(registry):
+    # kopf's own example: one function for resuming and creating. The controller takes one id
+    # per kind, so the later registration gets `<id>.<kind>`.
+    @capstan.on.resume("examples", registry=registry)
+    @capstan.on.create("examples", registry=registry)
+    @capstan.on.create("others", registry=registry)
+    @capstan.on.resume("others", registry=registry)
+    def fn(**_):
+        pass
+
+    fn_id = fn.__qualname__
+    got = sorted((h.kind, h.id, h.resource.name) for h in registry.handlers)
+    assert got == [("create", f"{fn_id}.create", "examples"), ("create", f"{fn_id}.create", "others"),
+                   ("resume", fn_id, "examples"), ("resume", fn_id, "others")]
+    assert len({wire.registration(h).handler_id for h in registry.handlers}) == 2
+    out = TestKit(registry).invoke(f"{fn_id}.create", {"metadata": {"name": "x"}})
+    assert out.status == "success"
+
+
+def test_a_function_with_the_same_kind_twice_on_one_resource_still_fails(registry):
+    def fn(**_):
+        pass
+
+    capstan.on.create("examples", registry=registry)(fn)
+    with pytest.raises(capstan.RegistrationError, match="registered twice"):
+        capstan.on.create("examples", registry=registry)(fn)
+
+
+def test_another_function_with_the_same_id_and_another_kind_still_fails(registry):
+    capstan.on.create("examples", registry=registry, id="x")(lambda **_: None)
+    with pytest.raises(capstan.RegistrationError, match="registered twice"):
+        capstan.on.resume("examples", registry=registry, id="x")(lambda **_: None)
