@@ -105,6 +105,8 @@ class Session:
             self.dropped_logs += 1
 
     def event_sink(self, invocation_id):
+        # The wire has no Event type: Normal is posted as Normal, any other type (kopf's
+        # Error included) as Warning.
         levels = {"Normal": rs.LOG_LEVEL_INFO, "Warning": rs.LOG_LEVEL_WARNING}
 
         def sink(record):
@@ -118,8 +120,13 @@ class Session:
         return sink
 
     def log_sink(self, invocation_id):
+        settings = self.operator.settings
+
         def sink(levelno, message):
-            record = rs.ConnectRequest(log=rs.LogRecord(invocation_id=invocation_id, level=_level(levelno), message=message))
+            # kopf 1.45 posts log records as Events only with settings.posting.loggers.
+            posting = rs.EVENT_POSTING_ALWAYS if settings_module.posts_log(settings, levelno) else rs.EVENT_POSTING_NEVER
+            record = rs.ConnectRequest(log=rs.LogRecord(invocation_id=invocation_id, level=_level(levelno), message=message,
+                                                        posting=posting))
             self.loop.call_soon_threadsafe(self.send_nowait, record)
 
         return sink
