@@ -200,8 +200,9 @@ class OperatorRunner:
     """
 
     def __init__(self, paths=(), *, modules=(), registry: Optional[Registry] = None, endpoint: Optional[str] = None,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, settings=None):
         self.paths = list(paths)
+        self.settings = settings
         self.modules = list(modules)
         self.registry = registry
         self.endpoint = endpoint
@@ -219,7 +220,7 @@ class OperatorRunner:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             self._ready.set()
-            await operator(registry=self.registry, endpoint=self.endpoint, stop_flag=self._stop)
+            await operator(registry=self.registry, endpoint=self.endpoint, stop_flag=self._stop, settings=self.settings)
 
         try:
             if self.paths or self.modules:
