@@ -174,7 +174,7 @@ class Operator:
     def hello(self):
         return rs.ConnectRequest(hello=rs.Hello(
             capabilities=[rs.CAPABILITY_RESULT_ACK, rs.CAPABILITY_SDK_FILTERS, rs.CAPABILITY_SUBHANDLERS,
-                          rs.CAPABILITY_OBJECT_UPDATES, rs.CAPABILITY_OBJECT_GONE],
+                          rs.CAPABILITY_OBJECT_UPDATES, rs.CAPABILITY_OBJECT_GONE, rs.CAPABILITY_INVOCATION_UPDATES],
             sdk=rs.SoftwareInfo(name="capstan-python", version=__version__, language="python"),
             instance_id=self.instance_id,
             handlers=[wire.registration(h) for h in self.registry.handlers],
@@ -374,6 +374,11 @@ class Operator:
             result = inv.InvocationResult(invocation_id=call.invocation_id, permanent_error=inv.PermanentError(
                 diagnostics=[wire.common.Diagnostic(severity=wire.common.SEVERITY_ERROR,
                                                     summary=f"the result could not be encoded: {error}")]))
+        if outcome.status != "success" and call.handler.kind == "daemon" and (outcome.object_patch or outcome.status_patch):
+            # A failed daemon's patch is applied as kopf applies it: as a progress update
+            # before its result (results carry the patches of successes only).
+            await session.queue.put(rs.ConnectRequest(update=inv.InvocationUpdate(
+                invocation_id=call.invocation_id, patches=wire.patches(outcome))))
         await session.queue.put(rs.ConnectRequest(result=result))
 
     def _cancel(self, session, cancel):

@@ -399,6 +399,12 @@ async def run(running: Running, executor=None) -> Outcome:
         if running.cancelled:
             return Outcome("cancelled")
         outcome = _classify(error, handler.id)
+        if handler.kind == "daemon":
+            # kopf applies a daemon's patch after every attempt, failed ones included (the
+            # connection sends it as a progress update: results carry patches of successes).
+            obj, status = patch.as_documents()
+            outcome.object_patch = _encode(obj, "patch", handler.id)
+            outcome.status_patch = _encode(status, "patch", handler.id)
         logger.log(logging.ERROR if outcome.status != "temporary" else logging.WARNING,
                    "Handler %r failed: %s", handler.id, outcome.message)
         return outcome

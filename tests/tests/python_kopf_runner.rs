@@ -3,8 +3,9 @@
 //! changes, then `exit_code`, `exception` and `output` checked — with only the import changed
 //! (`capstan.kopf.testing`). The runner starts the real `capstan` binary itself
 //! (`$CAPSTAN_BINARY`) against the real API server's kubeconfig, the operator file configures
-//! itself in a startup handler with kopf's `settings`, and its create handler's effects are
-//! asserted on the object.
+//! itself in a startup handler with kopf's `settings`, and its create handler's and daemon's
+//! effects are asserted on the object (the daemon's patches of failed attempts applied, as
+//! kopf applies them).
 
 use std::{collections::HashMap, time::Duration};
 
@@ -33,6 +34,16 @@ def create_fn(spec: kopf.Spec, name, logger: kopf.Logger, patch: kopf.Patch, **_
     logger.info(f"And here we are! Creating {name} with {spec.get('field')}")
     patch.status["created_by"] = "kopf-runner"
     open(os.environ["DONE_FILE"], "w").write(name)
+
+@kopf.daemon("demo.capstan.dev", "v1", "examples")
+def monitor(memo: kopf.Memo, patch: kopf.Patch, stopped, **_):
+    # kopf applies a daemon's patch after a failed attempt too.
+    memo.attempts = memo.get("attempts", 0) + 1
+    if memo.attempts < 3:
+        patch.status["monitor"] = f"Failed {memo.attempts} times"
+        raise kopf.TemporaryError("not yet", delay=0.2)
+    open(os.environ["DONE_FILE"] + ".daemon", "w").write("done")
+    stopped.wait()
 "#;
 
 /// kopf's example test, with `capstan.kopf.testing` for `kopf.testing`. Prints to the real
@@ -45,7 +56,7 @@ done = os.environ["DONE_FILE"]
 with KopfRunner(["run", "-A", "--standalone", "--verbose", os.environ["OPERATOR_FILE"]], timeout=60) as runner:
     print("runner started", file=sys.__stdout__, flush=True)
     deadline = time.monotonic() + 60
-    while not os.path.exists(done) and time.monotonic() < deadline:
+    while not (os.path.exists(done) and os.path.exists(done + ".daemon")) and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(1)  # the result's write
 print("output:", runner.output, file=sys.__stdout__)
@@ -95,13 +106,13 @@ async fn kopf_runner_starts_the_controller_and_runs_a_kopf_operator_file() -> Re
         .context("the kopf-style test did not pass")?;
     let api = examples(&env.client().await?, "default");
     let object = api.get("kopf-runner").await?;
-    let status = object
-        .data
-        .get("status")
-        .and_then(|s| s.get("created_by"))
-        .cloned();
-    if status != Some(json!("kopf-runner")) {
+    let status = object.data.get("status").cloned().unwrap_or_default();
+    if status.get("created_by") != Some(&json!("kopf-runner")) {
         bail!("the create handler's patch is missing: {:?}", object.data);
+    }
+    // The two failed attempts' patches were written (the third attempt patches nothing).
+    if status.get("monitor") != Some(&json!("Failed 2 times")) {
+        bail!("the daemon's patches are missing: {:?}", object.data);
     }
     Ok(())
 }
