@@ -1,7 +1,9 @@
 """kopf's lifecycles (`kopf.lifecycles`, `kopf.set_default_lifecycle`): which of an object's
-pending handlers run in one cycle. With Capstan the controller decides (its own order: every
-pending handler of a change, as kopf's `asap` does with its retries ordered), so the functions
-are kopf's own, for code that calls them, and setting one says once that it is not applied."""
+pending handlers run in one cycle. kopf's default, `asap`, runs one per cycle (the fewest
+retries first). With Capstan every pending handler of a cycle runs — the controller's
+top-level handlers, and a parent's sub-handlers in the handler process (the protocol has no
+outcome for a sub-handler left for a later cycle) — so the functions are kopf's own, for code
+that calls them, and setting one says once that it is not applied."""
 
 import logging
 import random
