@@ -61,20 +61,21 @@ class LocalController:
             args += ["--admin-listen", f"127.0.0.1:{_free_port()}"]
         env = {**os.environ, "NO_COLOR": "1"}
         try:
-            self._process = subprocess.Popen(args + self.flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                             text=True, env=env)
+            process = subprocess.Popen(args + self.flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, env=env)
         except OSError as error:
             raise ControllerError(f"could not start the controller {path!r}: {error}") from None
-        threading.Thread(target=self._read, name="capstan-controller-output", daemon=True).start()
+        self._process = process
+        threading.Thread(target=self._read, args=(process,), name="capstan-controller-output", daemon=True).start()
         deadline = time.monotonic() + self.timeout
         while not self._started.wait(0.1):
-            if self._process.poll() is not None or time.monotonic() > deadline:
+            if process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise ControllerError(f"the controller did not start ({' '.join(args + self.flags)}):\n{self.output}")
         return self
 
-    def _read(self):
-        for line in self._process.stdout:
+    def _read(self, process):
+        for line in process.stdout:
             self._lines.append(line)
             if "capstan started" in line:
                 self._started.set()

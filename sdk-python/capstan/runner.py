@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import sys
 
 from capstan.connection import Operator
@@ -24,11 +25,26 @@ async def operator(*, registry: Registry = None, endpoint: str = None, memo=None
     backoff whenever the stream breaks."""
     op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
                   stop=stop_flag, settings=settings)
+    op.loop = asyncio.get_running_loop()
     _running.append(op)
+    if _stop_requested.is_set():
+        op.stop.set()
     try:
         await op.run()
     finally:
         _running.remove(op)
+
+
+#: Set by `stop_all()`: operators started later stop at once too.
+_stop_requested = threading.Event()
+
+
+def stop_all():
+    """Asks every running operator of this process to stop — and any started later — from
+    any thread (as SIGTERM does)."""
+    _stop_requested.set()
+    for op in list(_running):
+        op.loop.call_soon_threadsafe(op.stop.set)
 
 
 #: The operators running in this process (`operator()` calls in progress).
@@ -44,14 +60,17 @@ def set_max_in_flight(limit: int, handler: str = None):
     _running[0].set_max_in_flight(limit, handler)
 
 
-def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_flight: int = 0, settings=None):
-    """Runs `operator()` in a new event loop until SIGTERM or SIGINT (kopf's `kopf.run()`)."""
+def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_flight: int = 0, settings=None,
+        signals: bool = True):
+    """Runs `operator()` in a new event loop until SIGTERM or SIGINT (kopf's `kopf.run()`);
+    with `signals=False`, until `stop_all()`."""
 
     async def main():
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        if signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
         await operator(registry=registry, endpoint=endpoint, memo=memo, stop_flag=stop, max_in_flight=max_in_flight,
                        settings=settings)
 

@@ -280,3 +280,86 @@ async fn a_parent_is_called_on_each_cycle_of_its_subhandlers_with_kopfs_retries(
     }
     Ok(())
 }
+
+/// A kopf operator file, unchanged: it imports `kopf`.
+const UNCHANGED: &str = r#"
+import os
+import kopf
+
+@kopf.on.create("demo.capstan.dev", "v1", "examples")
+def create_fn(name, patch, **_):
+    patch.status["created_by"] = "kopf-compat"
+
+@kopf.on.cleanup()
+def cleanup_fn(logger, **_):
+    open(os.environ["CLEANUP_FILE"], "w").write("cleaned up")
+"#;
+
+#[tokio::test]
+async fn python_m_capstan_run_with_controller_runs_an_unchanged_kopf_file_and_its_cleanup() -> Result<()> {
+    let python = sdk_python().await?;
+    let capstan = capstan_binary().await?;
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let operator = env.scratch().join("unchanged.py");
+    std::fs::write(&operator, UNCHANGED)?;
+    let cleanup = env.scratch().join("cleanup");
+    let vars = HashMap::from([
+        ("CAPSTAN_BINARY".to_owned(), capstan.display().to_string()),
+        ("KUBECONFIG".to_owned(), env.kubeconfig.display().to_string()),
+        (
+            "PYTHONPATH".to_owned(),
+            repo_root().join("sdk-python").display().to_string(),
+        ),
+        ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
+        ("CLEANUP_FILE".to_owned(), cleanup.display().to_string()),
+    ]);
+    let args: Vec<String> = [
+        "-m",
+        "capstan",
+        "run",
+        "--kopf-compat",
+        "--with-controller",
+        "-A",
+        "--standalone",
+        "--verbose",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .chain([operator.display().to_string()])
+    .collect();
+    let mut process = Process::spawn("kopf-compat", &python, &args, &vars, env.scratch())?;
+    process
+        .wait_for("handler registered handler=create_fn", T)
+        .await?;
+    create_example(&env, "compat", json!({"field": "x"})).await?;
+    let api = examples(&env.client().await?, "default");
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        let object = api.get("compat").await?;
+        if object.data.pointer("/status/created_by") == Some(&json!("kopf-compat")) {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "create_fn's patch did not arrive: {:?}\n{}",
+                object.data,
+                process.output()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // SIGTERM: the controller stops first and runs the cleanup handler through this process.
+    let status = process.terminate().await?;
+    if !status.success() {
+        bail!(
+            "python -m capstan run exited with {status}:\n{}",
+            process.output()
+        );
+    }
+    let cleaned = std::fs::read_to_string(&cleanup).unwrap_or_default();
+    if cleaned != "cleaned up" {
+        bail!("the cleanup handler did not run:\n{}", process.output());
+    }
+    Ok(())
+}
