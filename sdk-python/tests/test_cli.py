@@ -77,11 +77,11 @@ def test_with_controller_starts_it_with_kopfs_options_and_stops_it_first(tmp_pat
     fake.write_text(f"""#!{sys.executable}
 import signal, sys, time
 open({str(argv_file)!r}, "w").write(" ".join(sys.argv[1:]))
-print("capstan started", flush=True)
 def stop(*_):
     open({str(stopped_file)!r}, "w").write("stopped")
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
+print("capstan started", flush=True)
 while True:
     time.sleep(0.1)
 """)

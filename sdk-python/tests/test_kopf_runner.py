@@ -58,8 +58,8 @@ def test_the_runner_starts_a_controller_with_kopfs_options_and_stops_it(tmp_path
     fake.write_text(f"""#!{sys.executable}
 import signal, sys, time
 open({str(argv_file)!r}, "w").write(" ".join(sys.argv[1:]))
-print("capstan started", flush=True)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+print("capstan started", flush=True)
 while True:
     time.sleep(0.1)
 """)
