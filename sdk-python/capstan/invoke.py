@@ -214,7 +214,8 @@ def kwargs_for(call: Call, handler: Handler, running: Running, logger, patch, re
         request = call.admission or {}
         values.update(warnings=running.warnings, userinfo=request.get("userinfo") or {},
                       dryrun=bool(request.get("dryrun")), subresource=request.get("subresource"),
-                      operation=request.get("operation"), old=request.get("old"), new=body._data)
+                      operation=request.get("operation"), old=request.get("old"), new=body._data,
+                      headers={}, sslpeer={})
     if call.indexes is not None:
         values.update(call.indexes.views())
     if handler.takes is not None:

@@ -43,8 +43,11 @@ KWARGS = {
     # Index handlers change nothing: what they return is the index.
     "index": _RESOURCE_KWARGS - {"patch"},
     # Admission: the request's parts; only mutating handlers change the object.
-    "validate": (_RESOURCE_KWARGS - {"patch"}) | {"warnings", "userinfo", "dryrun", "subresource", "operation", "old", "new"},
-    "mutate": _RESOURCE_KWARGS | {"warnings", "userinfo", "dryrun", "subresource", "operation", "old", "new"},
+    # `headers` and `sslpeer` are empty: the controller's webhook server does not pass them on.
+    "validate": (_RESOURCE_KWARGS - {"patch"}) | {"warnings", "userinfo", "dryrun", "subresource", "operation", "old", "new",
+                                               "headers", "sslpeer"},
+    "mutate": _RESOURCE_KWARGS | {"warnings", "userinfo", "dryrun", "subresource", "operation", "old", "new",
+                                  "headers", "sslpeer"},
     "startup": _ACTIVITY_KWARGS,
     "cleanup": _ACTIVITY_KWARGS,
     "login": _ACTIVITY_KWARGS,
@@ -54,8 +57,6 @@ KWARGS = {
 _UNSUPPORTED_KWARGS = {
     "indices": "read an index by its name as a kwarg (kopf's way), e.g. def fn(by_label, **_)",
     "indexes": "read an index by its name as a kwarg (kopf's way), e.g. def fn(by_label, **_)",
-    "sslpeer": "the controller's webhook server does not pass the client's certificate to handlers",
-    "headers": "the controller's webhook server does not pass the request's headers to handlers",
     "vault": "credentials vaults belong to the controller",
 }
 
