@@ -377,7 +377,13 @@ async def run(running: Running, executor=None) -> Outcome:
             if not _sdk_filters_pass(handler, kwargs_all):
                 return Outcome("skipped")
         kwargs = kwargs_for(call, handler, running, logger, patch, retry, call.started)
+        # kopf's messages about the handling, in this process's log only (not sent over the wire).
+        if handler.kind in _TITLES and call.reason is not None:
+            logger.debug("%s is in progress: %r", _TITLES.get(str(call.reason), "Handling"), running.body,
+                         extra=_LOCAL)
         value = await _execute(handler, kwargs, executor)
+        if handler.kind in _TITLES:
+            logger.info("Handler %r succeeded.", handler.id, extra=_LOCAL)
         if handler.kind == "login":
             outcome = Outcome("success", result=value)
         else:
@@ -406,12 +412,35 @@ async def run(running: Running, executor=None) -> Outcome:
             obj, status = patch.as_documents()
             outcome.object_patch = _encode(obj, "patch", handler.id)
             outcome.status_patch = _encode(status, "patch", handler.id)
-        logger.log(logging.ERROR if outcome.status != "temporary" else logging.WARNING,
-                   "Handler %r failed: %s", handler.id, outcome.message)
+        logger.error("%s", _failure(handler, outcome))
         return outcome
     finally:
         _current.reset(token)
         logger.close()
+
+
+#: A record's `extra` that keeps it out of the controller's log.
+_LOCAL = {"capstan_sink": None}
+
+#: kopf's titles of the causes of change handlers, for its "… is in progress" messages.
+_TITLES = {"create": "Creation", "update": "Updating", "delete": "Deletion", "resume": "Resuming",
+           "field": "Updating"}
+
+
+def _failure(handler: Handler, outcome: Outcome) -> str:
+    """kopf's message of a handler's failure."""
+    what, message = f"Handler {handler.id!r}", outcome.message
+    if outcome.status == "temporary":
+        return f"{what} failed temporarily: {message}"
+    if outcome.status == "permanent":
+        return f"{what} failed permanently: {message}"
+    mode = handler.errors.value if handler.errors is not None else "temporary"
+    if mode == "ignored":
+        return f"{what} failed with an exception and will ignore it: {message}"
+    if mode == "permanent":
+        return f"{what} failed with an exception and will stop now: {message}"
+    backoff = handler.backoff if handler.backoff is not None else 60
+    return f"{what} failed with an exception and will try again in {backoff:g} seconds: {message}"
 
 
 async def _run_admission(running: Running, handler: Handler, logger, retry, executor) -> Outcome:

@@ -2,6 +2,7 @@
 which stops cleanly on SIGTERM and SIGINT (goodbye, running handlers told to stop)."""
 
 import asyncio
+import copy
 import importlib
 import importlib.util
 import json
@@ -95,15 +96,16 @@ class _JsonFormatter(logging.Formatter):
 
 
 class _TextFormatter(logging.Formatter):
-    """kopf's text formats, with the handler's object in brackets (as kopf shows it)."""
+    """kopf's text formats, with the handler's object in brackets before the message (as kopf
+    shows it: `[namespace/name] message`)."""
 
     def format(self, record):
-        text = super().format(record)
         obj = getattr(record, "capstan_object", None)
         if obj:
-            prefix, sep, rest = text.partition("] ")
-            text = f"{prefix}{sep}[{obj}] {rest}" if sep else f"[{obj}] {text}"
-        return text
+            record = copy.copy(record)
+            record.msg = f"[{obj}] {record.getMessage()}"
+            record.args = None
+        return super().format(record)
 
 
 FORMATS = {

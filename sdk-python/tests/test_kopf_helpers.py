@@ -63,3 +63,21 @@ def test_admission_error_without_a_code_answers_500_as_kopf():
 
 def test_store_shows_as_a_list_as_kopfs():
     assert repr(Store(["a", {"b": 1}])) == "['a', {'b': 1}]"
+
+
+@pytest.mark.parametrize("error,errors,expected", [
+    (kopf.TemporaryError("later"), None, "Handler 'fn' failed temporarily: later"),
+    (kopf.PermanentError("never"), None, "Handler 'fn' failed permanently: never"),
+    (ValueError("oops"), None, "Handler 'fn' failed with an exception and will try again in 60 seconds: ValueError: oops"),
+    (ValueError("oops"), kopf.ErrorsMode.IGNORED, "Handler 'fn' failed with an exception and will ignore it: ValueError: oops"),
+    (ValueError("oops"), kopf.ErrorsMode.PERMANENT, "Handler 'fn' failed with an exception and will stop now: ValueError: oops"),
+])
+def test_failures_are_logged_in_kopfs_words(error, errors, expected):
+    registry = Registry()
+
+    @kopf.on.create("kopfexamples", registry=registry, id="fn", errors=errors)
+    def fn(**_):
+        raise error
+
+    out = TestKit(registry).invoke("fn", PARENT)
+    assert ("error", expected) in out.logs

@@ -117,3 +117,7 @@ def test_the_runner_serves_the_operator_and_captures_its_output(tmp_path):
     assert result["outcome"] == "success"
     assert runner.exit_code == 0 and runner.exception is None
     assert "And here we are! one" in runner.output and "printed too" in runner.output
+    # kopf's lines: the object before the message, and the handling's own messages.
+    assert "[one] And here we are! one" in runner.output
+    assert "[one] Creation is in progress: {" in runner.output
+    assert "[one] Handler 'create_fn' succeeded." in runner.output

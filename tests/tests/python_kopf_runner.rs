@@ -63,7 +63,10 @@ print("output:", runner.output, file=sys.__stdout__)
 print("controller:", runner.controller_output, file=sys.__stdout__)
 assert runner.exit_code == 0, runner.exit_code
 assert runner.exception is None, runner.exception
-assert "And here we are! Creating kopf-runner with x" in runner.output
+# kopf's example test's checks: the object before the message, kopf's own lines.
+assert "[default/kopf-runner] And here we are! Creating kopf-runner with x" in runner.output
+assert "[default/kopf-runner] Creation is in progress:" in runner.output
+assert "[default/kopf-runner] Handler 'create_fn' succeeded." in runner.output
 assert "--finalizer demo.capstan.dev/finalizer" in runner.output
 assert runner.controller is not None and "capstan started" in runner.controller_output
 print("KOPF RUNNER OK", file=sys.__stdout__, flush=True)
