@@ -434,7 +434,9 @@ def _failure(handler: Handler, outcome: Outcome) -> str:
         return f"{what} failed temporarily: {message}"
     if outcome.status == "permanent":
         return f"{what} failed permanently: {message}"
-    mode = handler.errors.value if handler.errors is not None else "temporary"
+    # kopf's default: event and index handlers' errors are ignored, the others' retried.
+    default = "ignored" if handler.kind in ("event", "index") else "temporary"
+    mode = handler.errors.value if handler.errors is not None else default
     if mode == "ignored":
         return f"{what} failed with an exception and will ignore it: {message}"
     if mode == "permanent":

@@ -81,3 +81,14 @@ def test_failures_are_logged_in_kopfs_words(error, errors, expected):
 
     out = TestKit(registry).invoke("fn", PARENT)
     assert ("error", expected) in out.logs
+
+
+def test_an_event_handlers_failure_is_ignored_in_kopfs_words():
+    registry = Registry()
+
+    @kopf.on.event("kopfexamples", registry=registry, id="fn")
+    def fn(**_):
+        raise ValueError("oops")
+
+    out = TestKit(registry).invoke("fn", PARENT, event_type="ADDED")
+    assert ("error", "Handler 'fn' failed with an exception and will ignore it: ValueError: oops") in out.logs
