@@ -3,7 +3,7 @@
 # protocol tests over a real Unix socket, and end-to-end tests against a real kube-apiserver
 # (built from Go modules on first use). Needs Rust (cargo, rustfmt, clippy), Go, kubectl and
 # Python 3 (venvs with a pinned grpcio are created once, for the interoperability tests and
-# the Python SDK).
+# the Python SDK, and one with real kopf pinned, which the SDK's kopf tests compare against).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
