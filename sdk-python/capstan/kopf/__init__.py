@@ -17,7 +17,7 @@ from capstan.invoke import LocalObjectLogger, ObjectLogger, execute
 from capstan.lifecycles import get_default_lifecycle, set_default_lifecycle
 from capstan.registry import Registry as OperatorRegistry
 from capstan.registry import get_default_registry, set_default_registry
-from capstan.settings import (
+from capstan.settings import (  # noqa: F401 (the sections too: kopf's classes of OperatorSettings' fields)
     AdmissionSettings, BackgroundSettings, ExecutionSettings, NetworkingSettings, OperatorSettings,
     PeeringSettings, PersistenceSettings, PostingSettings, ProcessSettings, QueueingSettings, ScanningSettings,
     WatchingSettings,
@@ -167,9 +167,3 @@ __all__ = sorted(set(_capstan_all) | {
     "login_via_pykube", "login_with_kubeconfig", "login_with_service_account", "not_", "operator", "run", "run_tasks",
     "set_default_lifecycle", "set_default_registry", "spawn_tasks",
 } - {"default_registry", "RegistrationError", "SyncDaemonStopped", "configure_logging", "set_max_in_flight"})
-
-# The settings sections, importable as in kopf's modules (not in kopf's __all__).
-_SETTINGS_SECTIONS = (
-    AdmissionSettings, BackgroundSettings, ExecutionSettings, NetworkingSettings, PeeringSettings, PersistenceSettings,
-    PostingSettings, ProcessSettings, QueueingSettings, ScanningSettings, WatchingSettings,
-)
