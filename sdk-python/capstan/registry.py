@@ -220,6 +220,16 @@ def _signature(fn, kind, handler_id):
     return frozenset(takes), frozenset(wants)
 
 
+def _reloaded(old, new):
+    """Whether `new` is `old`'s code loaded again: another function object from the same
+    place of the same file."""
+    if old is new:
+        return False
+    a, b = getattr(old, "__code__", None), getattr(new, "__code__", None)
+    return (a is not None and b is not None and a.co_filename == b.co_filename
+            and a.co_firstlineno == b.co_firstlineno and _qualname(old) == _qualname(new))
+
+
 def _qualname(fn):
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
@@ -244,6 +254,11 @@ class Registry:
                           and (o.kind != handler.kind or o.resource == handler.resource)), None)
             if other is None:
                 break
+            if other.kind == handler.kind and other.resource == handler.resource and _reloaded(other.fn, handler.fn):
+                # The same code loaded again (a file run once more, as a test runner does):
+                # the new function replaces the old one.
+                self.handlers[self.handlers.index(other)] = handler
+                return handler
             if other.fn is handler.fn and other.kind != handler.kind and handler.id == base:
                 # One function under stacked decorators (kopf's `@on.resume` over `@on.create`):
                 # kopf gives both the same id; the controller takes one id per kind, so this

@@ -78,6 +78,28 @@ while True:
     assert runner.controller._process is None  # stopped
 
 
+def test_one_operator_file_runs_in_several_runners_of_one_process(tmp_path, monkeypatch):
+    fake = tmp_path / "capstan"
+    fake.write_text(f"""#!{sys.executable}
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+print("capstan started", flush=True)
+while True:
+    time.sleep(0.1)
+""")
+    fake.chmod(0o755)
+    (tmp_path / "twice.py").write_text("import capstan.kopf as kopf\n"
+                                      "@kopf.on.create('kopfexamples')\ndef create_fn(**_): pass\n")
+    monkeypatch.delenv("CAPSTAN_ENDPOINT", raising=False)
+    monkeypatch.setenv("CAPSTAN_BINARY", str(fake))
+    set_default_registry(Registry())
+    for _ in range(2):
+        with KopfRunner(["run", "-A", str(tmp_path / "twice.py")]) as runner:
+            time.sleep(0.2)
+        assert runner.exit_code == 0 and runner.exception is None, runner.output
+    assert len(get_default_registry().handlers) == 1
+
+
 def test_the_runner_serves_the_operator_and_captures_its_output(tmp_path):
     (tmp_path / "example_runner.py").write_text(
         "import capstan.kopf as kopf\n"

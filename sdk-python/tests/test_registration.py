@@ -205,3 +205,20 @@ def test_another_function_with_the_same_id_and_another_kind_still_fails(registry
     capstan.on.create("examples", registry=registry, id="x")(lambda **_: None)
     with pytest.raises(capstan.RegistrationError, match="registered twice"):
         capstan.on.resume("examples", registry=registry, id="x")(lambda **_: None)
+
+
+def test_a_file_loaded_again_replaces_its_handlers(registry, tmp_path):
+    # As a test suite running one operator file in several KopfRunners does.
+    source = tmp_path / "op.py"
+    source.write_text("import capstan\n@capstan.on.create('examples')\ndef fn(**_): pass\n")
+    from capstan.registry import get_default_registry, set_default_registry
+    from capstan.runner import load
+    before = get_default_registry()
+    try:
+        set_default_registry(registry)
+        load([str(source)], [])
+        first = registry.handlers[0].fn
+        load([str(source)], [])
+        assert len(registry.handlers) == 1 and registry.handlers[0].fn is not first
+    finally:
+        set_default_registry(before)
