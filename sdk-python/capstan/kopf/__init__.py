@@ -11,10 +11,13 @@ import logging
 from capstan import *  # noqa: F401,F403
 from capstan import __all__ as _capstan_all
 from capstan import lifecycles, runner
-from capstan.errors import RegistrationError
 from capstan.filters import not_
 from capstan.invoke import LocalObjectLogger, ObjectLogger, execute
 from capstan.lifecycles import get_default_lifecycle, set_default_lifecycle
+from capstan.logins import (
+    LoginError, login_via_async_client, login_via_client, login_via_pykube, login_with_kubeconfig,
+    login_with_service_account,
+)
 from capstan.registry import Registry as OperatorRegistry
 from capstan.registry import get_default_registry, set_default_registry
 from capstan.settings import (  # noqa: F401 (the sections too: kopf's classes of OperatorSettings' fields)
@@ -59,10 +62,6 @@ class ProgressRecord(dict):
     with Capstan)."""
 
 
-class LoginError(Exception):
-    """kopf's error of a login handler that cannot log in."""
-
-
 class AiohttpSession(ConnectionInfo):
     """kopf's credentials as an aiohttp session; the controller makes every API request."""
 
@@ -81,23 +80,6 @@ def configure(debug=None, verbose=None, quiet=None, log_format=LogFormat.FULL, l
     runner.configure_logging(verbose=bool(verbose), debug=bool(debug), quiet=bool(quiet), log_format=fmt)
 
 
-class _ControllerOwned:
-    """A kopf name whose job the controller does: calling it fails with what to do instead."""
-
-    def __init__(self, name, instead):
-        self._name = name
-        self._instead = instead
-
-    def __call__(self, *args, **kwargs):
-        raise RegistrationError(f"kopf.{self._name} is not available with Capstan: {self._instead}")
-
-
-_LOGIN = "the controller logs in to the API itself (a @kopf.on.login handler may return a kopf.ConnectionInfo)"
-login_via_client = _ControllerOwned("login_via_client", _LOGIN)
-login_via_async_client = _ControllerOwned("login_via_async_client", _LOGIN)
-login_via_pykube = _ControllerOwned("login_via_pykube", _LOGIN)
-login_with_service_account = _ControllerOwned("login_with_service_account", _LOGIN)
-login_with_kubeconfig = _ControllerOwned("login_with_kubeconfig", _LOGIN)
 
 #: kopf.run()/kopf.operator() options that are the controller's flags, with those flags.
 _CONTROLLER_OPTIONS = {
