@@ -95,6 +95,9 @@ def parse_resource(fn_name, args, group=None, version=None, kind=None, plural=No
     if len(args) == 1 and isinstance(args[0], (tuple, list)):
         args = tuple(args[0])
     for arg in args:
+        if getattr(arg, "name", None) == "EVERYTHING":
+            raise RegistrationError(f"handler {fn_name!r}: kopf.EVERYTHING is not supported: the controller serves "
+                                    "named resources (name each one, e.g. ('apps', 'v1', 'deployments'))")
         if not isinstance(arg, str) or not arg:
             raise RegistrationError(f"handler {fn_name!r}: a resource is named by non-empty strings, got {arg!r}")
     name = plural or kind

@@ -92,3 +92,8 @@ def test_an_event_handlers_failure_is_ignored_in_kopfs_words():
 
     out = TestKit(registry).invoke("fn", PARENT, event_type="ADDED")
     assert ("error", "Handler 'fn' failed with an exception and will ignore it: ValueError: oops") in out.logs
+
+
+def test_everything_fails_saying_why():
+    with pytest.raises(kopf.RegistrationError, match="kopf.EVERYTHING is not supported"):
+        kopf.on.event(kopf.EVERYTHING, registry=Registry())(lambda **_: None)
