@@ -146,6 +146,8 @@ class Operator:
         # handlers are read from them on every use.
         self.settings = settings if settings is not None else settings_module.active()
         settings_module.activate(self.settings)
+        # Settings given to kopf.run() or KopfRunner: named as a startup handler's are.
+        settings_module.review(self.settings)
         self.by_id = {h.id: h for h in registry.handlers}
         registry.check()
         self.indexes = Indexes(registry.index_names())

@@ -132,3 +132,14 @@ def test_kopf_run_takes_kopfs_options(monkeypatch, caplog):
     assert any("--standalone" in r.getMessage() and "--priority" in r.getMessage() for r in caplog.records)
     with pytest.raises(TypeError, match="colour"):
         kopf.run(colour="red")
+
+
+def test_settings_given_to_the_operator_are_reviewed(caplog):
+    from capstan.connection import Operator
+    settings = kopf.OperatorSettings()
+    settings.watching.server_timeout = 10
+    registry = Registry()
+    kopf.on.create("examples", registry=registry)(lambda **_: None)
+    with caplog.at_level(logging.WARNING, logger="capstan"):
+        Operator(registry, endpoint="unix:///nonexistent", settings=settings)
+    assert any("--api-timeout 10s" in r.getMessage() for r in caplog.records)
