@@ -143,3 +143,16 @@ def test_the_runner_serves_the_operator_and_captures_its_output(tmp_path):
     assert "[one] And here we are! one" in runner.output
     assert "[one] Creation is in progress: {" in runner.output
     assert "[one] Handler 'create_fn' succeeded." in runner.output
+
+
+def test_kopfs_invoke_options_are_taken_and_env_applied_while_running(tmp_path, monkeypatch):
+    (tmp_path / "env_example.py").write_text(
+        "import os\nimport capstan.kopf as kopf\nprint('ENV', os.environ.get('EXAMPLE_SETTING'))\n"
+        "@kopf.on.create('kopfexamples')\ndef create_fn(**_): pass\n")
+    monkeypatch.delenv("EXAMPLE_SETTING", raising=False)
+    with KopfRunner(["run", str(tmp_path / "env_example.py")], endpoint=f"unix://{tmp_path}/none.sock",
+                    registry=Registry(), env={"EXAMPLE_SETTING": "on"}, catch_exceptions=False) as runner:
+        pass
+    assert "ENV on" in runner.output and "EXAMPLE_SETTING" not in os.environ
+    with pytest.raises(TypeError, match="colour"):
+        KopfRunner(["run", "x.py"], colour=True)

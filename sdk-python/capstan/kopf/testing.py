@@ -55,7 +55,15 @@ class KopfRunner:
     `stderr`, `exit_code`, `exception`)."""
 
     def __init__(self, args, *, reraise: bool = True, timeout: Optional[float] = None, registry=None, settings=None,
-                 endpoint: Optional[str] = None, controller_flags=()):
+                 endpoint: Optional[str] = None, controller_flags=(), env=None, **invoke_options):
+        # kopf passes the rest to click's CliRunner.invoke(): `env` is applied to the process's
+        # environment while the operator runs; `input`, `color`, `catch_exceptions` mean
+        # nothing without click.
+        unknown = sorted(set(invoke_options) - {"input", "color", "catch_exceptions"})
+        if unknown:
+            raise TypeError(f"KopfRunner got unexpected keyword argument(s) {', '.join(unknown)}")
+        self.env = dict(env or {})
+        self._saved_env = {}
         self.args = list(args)
         self.reraise = reraise
         self.timeout = timeout
@@ -79,6 +87,14 @@ class KopfRunner:
             self._done = True
             return self
         self._start_output(options)
+        for key, value in self.env.items():
+            self._saved_env[key] = os.environ.get(key)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if self.endpoint is None and "CAPSTAN_ENDPOINT" in self.env:
+            self.endpoint = self.env["CAPSTAN_ENDPOINT"]
         if self.registry is not None:
             # As kopf's CLI: the files and modules register into the given registry.
             set_default_registry(self.registry)
@@ -124,6 +140,11 @@ class KopfRunner:
         finally:
             if self.controller is not None:
                 self.controller.stop()
+            for key, value in self._saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
             if self._saved is not None:
                 stdout, stderr, handlers, level = self._saved
                 sys.stdout, sys.stderr = stdout, stderr
