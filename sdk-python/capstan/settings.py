@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import warnings
-from typing import Any, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from capstan.storages import (
     AnnotationsDiffBaseStorage, DiffBaseStorage, ProgressStorage, SmartProgressStorage,
@@ -249,21 +249,64 @@ def fields(settings: OperatorSettings):
             yield f"{section.name}.{field.name}", getattr(group, field.name)
 
 
-def _flags(path, value):
-    """The controller flags that do what `value` of `path` asks, with their values where the
-    value says them."""
+def flag_args(path, value) -> Optional[List[str]]:
+    """The controller's command-line arguments that do what `value` of `path` asks; None when
+    no flag says it exactly."""
     to_flags = getattr(value, "flags", None)
     if callable(to_flags):
-        flags = to_flags()
-        return " ".join(flags) if flags else None
+        return list(to_flags()) or None
     flag = PLACES[path][1]
+    if " " in flag or "," in flag or not flag.startswith("--"):
+        return None
     if isinstance(value, bool):
-        return flag if value else None
-    if path == "peering.mandatory" or "," in flag:
-        return flag
+        return [flag] if value else None
+    if value is None:
+        return None
     if path in _DURATIONS and isinstance(value, (int, float)):
         value = f"{value:g}s"
-    return f"{flag} {value}"
+    return [flag, str(value)]
+
+
+def _flags(path, value):
+    """`flag_args` as text, else the flags' names from the table."""
+    args = flag_args(path, value)
+    if args:
+        return " ".join(args)
+    flag = PLACES[path][1]
+    if isinstance(value, bool) and not value:
+        return None
+    return flag if flag.startswith("--") else None
+
+
+def controller_flags(settings: OperatorSettings) -> Tuple[List[str], List[str]]:
+    """The controller flags for every setting that is the controller's and differs from kopf's
+    default, for a controller this process starts (KopfRunner): the arguments (a flag given by
+    several settings once, the last one winning), and the settings' paths they carry."""
+    defaults = dict(fields(OperatorSettings()))
+    chosen: Dict[str, List[str]] = {}
+    paths = []
+    for path, value in fields(settings):
+        if PLACES.get(path, ("none",))[0] != "flag" or value == defaults.get(path):
+            continue
+        args = flag_args(path, value)
+        if not args:
+            continue
+        paths.append(path)
+        i = 0
+        while i < len(args):
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                chosen[args[i]] = args[i:i + 2]
+                i += 2
+            else:
+                chosen[args[i]] = args[i:i + 1]
+                i += 1
+    return [arg for pair in chosen.values() for arg in pair], paths
+
+
+def mark_applied(paths):
+    """Settings that a controller started by this process took as flags: not reported."""
+    with _reported_lock:
+        _reported.update(paths)
 
 
 #: Settings in seconds whose flags take durations.

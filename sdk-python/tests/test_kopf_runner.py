@@ -156,3 +156,39 @@ def test_kopfs_invoke_options_are_taken_and_env_applied_while_running(tmp_path, 
     assert "ENV on" in runner.output and "EXAMPLE_SETTING" not in os.environ
     with pytest.raises(TypeError, match="colour"):
         KopfRunner(["run", "x.py"], colour=True)
+
+
+def test_settings_given_to_the_runner_become_its_controllers_flags(tmp_path, monkeypatch):
+    import capstan.kopf as kopf
+    from capstan import settings as settings_module
+    settings_module._forget_reported()
+    argv_file = tmp_path / "argv"
+    fake = tmp_path / "capstan"
+    fake.write_text(f"""#!{sys.executable}
+import signal, sys, time
+open({str(argv_file)!r}, "w").write(" ".join(sys.argv[1:]))
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+print("capstan started", flush=True)
+while True:
+    time.sleep(0.1)
+""")
+    fake.chmod(0o755)
+    (tmp_path / "settings_example.py").write_text("import capstan.kopf as kopf\n"
+                                                 "@kopf.on.create('kopfexamples')\ndef create_fn(**_): pass\n")
+    monkeypatch.delenv("CAPSTAN_ENDPOINT", raising=False)
+    monkeypatch.setenv("CAPSTAN_BINARY", str(fake))
+    settings = kopf.OperatorSettings()
+    settings.watching.server_timeout = 10  # kopf's example tests set this
+    settings.networking.request_timeout = 20  # the same flag: the last wins
+    settings.persistence.finalizer = "example.com/finalizer"
+    settings.peering.standalone = True
+    settings.networking.trust_env = True  # no flag: said once, as from a startup handler
+    with KopfRunner(["run", "-A", str(tmp_path / "settings_example.py")], settings=settings,
+                    registry=Registry()) as runner:
+        time.sleep(0.2)
+    argv = argv_file.read_text()
+    assert "--api-timeout 20s" in argv and argv.count("--api-timeout") == 1
+    assert "--finalizer example.com/finalizer" in argv and "--standalone" in argv
+    assert "is the controller's to apply" not in runner.output
+    assert "settings.networking.trust_env" in runner.output
+    settings_module._forget_reported()

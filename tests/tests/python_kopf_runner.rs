@@ -52,8 +52,13 @@ const TEST: &str = r#"
 import os, sys, time
 from capstan.kopf.testing import KopfRunner
 
+import capstan.kopf as kopf
+
 done = os.environ["DONE_FILE"]
-with KopfRunner(["run", "-A", "--standalone", "--verbose", os.environ["OPERATOR_FILE"]], timeout=60) as runner:
+settings = kopf.OperatorSettings()
+settings.watching.server_timeout = 10  # as kopf's example tests do
+with KopfRunner(["run", "-A", "--standalone", "--verbose", os.environ["OPERATOR_FILE"]], timeout=60,
+                settings=settings) as runner:
     print("runner started", file=sys.__stdout__, flush=True)
     deadline = time.monotonic() + 60
     while not (os.path.exists(done) and os.path.exists(done + ".daemon")) and time.monotonic() < deadline:
@@ -69,6 +74,7 @@ assert "[default/kopf-runner] Creation is in progress:" in runner.output
 assert "[default/kopf-runner] Handler 'create_fn' succeeded." in runner.output
 assert "--finalizer demo.capstan.dev/finalizer" in runner.output
 assert runner.controller is not None and "capstan started" in runner.controller_output
+assert "settings given as the controller's flags: --api-timeout 10s" in runner.output
 print("KOPF RUNNER OK", file=sys.__stdout__, flush=True)
 "#;
 

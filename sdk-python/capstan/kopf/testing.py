@@ -21,6 +21,7 @@ import threading
 from typing import Optional
 
 from capstan import runner as runner_module
+from capstan import settings as settings_module
 from capstan.controller import LocalController
 from capstan.kopf import cli
 from capstan.registry import set_default_registry
@@ -101,7 +102,16 @@ class KopfRunner:
         try:
             endpoint = self.endpoint
             if not endpoint:
-                self.controller = LocalController(cli.controller_flags(options) + self.extra_flags).start()
+                flags = cli.controller_flags(options)
+                if self.settings is not None:
+                    # The controller is this runner's: the settings it was given become flags.
+                    applied, paths = settings_module.controller_flags(self.settings)
+                    settings_module.mark_applied(paths)
+                    if applied:
+                        logging.getLogger("capstan").info("settings given as the controller's flags: %s",
+                                                          " ".join(applied))
+                    flags += applied
+                self.controller = LocalController(flags + self.extra_flags).start()
                 endpoint = self.controller.endpoint
             self._operator = OperatorRunner(options.paths, modules=options.modules, registry=self.registry,
                                             endpoint=endpoint, settings=self.settings,
