@@ -3,7 +3,7 @@
 # protocol tests over a real Unix socket, and end-to-end tests against a real kube-apiserver
 # (built from Go modules on first use). Needs Rust (cargo, rustfmt, clippy), Go, kubectl and
 # Python 3 (venvs with a pinned grpcio are created once, for the interoperability tests and
-# the Python SDK).
+# the Python SDK, and one with real kopf pinned, which the SDK's kopf tests compare against).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -42,6 +42,9 @@ export CAPSTAN_INTEROP_PYTHON
 step "Python SDK: pinned venv, pytest (with the generated-code and Python 3.9 checks)"
 CAPSTAN_PYTHON_SDK_PYTHON=$(bash sdk-python/scripts/venv.sh | tail -n1)
 export CAPSTAN_PYTHON_SDK_PYTHON
+# Real kopf, pinned with its dependencies, that the kopf-compatibility tests compare against.
+CAPSTAN_KOPF_PYTHON=$(bash sdk-python/scripts/kopf-venv.sh | tail -n1)
+export CAPSTAN_KOPF_PYTHON
 (cd sdk-python && "$CAPSTAN_PYTHON_SDK_PYTHON" -m pytest -q tests)
 
 step "cargo test"

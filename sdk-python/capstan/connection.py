@@ -20,6 +20,7 @@ import uuid
 import grpc
 
 from capstan import __version__, events, wire
+from capstan import settings as settings_module
 from capstan.errors import ConnectionFatal, StreamStalled
 from capstan.indexes import Indexes
 from capstan.invoke import Running, run
@@ -129,6 +130,8 @@ class Session:
             self.dropped_logs += 1
 
     def event_sink(self, invocation_id):
+        # The wire has no Event type: Normal is posted as Normal, any other type (kopf's
+        # Error included) as Warning.
         levels = {"Normal": rs.LOG_LEVEL_INFO, "Warning": rs.LOG_LEVEL_WARNING}
 
         def sink(record):
@@ -142,8 +145,13 @@ class Session:
         return sink
 
     def log_sink(self, invocation_id):
+        settings = self.operator.settings
+
         def sink(levelno, message):
-            record = rs.ConnectRequest(log=rs.LogRecord(invocation_id=invocation_id, level=_level(levelno), message=message))
+            # kopf 1.45 posts log records as Events only with settings.posting.loggers.
+            posting = rs.EVENT_POSTING_ALWAYS if settings_module.posts_log(settings, levelno) else rs.EVENT_POSTING_NEVER
+            record = rs.ConnectRequest(log=rs.LogRecord(invocation_id=invocation_id, level=_level(levelno), message=message,
+                                                        posting=posting))
             self.loop.call_soon_threadsafe(self.send_nowait, record)
 
         return sink
@@ -152,18 +160,28 @@ class Session:
 class Operator:
     """The handler process: its registry, and the reconnecting loop around sessions."""
 
-    def __init__(self, registry: Registry, endpoint=None, memo=None, max_in_flight=0, stop=None):
+    def __init__(self, registry: Registry, endpoint=None, memo=None, max_in_flight=0, stop=None, settings=None):
         self.registry = registry
         self.endpoint = endpoint or os.environ.get("CAPSTAN_ENDPOINT") or DEFAULT_ENDPOINT
         self.memos = Memos(memo)
         self.max_in_flight = max_in_flight
         self.stop = stop or asyncio.Event()
         self.instance_id = str(uuid.uuid4())
-        self.executor = HandlerThreads(thread_name_prefix="capstan-handler")
+        # kopf's settings: startup handlers change them; the posting and the executor of sync
+        # handlers are read from them on every use.
+        self.settings = settings if settings is not None else settings_module.active()
+        settings_module.activate(self.settings)
+        # Settings given to kopf.run() or KopfRunner: named as a startup handler's are.
+        settings_module.review(self.settings)
         self.by_id = {h.id: h for h in registry.handlers}
         registry.check()
         self.flow = {}  # handler id ("" for the process) -> the cap set with set_max_in_flight
         self.session = None
+
+    @property
+    def executor(self):
+        """The executor of sync handlers (`settings.execution.executor`)."""
+        return self.settings.execution.executor
 
     def set_max_in_flight(self, limit, handler=None):
         """Changes how many invocations the controller sends this process at once — or, with
@@ -182,7 +200,7 @@ class Operator:
     def hello(self):
         return rs.ConnectRequest(hello=rs.Hello(
             capabilities=[rs.CAPABILITY_RESULT_ACK, rs.CAPABILITY_SDK_FILTERS, rs.CAPABILITY_SUBHANDLERS,
-                          rs.CAPABILITY_OBJECT_UPDATES, rs.CAPABILITY_OBJECT_GONE],
+                          rs.CAPABILITY_OBJECT_UPDATES, rs.CAPABILITY_OBJECT_GONE, rs.CAPABILITY_INVOCATION_UPDATES],
             sdk=rs.SoftwareInfo(name="capstan-python", version=__version__, language="python"),
             instance_id=self.instance_id,
             handlers=[wire.registration(h) for h in self.registry.handlers],
@@ -223,7 +241,8 @@ class Operator:
                     pass
                 delay = min(delay * 2, BACKOFF_MAX)
         finally:
-            self.executor.shutdown(wait=False, cancel_futures=True)
+            # Kept for the stop: sync handlers still running in it get the rest of the grace period.
+            self.retired_executor = settings_module.retire_executor(self.settings)
 
     async def _session(self):
         options = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
@@ -360,6 +379,7 @@ class Operator:
         uid = (call.body.get("metadata") or {}).get("uid") if isinstance(call.body, dict) else None
         # Index calls get no memo (and removals must not make one for an object just gone).
         call.memo = self.memos.of(uid) if handler.kind != "index" else None
+        call.settings = self.settings
         call.indexes = session.indexes
         running = Running(call)
         task = asyncio.create_task(self._invoke(session, running, uid))
@@ -387,6 +407,11 @@ class Operator:
                 diagnostics=[wire.common.Diagnostic(severity=wire.common.SEVERITY_ERROR,
                                                     summary=f"the result could not be encoded: {error}")]))
         try:
+            if outcome.status != "success" and call.handler.kind == "daemon" and (outcome.object_patch or outcome.status_patch):
+                # A failed daemon's patch is applied as kopf applies it: as a progress update
+                # before its result (results carry the patches of successes only).
+                await session.send(rs.ConnectRequest(update=inv.InvocationUpdate(
+                    invocation_id=call.invocation_id, patches=wire.patches(outcome))))
             await session.send(rs.ConnectRequest(result=result))
         except StreamStalled as error:  # the session ends with it (see `Session.stalled`)
             log.warning("result of %s not sent: %s", call.invocation_id, error)

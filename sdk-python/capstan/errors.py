@@ -35,12 +35,12 @@ class HandlerRetriesError(PermanentError):
     """The handler ran out of its `retries` (kopf's name)."""
 
 
-class AdmissionError(HandlerError):
+class AdmissionError(PermanentError):
     """Raised by a validating or mutating handler to deny the request (kopf's
-    `kopf.AdmissionError`): `message` is shown to the user, `code` is the HTTP status (default
-    400)."""
+    `kopf.AdmissionError`): `message` is shown to the user, `code` is the HTTP status (500,
+    as kopf, when not given)."""
 
-    def __init__(self, message="", code=None):
+    def __init__(self, message="", code=500):
         super().__init__(message)
         self.code = code
 

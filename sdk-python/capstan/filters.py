@@ -22,3 +22,8 @@ def none_(fns):
     """True when no callable is true (kopf.none_)."""
     fns = list(fns)
     return lambda *args, **kwargs: not any(_call(fn, args, kwargs) for fn in fns)
+
+
+def not_(fn):
+    """True when the callable is false (kopf.not_)."""
+    return lambda *args, **kwargs: not _call(fn, args, kwargs)

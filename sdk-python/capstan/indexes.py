@@ -38,7 +38,8 @@ class Store(Collection):
         return value in self._values
 
     def __repr__(self):
-        return f"Store({self._values!r})"
+        # kopf's Store shows as the list of its values.
+        return repr(self._values)
 
 
 class Index(Mapping):
@@ -53,7 +54,8 @@ class Index(Mapping):
             objects = self._data.get(key)
             if not objects:
                 raise KeyError(key)
-            return Store(objects[o] for o in sorted(objects))
+            # kopf's order: the objects in the order they were first indexed under the key.
+            return Store(objects.values())
 
     def __iter__(self):
         with self._lock:
@@ -124,17 +126,21 @@ class Indexes:
         uid = obj[2]
         with self._lock:
             old, held = keys.pop(uid, (None, ()))
+            new = [] if change is REMOVE else [key for key, _ in change]
+            # As kopf's index: an object's value keeps its place in a key it stays under; it
+            # leaves the keys it no longer yields (an emptied key goes).
             for key in held:
                 objects = data.get(key)
-                if objects is not None:
-                    objects.pop(old, None)
-                    if not objects:
-                        del data[key]
+                if objects is None or (key in new and old == obj):
+                    continue
+                objects.pop(old, None)
+                if not objects:
+                    del data[key]
             if change is REMOVE:
                 return
             for key, value in change:
                 data.setdefault(key, {})[obj] = value
-            keys[uid] = (obj, [key for key, _ in change])
+            keys[uid] = (obj, new)
 
     def clear(self):
         """Empties every index (a new connection: the controller feeds every object again)."""

@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
+from capstan import settings as settings_module
 from capstan.errors import AdmissionError, PermanentError, RegistrationError, TemporaryError
 from capstan.indexes import KEEP, REMOVE, change_of
 from capstan.registry import Handler, build_handler
@@ -68,6 +69,9 @@ class Call:
     index_deleted: bool = False
     # For a validate or mutate handler's call: the admission request's parts.
     admission: Optional[Dict[str, Any]] = None
+    # The operator's settings (kopf's `settings` kwarg of activity handlers); None: the
+    # process's (`capstan.settings.active()`).
+    settings: Any = None
 
 
 @dataclasses.dataclass
@@ -146,13 +150,14 @@ def _logger(call: Call, handler_id: str):
     meta = meta if isinstance(meta, dict) else {}
     name = meta.get("name") or ""
     obj = f"{meta['namespace']}/{name}" if meta.get("namespace") else name
-    return _LoggerAdapter(logger, call.log_sink, obj, call.invocation_id)
+    return ObjectLogger(logger, call.log_sink, obj, call.invocation_id)
 
 
-class _LoggerAdapter(logging.LoggerAdapter):
-    """The handler's `logger` (kopf's): logs locally, with the object and the invocation as
-    record attributes (`capstan_object`, `capstan_invocation`, shown by the runner's
-    formats), and forwards the message to the controller."""
+class ObjectLogger(logging.LoggerAdapter):
+    """The handler's `logger` (kopf's `kopf.ObjectLogger`): logs locally, with the object and
+    the invocation as record attributes (`capstan_object`, `capstan_invocation`, shown by the
+    runner's formats), and forwards the message to the controller (posted as an Event only as
+    `settings.posting` says)."""
 
     def __init__(self, logger, sink, obj, invocation_id):
         super().__init__(logger, {"capstan_sink": sink, "capstan_object": obj, "capstan_invocation": invocation_id})
@@ -166,6 +171,13 @@ class _LoggerAdapter(logging.LoggerAdapter):
 
     def close(self):
         self.extra = {**self.extra, "capstan_sink": None}
+
+
+class LocalObjectLogger(ObjectLogger):
+    """An object's logger that only logs locally (kopf's `kopf.LocalObjectLogger`)."""
+
+    def __init__(self, logger, sink=None, obj="", invocation_id=""):
+        super().__init__(logger, None, obj, invocation_id)
 
 
 def kwargs_for(call: Call, handler: Handler, running: Running, logger, patch, retry, started):
@@ -182,7 +194,9 @@ def kwargs_for(call: Call, handler: Handler, running: Running, logger, patch, re
         "started": started,
         "runtime": now - started,
     }
-    if handler.kind not in ("startup", "cleanup", "login", "probe"):
+    if handler.kind in ("startup", "cleanup", "login", "probe"):
+        values["settings"] = call.settings if call.settings is not None else settings_module.active()
+    else:
         values.update(
             body=body, spec=body.spec, meta=meta, status=body.status, name=meta.name,
             namespace=meta.namespace, uid=meta.uid, labels=meta.labels,
@@ -200,7 +214,8 @@ def kwargs_for(call: Call, handler: Handler, running: Running, logger, patch, re
         request = call.admission or {}
         values.update(warnings=running.warnings, userinfo=request.get("userinfo") or {},
                       dryrun=bool(request.get("dryrun")), subresource=request.get("subresource"),
-                      operation=request.get("operation"), old=request.get("old"), new=body._data)
+                      operation=request.get("operation"), old=request.get("old"), new=body._data,
+                      headers={}, sslpeer={})
     if call.indexes is not None:
         values.update(call.indexes.views())
     if handler.takes is not None:
@@ -362,11 +377,21 @@ async def run(running: Running, executor=None) -> Outcome:
             if not _sdk_filters_pass(handler, kwargs_all):
                 return Outcome("skipped")
         kwargs = kwargs_for(call, handler, running, logger, patch, retry, call.started)
+        # kopf's messages about the handling, in this process's log only (not sent over the wire).
+        if handler.kind in _TITLES and call.reason is not None:
+            logger.debug("%s is in progress: %r", _TITLES.get(str(call.reason), "Handling"), running.body,
+                         extra=_LOCAL)
         value = await _execute(handler, kwargs, executor)
+        if handler.kind in _TITLES:
+            logger.info("Handler %r succeeded.", handler.id, extra=_LOCAL)
         if handler.kind == "login":
             outcome = Outcome("success", result=value)
         else:
             outcome = Outcome("success", result=_encode(value, "result", handler.id))
+        if handler.kind == "startup":
+            # What a startup handler set in `settings`: applied here, or named once (the
+            # controller's flags, or no meaning with Capstan).
+            settings_module.review(call.settings if call.settings is not None else settings_module.active())
         obj, status = patch.as_documents()
         outcome.object_patch = _encode(obj, "patch", handler.id)
         outcome.status_patch = _encode(status, "patch", handler.id)
@@ -381,12 +406,43 @@ async def run(running: Running, executor=None) -> Outcome:
         if running.cancelled:
             return Outcome("cancelled")
         outcome = _classify(error, handler.id)
-        logger.log(logging.ERROR if outcome.status != "temporary" else logging.WARNING,
-                   "Handler %r failed: %s", handler.id, outcome.message)
+        if handler.kind == "daemon":
+            # kopf applies a daemon's patch after every attempt, failed ones included (the
+            # connection sends it as a progress update: results carry patches of successes).
+            obj, status = patch.as_documents()
+            outcome.object_patch = _encode(obj, "patch", handler.id)
+            outcome.status_patch = _encode(status, "patch", handler.id)
+        logger.error("%s", _failure(handler, outcome))
         return outcome
     finally:
         _current.reset(token)
         logger.close()
+
+
+#: A record's `extra` that keeps it out of the controller's log.
+_LOCAL = {"capstan_sink": None}
+
+#: kopf's titles of the causes of change handlers, for its "… is in progress" messages.
+_TITLES = {"create": "Creation", "update": "Updating", "delete": "Deletion", "resume": "Resuming",
+           "field": "Updating"}
+
+
+def _failure(handler: Handler, outcome: Outcome) -> str:
+    """kopf's message of a handler's failure."""
+    what, message = f"Handler {handler.id!r}", outcome.message
+    if outcome.status == "temporary":
+        return f"{what} failed temporarily: {message}"
+    if outcome.status == "permanent":
+        return f"{what} failed permanently: {message}"
+    # kopf's default: event and index handlers' errors are ignored, the others' retried.
+    default = "ignored" if handler.kind in ("event", "index") else "temporary"
+    mode = handler.errors.value if handler.errors is not None else default
+    if mode == "ignored":
+        return f"{what} failed with an exception and will ignore it: {message}"
+    if mode == "permanent":
+        return f"{what} failed with an exception and will stop now: {message}"
+    backoff = handler.backoff if handler.backoff is not None else 60
+    return f"{what} failed with an exception and will try again in {backoff:g} seconds: {message}"
 
 
 async def _run_admission(running: Running, handler: Handler, logger, retry, executor) -> Outcome:
@@ -404,7 +460,7 @@ async def _run_admission(running: Running, handler: Handler, logger, retry, exec
         await _execute(handler, kwargs_for(call, handler, running, logger, patch, retry, call.started), executor)
     except AdmissionError as denial:
         logger.info("Admission handler %r denied the request: %s", handler.id, denial)
-        return Outcome("success", verdict={"allowed": False, "message": str(denial), "code": denial.code or 0,
+        return Outcome("success", verdict={"allowed": False, "message": str(denial), "code": denial.code or 500,
                                            "warnings": list(running.warnings)})
     outcome = Outcome("success", verdict={"allowed": True, "warnings": list(running.warnings)})
     if handler.kind == "mutate":
@@ -543,3 +599,17 @@ def _merge(base, patch):
 
 def monotonic():
     return time.monotonic()
+
+
+async def execute(*, fns=None, handlers=None, registry=None, lifecycle=None, cause=None):
+    """kopf's `await kopf.execute(fns=...)`: declares the functions (a mapping of ids to
+    functions, or functions named by their qualified names) as sub-handlers of the running
+    handler. They run once the handler returns, each retried on its own, as sub-handlers
+    declared with `subhandler` do (kopf runs them inside `execute`)."""
+    if handlers is not None or registry is not None or cause is not None:
+        raise RegistrationError("kopf.execute takes fns= only with Capstan (handlers=, registry= and cause= are kopf's internals)")
+    if fns is None:
+        return
+    items = fns.items() if isinstance(fns, dict) else [(None, fn) for fn in fns]
+    for handler_id, fn in items:
+        _declare(fn, {"id": handler_id} if handler_id else {})

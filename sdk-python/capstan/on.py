@@ -8,7 +8,8 @@ at decoration too, saying which flag does their job.
 """
 
 from capstan.errors import RegistrationError
-from capstan.registry import _qualname, default_registry, parse_resource
+from capstan.invoke import register, subhandler  # noqa: F401 (kopf.on.register, kopf.on.subhandler)
+from capstan.registry import _qualname, get_default_registry, parse_resource
 
 # `max_in_flight` is Capstan's own: at most this many calls of the handler at once.
 _COMMON = ("id", "errors", "retries", "backoff", "timeout", "param", "max_in_flight")
@@ -16,7 +17,7 @@ _FILTERS = ("labels", "annotations", "when", "field", "value")
 
 
 def _decorator(kind, resource_args, options, *, allowed, kind_options=()):
-    registry = options.pop("registry", None) or default_registry
+    registry = options.pop("registry", None) or get_default_registry()
     selector = {k: options.pop(k, None) for k in ("group", "version", "kind", "plural")}
 
     def decorate(fn):

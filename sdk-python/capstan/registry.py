@@ -29,7 +29,8 @@ _RESOURCE_KWARGS = {
     "body", "spec", "meta", "status", "name", "namespace", "uid", "labels", "annotations",
     "patch", "logger", "resource", "memo", "param", "retry", "started", "runtime",
 }
-_ACTIVITY_KWARGS = {"logger", "memo", "param", "retry", "started", "runtime"}
+# `settings`: kopf's OperatorSettings, for startup handlers to configure the operator (capstan.settings).
+_ACTIVITY_KWARGS = {"logger", "memo", "param", "retry", "started", "runtime", "settings"}
 KWARGS = {
     "create": _RESOURCE_KWARGS | {"reason", "diff", "old", "new"},
     "update": _RESOURCE_KWARGS | {"reason", "diff", "old", "new"},
@@ -42,8 +43,11 @@ KWARGS = {
     # Index handlers change nothing: what they return is the index.
     "index": _RESOURCE_KWARGS - {"patch"},
     # Admission: the request's parts; only mutating handlers change the object.
-    "validate": (_RESOURCE_KWARGS - {"patch"}) | {"warnings", "userinfo", "dryrun", "subresource", "operation", "old", "new"},
-    "mutate": _RESOURCE_KWARGS | {"warnings", "userinfo", "dryrun", "subresource", "operation", "old", "new"},
+    # `headers` and `sslpeer` are empty: the controller's webhook server does not pass them on.
+    "validate": (_RESOURCE_KWARGS - {"patch"}) | {"warnings", "userinfo", "dryrun", "subresource", "operation", "old", "new",
+                                               "headers", "sslpeer"},
+    "mutate": _RESOURCE_KWARGS | {"warnings", "userinfo", "dryrun", "subresource", "operation", "old", "new",
+                                  "headers", "sslpeer"},
     "startup": _ACTIVITY_KWARGS,
     "cleanup": _ACTIVITY_KWARGS,
     "login": _ACTIVITY_KWARGS,
@@ -51,11 +55,8 @@ KWARGS = {
 }
 #: kopf kwargs that need parts of kopf this controller does not have, and what to do instead.
 _UNSUPPORTED_KWARGS = {
-    "settings": "operator settings belong to the controller: use its command-line flags",
     "indices": "read an index by its name as a kwarg (kopf's way), e.g. def fn(by_label, **_)",
     "indexes": "read an index by its name as a kwarg (kopf's way), e.g. def fn(by_label, **_)",
-    "sslpeer": "the controller's webhook server does not pass the client's certificate to handlers",
-    "headers": "the controller's webhook server does not pass the request's headers to handlers",
     "vault": "credentials vaults belong to the controller",
 }
 
@@ -94,6 +95,9 @@ def parse_resource(fn_name, args, group=None, version=None, kind=None, plural=No
     if len(args) == 1 and isinstance(args[0], (tuple, list)):
         args = tuple(args[0])
     for arg in args:
+        if getattr(arg, "name", None) == "EVERYTHING":
+            raise RegistrationError(f"handler {fn_name!r}: kopf.EVERYTHING is not supported: the controller serves "
+                                    "named resources (name each one, e.g. ('apps', 'v1', 'deployments'))")
         if not isinstance(arg, str) or not arg:
             raise RegistrationError(f"handler {fn_name!r}: a resource is named by non-empty strings, got {arg!r}")
     name = plural or kind
@@ -219,6 +223,16 @@ def _signature(fn, kind, handler_id):
     return frozenset(takes), frozenset(wants)
 
 
+def _reloaded(old, new):
+    """Whether `new` is `old`'s code loaded again: another function object from the same
+    place of the same file."""
+    if old is new:
+        return False
+    a, b = getattr(old, "__code__", None), getattr(new, "__code__", None)
+    return (a is not None and b is not None and a.co_filename == b.co_filename
+            and a.co_firstlineno == b.co_firstlineno and _qualname(old) == _qualname(new))
+
+
 def _qualname(fn):
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
@@ -237,9 +251,24 @@ class Registry:
                                 annotations=annotations, field=field, value=value, old=old, new=new,
                                 when=when, optional=optional, deleted=deleted, options=options,
                                 max_in_flight=max_in_flight)
-        for other in self.handlers:
-            if other.id == handler.id and other.resource == handler.resource:
-                raise RegistrationError(f"handler {handler.id!r} is registered twice for {handler.resource or 'the operator'}; give one of them another id=")
+        base = handler.id
+        while True:
+            other = next((o for o in self.handlers if o.id == handler.id
+                          and (o.kind != handler.kind or o.resource == handler.resource)), None)
+            if other is None:
+                break
+            if other.kind == handler.kind and other.resource == handler.resource and _reloaded(other.fn, handler.fn):
+                # The same code loaded again (a file run once more, as a test runner does):
+                # the new function replaces the old one.
+                self.handlers[self.handlers.index(other)] = handler
+                return handler
+            if other.fn is handler.fn and other.kind != handler.kind and handler.id == base:
+                # One function under stacked decorators (kopf's `@on.resume` over `@on.create`):
+                # kopf gives both the same id; the controller takes one id per kind, so this
+                # registration is `<id>.<kind>`.
+                handler.id = f"{base}.{handler.kind}"
+                continue
+            raise RegistrationError(f"handler {handler.id!r} is registered twice for {handler.resource or 'the operator'}; give one of them another id=")
         self.handlers.append(handler)
         return handler
 
@@ -330,5 +359,22 @@ def _count(value):
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32
 
 
-#: The operator's default registry (kopf's default registry).
+#: The operator's default registry as the process started (kopf's default registry); the
+#: decorators use whichever `set_default_registry()` made current.
 default_registry = Registry()
+_default = default_registry
+
+
+def get_default_registry() -> Registry:
+    """The registry that decorators without `registry=` register into (kopf's
+    `kopf.get_default_registry()`)."""
+    return _default
+
+
+def set_default_registry(registry: Registry):
+    """Makes `registry` the one that decorators without `registry=` register into and that the
+    runner serves (kopf's `kopf.set_default_registry()`)."""
+    global _default
+    if not isinstance(registry, Registry):
+        raise TypeError(f"a default registry must be a Registry, got {registry!r}")
+    _default = registry

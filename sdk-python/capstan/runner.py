@@ -4,39 +4,56 @@ the grace period: sync handlers still running after it are left behind (`os._exi
 Python can neither stop their threads nor exit while they run."""
 
 import asyncio
+import copy
 import importlib
 import importlib.util
 import json
 import logging
 import os
 import signal
+import threading
 import sys
 import time
 
 from capstan import connection
 from capstan.connection import Operator
 from capstan.errors import ConnectionFatal
-from capstan.registry import Registry, default_registry
+from capstan.registry import Registry, get_default_registry
 
 log = logging.getLogger("capstan")
 
 
 async def operator(*, registry: Registry = None, endpoint: str = None, memo=None, stop_flag: asyncio.Event = None,
-                   max_in_flight: int = 0):
+                   max_in_flight: int = 0, settings=None):
     """Serves the registered handlers until `stop_flag` is set (kopf's `kopf.operator()`):
     dials `endpoint` (default `$CAPSTAN_ENDPOINT`, else the pod's socket) and reconnects with
     backoff whenever the stream breaks."""
-    op = Operator(registry or default_registry, endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
-                  stop=stop_flag)
+    op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
+                  stop=stop_flag, settings=settings)
     await _serve(op)
 
 
 async def _serve(op: Operator):
+    op.loop = asyncio.get_running_loop()
     _running.append(op)
+    if _stop_requested.is_set():
+        op.stop.set()
     try:
         await op.run()
     finally:
         _running.remove(op)
+
+
+#: Set by `stop_all()`: operators started later stop at once too.
+_stop_requested = threading.Event()
+
+
+def stop_all():
+    """Asks every running operator of this process to stop — and any started later — from
+    any thread (as SIGTERM does)."""
+    _stop_requested.set()
+    for op in list(_running):
+        op.loop.call_soon_threadsafe(op.stop.set)
 
 
 #: The operators running in this process (`operator()` calls in progress).
@@ -52,8 +69,10 @@ def set_max_in_flight(limit: int, handler: str = None):
     _running[0].set_max_in_flight(limit, handler)
 
 
-def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_flight: int = 0):
-    """Runs `operator()` in a new event loop until SIGTERM or SIGINT (kopf's `kopf.run()`)."""
+def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_flight: int = 0, settings=None,
+        signals: bool = True):
+    """Runs `operator()` in a new event loop until SIGTERM or SIGINT (kopf's `kopf.run()`);
+    with `signals=False`, until `stop_all()`."""
 
     operators, signalled = [], []
 
@@ -66,10 +85,11 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
                 signalled.append(time.monotonic())
             stop.set()
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
-        op = Operator(registry or default_registry, endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
-                      stop=stop)
+        if signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, on_signal)
+        op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
+                      stop=stop, settings=settings)
         operators.append(op)
         await _serve(op)
 
@@ -88,11 +108,14 @@ def _leave_hung_handlers(operators, signalled, code):
     signal), then exits without them: the interpreter would otherwise wait for their threads."""
     since = signalled[0] if signalled else time.monotonic()
     for op in operators:
+        executor = getattr(op, "retired_executor", None) or op.executor
+        if not hasattr(executor, "wait_idle"):  # an executor of the operator's own: not counted
+            continue
         left = max(0.0, connection.STOP_GRACE - (time.monotonic() - since))
-        if op.executor.wait_idle(left):
+        if executor.wait_idle(left):
             continue
         log.error("%d sync handler(s) still running %.1fs after the stop was asked for (grace period %gs); "
-                  "exiting without them", op.executor.running(), time.monotonic() - since, connection.STOP_GRACE)
+                  "exiting without them", executor.running(), time.monotonic() - since, connection.STOP_GRACE)
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stdout.flush()
@@ -113,15 +136,16 @@ class _JsonFormatter(logging.Formatter):
 
 
 class _TextFormatter(logging.Formatter):
-    """kopf's text formats, with the handler's object in brackets (as kopf shows it)."""
+    """kopf's text formats, with the handler's object in brackets before the message (as kopf
+    shows it: `[namespace/name] message`)."""
 
     def format(self, record):
-        text = super().format(record)
         obj = getattr(record, "capstan_object", None)
         if obj:
-            prefix, sep, rest = text.partition("] ")
-            text = f"{prefix}{sep}[{obj}] {rest}" if sep else f"[{obj}] {text}"
-        return text
+            record = copy.copy(record)
+            record.msg = f"[{obj}] {record.getMessage()}"
+            record.args = None
+        return super().format(record)
 
 
 FORMATS = {

@@ -60,6 +60,14 @@ class _Section(collections.abc.Mapping):
         return NotImplemented
 
 
+class Spec(_Section):
+    """The object's `spec` (kopf's `kopf.Spec`)."""
+
+
+class Status(_Section):
+    """The object's `status` (kopf's `kopf.Status`)."""
+
+
 class Meta(_Section):
     """The object's metadata, with kopf's shortcuts."""
 
@@ -127,11 +135,11 @@ class Body(collections.abc.Mapping):
 
     @property
     def spec(self):
-        return _Section(self, "spec")
+        return Spec(self, "spec")
 
     @property
     def status(self):
-        return _Section(self, "status")
+        return Status(self, "status")
 
 
 class Patch(dict):

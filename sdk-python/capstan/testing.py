@@ -21,7 +21,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from capstan.indexes import Indexes
 from capstan.invoke import Call, Outcome, Running, SubState, run
-from capstan.registry import Registry, default_registry
+from capstan.registry import Registry, get_default_registry
+from capstan.settings import OperatorSettings
 from capstan.structs import DaemonStoppingReason, Diff, DiffItem, DiffOperation, Memo, Reason
 
 
@@ -89,10 +90,12 @@ class TestKit:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, registry: Optional[Registry] = None, memo: Optional[Memo] = None):
-        self.registry = registry or default_registry
+    def __init__(self, registry: Optional[Registry] = None, memo: Optional[Memo] = None, settings=None):
+        self.registry = registry or get_default_registry()
         self.registry.check()
         self.memo = memo if memo is not None else Memo()
+        #: kopf's settings, as startup handlers get them (and change them).
+        self.settings = settings if settings is not None else OperatorSettings()
         #: The indexes, filled by `index()` as the controller would before other handlers run.
         self.indexes = Indexes(self.registry.index_names())
 
@@ -125,7 +128,7 @@ class TestKit:
             logs.append((level_names.get(levelno, "error" if levelno > logging.ERROR else "debug"), message))
 
         return Call(handler=handler, body=dict(body or {}), attempt=attempt, reason=reason, old=old, new=new,
-                    diff=diff, event_type=event_type, memo=self.memo, subhandlers=states, log_sink=sink,
+                    diff=diff, event_type=event_type, memo=self.memo, subhandlers=states, log_sink=sink, settings=self.settings,
                     event_sink=events.append if events is not None else None,
                     started=started or datetime.datetime.now(datetime.timezone.utc), invocation_id="test",
                     indexes=self.indexes, index_deleted=deleted,
@@ -197,8 +200,9 @@ class OperatorRunner:
     """
 
     def __init__(self, paths=(), *, modules=(), registry: Optional[Registry] = None, endpoint: Optional[str] = None,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, settings=None):
         self.paths = list(paths)
+        self.settings = settings
         self.modules = list(modules)
         self.registry = registry
         self.endpoint = endpoint
@@ -216,7 +220,7 @@ class OperatorRunner:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             self._ready.set()
-            await operator(registry=self.registry, endpoint=self.endpoint, stop_flag=self._stop)
+            await operator(registry=self.registry, endpoint=self.endpoint, stop_flag=self._stop, settings=self.settings)
 
         try:
             if self.paths or self.modules:

@@ -1,6 +1,8 @@
 """Conversions between the SDK's values and `capstan.v1` messages: registrations for
 `Hello`, invocations into `Call`s, and `Outcome`s into `InvocationResult`s."""
 
+import base64
+import binascii
 import datetime
 import json
 
@@ -213,10 +215,21 @@ def credentials(info: ConnectionInfo) -> inv.Credentials:
             with open(path, "rb") as f:
                 data = f.read()
         if data is not None:
-            setattr(c, field, data.encode() if isinstance(data, str) else data)
+            setattr(c, field, _pem(data))
     if isinstance(info.expiration, datetime.datetime):
         c.expiration_time.FromDatetime(info.expiration)
     return c
+
+
+def _pem(data):
+    """PEM bytes from kopf's `*_data`: PEM, or PEM encoded in base64 (as kubeconfigs hold it)."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    if raw.lstrip().startswith(b"-----BEGIN "):
+        return raw
+    try:
+        return base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError):
+        return raw
 
 
 def _fill(target, outcome: Outcome, handler_id):

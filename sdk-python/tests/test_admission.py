@@ -69,3 +69,17 @@ def test_bad_admission_options_fail_at_decoration():
         capstan.on.mutate("examples", registry=r, operation="CREATE", operations=["CREATE"])(lambda **_: None)
     with pytest.raises(capstan.RegistrationError, match="unknown option"):
         capstan.on.validate("examples", registry=r, retries=3)(lambda **_: None)
+
+
+def test_headers_and_sslpeer_are_given_empty():
+    registry = Registry()
+    seen = {}
+
+    @capstan.on.validate("examples", registry=registry)
+    def authhook(headers, sslpeer, warnings, **_):
+        seen.update(headers=headers, sslpeer=sslpeer)
+        warnings.append(f"Accessing as user-agent: {headers.get('User-Agent', '(unidentified)')}")
+
+    out = TestKit(registry).invoke("authhook", {"metadata": {"name": "x"}})
+    assert seen == {"headers": {}, "sslpeer": {}}
+    assert out.verdict == {"allowed": True, "warnings": ["Accessing as user-agent: (unidentified)"]}

@@ -135,3 +135,19 @@ def test_objects_leave_by_uid_and_when_they_stop_matching():
     unlabelled["metadata"]["labels"] = {}
     assert kit.index("by_app", unlabelled).status == "skipped"
     assert kit.invoke("reader", {}).result == {}
+
+
+def test_stores_keep_kopfs_order():
+    from capstan.indexes import Indexes
+    indexes = Indexes(["by_app"])
+    c, a, b = ("ns", "c", "u-c"), ("ns", "a", "u-a"), ("ns", "b", "u-b")
+    for obj in (c, a, b):
+        indexes.apply("by_app", obj, [("web", obj[1])])
+    view = indexes.views()["by_app"]
+    assert list(view["web"]) == ["c", "a", "b"]
+    indexes.apply("by_app", a, [("web", "a2")])  # a new value keeps its place
+    assert list(view["web"]) == ["c", "a2", "b"]
+    indexes.apply("by_app", a, [("db", "a")])  # leaves "web", then comes back last
+    indexes.apply("by_app", a, [("web", "a")])
+    assert list(view["web"]) == ["c", "b", "a"] and "db" not in view
+    assert repr(view["web"]) == "['c', 'b', 'a']"

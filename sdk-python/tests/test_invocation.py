@@ -226,7 +226,7 @@ def test_events_on_any_object_are_posted_through_the_invocation(registry):
 
     out = TestKit(registry).invoke("fn", BODY)
     assert [(e["type"], e["reason"], e["message"]) for e in out.events] == [
-        ("Normal", "Seen", "seen it"), ("Warning", "Odd", "odd pod"), ("Error", "Failed", "ValueError: bad")]
+        ("Normal", "Seen", "seen it"), ("Warning", "Odd", "odd pod"), ("Error", "Failed", "bad")]
     assert out.events[0]["object"] == {"group": "demo.capstan.dev", "version": "v1", "kind": "Example",
                                        "namespace": "default", "name": "one", "uid": "u-1"}
     assert out.events[1]["object"]["group"] == "" and out.events[1]["object"]["kind"] == "Pod"

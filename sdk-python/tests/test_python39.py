@@ -44,3 +44,11 @@ def test_the_check_finds_what_python_3_9_lacks(tmp_path):
         path.write_text(source)
         result = _vermin(str(path))
         assert result.returncode != 0, f"not found:\n{source}\n{result.stdout}"
+
+
+def test_the_classifiers_name_every_python_from_requires_python_to_3_13():
+    with open(os.path.join(SDK, "pyproject.toml")) as f:
+        text = f.read()
+    oldest = int(_oldest_python().split(".")[1])
+    named = sorted(int(m) for m in re.findall(r'"Programming Language :: Python :: 3\.(\d+)"', text))
+    assert named == list(range(oldest, 14))

@@ -6,6 +6,7 @@ import capstan
 import capstan.kopf as kopf
 from capstan import wire
 from capstan.registry import Registry
+from capstan.testing import TestKit
 from capstan.v1 import registration_pb2 as reg
 
 
@@ -133,11 +134,12 @@ def test_kwarg_of_another_kind_is_unknown(registry):
         registry.check()
 
 
-def test_settings_kwarg_fails_with_what_to_do(registry):
-    with pytest.raises(capstan.RegistrationError, match="settings.*controller"):
-        @capstan.on.startup(registry=registry)
-        def fn(settings, **_):
-            pass
+def test_settings_kwarg_is_taken_by_startup_handlers(registry):
+    @capstan.on.startup(registry=registry)
+    def fn(settings, **_):
+        pass
+
+    registry.check()
 
 
 def test_bad_option_values(registry):
@@ -161,11 +163,61 @@ def test_duplicate_ids_fail(registry):
         capstan.on.create("examples", registry=registry, id="x")(lambda **_: None)
 
 
-def test_kopf_module_exposes_kopfs_names_and_refuses_controller_settings():
+def test_kopf_module_exposes_kopfs_names():
     for name in ("on", "daemon", "timer", "index", "subhandler", "register", "TemporaryError", "PermanentError",
                  "HandlerTimeoutError", "ErrorsMode", "Diff", "Body", "Patch", "PRESENT", "ABSENT", "adopt",
                  "ConnectionInfo", "Memo", "operator", "run", "DaemonStopped", "info", "warn", "exception",
                  "event", "all_", "any_", "none_", "SyncDaemonStopperChecker"):
         assert hasattr(kopf, name), name
-    with pytest.raises(capstan.RegistrationError, match="controller's flags"):
-        kopf.OperatorSettings()
+
+
+
+def test_stacked_decorators_register_one_function_under_each_kind(registry):
+    # kopf's own example: one function for resuming and creating. The controller takes one id
+    # per kind, so the later registration gets `<id>.<kind>`.
+    @capstan.on.resume("examples", registry=registry)
+    @capstan.on.create("examples", registry=registry)
+    @capstan.on.create("others", registry=registry)
+    @capstan.on.resume("others", registry=registry)
+    def fn(**_):
+        pass
+
+    fn_id = fn.__qualname__
+    got = sorted((h.kind, h.id, h.resource.name) for h in registry.handlers)
+    assert got == [("create", f"{fn_id}.create", "examples"), ("create", f"{fn_id}.create", "others"),
+                   ("resume", fn_id, "examples"), ("resume", fn_id, "others")]
+    assert len({wire.registration(h).handler_id for h in registry.handlers}) == 2
+    out = TestKit(registry).invoke(f"{fn_id}.create", {"metadata": {"name": "x"}})
+    assert out.status == "success"
+
+
+def test_a_function_with_the_same_kind_twice_on_one_resource_still_fails(registry):
+    def fn(**_):
+        pass
+
+    capstan.on.create("examples", registry=registry)(fn)
+    with pytest.raises(capstan.RegistrationError, match="registered twice"):
+        capstan.on.create("examples", registry=registry)(fn)
+
+
+def test_another_function_with_the_same_id_and_another_kind_still_fails(registry):
+    capstan.on.create("examples", registry=registry, id="x")(lambda **_: None)
+    with pytest.raises(capstan.RegistrationError, match="registered twice"):
+        capstan.on.resume("examples", registry=registry, id="x")(lambda **_: None)
+
+
+def test_a_file_loaded_again_replaces_its_handlers(registry, tmp_path):
+    # As a test suite running one operator file in several KopfRunners does.
+    source = tmp_path / "op.py"
+    source.write_text("import capstan\n@capstan.on.create('examples')\ndef fn(**_): pass\n")
+    from capstan.registry import get_default_registry, set_default_registry
+    from capstan.runner import load
+    before = get_default_registry()
+    try:
+        set_default_registry(registry)
+        load([str(source)], [])
+        first = registry.handlers[0].fn
+        load([str(source)], [])
+        assert len(registry.handlers) == 1 and registry.handlers[0].fn is not first
+    finally:
+        set_default_registry(before)
