@@ -77,7 +77,7 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
     let serving = CancellationToken::new();
     // The admin endpoint answers probes from the start: also while the node-local storage is
     // waited for (a surge pod of the same DaemonSet may still hold it).
-    let admin = Admin::bind(settings.admin_listen, core.health.clone()).await?;
+    let admin = Admin::bind(settings.admin_listen, settings.admin.clone(), core.health.clone()).await?;
     let admin_addr = admin.local_addr();
     let mut tasks = JoinSet::new();
     let admin_stop = serving.clone();

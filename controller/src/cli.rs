@@ -233,6 +233,21 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_ADMIN_LISTEN", default_value = "0.0.0.0:8080")]
     pub admin_listen: SocketAddr,
 
+    /// Most connections to the admin endpoint open at once; a new connection beyond them
+    /// closes the oldest, so that a flood of idle connections neither exhausts descriptors
+    /// nor keeps the kubelet's probes out.
+    #[arg(long, env = "CAPSTAN_ADMIN_CONNECTIONS", default_value_t = 64)]
+    pub admin_connections: usize,
+
+    /// How long a connection to the admin endpoint may take to send a request's headers, and
+    /// how long an idle kept-alive connection stays open.
+    #[arg(long, env = "CAPSTAN_ADMIN_HEADER_TIMEOUT", value_parser = parse_duration, default_value = "5s")]
+    pub admin_header_timeout: Duration,
+
+    /// How long one connection to the admin endpoint may stay open, whatever it does.
+    #[arg(long, env = "CAPSTAN_ADMIN_REQUEST_TIMEOUT", value_parser = parse_duration, default_value = "10s")]
+    pub admin_request_timeout: Duration,
+
     /// Log format.
     #[arg(long, env = "CAPSTAN_LOG_FORMAT", value_enum, default_value_t = logging::Format::Text)]
     pub log_format: logging::Format,
@@ -712,6 +727,11 @@ impl RunArgs {
         let mut settings = Settings {
             listen: self.listen.clone(),
             admin_listen: crate::config::bindable(self.admin_listen),
+            admin: crate::observability::admin::Settings {
+                connections: self.admin_connections.max(1),
+                header_timeout: self.admin_header_timeout,
+                request_timeout: self.admin_request_timeout,
+            },
             shutdown_grace: self.shutdown_grace,
             discovery_ttl: self.discovery_ttl,
             api_timeout: self.api_timeout,

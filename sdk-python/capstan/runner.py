@@ -1,5 +1,7 @@
 """Running an operator: the embeddable `operator()` coroutine, and `run()` for a process,
-which stops cleanly on SIGTERM and SIGINT (goodbye, running handlers told to stop)."""
+which stops cleanly on SIGTERM and SIGINT (goodbye, running handlers told to stop) and within
+the grace period: sync handlers still running after it are left behind (`os._exit`), since
+Python can neither stop their threads nor exit while they run."""
 
 import asyncio
 import importlib
@@ -9,7 +11,9 @@ import logging
 import os
 import signal
 import sys
+import time
 
+from capstan import connection
 from capstan.connection import Operator
 from capstan.errors import ConnectionFatal
 from capstan.registry import Registry, default_registry
@@ -24,6 +28,10 @@ async def operator(*, registry: Registry = None, endpoint: str = None, memo=None
     backoff whenever the stream breaks."""
     op = Operator(registry or default_registry, endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
                   stop=stop_flag)
+    await _serve(op)
+
+
+async def _serve(op: Operator):
     _running.append(op)
     try:
         await op.run()
@@ -47,19 +55,49 @@ def set_max_in_flight(limit: int, handler: str = None):
 def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_flight: int = 0):
     """Runs `operator()` in a new event loop until SIGTERM or SIGINT (kopf's `kopf.run()`)."""
 
+    operators, signalled = [], []
+
     async def main():
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal():
+            if not signalled:
+                signalled.append(time.monotonic())
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await operator(registry=registry, endpoint=endpoint, memo=memo, stop_flag=stop, max_in_flight=max_in_flight)
+            loop.add_signal_handler(sig, on_signal)
+        op = Operator(registry or default_registry, endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
+                      stop=stop)
+        operators.append(op)
+        await _serve(op)
 
     try:
         asyncio.run(main())
     except ConnectionFatal as error:
         log.error("%s", error)
+        _leave_hung_handlers(operators, signalled, 1)
         raise SystemExit(1) from None
+    _leave_hung_handlers(operators, signalled, 0)
     log.info("stopped")
+
+
+def _leave_hung_handlers(operators, signalled, code):
+    """Gives sync handlers still running what is left of the grace period (counted from the
+    signal), then exits without them: the interpreter would otherwise wait for their threads."""
+    since = signalled[0] if signalled else time.monotonic()
+    for op in operators:
+        left = max(0.0, connection.STOP_GRACE - (time.monotonic() - since))
+        if op.executor.wait_idle(left):
+            continue
+        log.error("%d sync handler(s) still running %.1fs after the stop was asked for (grace period %gs); "
+                  "exiting without them", op.executor.running(), time.monotonic() - since, connection.STOP_GRACE)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 class _JsonFormatter(logging.Formatter):
