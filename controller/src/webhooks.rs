@@ -9,6 +9,7 @@
 //! - [`slots`], [`budget`] and [`intake`]: the connection slots, the memory budget, and the
 //!   reading of a request into a typed review within them;
 //! - [`certs`]: the serving certificate, generated or read from (reloaded) files;
+//! - [`client_ca`]: the CA whose client certificates callers must present, when one is set;
 //! - [`configs`] and [`managed`]: the managed webhook configurations;
 //! - [`args`]: the `capstan run` flags.
 //!
@@ -31,6 +32,7 @@ pub mod admission;
 pub mod args;
 pub mod budget;
 pub mod certs;
+pub mod client_ca;
 pub mod configs;
 pub mod intake;
 pub mod managed;
@@ -84,6 +86,8 @@ pub struct Settings {
     pub cert_poll: Duration,
     /// More names for a generated certificate.
     pub extra_names: Vec<String>,
+    /// A CA bundle whose client certificates callers must present; `None`: any caller.
+    pub client_ca: Option<PathBuf>,
     /// The Service in front of the server (in a cluster).
     pub service: Option<Service>,
     /// The base URL of the server (development); default `https://127.0.0.1:<port>`.
@@ -105,6 +109,7 @@ impl Default for Settings {
             cert_dir: None,
             cert_poll: Duration::from_secs(10),
             extra_names: Vec::new(),
+            client_ca: None,
             service: None,
             url: None,
             managed: None,
@@ -123,6 +128,9 @@ pub enum Error {
     /// The server could not start.
     #[error("cannot start the webhook server")]
     Server(#[from] server::Error),
+    /// The client CA could not be read.
+    #[error("cannot set up the webhook client CA")]
+    ClientCa(#[from] client_ca::Error),
 }
 
 /// How long a lazily started server waits before binding again after a failure.
@@ -174,6 +182,11 @@ impl Webhooks {
             },
         };
         let certs = Certificates::new(source)?;
+        let clients = settings
+            .client_ca
+            .as_deref()
+            .map(client_ca::ClientCa::load)
+            .transpose()?;
         let stop = CancellationToken::new();
         let (tx, handlers) = watch::channel(Arc::new(Vec::new()));
         let mut tasks = vec![
@@ -187,12 +200,21 @@ impl Webhooks {
                     .instrument(info_span!("webhook-certs")),
             ),
         ];
+        if let Some(clients) = &clients {
+            tasks.push(tokio::spawn(
+                clients
+                    .clone()
+                    .watch(settings.cert_poll, stop.clone())
+                    .instrument(info_span!("webhook-client-ca")),
+            ));
+        }
         let admission = admission::Admission::new(hub.clone(), handlers.clone());
         let bound = match settings.mode {
             Mode::On => Some(
                 server::Server::bind(
                     settings.listen,
                     &certs,
+                    clients.as_ref(),
                     admission.clone(),
                     settings.server.clone(),
                 )
@@ -204,6 +226,7 @@ impl Webhooks {
             serve(
                 settings.clone(),
                 certs.clone(),
+                clients,
                 admission,
                 bound,
                 handlers.clone(),
@@ -322,6 +345,7 @@ async fn follow(
 async fn serve(
     settings: Settings,
     certs: Certificates,
+    clients: Option<client_ca::ClientCa>,
     admission: admission::Admission,
     bound: Option<server::Server>,
     mut handlers: watch::Receiver<Arc<Vec<Registration>>>,
@@ -339,6 +363,7 @@ async fn serve(
             match server::Server::bind(
                 settings.listen,
                 &certs,
+                clients.as_ref(),
                 admission.clone(),
                 settings.server.clone(),
             )

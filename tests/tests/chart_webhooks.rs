@@ -243,3 +243,83 @@ async fn the_charts_webhook_rbac_is_enough_to_manage_the_configurations() -> Res
     s.handler.terminate().await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn the_chart_mounts_the_client_ca_and_opens_the_webhook_port_to_webhook_from() -> Result<()> {
+    // Without a client CA: no flag, no mount; the webhook port is open to every address (the
+    // API server is not a pod), as networkPolicy.webhookFrom says by default.
+    let (out, docs) = rendered(&["webhooks.enabled=true"]).await?;
+    ensure!(env_value(&docs, "CAPSTAN_WEBHOOK_CLIENT_CA").is_none());
+    ensure!(!out.contains("webhook-client-ca"));
+    let policy = docs
+        .iter()
+        .find(|d| d.contains("kind: NetworkPolicy\n"))
+        .context("the NetworkPolicy")?;
+    ensure!(
+        policy.contains("- port: webhook")
+            && policy.contains("cidr: 0.0.0.0/0")
+            && policy.contains("cidr: ::/0"),
+        "{policy}"
+    );
+
+    // Narrowed, and with the CA from a Secret.
+    let (out, docs) = rendered(&[
+        "webhooks.enabled=true",
+        "webhooks.clientCA.secretName=apiserver-client-ca",
+        "networkPolicy.webhookFrom[0].ipBlock.cidr=10.0.0.0/24",
+    ])
+    .await?;
+    ensure!(
+        env_value(&docs, "CAPSTAN_WEBHOOK_CLIENT_CA").as_deref()
+            == Some("/run/capstan-webhook-client-ca/ca.crt"),
+        "{out}"
+    );
+    ensure!(out.contains("mountPath: /run/capstan-webhook-client-ca"));
+    ensure!(out.contains("secretName: apiserver-client-ca"));
+    let policy = documents(&out)
+        .into_iter()
+        .find(|d| d.contains("kind: NetworkPolicy\n"))
+        .context("the NetworkPolicy")?;
+    ensure!(
+        policy.contains("cidr: 10.0.0.0/24") && !policy.contains("0.0.0.0/0"),
+        "{policy}"
+    );
+
+    // From a ConfigMap, under another key.
+    let (out, docs) = rendered(&[
+        "webhooks.enabled=true",
+        "webhooks.clientCA.configMapName=front-proxy-ca",
+        "webhooks.clientCA.key=client-ca.pem",
+    ])
+    .await?;
+    ensure!(
+        env_value(&docs, "CAPSTAN_WEBHOOK_CLIENT_CA").as_deref()
+            == Some("/run/capstan-webhook-client-ca/client-ca.pem")
+    );
+    ensure!(
+        out.contains("configMap:\n") && out.contains("name: front-proxy-ca"),
+        "{out}"
+    );
+
+    // Both sources at once cannot be meant.
+    let mut set = BASE.to_vec();
+    set.extend([
+        "webhooks.enabled=true",
+        "webhooks.clientCA.secretName=a",
+        "webhooks.clientCA.configMapName=b",
+    ]);
+    let outcome = Render {
+        release: "web",
+        namespace: "ops",
+        set,
+        ..Render::default()
+    }
+    .outcome()
+    .await?;
+    ensure!(
+        !outcome.success && outcome.stderr.contains("secretName or configMapName"),
+        "{}",
+        outcome.stderr
+    );
+    Ok(())
+}

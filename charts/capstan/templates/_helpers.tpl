@@ -163,6 +163,12 @@ says what to change. Rendered by templates/validate.yaml.
 {{- if and (eq $source "existingSecret") (not .Values.webhooks.certificate.existingSecret) -}}
 {{- fail "\n\nwebhooks.certificate.source=existingSecret needs webhooks.certificate.existingSecret: the name of a kubernetes.io/tls Secret in the release namespace." -}}
 {{- end -}}
+{{- if and .Values.webhooks.clientCA.secretName .Values.webhooks.clientCA.configMapName -}}
+{{- fail "\n\nwebhooks.clientCA takes secretName or configMapName, not both." -}}
+{{- end -}}
+{{- if and (include "capstan.webhookClientCA" .) (not .Values.webhooks.clientCA.key) -}}
+{{- fail "\n\nwebhooks.clientCA.key names the file of the CA bundle in the Secret or ConfigMap (for example ca.crt)." -}}
+{{- end -}}
 {{- end -}}
 {{- range .Values.rbac.resources -}}
 {{- range .resources -}}
@@ -267,6 +273,10 @@ The environment of the capstan container: how the chart configures `capstan run`
 - name: CAPSTAN_WEBHOOK_CERT_DIR
   value: /run/capstan-webhook-tls
 {{- end }}
+{{- if include "capstan.webhookClientCA" . }}
+- name: CAPSTAN_WEBHOOK_CLIENT_CA
+  value: {{ printf "/run/capstan-webhook-client-ca/%s" .Values.webhooks.clientCA.key | quote }}
+{{- end }}
 {{- else }}
 - name: CAPSTAN_WEBHOOKS
   value: "off"
@@ -353,6 +363,11 @@ The capstan container. As a native sidecar (an initContainer) it carries
     {{- if include "capstan.webhookSecret" . }}
     - name: webhook-tls
       mountPath: /run/capstan-webhook-tls
+      readOnly: true
+    {{- end }}
+    {{- if include "capstan.webhookClientCA" . }}
+    - name: webhook-client-ca
+      mountPath: /run/capstan-webhook-client-ca
       readOnly: true
     {{- end }}
 {{- end -}}
@@ -510,6 +525,19 @@ spec:
       secret:
         secretName: {{ . }}
     {{- end }}
+    {{- if include "capstan.webhookClientCA" . }}
+    # The CA of the client certificates the webhook callers must present (reloaded on change).
+    - name: webhook-client-ca
+      {{- with .Values.webhooks.clientCA }}
+      {{- if .secretName }}
+      secret:
+        secretName: {{ .secretName }}
+      {{- else }}
+      configMap:
+        name: {{ .configMapName }}
+      {{- end }}
+      {{- end }}
+    {{- end }}
     {{- if .Values.handler.apiAccess }}
     # The handler's own identity (token, ca.crt and namespace, filled in by the cluster).
     - name: handler-api-access
@@ -610,6 +638,15 @@ The Secret holding the webhook certificate; empty when the controller generates 
 {{- else if eq .Values.webhooks.certificate.source "existingSecret" -}}
 {{- .Values.webhooks.certificate.existingSecret -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+"true" when the webhook callers must present a client certificate (webhooks.clientCA).
+*/}}
+{{- define "capstan.webhookClientCA" -}}
+{{- if and .Values.webhooks.enabled (or .Values.webhooks.clientCA.secretName .Values.webhooks.clientCA.configMapName) -}}
+true
 {{- end -}}
 {{- end -}}
 

@@ -32,6 +32,8 @@ use tokio_rustls::rustls::{
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::client_ca::ClientCa;
+
 /// The serving certificate file in a certificate directory (the `kubernetes.io/tls` Secret key).
 pub const CERT_FILE: &str = "tls.crt";
 /// The private key file in a certificate directory.
@@ -136,16 +138,20 @@ impl Certificates {
         self.inner.current.read().cert.clone()
     }
 
-    /// A TLS server configuration that asks for the current certificate at every handshake.
+    /// A TLS server configuration that asks for the current certificate at every handshake,
+    /// and with `clients` for a client certificate signed by its current CA.
     ///
     /// # Errors
     /// When the crypto provider does not support the default protocol versions.
-    pub fn server_config(&self) -> Result<rustls::ServerConfig, Error> {
+    pub fn server_config(&self, clients: Option<&ClientCa>) -> Result<rustls::ServerConfig, Error> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()?
-            .with_no_client_auth()
-            .with_cert_resolver(Arc::new(self.clone()));
+        let builder =
+            rustls::ServerConfig::builder_with_provider(provider).with_safe_default_protocol_versions()?;
+        let builder = match clients {
+            Some(ca) => builder.with_client_cert_verifier(Arc::new(ca.clone())),
+            None => builder.with_no_client_auth(),
+        };
+        let mut config = builder.with_cert_resolver(Arc::new(self.clone()));
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(config)
     }
@@ -237,7 +243,22 @@ impl fmt::Debug for Generated {
 /// # Errors
 /// When generation fails.
 pub fn generate_pem(names: &[String]) -> Result<Generated, Error> {
-    let (ca, cert, key) = issue(names)?;
+    let (ca, cert, key) = issue(names, rcgen::ExtendedKeyUsagePurpose::ServerAuth)?;
+    Ok(Generated {
+        chain: format!("{}{}", cert.pem(), ca.pem()),
+        ca: ca.pem(),
+        key: key.serialize_pem(),
+    })
+}
+
+/// Generates a CA and a client certificate for `name` signed by it, as the files of
+/// `--webhook-client-ca` (the CA) and of the API server's kubeconfig for the webhook (the
+/// certificate and key) would hold them; for development and tests.
+///
+/// # Errors
+/// When generation fails.
+pub fn generate_client_pem(name: &str) -> Result<Generated, Error> {
+    let (ca, cert, key) = issue(&[name.to_owned()], rcgen::ExtendedKeyUsagePurpose::ClientAuth)?;
     Ok(Generated {
         chain: format!("{}{}", cert.pem(), ca.pem()),
         ca: ca.pem(),
@@ -247,7 +268,7 @@ pub fn generate_pem(names: &[String]) -> Result<Generated, Error> {
 
 /// A CA and a serving certificate for `names` signed by it; the CA's PEM is the bundle.
 fn generate(names: &[String]) -> Result<(CertifiedKey, Vec<u8>), Error> {
-    let (ca, cert, key) = issue(names)?;
+    let (ca, cert, key) = issue(names, rcgen::ExtendedKeyUsagePurpose::ServerAuth)?;
     let der_key = PrivateKeyDer::Pkcs8(key.serialize_der().into());
     let certified = certified(vec![cert.der().clone(), ca.der().clone()], &der_key)?;
     Ok((certified, ca.pem().into_bytes()))
@@ -259,7 +280,7 @@ type Issued = (
     rcgen::KeyPair,
 );
 
-fn issue(names: &[String]) -> Result<Issued, Error> {
+fn issue(names: &[String], usage: rcgen::ExtendedKeyUsagePurpose) -> Result<Issued, Error> {
     let ca_key = rcgen::KeyPair::generate()?;
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
@@ -277,7 +298,7 @@ fn issue(names: &[String]) -> Result<Issued, Error> {
         rcgen::DnType::CommonName,
         names.first().map_or("capstan-webhook", String::as_str),
     );
-    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    params.extended_key_usages = vec![usage];
     params.key_usages = vec![
         rcgen::KeyUsagePurpose::DigitalSignature,
         rcgen::KeyUsagePurpose::KeyEncipherment,
@@ -361,7 +382,7 @@ mod tests {
         assert_eq!(certs.chain().len(), 2);
         let bundle = certs.ca_bundle().borrow().clone();
         assert!(String::from_utf8_lossy(&bundle).starts_with("-----BEGIN CERTIFICATE-----"));
-        assert!(certs.server_config().is_ok());
+        assert!(certs.server_config(None).is_ok());
     }
 
     #[test]
