@@ -702,6 +702,7 @@ impl RunArgs {
         settings.hub.max_losses = self.max_losses.max(1);
         settings.connection.supported_kinds = Some(crate::engine::SUPPORTED_KINDS.to_vec());
         settings.webhooks = self.webhook.settings();
+        settings.webhooks.leader_election = self.leader_election;
         if settings.webhooks.mode != crate::webhooks::Mode::Off
             && let Some(kinds) = settings.connection.supported_kinds.as_mut()
         {

@@ -154,9 +154,6 @@ says what to change. Rendered by templates/validate.yaml.
 {{- if and (eq $source "selfSigned") (ne .Values.webhooks.configurations "managed") -}}
 {{- fail "\n\nwebhooks.certificate.source=selfSigned needs webhooks.configurations=managed: the generated CA exists only inside the controller, which puts it into the configurations it manages. Use certManager or existingSecret to write the configurations yourself." -}}
 {{- end -}}
-{{- if and (eq $source "selfSigned") (or (eq .Values.mode "daemonset") (gt (int .Values.replicas) 1)) -}}
-{{- fail "\n\nwebhooks.certificate.source=selfSigned works with one replica only: every pod would generate its own CA, and the API server trusts one. Use webhooks.certificate.source=certManager or existingSecret." -}}
-{{- end -}}
 {{- if and (eq $source "certManager") (not .Values.webhooks.certificate.certManager.issuerName) -}}
 {{- fail "\n\nwebhooks.certificate.source=certManager needs webhooks.certificate.certManager.issuerName: the cert-manager Issuer or ClusterIssuer that signs the webhook's certificate." -}}
 {{- end -}}
@@ -272,6 +269,9 @@ The environment of the capstan container: how the chart configures `capstan run`
 {{- if ne .Values.webhooks.certificate.source "selfSigned" }}
 - name: CAPSTAN_WEBHOOK_CERT_DIR
   value: /run/capstan-webhook-tls
+{{- else }}
+- name: CAPSTAN_WEBHOOK_CA_SECRET
+  value: {{ include "capstan.webhookCASecret" . | quote }}
 {{- end }}
 {{- if include "capstan.webhookClientCA" . }}
 - name: CAPSTAN_WEBHOOK_CLIENT_CA
@@ -639,6 +639,13 @@ The Secret holding the webhook certificate; empty when the controller generates 
 {{- .Values.webhooks.certificate.existingSecret -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+The Secret keeping the CA of the generated webhook certificates, shared by every replica.
+*/}}
+{{- define "capstan.webhookCASecret" -}}
+{{- printf "%s-webhook-ca" (include "capstan.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{/*
