@@ -26,7 +26,9 @@
 //!   `ignore_failures`. It is forgotten when processes are connected and none registers it.
 //! - Certificates: generated (a CA and a serving certificate for the Service's DNS names and
 //!   loopback) unless `--webhook-cert-dir` names a mounted Secret, whose files are reloaded
-//!   when they change. In development (no `--webhook-service`), the configurations address
+//!   when they change. With leader election a generated certificate needs one CA for all
+//!   replicas (`--webhook-ca-secret`), or the replicas the leader's bundle does not cover would
+//!   fail every review sent to them: without it the webhooks are refused. In development (no `--webhook-service`), the configurations address
 //!   the server by URL, `https://127.0.0.1:<port>` unless `--webhook-url` says otherwise.
 
 pub mod admission;
