@@ -750,6 +750,7 @@ impl RunArgs {
         settings.connection.supported_kinds = Some(crate::engine::SUPPORTED_KINDS.to_vec());
         settings.webhooks = self.webhook.settings();
         settings.webhooks.listen = crate::config::bindable(settings.webhooks.listen);
+        settings.webhooks.leader_election = self.leader_election;
         if settings.webhooks.mode != crate::webhooks::Mode::Off
             && let Some(kinds) = settings.connection.supported_kinds.as_mut()
         {

@@ -9,6 +9,8 @@
 //! - [`slots`], [`budget`] and [`intake`]: the connection slots, the memory budget, and the
 //!   reading of a request into a typed review within them;
 //! - [`certs`]: the serving certificate, generated or read from (reloaded) files;
+//! - [`shared_ca`]: the CA of generated certificates shared by the replicas through a Secret;
+//! - [`client_ca`]: the CA whose client certificates callers must present, when one is set;
 //! - [`configs`] and [`managed`]: the managed webhook configurations;
 //! - [`args`]: the `capstan run` flags.
 //!
@@ -24,18 +26,22 @@
 //!   `ignore_failures`. It is forgotten when processes are connected and none registers it.
 //! - Certificates: generated (a CA and a serving certificate for the Service's DNS names and
 //!   loopback) unless `--webhook-cert-dir` names a mounted Secret, whose files are reloaded
-//!   when they change. In development (no `--webhook-service`), the configurations address
+//!   when they change. With leader election a generated certificate needs one CA for all
+//!   replicas (`--webhook-ca-secret`), or the replicas the leader's bundle does not cover would
+//!   fail every review sent to them: without it the webhooks are refused. In development (no `--webhook-service`), the configurations address
 //!   the server by URL, `https://127.0.0.1:<port>` unless `--webhook-url` says otherwise.
 
 pub mod admission;
 pub mod args;
 pub mod budget;
 pub mod certs;
+pub mod client_ca;
 pub mod configs;
 pub mod intake;
 pub mod managed;
 pub mod review;
 pub mod server;
+pub mod shared_ca;
 pub mod slots;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
@@ -84,6 +90,13 @@ pub struct Settings {
     pub cert_poll: Duration,
     /// More names for a generated certificate.
     pub extra_names: Vec<String>,
+    /// A CA bundle whose client certificates callers must present; `None`: any caller.
+    pub client_ca: Option<PathBuf>,
+    /// The Secret (namespace, name) keeping the CA of generated certificates for every replica;
+    /// `None`: each process makes its own.
+    pub ca_secret: Option<(String, String)>,
+    /// Leader election is on: another replica may write the configurations, with its CA.
+    pub leader_election: bool,
     /// The Service in front of the server (in a cluster).
     pub service: Option<Service>,
     /// The base URL of the server (development); default `https://127.0.0.1:<port>`.
@@ -105,6 +118,9 @@ impl Default for Settings {
             cert_dir: None,
             cert_poll: Duration::from_secs(10),
             extra_names: Vec::new(),
+            client_ca: None,
+            ca_secret: None,
+            leader_election: false,
             service: None,
             url: None,
             managed: None,
@@ -123,6 +139,28 @@ pub enum Error {
     /// The server could not start.
     #[error("cannot start the webhook server")]
     Server(#[from] server::Error),
+    /// The client CA could not be read.
+    #[error("cannot set up the webhook client CA")]
+    ClientCa(#[from] client_ca::Error),
+    /// The shared CA could not be read or created.
+    #[error("cannot set up the shared webhook CA")]
+    SharedCa(#[from] shared_ca::Error),
+    /// A generated certificate with leader election needs a CA shared by the replicas.
+    #[error("{NEEDS_SHARED_CA}")]
+    NeedsSharedCa,
+}
+
+/// Why a generated certificate is refused with leader election and no shared CA.
+pub const NEEDS_SHARED_CA: &str = "a generated webhook certificate with leader election needs a CA shared by the replicas: \
+     each process would make its own CA and the API server trusts only the leader's, so reviews sent to the other replicas \
+     (and to the new pods of every rollout) fail; set --webhook-ca-secret <name> (the chart does), or give a certificate \
+     with --webhook-cert-dir";
+
+impl Settings {
+    /// Whether the replicas would serve certificates of different CAs.
+    pub fn needs_shared_ca(&self) -> bool {
+        self.leader_election && self.cert_dir.is_none() && self.ca_secret.is_none()
+    }
 }
 
 /// How long a lazily started server waits before binding again after a failure.
@@ -136,7 +174,7 @@ pub struct Webhooks {
     tasks: Vec<JoinHandle<()>>,
     manager: Option<JoinHandle<()>>,
     handlers: watch::Receiver<Arc<Vec<Registration>>>,
-    certs: Certificates,
+    certs: Option<Certificates>,
 }
 
 pub use certs::Certificates;
@@ -158,6 +196,18 @@ impl Webhooks {
         if settings.mode == Mode::Off {
             return Ok(None);
         }
+        if settings.needs_shared_ca() {
+            if settings.mode == Mode::On {
+                return Err(Error::NeedsSharedCa);
+            }
+            return Ok(Some(Self::refusing(hub)));
+        }
+        let shared = match &settings.ca_secret {
+            Some((namespace, name)) if settings.cert_dir.is_none() => {
+                Some(shared_ca::obtain(client.clone(), namespace, name).await?)
+            }
+            _ => None,
+        };
         let source = match &settings.cert_dir {
             Some(dir) => certs::Source::Files {
                 dir: dir.clone(),
@@ -171,9 +221,15 @@ impl Webhooks {
                         .map(|s| (s.namespace.as_str(), s.name.as_str())),
                     &settings.extra_names,
                 ),
+                ca: shared,
             },
         };
         let certs = Certificates::new(source)?;
+        let clients = settings
+            .client_ca
+            .as_deref()
+            .map(client_ca::ClientCa::load)
+            .transpose()?;
         let stop = CancellationToken::new();
         let (tx, handlers) = watch::channel(Arc::new(Vec::new()));
         let mut tasks = vec![
@@ -187,12 +243,21 @@ impl Webhooks {
                     .instrument(info_span!("webhook-certs")),
             ),
         ];
+        if let Some(clients) = &clients {
+            tasks.push(tokio::spawn(
+                clients
+                    .clone()
+                    .watch(settings.cert_poll, stop.clone())
+                    .instrument(info_span!("webhook-client-ca")),
+            ));
+        }
         let admission = admission::Admission::new(hub.clone(), handlers.clone());
         let bound = match settings.mode {
             Mode::On => Some(
                 server::Server::bind(
                     settings.listen,
                     &certs,
+                    clients.as_ref(),
                     admission.clone(),
                     settings.server.clone(),
                 )
@@ -204,6 +269,7 @@ impl Webhooks {
             serve(
                 settings.clone(),
                 certs.clone(),
+                clients,
                 admission,
                 bound,
                 handlers.clone(),
@@ -250,8 +316,46 @@ impl Webhooks {
             tasks,
             manager,
             handlers,
-            certs,
+            certs: Some(certs),
         }))
+    }
+
+    /// Webhooks that cannot be served (a generated certificate with leader election and no
+    /// shared CA, `auto`): the refusal is said when the first admission handler registers,
+    /// and nothing is served or written.
+    fn refusing(hub: &Hub) -> Self {
+        let stop = CancellationToken::new();
+        let (tx, handlers) = watch::channel(Arc::new(Vec::new()));
+        let task = {
+            let stop = stop.clone();
+            let mut connected = hub.registrations();
+            async move {
+                let mut said = false;
+                loop {
+                    let admission = connected
+                        .borrow_and_update()
+                        .iter()
+                        .any(|r| r.kind.is_admission());
+                    if admission && !said {
+                        error!("admission handlers are not served: {NEEDS_SHARED_CA}");
+                        said = true;
+                    }
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        changed = connected.changed() => if changed.is_err() { return },
+                    }
+                }
+            }
+        };
+        let tasks = vec![tokio::spawn(task.instrument(info_span!("webhook-refusal")))];
+        drop(tx);
+        Self {
+            stop,
+            tasks,
+            manager: None,
+            handlers,
+            certs: None,
+        }
     }
 
     /// The admission handlers known now.
@@ -259,9 +363,9 @@ impl Webhooks {
         self.handlers.clone()
     }
 
-    /// The serving certificates.
-    pub fn certificates(&self) -> &Certificates {
-        &self.certs
+    /// The serving certificates; `None` when the webhooks are refused.
+    pub fn certificates(&self) -> Option<&Certificates> {
+        self.certs.as_ref()
     }
 
     /// Stops serving, and removes the managed configurations if this replica wrote them.
@@ -322,6 +426,7 @@ async fn follow(
 async fn serve(
     settings: Settings,
     certs: Certificates,
+    clients: Option<client_ca::ClientCa>,
     admission: admission::Admission,
     bound: Option<server::Server>,
     mut handlers: watch::Receiver<Arc<Vec<Registration>>>,
@@ -339,6 +444,7 @@ async fn serve(
             match server::Server::bind(
                 settings.listen,
                 &certs,
+                clients.as_ref(),
                 admission.clone(),
                 settings.server.clone(),
             )

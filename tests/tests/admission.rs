@@ -439,6 +439,8 @@ async fn only_the_leader_manages_the_configurations_and_every_replica_serves() -
         "2s",
         "--webhook-managed",
         "capstan-e2e",
+        "--webhook-ca-secret",
+        "capstan-e2e-webhook-ca",
     ];
     let start = |name: &'static str| {
         let env = &env;
@@ -491,6 +493,24 @@ async fn only_the_leader_manages_the_configurations_and_every_replica_serves() -
         !url(&written).contains(&b_listen),
         "written by the leader, with its own address"
     );
+    // One CA, kept in the Secret, signs both replicas' certificates: the bundle the leader
+    // wrote is trusted by the standby's server too (as the API server will find in a rollout).
+    let bundle = written
+        .webhooks
+        .as_ref()
+        .and_then(|w| w.first())
+        .and_then(|w| w.client_config.ca_bundle.clone())
+        .context("a CA bundle")?;
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), "default");
+    let kept = secrets.get("capstan-e2e-webhook-ca").await?;
+    assert_eq!(
+        kept.data
+            .as_ref()
+            .and_then(|d| d.get("ca.crt"))
+            .map(|b| b.0.clone()),
+        Some(bundle.0.clone())
+    );
+    handshake(&b_listen, &bundle.0).await?;
 
     // The leader goes away: the standby takes over and writes them (pointing at itself).
     a.process.kill().await?;
@@ -515,6 +535,90 @@ async fn only_the_leader_manages_the_configurations_and_every_replica_serves() -
     assert!(
         api.get_opt("capstan-e2e").await?.is_none(),
         "removed by the leader on exit"
+    );
+    Ok(())
+}
+
+/// A TLS handshake with the webhook server at `listen`, trusting only `ca_pem`.
+async fn handshake(listen: &str, ca_pem: &[u8]) -> Result<()> {
+    use rustls_pki_types::{CertificateDer, ServerName, pem::PemObject as _};
+    use tokio_rustls::{TlsConnector, rustls};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem) {
+        roots.add(cert?)?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(listen).await?;
+    let name = ServerName::try_from("127.0.0.1")?.to_owned();
+    TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .context("the server's certificate is not trusted through the bundle")?;
+    Ok(())
+}
+
+/// Without a shared CA each replica would generate its own, and the API server trusts only the
+/// leader's: refused at start with `--webhooks=on`, and when the first admission handler
+/// registers with `auto` (nothing is served then).
+#[tokio::test]
+async fn a_generated_certificate_with_leader_election_needs_a_shared_ca() -> Result<()> {
+    use capstan_tests::{
+        process::{Controller, capstan_binary, start_handler},
+        testenv::TestEnv,
+    };
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let listen = format!("127.0.0.1:{}", free_port()?);
+
+    let out = tokio::time::timeout(
+        LONG,
+        tokio::process::Command::new(capstan_binary().await?)
+            .args(["run", "--listen"])
+            .arg(format!("unix://{}", env.scratch().join("refused.sock").display()))
+            .args(["--admin-listen", &format!("127.0.0.1:{}", free_port()?)])
+            .args([
+                "--leader-election",
+                "--webhooks",
+                "on",
+                "--webhook-listen",
+                &listen,
+            ])
+            .env("KUBECONFIG", &env.kubeconfig)
+            .env("NO_COLOR", "1")
+            .output(),
+    )
+    .await
+    .context("the controller did not stop")??;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("needs a CA shared by the replicas") && text.contains("--webhook-ca-secret"),
+        "{text}"
+    );
+
+    let mut c = Controller::start(&env, "auto", &["--leader-election", "--webhook-listen", &listen]).await?;
+    let _handler = start_handler(
+        &env,
+        "auto-handler",
+        &c.endpoint(),
+        &[("E2E_HANDLERS", "validate")],
+    )?;
+    c.process
+        .wait_for("admission handlers are not served", LONG)
+        .await?;
+    assert!(c.process.output().contains("--webhook-ca-secret"));
+    assert!(
+        tokio::net::TcpStream::connect(&listen).await.is_err(),
+        "nothing listens"
     );
     Ok(())
 }

@@ -278,3 +278,112 @@ async fn certificate_files_replaced_on_disk_are_served_without_a_restart() -> Re
     );
     Ok(())
 }
+
+/// A TLS connector trusting `ca_pem` and presenting `client` (chain and key) when given.
+fn client_connector(ca_pem: &str, client: Option<&Generated>) -> Result<TlsConnector> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert?)?;
+    }
+    let builder =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots);
+    let config = match client {
+        Some(c) => {
+            let chain = CertificateDer::pem_slice_iter(c.chain.as_bytes()).collect::<Result<Vec<_>, _>>()?;
+            let key = rustls_pki_types::PrivateKeyDer::from_pem_slice(c.key.as_bytes())?;
+            builder.with_client_auth_cert(chain, key)?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    Ok(TlsConnector::from(Arc::new(config)))
+}
+
+/// POSTs a review presenting `client`; `None` when the server refused the caller (no TLS
+/// session, or no HTTP answer).
+async fn post_as(port: u16, ca_pem: &str, client: Option<&Generated>, body: &[u8]) -> Result<Option<u16>> {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    let name = ServerName::try_from("127.0.0.1")?.to_owned();
+    let connector = client_connector(ca_pem, client)?;
+    let Ok(Ok(mut tls)) = tokio::time::timeout(Duration::from_secs(10), connector.connect(name, tcp)).await
+    else {
+        return Ok(None);
+    };
+    let head = format!(
+        "POST /validate?timeout=5s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    // With TLS 1.3 the server's verdict on the client certificate arrives after the handshake.
+    if tls.write_all(head.as_bytes()).await.is_err() || tls.write_all(body).await.is_err() {
+        return Ok(None);
+    }
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut out)).await;
+    let text = String::from_utf8_lossy(&out);
+    Ok(text.split_whitespace().nth(1).and_then(|s| s.parse().ok()))
+}
+
+#[tokio::test]
+async fn with_a_client_ca_only_callers_with_its_certificate_are_served() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let serving = certs::generate_pem(&certs::names(None, &[]))?;
+    write_certs(dir.path(), &serving)?;
+    let caller = certs::generate_client_pem("kube-apiserver")?;
+    let stranger = certs::generate_client_pem("kube-apiserver")?;
+    let ca_file = dir.path().join("client-ca.crt");
+    std::fs::write(&ca_file, &caller.ca)?;
+    let port = free_port()?;
+    let listen = format!("127.0.0.1:{port}");
+    let cert_dir = dir.path().to_string_lossy().into_owned();
+    let client_ca = ca_file.to_string_lossy().into_owned();
+    let s = Scenario::start(
+        "validate",
+        &[
+            "--webhooks",
+            "on",
+            "--webhook-listen",
+            &listen,
+            "--webhook-cert-dir",
+            &cert_dir,
+            "--webhook-client-ca",
+            &client_ca,
+            "--webhook-cert-poll",
+            "300ms",
+        ],
+    )
+    .await?;
+    let body = review("examples", 1);
+    assert_eq!(post_as(port, &serving.ca, Some(&caller), &body).await?, Some(200));
+    assert_eq!(
+        post_as(port, &serving.ca, None, &body).await?,
+        None,
+        "no client certificate"
+    );
+    assert_eq!(
+        post_as(port, &serving.ca, Some(&stranger), &body).await?,
+        None,
+        "a certificate of another CA"
+    );
+
+    // The CA file is replaced: the new CA's callers are served, the old one's no longer.
+    std::fs::write(&ca_file, &stranger.ca)?;
+    let deadline = tokio::time::Instant::now() + LONG;
+    while post_as(port, &serving.ca, Some(&stranger), &body).await? != Some(200) {
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "the replaced client CA is not used\n{}",
+                tail(&s.controller.process.output(), 40)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(post_as(port, &serving.ca, Some(&caller), &body).await?, None);
+    assert!(
+        s.controller
+            .process
+            .output()
+            .contains("webhook client CA reloaded")
+    );
+    Ok(())
+}

@@ -79,6 +79,19 @@ async fn the_chart_renders_the_webhook_pieces_in_each_certificate_mode() -> Resu
         "kube-system and the release namespace are never sent to the webhooks"
     );
     ensure!(env_value(&docs, "CAPSTAN_WEBHOOK_CERT_DIR").is_none());
+    ensure!(
+        env_value(&docs, "CAPSTAN_WEBHOOK_CA_SECRET").as_deref() == Some("web-capstan-webhook-ca"),
+        "one CA for every replica, kept in a Secret"
+    );
+    let ca_role = docs
+        .iter()
+        .find(|d| d.contains("kind: Role\n") && d.contains("name: web-capstan-webhook-ca\n"))
+        .context("the Role for the CA Secret")?;
+    ensure!(
+        ca_role.contains("resourceNames: [web-capstan-webhook-ca]") && ca_role.contains("verbs: [create]"),
+        "{ca_role}"
+    );
+    ensure!(has_kind(&docs, "RoleBinding", "web-capstan-webhook-ca"));
     ensure!(has_kind(&docs, "ClusterRole", "web-capstan-webhooks"));
     let role = docs
         .iter()
@@ -103,6 +116,20 @@ async fn the_chart_renders_the_webhook_pieces_in_each_certificate_mode() -> Resu
     ensure!(out.contains("- web-capstan-webhook.ops.svc\n") && out.contains("kind: ClusterIssuer"));
     ensure!(out.contains("secretName: web-capstan-webhook-tls"));
     ensure!(env_value(&docs, "CAPSTAN_WEBHOOK_CERT_DIR").as_deref() == Some("/run/capstan-webhook-tls"));
+    ensure!(env_value(&docs, "CAPSTAN_WEBHOOK_CA_SECRET").is_none());
+    ensure!(!has_kind(&docs, "Role", "web-capstan-webhook-ca"));
+
+    // Several replicas with leader election and a generated certificate: one shared CA.
+    let (out, docs) = rendered(&[
+        "webhooks.enabled=true",
+        "replicas=2",
+        "leaderElection.enabled=true",
+    ])
+    .await?;
+    ensure!(
+        env_value(&docs, "CAPSTAN_WEBHOOK_CA_SECRET").as_deref() == Some("web-capstan-webhook-ca"),
+        "{out}"
+    );
 
     // An existing Secret, configurations written by the user: no Certificate, no RBAC for
     // webhook configurations.
@@ -128,14 +155,6 @@ async fn the_chart_renders_the_webhook_pieces_in_each_certificate_mode() -> Resu
         (
             vec!["webhooks.enabled=true", "webhooks.configurations=unmanaged"],
             "needs webhooks.configurations=managed",
-        ),
-        (
-            vec![
-                "webhooks.enabled=true",
-                "replicas=2",
-                "leaderElection.enabled=true",
-            ],
-            "works with one replica only",
         ),
         (
             vec!["webhooks.enabled=true", "webhooks.certificate.source=certManager"],
@@ -209,11 +228,38 @@ async fn the_charts_webhook_rbac_is_enough_to_manage_the_configurations() -> Res
     ensure!(can("patch", "validatingwebhookconfigurations/web-capstan").await?);
     ensure!(!can("patch", "validatingwebhookconfigurations/someone-elses").await?);
     ensure!(!can("list", "mutatingwebhookconfigurations").await?);
+    let in_ns = |verb: &'static str, what: &'static str| {
+        let env = &env;
+        let kubeconfig = kubeconfig.clone();
+        async move {
+            let out = env
+                .kubectl()
+                .arg("--kubeconfig")
+                .arg(&kubeconfig)
+                .args(["auth", "can-i", verb, what, "-n", "capstan-system"])
+                .output()
+                .await?;
+            Ok::<_, anyhow::Error>(String::from_utf8_lossy(&out.stdout).trim() == "yes")
+        }
+    };
+    ensure!(in_ns("get", "secrets/web-capstan-webhook-ca").await?);
+    ensure!(!in_ns("get", "secrets/someone-elses").await?);
+    ensure!(!in_ns("list", "secrets").await?);
+    ensure!(in_ns("create", "secrets").await?);
 
     // As the chart runs it (in development mode on loopback, so that the API server reaches it).
     let port = free_port()?;
     let listen = format!("127.0.0.1:{port}");
-    let args = ["--webhook-listen", &listen, "--webhook-managed", "web-capstan"];
+    let args = [
+        "--webhook-listen",
+        &listen,
+        "--webhook-managed",
+        "web-capstan",
+        "--webhook-service-namespace",
+        ns,
+        "--webhook-ca-secret",
+        "web-capstan-webhook-ca",
+    ];
     let mut s = Scenario::attach(env, &kubeconfig, "validate", &args, "default").await?;
     let api: Api<ValidatingWebhookConfiguration> = Api::all(s.client.clone());
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
@@ -225,6 +271,11 @@ async fn the_charts_webhook_rbac_is_enough_to_manage_the_configurations() -> Res
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(s.client.clone(), ns);
+    ensure!(
+        secrets.get_opt("web-capstan-webhook-ca").await?.is_some(),
+        "the CA kept in its Secret"
+    );
     s.controller.process.terminate().await?;
     ensure!(api.get_opt("web-capstan").await?.is_none(), "removed on exit");
     let refused: Vec<Value> = s
@@ -241,5 +292,85 @@ async fn the_charts_webhook_rbac_is_enough_to_manage_the_configurations() -> Res
         .collect();
     ensure!(refused.is_empty(), "the controller was refused: {refused:?}");
     s.handler.terminate().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_chart_mounts_the_client_ca_and_opens_the_webhook_port_to_webhook_from() -> Result<()> {
+    // Without a client CA: no flag, no mount; the webhook port is open to every address (the
+    // API server is not a pod), as networkPolicy.webhookFrom says by default.
+    let (out, docs) = rendered(&["webhooks.enabled=true"]).await?;
+    ensure!(env_value(&docs, "CAPSTAN_WEBHOOK_CLIENT_CA").is_none());
+    ensure!(!out.contains("webhook-client-ca"));
+    let policy = docs
+        .iter()
+        .find(|d| d.contains("kind: NetworkPolicy\n"))
+        .context("the NetworkPolicy")?;
+    ensure!(
+        policy.contains("- port: webhook")
+            && policy.contains("cidr: 0.0.0.0/0")
+            && policy.contains("cidr: ::/0"),
+        "{policy}"
+    );
+
+    // Narrowed, and with the CA from a Secret.
+    let (out, docs) = rendered(&[
+        "webhooks.enabled=true",
+        "webhooks.clientCA.secretName=apiserver-client-ca",
+        "networkPolicy.webhookFrom[0].ipBlock.cidr=10.0.0.0/24",
+    ])
+    .await?;
+    ensure!(
+        env_value(&docs, "CAPSTAN_WEBHOOK_CLIENT_CA").as_deref()
+            == Some("/run/capstan-webhook-client-ca/ca.crt"),
+        "{out}"
+    );
+    ensure!(out.contains("mountPath: /run/capstan-webhook-client-ca"));
+    ensure!(out.contains("secretName: apiserver-client-ca"));
+    let policy = documents(&out)
+        .into_iter()
+        .find(|d| d.contains("kind: NetworkPolicy\n"))
+        .context("the NetworkPolicy")?;
+    ensure!(
+        policy.contains("cidr: 10.0.0.0/24") && !policy.contains("0.0.0.0/0"),
+        "{policy}"
+    );
+
+    // From a ConfigMap, under another key.
+    let (out, docs) = rendered(&[
+        "webhooks.enabled=true",
+        "webhooks.clientCA.configMapName=front-proxy-ca",
+        "webhooks.clientCA.key=client-ca.pem",
+    ])
+    .await?;
+    ensure!(
+        env_value(&docs, "CAPSTAN_WEBHOOK_CLIENT_CA").as_deref()
+            == Some("/run/capstan-webhook-client-ca/client-ca.pem")
+    );
+    ensure!(
+        out.contains("configMap:\n") && out.contains("name: front-proxy-ca"),
+        "{out}"
+    );
+
+    // Both sources at once cannot be meant.
+    let mut set = BASE.to_vec();
+    set.extend([
+        "webhooks.enabled=true",
+        "webhooks.clientCA.secretName=a",
+        "webhooks.clientCA.configMapName=b",
+    ]);
+    let outcome = Render {
+        release: "web",
+        namespace: "ops",
+        set,
+        ..Render::default()
+    }
+    .outcome()
+    .await?;
+    ensure!(
+        !outcome.success && outcome.stderr.contains("secretName or configMapName"),
+        "{}",
+        outcome.stderr
+    );
     Ok(())
 }

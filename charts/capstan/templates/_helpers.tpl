@@ -165,14 +165,17 @@ says what to change. Rendered by templates/validate.yaml.
 {{- if and (eq $source "selfSigned") (ne .Values.webhooks.configurations "managed") -}}
 {{- fail "\n\nwebhooks.certificate.source=selfSigned needs webhooks.configurations=managed: the generated CA exists only inside the controller, which puts it into the configurations it manages. Use certManager or existingSecret to write the configurations yourself." -}}
 {{- end -}}
-{{- if and (eq $source "selfSigned") (or (eq .Values.mode "daemonset") (gt (int .Values.replicas) 1)) -}}
-{{- fail "\n\nwebhooks.certificate.source=selfSigned works with one replica only: every pod would generate its own CA, and the API server trusts one. Use webhooks.certificate.source=certManager or existingSecret." -}}
-{{- end -}}
 {{- if and (eq $source "certManager") (not .Values.webhooks.certificate.certManager.issuerName) -}}
 {{- fail "\n\nwebhooks.certificate.source=certManager needs webhooks.certificate.certManager.issuerName: the cert-manager Issuer or ClusterIssuer that signs the webhook's certificate." -}}
 {{- end -}}
 {{- if and (eq $source "existingSecret") (not .Values.webhooks.certificate.existingSecret) -}}
 {{- fail "\n\nwebhooks.certificate.source=existingSecret needs webhooks.certificate.existingSecret: the name of a kubernetes.io/tls Secret in the release namespace." -}}
+{{- end -}}
+{{- if and .Values.webhooks.clientCA.secretName .Values.webhooks.clientCA.configMapName -}}
+{{- fail "\n\nwebhooks.clientCA takes secretName or configMapName, not both." -}}
+{{- end -}}
+{{- if and (include "capstan.webhookClientCA" .) (not .Values.webhooks.clientCA.key) -}}
+{{- fail "\n\nwebhooks.clientCA.key names the file of the CA bundle in the Secret or ConfigMap (for example ca.crt)." -}}
 {{- end -}}
 {{- end -}}
 {{- range .Values.rbac.resources -}}
@@ -287,6 +290,13 @@ The environment of the capstan container: how the chart configures `capstan run`
 {{- if ne .Values.webhooks.certificate.source "selfSigned" }}
 - name: CAPSTAN_WEBHOOK_CERT_DIR
   value: /run/capstan-webhook-tls
+{{- else }}
+- name: CAPSTAN_WEBHOOK_CA_SECRET
+  value: {{ include "capstan.webhookCASecret" . | quote }}
+{{- end }}
+{{- if include "capstan.webhookClientCA" . }}
+- name: CAPSTAN_WEBHOOK_CLIENT_CA
+  value: {{ printf "/run/capstan-webhook-client-ca/%s" .Values.webhooks.clientCA.key | quote }}
 {{- end }}
 {{- else }}
 - name: CAPSTAN_WEBHOOKS
@@ -378,6 +388,11 @@ The capstan container. As a native sidecar (an initContainer) it carries
     {{- if include "capstan.webhookSecret" . }}
     - name: webhook-tls
       mountPath: /run/capstan-webhook-tls
+      readOnly: true
+    {{- end }}
+    {{- if include "capstan.webhookClientCA" . }}
+    - name: webhook-client-ca
+      mountPath: /run/capstan-webhook-client-ca
       readOnly: true
     {{- end }}
 {{- end -}}
@@ -552,6 +567,19 @@ spec:
       secret:
         secretName: {{ . }}
     {{- end }}
+    {{- if include "capstan.webhookClientCA" . }}
+    # The CA of the client certificates the webhook callers must present (reloaded on change).
+    - name: webhook-client-ca
+      {{- with .Values.webhooks.clientCA }}
+      {{- if .secretName }}
+      secret:
+        secretName: {{ .secretName }}
+      {{- else }}
+      configMap:
+        name: {{ .configMapName }}
+      {{- end }}
+      {{- end }}
+    {{- end }}
     {{- if .Values.handler.apiAccess }}
     # The handler's own identity: an expiring token of its ServiceAccount, ca.crt and
     # namespace, written and renewed by the controller (`--handler-identity`).
@@ -647,6 +675,22 @@ The Secret holding the webhook certificate; empty when the controller generates 
 {{- else if eq .Values.webhooks.certificate.source "existingSecret" -}}
 {{- .Values.webhooks.certificate.existingSecret -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The Secret keeping the CA of the generated webhook certificates, shared by every replica.
+*/}}
+{{- define "capstan.webhookCASecret" -}}
+{{- printf "%s-webhook-ca" (include "capstan.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+"true" when the webhook callers must present a client certificate (webhooks.clientCA).
+*/}}
+{{- define "capstan.webhookClientCA" -}}
+{{- if and .Values.webhooks.enabled (or .Values.webhooks.clientCA.secretName .Values.webhooks.clientCA.configMapName) -}}
+true
 {{- end -}}
 {{- end -}}
 

@@ -32,6 +32,18 @@ pub struct WebhookArgs {
     #[arg(long, env = "CAPSTAN_WEBHOOK_CERT_POLL", value_parser = parse_duration, default_value = "10s")]
     pub webhook_cert_poll: Duration,
 
+    /// A PEM CA bundle: only callers presenting a client certificate signed by one of its CAs
+    /// are served (the API server, configured with `--admission-control-config-file`);
+    /// reloaded when the file changes. Without it any peer that reaches the port is served.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_CLIENT_CA")]
+    pub webhook_client_ca: Option<PathBuf>,
+
+    /// Keep the CA of generated certificates in this Secret (in the Service's namespace), so
+    /// that every replica's certificate is signed by one CA: created by the first replica,
+    /// read by the others. Needed with leader election and no --webhook-cert-dir.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_CA_SECRET")]
+    pub webhook_ca_secret: Option<String>,
+
     /// More DNS names or IP addresses for a generated certificate (comma-separated).
     #[arg(long, env = "CAPSTAN_WEBHOOK_CERT_NAMES", value_delimiter = ',')]
     pub webhook_cert_names: Vec<String>,
@@ -141,6 +153,13 @@ impl WebhookArgs {
             cert_dir: self.webhook_cert_dir.clone(),
             cert_poll: self.webhook_cert_poll,
             extra_names: self.webhook_cert_names.clone(),
+            client_ca: self.webhook_client_ca.clone(),
+            ca_secret: self
+                .webhook_ca_secret
+                .clone()
+                .filter(|n| !n.is_empty())
+                .map(|name| (namespace.clone(), name)),
+            leader_election: false,
             service: self.webhook_service.clone().map(|name| Service {
                 namespace,
                 name,

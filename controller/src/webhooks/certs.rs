@@ -32,6 +32,8 @@ use tokio_rustls::rustls::{
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::{client_ca::ClientCa, shared_ca::Ca};
+
 /// The serving certificate file in a certificate directory (the `kubernetes.io/tls` Secret key).
 pub const CERT_FILE: &str = "tls.crt";
 /// The private key file in a certificate directory.
@@ -49,6 +51,8 @@ pub enum Source {
     SelfSigned {
         /// The subject alternative names.
         names: Vec<String>,
+        /// The CA that signs it (shared by the replicas); `None`: one made for it.
+        ca: Option<Ca>,
     },
     /// `tls.crt` and `tls.key` (and optionally `ca.crt`) in a directory, looked at every `poll`.
     Files {
@@ -114,7 +118,7 @@ impl Certificates {
     /// When generation fails or the files are missing or unusable.
     pub fn new(source: Source) -> Result<Self, Error> {
         let (key, bundle) = match &source {
-            Source::SelfSigned { names } => generate(names)?,
+            Source::SelfSigned { names, ca } => generate(names, ca.as_ref())?,
             Source::Files { dir, .. } => load(dir)?,
         };
         Ok(Self {
@@ -136,16 +140,20 @@ impl Certificates {
         self.inner.current.read().cert.clone()
     }
 
-    /// A TLS server configuration that asks for the current certificate at every handshake.
+    /// A TLS server configuration that asks for the current certificate at every handshake,
+    /// and with `clients` for a client certificate signed by its current CA.
     ///
     /// # Errors
     /// When the crypto provider does not support the default protocol versions.
-    pub fn server_config(&self) -> Result<rustls::ServerConfig, Error> {
+    pub fn server_config(&self, clients: Option<&ClientCa>) -> Result<rustls::ServerConfig, Error> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()?
-            .with_no_client_auth()
-            .with_cert_resolver(Arc::new(self.clone()));
+        let builder =
+            rustls::ServerConfig::builder_with_provider(provider).with_safe_default_protocol_versions()?;
+        let builder = match clients {
+            Some(ca) => builder.with_client_cert_verifier(Arc::new(ca.clone())),
+            None => builder.with_no_client_auth(),
+        };
+        let mut config = builder.with_cert_resolver(Arc::new(self.clone()));
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(config)
     }
@@ -237,7 +245,7 @@ impl fmt::Debug for Generated {
 /// # Errors
 /// When generation fails.
 pub fn generate_pem(names: &[String]) -> Result<Generated, Error> {
-    let (ca, cert, key) = issue(names)?;
+    let (ca, cert, key) = issue(names, rcgen::ExtendedKeyUsagePurpose::ServerAuth)?;
     Ok(Generated {
         chain: format!("{}{}", cert.pem(), ca.pem()),
         ca: ca.pem(),
@@ -245,12 +253,61 @@ pub fn generate_pem(names: &[String]) -> Result<Generated, Error> {
     })
 }
 
-/// A CA and a serving certificate for `names` signed by it; the CA's PEM is the bundle.
-fn generate(names: &[String]) -> Result<(CertifiedKey, Vec<u8>), Error> {
-    let (ca, cert, key) = issue(names)?;
+/// Generates a CA and a client certificate for `name` signed by it, as the files of
+/// `--webhook-client-ca` (the CA) and of the API server's kubeconfig for the webhook (the
+/// certificate and key) would hold them; for development and tests.
+///
+/// # Errors
+/// When generation fails.
+pub fn generate_client_pem(name: &str) -> Result<Generated, Error> {
+    let (ca, cert, key) = issue(&[name.to_owned()], rcgen::ExtendedKeyUsagePurpose::ClientAuth)?;
+    Ok(Generated {
+        chain: format!("{}{}", cert.pem(), ca.pem()),
+        ca: ca.pem(),
+        key: key.serialize_pem(),
+    })
+}
+
+/// Generates a CA, as a shared CA is kept (`--webhook-ca-secret`).
+///
+/// # Errors
+/// When generation fails.
+pub fn generate_ca() -> Result<Ca, Error> {
+    let ca = new_ca()?;
+    Ok(Ca {
+        cert: ca.pem(),
+        key: ca.key().serialize_pem(),
+    })
+}
+
+/// A serving certificate for `names` signed by `ca`, or by a CA made for it; the CA's PEM is
+/// the bundle.
+fn generate(names: &[String], ca: Option<&Ca>) -> Result<(CertifiedKey, Vec<u8>), Error> {
+    let (ca_pem, cert, key) = match ca {
+        Some(ca) => {
+            let unusable = |what: &str| Error::Pem {
+                path: PathBuf::from("the shared webhook CA"),
+                what: what.to_owned(),
+            };
+            let ca_key = rcgen::KeyPair::from_pem(&ca.key).map_err(|_| unusable("no usable private key"))?;
+            // The stored certificate is not parsed: the same subject and key make the same
+            // issuer of the certificates it signs.
+            let issuer = rcgen::Issuer::new(ca_params()?, ca_key);
+            let (cert, key) = leaf(names, rcgen::ExtendedKeyUsagePurpose::ServerAuth, &issuer)?;
+            (ca.cert.clone(), cert, key)
+        }
+        None => {
+            let (ca, cert, key) = issue(names, rcgen::ExtendedKeyUsagePurpose::ServerAuth)?;
+            (ca.pem(), cert, key)
+        }
+    };
+    let ca_der = CertificateDer::from_pem_slice(ca_pem.as_bytes()).map_err(|e| Error::Pem {
+        path: PathBuf::from("the webhook CA"),
+        what: format!("not a PEM certificate: {e}"),
+    })?;
     let der_key = PrivateKeyDer::Pkcs8(key.serialize_der().into());
-    let certified = certified(vec![cert.der().clone(), ca.der().clone()], &der_key)?;
-    Ok((certified, ca.pem().into_bytes()))
+    let certified = certified(vec![cert.der().clone(), ca_der], &der_key)?;
+    Ok((certified, ca_pem.into_bytes()))
 }
 
 type Issued = (
@@ -259,8 +316,19 @@ type Issued = (
     rcgen::KeyPair,
 );
 
-fn issue(names: &[String]) -> Result<Issued, Error> {
+fn issue(names: &[String], usage: rcgen::ExtendedKeyUsagePurpose) -> Result<Issued, Error> {
+    let ca = new_ca()?;
+    let (cert, key) = leaf(names, usage, &ca)?;
+    Ok((ca, cert, key))
+}
+
+fn new_ca() -> Result<rcgen::CertifiedIssuer<'static, rcgen::KeyPair>, Error> {
     let ca_key = rcgen::KeyPair::generate()?;
+    Ok(rcgen::CertifiedIssuer::self_signed(ca_params()?, ca_key)?)
+}
+
+/// What every webhook CA is: its subject and uses.
+fn ca_params() -> Result<rcgen::CertificateParams, Error> {
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
     ca_params
@@ -271,20 +339,27 @@ fn issue(names: &[String]) -> Result<Issued, Error> {
         rcgen::KeyUsagePurpose::CrlSign,
         rcgen::KeyUsagePurpose::DigitalSignature,
     ];
-    let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key)?;
+    Ok(ca_params)
+}
+
+fn leaf(
+    names: &[String],
+    usage: rcgen::ExtendedKeyUsagePurpose,
+    issuer: &rcgen::Issuer<'_, rcgen::KeyPair>,
+) -> Result<(rcgen::Certificate, rcgen::KeyPair), Error> {
     let mut params = rcgen::CertificateParams::new(names.to_vec())?;
     params.distinguished_name.push(
         rcgen::DnType::CommonName,
         names.first().map_or("capstan-webhook", String::as_str),
     );
-    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    params.extended_key_usages = vec![usage];
     params.key_usages = vec![
         rcgen::KeyUsagePurpose::DigitalSignature,
         rcgen::KeyUsagePurpose::KeyEncipherment,
     ];
     let key = rcgen::KeyPair::generate()?;
-    let cert = params.signed_by(&key, &ca)?;
-    Ok((ca, cert, key))
+    let cert = params.signed_by(&key, issuer)?;
+    Ok((cert, key))
 }
 
 /// Reads `tls.crt`, `tls.key` and, when present, `ca.crt` from `dir`.
@@ -357,11 +432,53 @@ mod tests {
         assert_eq!(names[0], "capstan-webhook.ops.svc");
         assert!(names.contains(&"127.0.0.1".to_owned()));
         assert!(names.contains(&"example.test".to_owned()));
-        let certs = Certificates::new(Source::SelfSigned { names }).expect("generated");
+        let certs = Certificates::new(Source::SelfSigned { names, ca: None }).expect("generated");
         assert_eq!(certs.chain().len(), 2);
         let bundle = certs.ca_bundle().borrow().clone();
         assert!(String::from_utf8_lossy(&bundle).starts_with("-----BEGIN CERTIFICATE-----"));
-        assert!(certs.server_config().is_ok());
+        assert!(certs.server_config(None).is_ok());
+    }
+
+    #[test]
+    fn replicas_with_a_shared_ca_serve_certificates_it_signed() {
+        use rustls::client::danger::ServerCertVerifier as _;
+        let ca = generate_ca().expect("a CA");
+        let names = names(Some(("ops", "capstan-webhook")), &[]);
+        let a = Certificates::new(Source::SelfSigned {
+            names: names.clone(),
+            ca: Some(ca.clone()),
+        })
+        .expect("first replica");
+        let b = Certificates::new(Source::SelfSigned {
+            names,
+            ca: Some(ca.clone()),
+        })
+        .expect("second replica");
+        assert_ne!(a.chain()[0], b.chain()[0], "each replica has its own key");
+        assert_eq!(a.chain()[1], b.chain()[1], "one CA");
+        assert_eq!(a.ca_bundle().borrow().as_slice(), ca.cert.as_bytes());
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(CertificateDer::from_pem_slice(ca.cert.as_bytes()).expect("pem"))
+            .expect("root");
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            Arc::new(roots),
+            Arc::new(rustls::crypto::ring::default_provider()),
+        )
+        .build()
+        .expect("verifier");
+        for certs in [&a, &b] {
+            let chain = certs.chain();
+            verifier
+                .verify_server_cert(
+                    &chain[0],
+                    &chain[1..],
+                    &rustls_pki_types::ServerName::try_from("capstan-webhook.ops.svc").expect("name"),
+                    &[],
+                    rustls_pki_types::UnixTime::now(),
+                )
+                .expect("trusted through the shared CA");
+        }
     }
 
     #[test]

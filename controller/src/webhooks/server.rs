@@ -7,7 +7,7 @@
 //! around Capstan's admission logic, each bounding one way a peer could hold it:
 //! - connections: a fixed number of [`slots`](super::slots); when all are taken the longest
 //!   idle connection gives way (only connections whose review is with the handlers are busy);
-//! - the TLS handshake has a deadline; then hyper's HTTP/1 connection with hyper-util's timer,
+//! - the TLS handshake has a deadline (and, with a client CA, needs a client certificate); then hyper's HTTP/1 connection with hyper-util's timer,
 //!   so that its header-read timeout holds, also for an idle keep-alive connection waiting for
 //!   its next request; a read buffer of at most 64 KiB;
 //! - tower-http's body size limit (413, from `Content-Length` before anything is read) and its
@@ -58,6 +58,7 @@ use super::{
     admission::{Admission, Answer},
     budget::Budget,
     certs::Certificates,
+    client_ca::ClientCa,
     intake::{Admit, Intake, text},
     review,
     slots::{Marker, Slots},
@@ -130,10 +131,11 @@ impl Server {
     pub async fn bind(
         addr: SocketAddr,
         certs: &Certificates,
+        clients: Option<&ClientCa>,
         admission: Admission,
         settings: Settings,
     ) -> Result<Self, Error> {
-        let config = certs.server_config()?;
+        let config = certs.server_config(clients)?;
         let listener = listen(addr, settings.max_connections).map_err(|e| Error::Bind(addr, e))?;
         Ok(Self {
             listener,

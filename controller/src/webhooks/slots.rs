@@ -193,6 +193,7 @@ mod tests {
         tokio::time::advance(Duration::from_secs(1)).await;
         let c = slots.take().await;
         let busy = a.marker().busy();
+        tokio::time::advance(Duration::from_secs(1)).await;
         // Full: b (idle the longest of those not busy) gives way.
         let d = slots.take().await;
         assert!(b.closed().is_cancelled());
