@@ -326,41 +326,15 @@ impl Background {
     }
 }
 
-/// How often the API server is asked whether it answers when no other request told.
-const REACHABILITY_PROBE: Duration = Duration::from_secs(10);
-
-/// How long the reachability probe waits for the server's version.
-const REACHABILITY_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Keeps the API server's reachability fresh: when no request finished for a while (only
-/// long-running watches, or nothing at all to do) or the last one got no answer, asks for the
-/// server's version.
+/// Keeps the API server's reachability fresh (see [`k8s::reachability::probe`]): the version
+/// request goes through the shared client, like every other request.
 async fn probe_reachability(switch: k8s::switch::Switchable, stop: CancellationToken) {
-    let reachability = switch.reachability();
     let client = switch.base();
-    loop {
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = tokio::time::sleep(REACHABILITY_PROBE) => {}
-        }
-        let stale = reachability
-            .idle_for()
-            .is_none_or(|idle| idle >= REACHABILITY_PROBE);
-        if stale || !reachability.is_reachable() {
-            // A hung server is known as such after the probe's own short deadline, not only
-            // after the requests' timeout.
-            tokio::select! {
-                () = stop.cancelled() => return,
-                answer = tokio::time::timeout(REACHABILITY_PROBE_TIMEOUT, client.apiserver_version()) => match answer {
-                    Ok(Ok(_)) => {}
-                    Ok(Err(e)) => debug!(error = %e, "the API server does not answer"),
-                    Err(_) => reachability.failed(format!(
-                        "no answer to a version request within {REACHABILITY_PROBE_TIMEOUT:?}"
-                    )),
-                },
-            }
-        }
-    }
+    let ask = move || {
+        let client = client.clone();
+        async move { client.apiserver_version().await.map(|_| ()) }
+    };
+    k8s::reachability::probe::run(switch.reachability(), ask, stop).await;
 }
 
 /// Freezing by peers and leader election: both pause dispatch through the gate.

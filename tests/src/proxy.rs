@@ -209,8 +209,8 @@ async fn relay(
 }
 
 /// Copies `from` to `to` under the current fault, until either side closes or a fault ends
-/// the connection. On a reset, the socket behind `to` is set to linger 0, so that dropping
-/// both halves sends an RST.
+/// the connection. On a reset, the socket behind `to` is set to linger 0 and its write half
+/// is let go without a FIN, so that dropping the read halves sends an RST and nothing else.
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
@@ -232,7 +232,10 @@ async fn pump(
             // The server went away: open connections are cut.
             Fault::Refused => return,
             Fault::Reset => {
+                // An RST only: dropping a write half would send a FIN first, which the client
+                // would read as an orderly end before the reset.
                 linger_zero(to.as_ref());
+                to.forget();
                 return;
             }
             Fault::HalfClosed if towards_client => {

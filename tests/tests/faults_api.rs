@@ -133,8 +133,8 @@ async fn refused_reset_delayed_and_half_closed_connections_are_survived() -> Res
             injected += 1;
             // The object changes while the controller cannot reach the API server.
             s.create(&name, json!({})).await?;
-            // A frozen connection is known only by a deadline: the controller probes an idle
-            // API server every 10 s and gives the probe 5 s.
+            // A frozen connection is known only by a deadline: the controller asks an API
+            // server that has not answered for 5 s, and gives that request 5 s.
             let outage = if fault == Fault::Frozen {
                 frozen_outage
             } else {
@@ -169,6 +169,62 @@ async fn refused_reset_delayed_and_half_closed_connections_are_survived() -> Res
     ensure!(
         always_ready.is_empty(),
         "/readyz stayed ready through the outages of {always_ready:?}"
+    );
+    Ok(())
+}
+
+/// Polls `/healthz` every 50 ms for `duration`; the answers that were not 200, with their
+/// bodies (which name the failing check).
+async fn healthz_failures(s: &Scenario, duration: Duration) -> Vec<(u16, String)> {
+    let deadline = tokio::time::Instant::now() + duration;
+    let mut failures = Vec::new();
+    while tokio::time::Instant::now() < deadline {
+        if let Ok((code, body)) = s.controller.admin_get("/healthz").await
+            && code != 200
+        {
+            failures.push((code, body));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    failures
+}
+
+#[tokio::test]
+async fn healthz_stays_healthy_from_the_first_moment_the_api_server_stops_accepting() -> Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let (proxy, proxied) = Proxy::in_front_of(&env).await?;
+    let s = Scenario::attach(env, &proxied, "create", &[], "default").await?;
+    s.create("before", json!({})).await?;
+    s.wait("before", Duration::from_secs(30), "handled", handled)
+        .await?;
+
+    let rounds = faults::size(2, 10);
+    let mut failures = Vec::new();
+    for round in 0..rounds {
+        for fault in [Fault::Refused, Fault::Reset] {
+            // The watches are established and the server answered a moment ago: the outage
+            // starts now, and liveness must not follow it at any moment.
+            proxy.set(fault);
+            for (code, body) in healthz_failures(&s, Duration::from_secs(4)).await {
+                failures.push(format!("{fault:?} (round {round}): {code} {body}"));
+            }
+            proxy.set(Fault::None);
+            let name = format!("after-{}-{round}", format!("{fault:?}").to_lowercase());
+            s.create(&name, json!({})).await?;
+            s.wait(
+                &name,
+                Duration::from_secs(90),
+                "handled after the outage",
+                handled,
+            )
+            .await?;
+        }
+    }
+    ensure!(
+        failures.is_empty(),
+        "/healthz failed while only the API server was unreachable:\n{}",
+        failures.join("\n")
     );
     Ok(())
 }

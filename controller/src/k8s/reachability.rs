@@ -7,7 +7,10 @@
 //! the shared client ([`crate::k8s::switch`]) reports here whether the server answered; a
 //! watch that cannot be restarted while the server does not answer counts as an outage, not as
 //! a hung watch. A response with a status code counts as an answer, except `502`/`503`/`504`,
-//! which a load balancer or an API server that is starting sends in place of one.
+//! which a load balancer or an API server that is starting sends in place of one. A server
+//! that answers nothing at all, not even with an error, is noticed by the [`probe`].
+
+pub mod probe;
 
 use std::{sync::Arc, time::Duration};
 
@@ -75,6 +78,11 @@ impl Reachability {
         self.inner.lock().last.map(|t| t.elapsed())
     }
 
+    /// How long ago the server last answered; `None` before the first answer.
+    pub fn since_answered(&self) -> Option<Duration> {
+        self.inner.lock().answered.map(|t| t.elapsed())
+    }
+
     /// Whether the server answered a request at or after `since`.
     pub fn answered_since(&self, since: Instant) -> bool {
         self.inner.lock().answered.is_some_and(|t| t >= since)
@@ -97,12 +105,15 @@ pub fn is_answer(status: http::StatusCode) -> bool {
 }
 
 /// Whether a request error means that the API server did not answer (as opposed to answering
-/// with an error status it can be blamed for): transport failures, timeouts, `429 Too Many
-/// Requests` and server errors.
+/// with an error status it can be blamed for): transport failures — a connection refused, a
+/// connection reset, also under a watch stream that was flowing (`ReadEvents`) — timeouts,
+/// `429 Too Many Requests` and server errors. The first moments of an outage must read as
+/// one: a reset stream taken for "the server answers but refuses" would fail liveness until
+/// the next request found the server gone.
 pub fn is_unanswered(e: &kube::Error) -> bool {
     match e {
         kube::Error::Api(s) => s.code == 429 || s.code >= 500,
-        kube::Error::HyperError(_) | kube::Error::Service(_) => true,
+        kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => true,
         _ => false,
     }
 }
@@ -122,6 +133,18 @@ mod tests {
         assert!(!r.is_reachable() && !r.answered_within(Duration::from_secs(60)));
         r.answered();
         assert!(r.is_reachable() && r.answered_within(Duration::from_secs(60)));
+    }
+
+    #[test]
+    fn a_watch_stream_cut_by_a_reset_is_no_answer() {
+        let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "connection reset by peer");
+        assert!(is_unanswered(&kube::Error::ReadEvents(reset)));
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "connection refused");
+        assert!(is_unanswered(&kube::Error::Service(Box::new(refused))));
+        // An answer the server can be blamed for is one.
+        let forbidden = kube::core::Status::failure("forbidden", "Forbidden").with_code(403);
+        assert!(!is_unanswered(&kube::Error::Api(Box::new(forbidden))));
+        assert!(!is_unanswered(&kube::Error::LinesCodecMaxLineLengthExceeded));
     }
 
     #[test]

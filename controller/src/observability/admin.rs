@@ -32,7 +32,7 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::{body::Bytes, server::conn::http1};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tower::{ServiceBuilder, ServiceExt as _};
 use tower_http::limit::RequestBodyLimitLayer;
@@ -43,6 +43,11 @@ use super::health::{Health, Report};
 
 /// How long the accept loop waits after a failed accept (out of descriptors, mostly).
 pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// Connections the kernel queues until they are accepted (it caps this at `somaxconn`, 4,096
+/// by default): during a burst of connections, a probe waits in the queue rather than having
+/// its connect dropped and retried a second later.
+const BACKLOG: u32 = 4096;
 
 /// How long a connection past its deadline may take to finish its current answer.
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
@@ -95,7 +100,7 @@ impl Admin {
     /// # Errors
     /// [`Error::Bind`].
     pub async fn bind(addr: SocketAddr, settings: Settings, health: Health) -> Result<Self, Error> {
-        let listener = TcpListener::bind(addr).await.map_err(|e| Error::Bind(addr, e))?;
+        let listener = listen(addr).map_err(|e| Error::Bind(addr, e))?;
         Ok(Self {
             listener,
             health,
@@ -145,6 +150,18 @@ impl Admin {
     }
 }
 
+/// A listener on `addr` with a backlog of [`BACKLOG`].
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(BACKLOG)
+}
+
 /// Serves one connection until it ends, is shed, passes its deadline or the endpoint stops.
 async fn connection(
     stream: TcpStream,
@@ -157,12 +174,22 @@ async fn connection(
     // A connection counts as silent (shed first) until its first byte; silence is bounded by
     // the header timeout as well.
     let mut byte = [0u8; 1];
-    let first = tokio::select! {
-        first = stream.peek(&mut byte) => first,
-        () = slot.shed() => return debug!("silent admin connection shed for a newer one"),
-        () = shutdown.cancelled() => return,
-        () = tokio::time::sleep(settings.header_timeout) => return debug!("admin connection sent nothing; closing it"),
-        () = tokio::time::sleep_until(deadline) => return,
+    let silence = tokio::time::sleep(settings.header_timeout);
+    tokio::pin!(silence);
+    let first = loop {
+        tokio::select! {
+            first = stream.peek(&mut byte) => break first,
+            () = slot.shed() => {
+                if has_arrived(&stream) {
+                    slot.spare();
+                    continue;
+                }
+                return debug!("silent admin connection shed for a newer one");
+            }
+            () = shutdown.cancelled() => return,
+            () = &mut silence => return debug!("admin connection sent nothing; closing it"),
+            () = tokio::time::sleep_until(deadline) => return,
+        }
     };
     match first {
         Ok(0) | Err(_) => return,
@@ -197,6 +224,20 @@ async fn connection(
             }
         }
     }
+}
+
+/// Whether bytes have arrived on `stream` that were not read yet, asked of the kernel now
+/// (through a duplicate of its descriptor, non-blocking like the original): the runtime
+/// learns of them only when it next polls its events, which under a flood of connections may
+/// be after the connection was picked to be shed.
+fn has_arrived(stream: &TcpStream) -> bool {
+    use std::os::fd::AsFd as _;
+    stream
+        .as_fd()
+        .try_clone_to_owned()
+        .map(std::net::TcpStream::from)
+        .and_then(|dup| dup.peek(&mut [0u8; 1]))
+        .is_ok_and(|n| n > 0)
 }
 
 fn route<B>(health: &Health, req: &Request<B>) -> Response<Full<Bytes>> {

@@ -50,7 +50,6 @@ struct Entry {
 #[derive(Debug)]
 pub struct Slot {
     id: u64,
-    shed: CancellationToken,
     slots: Slots,
 }
 
@@ -86,15 +85,13 @@ impl Slots {
         if inner.open.len() < inner.capacity {
             let id = inner.next;
             inner.next += 1;
-            let shed = CancellationToken::new();
             inner.open.push_back(Entry {
                 id,
-                shed: shed.clone(),
+                shed: CancellationToken::new(),
                 heard: false,
             });
             return Some(Slot {
                 id,
-                shed,
                 slots: self.clone(),
             });
         }
@@ -126,9 +123,32 @@ impl Slots {
 }
 
 impl Slot {
-    /// Fires when a newer connection needs this slot: the connection must close now.
+    /// Fires when a newer connection needs this slot: the connection must close now (or, if
+    /// it turns out to have sent something meanwhile, [`Slot::spare`] itself).
     pub async fn shed(&self) {
-        self.shed.cancelled().await;
+        let token = {
+            let inner = self.slots.inner.lock();
+            inner
+                .open
+                .iter()
+                .find(|e| e.id == self.id)
+                .map(|e| e.shed.clone())
+        };
+        match token {
+            Some(token) => token.cancelled().await,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Whether this connection was told to close.
+    #[cfg(test)]
+    fn is_shed(&self) -> bool {
+        let inner = self.slots.inner.lock();
+        inner
+            .open
+            .iter()
+            .find(|e| e.id == self.id)
+            .is_some_and(|e| e.shed.is_cancelled())
     }
 
     /// Records that the connection sent something: it is shed only after the silent ones.
@@ -137,6 +157,20 @@ impl Slot {
         if let Some(entry) = inner.open.iter_mut().find(|e| e.id == self.id) {
             entry.heard = true;
         }
+    }
+
+    /// Takes back a shed that reached a connection whose first bytes had arrived but were not
+    /// read yet (a probe in the instant after its connect): it counts as heard and stays, and
+    /// the waiting connection sheds another one.
+    pub fn spare(&self) {
+        {
+            let mut inner = self.slots.inner.lock();
+            if let Some(entry) = inner.open.iter_mut().find(|e| e.id == self.id) {
+                entry.heard = true;
+                entry.shed = CancellationToken::new();
+            }
+        }
+        self.slots.freed.notify_one();
     }
 }
 
@@ -178,7 +212,7 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(5), first.shed())
             .await
             .expect("the oldest is shed");
-        assert!(!second.shed.is_cancelled(), "only one is shed");
+        assert!(!second.is_shed(), "only one is shed");
         assert_eq!((slots.taken(), slots.shed()), (2, 1));
         tokio::task::yield_now().await;
         assert!(!waiting.is_finished(), "no slot before the shed one closed");
@@ -192,7 +226,7 @@ mod tests {
         // A connection that ends frees its slot; a free slot sheds no one.
         drop(third);
         let fourth = taken_now(&slots).expect("a free slot");
-        assert!(!second.shed.is_cancelled() && !fourth.shed.is_cancelled());
+        assert!(!second.is_shed() && !fourth.is_shed());
     }
 
     #[tokio::test]
@@ -202,10 +236,17 @@ mod tests {
         let silent = slots.take().await;
         probe.heard();
         assert!(taken_now(&slots).is_none());
-        assert!(silent.shed.is_cancelled() && !probe.shed.is_cancelled());
+        assert!(silent.is_shed() && !probe.is_shed());
         // While it closes, no one else is shed.
         assert!(taken_now(&slots).is_none());
-        assert!(!probe.shed.is_cancelled());
+        assert!(!probe.is_shed());
         assert_eq!(slots.shed(), 1);
+
+        // It turns out to have sent something: spared, and the other one goes.
+        silent.spare();
+        assert!(taken_now(&slots).is_none());
+        assert!(probe.is_shed() && !silent.is_shed());
+        drop(probe);
+        assert!(taken_now(&slots).is_some());
     }
 }
