@@ -491,8 +491,10 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_WORKER_LIMIT", default_value_t = 128)]
     pub worker_limit: usize,
 
-    /// When a handler is still running this long after other handlers of the same change
-    /// finished, their progress is written first (so a crash does not run them again).
+    /// When a handler is still running this long, the progress so far is written first: that
+    /// of the handlers of the same change that finished before it (so a crash does not run
+    /// them again), and the running handler's start if it has a timeout (so a crash does not
+    /// restart its timeout clock). A lone handler without a timeout costs no such write.
     #[arg(long, env = "CAPSTAN_CHECKPOINT_AFTER", value_parser = parse_duration, default_value = "1s")]
     pub checkpoint_after: Duration,
 

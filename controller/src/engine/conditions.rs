@@ -10,7 +10,13 @@
 //! - `Progressing`: a cause is being handled, or a handler waits for its retry;
 //! - `Degraded`: a handler of the last change failed permanently.
 //!
-//! Conditions of other types (the user's own) are kept as they are. They are set in the
+//! Conditions of other types (the user's own, another controller's) are kept as they are. A
+//! merge patch replaces the `conditions` list whole, so a write that sets it carries the
+//! base's `resourceVersion` as a precondition ([`guard`]): when another writer changed the
+//! object meanwhile (added its own condition while a handler ran), the write conflicts, and the
+//! writer re-reads the object and merges the lists by their key, `type` ([`rebase`]) — the
+//! others' conditions as they are now, ours as the cycle set them — before writing again.
+//! They are set in the
 //! cycle's desired body, so they travel in the cycle's own write: the one PATCH, or for a
 //! resource with a status subresource the cycle's `/status` PATCH (`engine::writing`) — never
 //! a write of their own for a handled change. An unchanged condition is not rewritten. A
@@ -201,6 +207,51 @@ pub fn observe(body: &mut Value) {
     }
 }
 
+/// Makes a write of `status.conditions` conditional on the object being still at `base`'s
+/// version: `patch` is one PATCH's body (of the object or of its `/status`).
+pub fn guard(patch: &mut Value, base: &Value) {
+    if patch.pointer("/status/conditions").is_none() {
+        return;
+    }
+    let Some(version) = base.pointer("/metadata/resourceVersion").cloned() else {
+        return;
+    };
+    if let Some(p) = patch.as_object_mut() {
+        let meta = p.entry("metadata").or_insert_with(|| json!({}));
+        if let Some(meta) = meta.as_object_mut() {
+            meta.insert("resourceVersion".into(), version);
+        }
+    }
+}
+
+/// After a conflict: `desired` (already rebased on `fresh` otherwise) gets the conditions of
+/// `fresh` merged by type with the changes from `original` to `desired` — a condition this
+/// write added or changed is set, one it removed goes, every other is as `fresh` has it.
+pub fn rebase(desired: &mut Value, original: &Value, desired_before: &Value, fresh: &Value) {
+    let list = |body: &Value| -> Vec<Value> {
+        body.pointer("/status/conditions")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let (before, wanted, mut merged) = (list(original), list(desired_before), list(fresh));
+    let of_type = |conditions: &[Value], kind: &Value| conditions.iter().position(|c| c["type"] == *kind);
+    for condition in &wanted {
+        let kind = &condition["type"];
+        if of_type(&before, kind).and_then(|i| before.get(i)) == Some(condition) {
+            continue;
+        }
+        match of_type(&merged, kind).and_then(|i| merged.get_mut(i)) {
+            Some(slot) => *slot = condition.clone(),
+            None => merged.push(condition.clone()),
+        }
+    }
+    for removed in before.iter().filter(|c| of_type(&wanted, &c["type"]).is_none()) {
+        merged.retain(|c| c["type"] != removed["type"]);
+    }
+    object_at(desired, &["status"]).insert("conditions".into(), Value::Array(merged));
+}
+
 /// Whether `body` carries the three conditions already.
 pub fn present(body: &Value) -> bool {
     let Some(conditions) = body.pointer("/status/conditions").and_then(Value::as_array) else {
@@ -333,5 +384,36 @@ mod tests {
         assert_eq!(c["Degraded"]["reason"], "HandlerFailed");
         assert_eq!(c["Ready"]["status"], "False");
         assert_eq!(c["Progressing"]["status"], "False");
+    }
+
+    #[test]
+    fn a_conditions_write_is_guarded_by_the_base_version() {
+        let base = json!({"metadata": {"resourceVersion": "b7"}});
+        let mut patch = json!({"status": {"conditions": []}});
+        guard(&mut patch, &base);
+        assert_eq!(patch["metadata"]["resourceVersion"], "b7");
+        let mut other = json!({"status": {"phase": "x"}});
+        guard(&mut other, &base);
+        assert!(other.get("metadata").is_none(), "only writes of the conditions");
+    }
+
+    #[test]
+    fn a_rebase_keeps_others_conditions_and_applies_ours() {
+        let c = |kind: &str, status: &str| json!({"type": kind, "status": status});
+        let original = json!({"status": {"conditions": [c("Ready", "False"), c("Old", "True")]}});
+        let desired_before =
+            json!({"status": {"conditions": [c("Ready", "True"), c("Progressing", "False")]}});
+        let fresh =
+            json!({"status": {"conditions": [c("Ready", "False"), c("Old", "True"), c("Foreign", "True")]}});
+        let mut desired = fresh.clone();
+        rebase(&mut desired, &original, &desired_before, &fresh);
+        assert_eq!(
+            desired["status"]["conditions"],
+            json!([
+                c("Ready", "True"),
+                c("Foreign", "True"),
+                c("Progressing", "False")
+            ])
+        );
     }
 }

@@ -141,8 +141,8 @@ pub struct Input<'a> {
     pub cancel: &'a CancellationToken,
     /// Writes checkpoints; `None` never checkpoints.
     pub checkpoint: Option<&'a dyn Checkpoint>,
-    /// A handler still running this long after an earlier handler of the same cycle finished
-    /// triggers a checkpoint of the finished ones.
+    /// A handler still running this long triggers a checkpoint of the handlers of the cycle
+    /// that finished before it, and of its start where its timeout needs it.
     pub checkpoint_after: Duration,
     /// Daemons or timers of the object are still running: its finalizer must stay until they
     /// have stopped.

@@ -9,8 +9,9 @@
 //! are scheduled here by the controller's own timer, never by "touch" patches. A write answers
 //! with the object as stored, which is what the write's echo will bring: the worker checks that
 //! version at once (a handler added meanwhile, a webhook's change, the handlers due after a
-//! finalizer's write), and watch events of versions a cycle has seen — the echo, and anything
-//! older — are dropped before they reach a cycle.
+//! finalizer's write), and watch events of versions a cycle has seen — the echo, recognised by
+//! its exact version, and anything that arrived before it — are dropped before they reach a
+//! cycle (resourceVersions are opaque: see `queue::version`).
 //!
 //! # Bounded memory
 //!

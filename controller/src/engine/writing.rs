@@ -307,7 +307,7 @@ impl Writer {
             .unwrap_or(Value::Object(Map::new()));
         strip_server_fields(&mut patch);
         keep_finalizer(&mut patch, base, desired, &self.storage.keys.finalizer, finalizer);
-        let stored = write_patch(&self.objects, resource, &ns, &name, patch, desired).await?;
+        let stored = write_patch(&self.objects, resource, (&ns, &name), patch, base, desired).await?;
         if finalizer == FinalizerChange::Add {
             info!("finalizer added");
         } else if finalizer == FinalizerChange::Remove {
@@ -333,17 +333,22 @@ pub(crate) async fn patch_object(
     };
     strip_server_fields(&mut patch);
     keep_finalizer(&mut patch, base, Some(desired), finalizer, FinalizerChange::Keep);
-    Ok(write_patch(objects, resource, &ns, &name, patch, Some(desired))
-        .await?
-        .unwrap_or_else(|| base.clone()))
+    Ok(
+        write_patch(objects, resource, (&ns, &name), patch, base, Some(desired))
+            .await?
+            .unwrap_or_else(|| base.clone()),
+    )
 }
 
+/// Writes `patch` (split into its `/status` part where the resource has that subresource); a
+/// write of the status conditions is guarded by `base`'s version (see
+/// [`super::conditions::guard`]).
 async fn write_patch(
     objects: &Objects,
     resource: &ResolvedResource,
-    ns: &str,
-    name: &str,
+    (ns, name): (&str, &str),
     mut patch: Value,
+    base: &Value,
     desired: Option<&Value>,
 ) -> Result<Option<Value>, objects::Error> {
     let status = if resource.status_subresource {
@@ -354,7 +359,8 @@ async fn write_patch(
     let mut stored = None;
     let metrics = crate::observability::metrics::global();
     if let Some(status) = status {
-        let status_patch = serde_json::json!({ "status": status });
+        let mut status_patch = serde_json::json!({ "status": status });
+        super::conditions::guard(&mut status_patch, base);
         metrics.api_write(&resource.plural);
         stored = Some(
             objects
@@ -363,6 +369,7 @@ async fn write_patch(
         );
     }
     if patch.as_object().is_some_and(|p| !p.is_empty()) {
+        super::conditions::guard(&mut patch, base);
         metrics.api_write(&resource.plural);
         let result = objects.merge_patch(resource, ns, name, &patch, false).await?;
         if let Some(d) = desired {
@@ -529,6 +536,11 @@ fn rebase(desired: &mut Value, original: &Value, fresh: &Value) {
     if let Some(changes) = merge_diff(original, desired) {
         let mut rebased = fresh.clone();
         json_patch::merge(&mut rebased, &changes);
+        // A merge replaces the conditions list whole: merged by type instead, so that others'
+        // conditions written meanwhile stay.
+        if changes.pointer("/status/conditions").is_some() {
+            super::conditions::rebase(&mut rebased, original, desired, fresh);
+        }
         *desired = rebased;
     }
 }

@@ -28,7 +28,7 @@
 //! # Objects that do not parse
 //!
 //! LIST pages and watch events are split before their objects are parsed, each alone
-//! ([`lines`], [`super::listing`]): an object that does not parse is quarantined (see
+//! (`watch::lines`, [`super::listing`]): an object that does not parse is quarantined (see
 //! [`super::quarantine`]) and the watch goes on past it, instead of failing on it for ever.
 //! A deletion of such an object is still reported, with what its text tells of it.
 //!

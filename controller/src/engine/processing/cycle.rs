@@ -351,9 +351,10 @@ impl<'i, 'a> Cycle<'i, 'a> {
     }
 
     /// Invokes a handler; while it runs longer than the checkpoint time, writes what the
-    /// handlers before it finished and its own start (so that a crash of the controller does
-    /// not restart its `timeout` clock). A handler that answers within the checkpoint time
-    /// costs no write of its own.
+    /// handlers before it finished and, for a handler with a `timeout`, its own start (so that
+    /// a crash of the controller does not restart its timeout clock). A handler that answers
+    /// within the checkpoint time costs no write of its own, nor does a lone handler without
+    /// a timeout however long it runs.
     async fn invoke(
         &mut self,
         reg: &Registration,
@@ -383,19 +384,20 @@ impl<'i, 'a> Cycle<'i, 'a> {
             reg.id.clone(),
             withdrawn.clone(),
         );
-        let outcome = self.checkpointed_invocation(invocation, record, step).await;
+        let outcome = self.checkpointed_invocation(invocation, reg, record, step).await;
         (outcome, withdrawn.load(Ordering::Relaxed))
     }
 
     /// Awaits an invocation, checkpointing the progress so far if it runs past the checkpoint
-    /// time.
+    /// time: the handlers finished before it, and its start where that is used (its timeout).
     async fn checkpointed_invocation(
         &mut self,
         invocation: impl Future<Output = Outcome>,
+        reg: &Registration,
         record: &ProgressRecord,
         step: &Step,
     ) -> Outcome {
-        let unsaved = step.fetched.as_ref() != Some(record);
+        let unsaved = reg.timeout.is_some() && step.fetched.as_ref() != Some(record);
         let Some(checkpoint) = self
             .input
             .checkpoint

@@ -551,14 +551,26 @@ impl Checkpoint for EditedMeanwhile {
     }
 }
 
+/// A cycle of one handler `slow` with a timeout (whose start a checkpoint keeps).
 async fn run_with_checkpoint(invoker: &dyn Invoker, saved: &dyn Checkpoint) -> Plan {
+    run_with_checkpoint_of(invoker, saved, Some(Duration::from_secs(600))).await
+}
+
+/// A cycle of one handler `slow` with `timeout`.
+async fn run_with_checkpoint_of(
+    invoker: &dyn Invoker,
+    saved: &dyn Checkpoint,
+    timeout: Option<Duration>,
+) -> Plan {
     // The whole essence, to show which spec the diff-base comes from.
     let storage = Storage {
         diffbase_extent: Extent::Full,
         ..Storage::annotations("capstan.dev")
     };
     let cancel = CancellationToken::new();
-    let handlers = [reg("slow", HandlerKind::Create)];
+    let mut slow = reg("slow", HandlerKind::Create);
+    slow.timeout = timeout;
+    let handlers = [slow];
     cycle(
         Input {
             body: &body(),
@@ -597,6 +609,16 @@ async fn a_handler_running_past_the_checkpoint_time_has_its_start_written() {
         "{record:?}"
     );
     assert!(plan.done, "the cycle still completes");
+}
+
+/// The start of a handler matters only for its timeout: a lone handler without one writes no
+/// checkpoint however long it runs — one write per change.
+#[tokio::test(start_paused = true)]
+async fn a_lone_handler_without_a_timeout_running_past_the_checkpoint_time_costs_no_checkpoint() {
+    let saved = Saved::default();
+    let plan = run_with_checkpoint_of(&Slow(Duration::from_secs(5)), &saved, None).await;
+    assert!(saved.0.lock().is_empty(), "{:?}", saved.0.lock());
+    assert!(plan.done);
 }
 
 #[tokio::test(start_paused = true)]

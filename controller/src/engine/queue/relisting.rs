@@ -16,7 +16,7 @@
 //! Marked objects get the listed body as their next work; a cycle that starts meanwhile with
 //! a body at least as new (a watch event, which arrived after the mark) clears the mark, so
 //! each object gets one cycle, also when a listing is retried or superseded. resourceVersions
-//! are not compared (see [`super::version`]): a mark is satisfied by a pass that started after
+//! are not compared (see `queue::version`): a mark is satisfied by a pass that started after
 //! the event that marked the object (its snapshot is at least as new); a pass that started
 //! before leaves the mark for a later one, and so does a body listed by a pass that started
 //! before the answer of a write whose echo the object still awaits. The echoes

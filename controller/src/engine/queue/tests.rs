@@ -155,6 +155,13 @@ fn create_fn() -> Registration {
     create
 }
 
+/// [`create_fn`] with a timeout: a checkpoint keeps its start while it runs long.
+fn timed_create_fn() -> Registration {
+    let mut create = create_fn();
+    create.timeout = Some(Duration::from_secs(600));
+    create
+}
+
 /// A queue of the example resource with `handlers`, calling `invoker`.
 fn queue(invoker: Arc<dyn Invoker>, handlers: Vec<Registration>, limit: Arc<Semaphore>) -> Queue {
     queue_of(invoker, handlers, limit, objects())
@@ -1529,7 +1536,11 @@ impl Invoker for WithdrawnTwice {
 #[tokio::test(start_paused = true)]
 async fn the_event_of_a_checkpoint_with_nothing_written_after_it_is_processed() {
     let invoker = Arc::new(WithdrawnTwice::default());
-    let q = queue(invoker.clone(), vec![create_fn()], Arc::new(Semaphore::new(1)));
+    let q = queue(
+        invoker.clone(),
+        vec![timed_create_fn()],
+        Arc::new(Semaphore::new(1)),
+    );
     q.push(EventType::Added, example("10"));
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(
@@ -1591,7 +1602,7 @@ async fn a_write_that_changed_nothing_from_a_composed_body_leaves_its_version_un
     let invoker = Arc::new(WithdrawnOnce::default());
     let q = queue_of(
         invoker.clone(),
-        vec![create_fn()],
+        vec![timed_create_fn()],
         Arc::new(Semaphore::new(1)),
         patching(keeps_version),
     );
