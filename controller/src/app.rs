@@ -73,12 +73,29 @@ impl grpc::Resolver for DiscoveryResolver {
 /// When a subsystem cannot start (no cluster configuration, address in use, peering required
 /// but its CRDs missing) or fails.
 pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<()> {
-    open_node_store(&mut settings)?;
     let core = Core::connect(&settings).await?;
+    let serving = CancellationToken::new();
+    // The admin endpoint answers probes from the start: also while the node-local storage is
+    // waited for (a surge pod of the same DaemonSet may still hold it).
+    let admin = Admin::bind(settings.admin_listen, settings.admin.clone(), core.health.clone()).await?;
+    let admin_addr = admin.local_addr();
+    let mut tasks = JoinSet::new();
+    let admin_stop = serving.clone();
+    tasks.spawn(async move {
+        admin.serve(admin_stop).await;
+        Ok(())
+    });
+    tokio::select! {
+        opened = open_node_store(&mut settings, &core.health) => opened?,
+        () = shutdown.cancelled() => {
+            info!("stopped while waiting for the node-local storage");
+            serving.cancel();
+            return Ok(());
+        }
+    }
     let background = Background::start(&settings, &core);
     core.register_checks();
     let mut pausing = Pausing::start(&settings, &core).await?;
-    let serving = CancellationToken::new();
     let server = grpc::Server::bind(
         settings.listen.clone(),
         core.hub.clone(),
@@ -87,7 +104,6 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
         serving.clone(),
     )
     .await?;
-    let admin = Admin::bind(settings.admin_listen, core.health.clone()).await?;
     let webhooks = crate::webhooks::Webhooks::start(
         &settings.webhooks,
         &core.hub,
@@ -96,7 +112,7 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
         pausing.leading.clone(),
     )
     .await?;
-    info!(listen = %server.local(), admin = ?admin.local_addr(), version = env!("CARGO_PKG_VERSION"), "capstan started");
+    info!(listen = %server.local(), admin = ?admin_addr, version = env!("CARGO_PKG_VERSION"), "capstan started");
 
     let engines = core.engines(&settings, &background);
     engines.register_check(&core.health);
@@ -108,7 +124,7 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
         gate_stop.clone(),
     ));
     engines.start().await;
-    let mut tasks = serve(server, admin, &background.activities, &serving);
+    serve(&mut tasks, server, &background.activities, &serving);
 
     let failed = tokio::select! {
         () = shutdown.cancelled() => None,
@@ -134,16 +150,22 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
     finish(tasks, failed, settings.shutdown_grace).await
 }
 
-/// With `--node-storage`: opens the node's store (before anything runs, so that a directory
-/// that cannot be used stops the start with a clear error) and reports its size in `/metrics`.
-fn open_node_store(settings: &mut Settings) -> Result<()> {
+/// With `--node-storage`: opens the node's store (before any handler runs, so that a
+/// directory that cannot be used stops the start with a clear error) and reports its size in
+/// `/metrics`. Readiness says "waiting for storage" while another process holds it.
+async fn open_node_store(settings: &mut Settings, health: &Health) -> Result<()> {
+    const CHECK: &str = "node-local-storage";
     let Some(spec) = settings.node_store.clone() else {
         return Ok(());
     };
     let keys = settings.engine.storage.keys.clone();
-    let store = Arc::new(crate::persistence::node_store::NodeStore::open(
-        &spec.dir, keys, spec.limit,
-    )?);
+    let waiting = format!(
+        "waiting for storage: opening {} (another process may hold it)",
+        spec.dir.display()
+    );
+    health.readiness(CHECK, move || Check::fail(waiting.clone()));
+    let store = Arc::new(crate::persistence::node_store::NodeStore::open(&spec, keys).await?);
+    health.readiness(CHECK, || Check::pass("node-local storage opened"));
     info!(dir = %spec.dir.display(), objects = store.entries(), bytes = store.bytes(), "node-local storage opened");
     let metrics = crate::observability::metrics::global();
     let s = store.clone();
@@ -420,18 +442,12 @@ impl Pausing {
 /// The tasks whose end ends the controller: the gRPC server, the admin endpoint, and a
 /// startup handler that fails for good.
 fn serve(
+    tasks: &mut JoinSet<Result<()>>,
     server: grpc::Server,
-    admin: Admin,
     activities: &Activities,
     serving: &CancellationToken,
-) -> JoinSet<Result<()>> {
-    let mut tasks = JoinSet::new();
+) {
     tasks.spawn(async move { server.serve().await.map_err(crate::error::Error::from) });
-    let admin_stop = serving.clone();
-    tasks.spawn(async move {
-        admin.serve(admin_stop).await;
-        Ok(())
-    });
     let activities = activities.clone();
     let stop = serving.clone();
     tasks.spawn(async move {
@@ -440,7 +456,6 @@ fn serve(
             () = stop.cancelled() => Ok(()),
         }
     });
-    tasks
 }
 
 /// Runs cleanup handlers once resource work is drained and the engine stopped: only they

@@ -47,8 +47,9 @@ pub enum Command {
     Resume(ResumeArgs),
     /// Print the peering CRDs (`capstan crds | kubectl apply -f -`).
     Crds,
-    /// Prepare a node-local storage directory for a non-root controller: create it, give it
-    /// to UID:GID, mode 0700 (the chart's init container, with only the CHOWN capability).
+    /// Prepare a node-local storage directory for a non-root controller: claim it for the
+    /// release (`--claim`), create it, give it to UID:GID, mode 0711 (the chart's init
+    /// container, with only the CHOWN and FOWNER capabilities).
     PrepareStorage(PrepareStorageArgs),
     /// Print the version and the protocol version.
     Version,
@@ -192,6 +193,10 @@ pub struct PrepareStorageArgs {
     /// The owner, UID:GID.
     #[arg(long, default_value = "65532:65532", value_parser = parse_owner)]
     pub owner: (u32, u32),
+    /// The release the directory belongs to (the chart's `<namespace>/<release>`): refused when
+    /// another release claimed it, or a directory inside or around it.
+    #[arg(long, env = "CAPSTAN_NODE_STORAGE_CLAIM")]
+    pub claim: Option<String>,
 }
 
 fn parse_owner(s: &str) -> Result<(u32, u32), String> {
@@ -227,6 +232,21 @@ pub struct RunArgs {
     /// Address of the admin HTTP endpoint serving /healthz and /readyz.
     #[arg(long, env = "CAPSTAN_ADMIN_LISTEN", default_value = "0.0.0.0:8080")]
     pub admin_listen: SocketAddr,
+
+    /// Most connections to the admin endpoint open at once; a new connection beyond them
+    /// closes the oldest, so that a flood of idle connections neither exhausts descriptors
+    /// nor keeps the kubelet's probes out.
+    #[arg(long, env = "CAPSTAN_ADMIN_CONNECTIONS", default_value_t = 64)]
+    pub admin_connections: usize,
+
+    /// How long a connection to the admin endpoint may take to send a request's headers, and
+    /// how long an idle kept-alive connection stays open.
+    #[arg(long, env = "CAPSTAN_ADMIN_HEADER_TIMEOUT", value_parser = parse_duration, default_value = "5s")]
+    pub admin_header_timeout: Duration,
+
+    /// How long one connection to the admin endpoint may stay open, whatever it does.
+    #[arg(long, env = "CAPSTAN_ADMIN_REQUEST_TIMEOUT", value_parser = parse_duration, default_value = "10s")]
+    pub admin_request_timeout: Duration,
 
     /// Log format.
     #[arg(long, env = "CAPSTAN_LOG_FORMAT", value_enum, default_value_t = logging::Format::Text)]
@@ -344,6 +364,13 @@ pub struct RunArgs {
     /// handled again after a restart).
     #[arg(long, env = "CAPSTAN_NODE_STORAGE_LIMIT_MIB", default_value_t = 1024)]
     pub node_storage_limit_mib: u64,
+
+    /// The release the node-local storage directory belongs to (the chart passes
+    /// `<namespace>/<release>`): written into the directory's `.capstan-claim` on first use;
+    /// a directory claimed by another release, inside or around one, or reached through a
+    /// symbolic link is refused.
+    #[arg(long, env = "CAPSTAN_NODE_STORAGE_CLAIM", value_name = "NAME")]
+    pub node_storage_claim: Option<String>,
 
     /// In per-node mode, how the node's storage prefix is laid out: `{prefix}` (the persistence
     /// prefix) and `{node}` (the node name as a DNS label) or `{node_short}` (its first
@@ -685,6 +712,11 @@ impl RunArgs {
         let mut settings = Settings {
             listen: self.listen.clone(),
             admin_listen: self.admin_listen,
+            admin: crate::observability::admin::Settings {
+                connections: self.admin_connections.max(1),
+                header_timeout: self.admin_header_timeout,
+                request_timeout: self.admin_request_timeout,
+            },
             shutdown_grace: self.shutdown_grace,
             discovery_ttl: self.discovery_ttl,
             api_timeout: self.api_timeout,
@@ -793,11 +825,13 @@ impl RunArgs {
     pub fn node_store_spec(&self) -> Option<crate::persistence::node_store::Spec> {
         let value = self.node_storage.as_deref()?;
         self.node()?;
-        crate::persistence::node_store::Spec::parse(
+        let mut spec = crate::persistence::node_store::Spec::parse(
             value,
             self.node_storage_limit_mib.saturating_mul(1 << 20),
         )
-        .ok()
+        .ok()?;
+        spec.claim.clone_from(&self.node_storage_claim);
+        Some(spec)
     }
 
     /// The node's name in per-node mode.

@@ -19,6 +19,8 @@ pub struct Settings {
     pub listen: Listen,
     /// Where the admin HTTP endpoint listens. Default `0.0.0.0:8080`.
     pub admin_listen: SocketAddr,
+    /// Connection cap and deadlines of the admin endpoint.
+    pub admin: crate::observability::admin::Settings,
     /// Per-connection protocol settings (pings, caps, sizes).
     pub connection: grpc::connection::Settings,
     /// Dispatch settings (cancel grace, poison-pill guard).
@@ -48,6 +50,7 @@ impl Default for Settings {
         Self {
             listen: Listen::Unix("/run/capstan/capstan.sock".into()),
             admin_listen: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            admin: crate::observability::admin::Settings::default(),
             connection: grpc::connection::Settings::default(),
             hub: grpc::hub::Settings::default(),
             shutdown_grace: Duration::from_secs(20),

@@ -13,6 +13,7 @@ pub mod lease;
 pub mod listing;
 pub mod objects;
 pub mod peering;
+pub mod quarantine;
 pub mod reachability;
 pub mod switch;
 pub mod transport;

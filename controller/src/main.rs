@@ -50,7 +50,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::PrepareStorage(args) => {
-            match capstan::persistence::node_store::prepare(&args.dir, args.owner) {
+            match capstan::persistence::node_store::prepare(&args.dir, args.owner, args.claim.as_deref()) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("capstan: {}", capstan::diagnostic::chain(&e));

@@ -5,7 +5,9 @@
 //! The parts, one per file:
 //! - [`review`]: the `AdmissionReview` document in and out;
 //! - [`admission`]: which handlers apply, their invocations, the combined verdict;
-//! - [`server`]: the TLS listener and its HTTP routes;
+//! - [`server`]: the TLS listener and the stack of layers around the admission logic;
+//! - [`slots`], [`budget`] and [`intake`]: the connection slots, the memory budget, and the
+//!   reading of a request into a typed review within them;
 //! - [`certs`]: the serving certificate, generated or read from (reloaded) files;
 //! - [`configs`] and [`managed`]: the managed webhook configurations;
 //! - [`args`]: the `capstan run` flags.
@@ -27,11 +29,14 @@
 
 pub mod admission;
 pub mod args;
+pub mod budget;
 pub mod certs;
 pub mod configs;
+pub mod intake;
 pub mod managed;
 pub mod review;
 pub mod server;
+pub mod slots;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 

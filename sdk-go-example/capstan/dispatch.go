@@ -29,7 +29,7 @@ type subhandler struct {
 func dispatch(ctx context.Context, h *handler, inv *Invocation, states []*pb.SubhandlerState) *pb.InvocationResult {
 	if h.spec.kind == KindIndex && inv.IndexDeleted {
 		// The object left the index: its entries go, and the handler is not called (kopf).
-		if x := inv.indexes.get(h.spec.id, false); x != nil {
+		if x := inv.indexes.get(h.spec.id); x != nil {
 			x.drop(inv.objectKey())
 		}
 		return &pb.InvocationResult{Outcome: &pb.InvocationResult_Success{Success: &pb.Success{}}}
@@ -37,7 +37,7 @@ func dispatch(ctx context.Context, h *handler, inv *Invocation, states []*pb.Sub
 	if h.spec.when != nil && !h.spec.when(inv) {
 		if h.spec.kind == KindIndex {
 			// kopf: an object the index handler's filters reject is not in that index.
-			if x := inv.indexes.get(h.spec.id, false); x != nil {
+			if x := inv.indexes.get(h.spec.id); x != nil {
 				x.drop(inv.objectKey())
 			}
 		}
@@ -106,7 +106,7 @@ func dispatch(ctx context.Context, h *handler, inv *Invocation, states []*pb.Sub
 // folded in; a failure drops the object's entries, except an unclassified error under the
 // IGNORED errors mode (the default of index handlers), which keeps them.
 func foldIndex(ctx context.Context, h *handler, inv *Invocation, value any, err error) {
-	x := inv.indexes.get(h.spec.id, false)
+	x := inv.indexes.get(h.spec.id)
 	if x == nil {
 		return
 	}

@@ -10,8 +10,10 @@ import (
 // index handler for every object of its resource, again on every change, and with
 // IndexDeleted when the object leaves (deleted, or no longer matching the filters); the
 // results are folded in here as kopf folds them, and handlers read them with
-// [Invocation.Index]. A new stream starts with empty indexes: the controller feeds every
-// object again before any other handler of the process runs.
+// [Invocation.Index]. Indexes belong to one stream (a session): a new stream starts with
+// empty indexes, since the controller feeds every object again before any other handler of
+// the process runs, and an index handler of a lost stream that answers late folds its result
+// into the lost stream's indexes, which no one reads any more.
 
 // IndexKey is a key of an index: the keys of a map result, or [NoneKey] for every other
 // result (kopf's None key).
@@ -180,49 +182,37 @@ func (x *Index) clear() {
 	x.byObject = map[string]held{}
 }
 
-// indexes are the indexes of a process, by index handler id.
+// indexes are the indexes of one session, by index handler id. The set of names is fixed
+// when the session starts; each index guards its own entries.
 type indexes struct {
-	mu     sync.Mutex
 	byName map[string]*Index
 }
 
-// get returns the index name, creating it when create is set.
-func (xs *indexes) get(name string, create bool) *Index {
-	xs.mu.Lock()
-	defer xs.mu.Unlock()
-	if x := xs.byName[name]; x != nil || !create {
-		return x
+// newIndexes returns empty indexes with the given names.
+func newIndexes(names []string) *indexes {
+	xs := &indexes{byName: make(map[string]*Index, len(names))}
+	for _, n := range names {
+		x := &Index{name: n}
+		x.clear()
+		xs.byName[n] = x
 	}
-	if xs.byName == nil {
-		xs.byName = map[string]*Index{}
+	return xs
+}
+
+// get returns the index name, or nil.
+func (xs *indexes) get(name string) *Index {
+	if xs == nil {
+		return nil
 	}
-	x := &Index{name: name}
-	x.clear()
-	xs.byName[name] = x
-	return x
+	return xs.byName[name]
 }
 
 // names returns the index names, sorted.
 func (xs *indexes) names() []string {
-	xs.mu.Lock()
-	defer xs.mu.Unlock()
 	names := make([]string, 0, len(xs.byName))
 	for n := range xs.byName {
 		names = append(names, n)
 	}
 	sort.Strings(names)
 	return names
-}
-
-// clearAll empties every index (a new stream).
-func (xs *indexes) clearAll() {
-	xs.mu.Lock()
-	all := make([]*Index, 0, len(xs.byName))
-	for _, x := range xs.byName {
-		all = append(all, x)
-	}
-	xs.mu.Unlock()
-	for _, x := range all {
-		x.clear()
-	}
 }

@@ -195,3 +195,57 @@ func TestAnIndexHandlerWhoseWhenRejectsTheObjectDropsItsEntries(t *testing.T) {
 		t.Errorf("the rejected object kept its entries: app = %v", got)
 	}
 }
+
+func TestAnIndexHandlerOfALostStreamLeavesTheNextStreamsIndexAlone(t *testing.T) {
+	release := make(chan struct{})
+	returned := make(chan string, 2)
+	reg := capstan.NewRegistry()
+	reg.Index("configmaps", "by_app", func(_ context.Context, inv *capstan.Invocation) (any, error) {
+		labels, _ := inv.Meta()["labels"].(map[string]any)
+		app, _ := labels["app"].(string)
+		switch app {
+		case "slow":
+			// A handler that ignores its cancellation and answers after its stream was lost.
+			<-release
+			returned <- inv.Name()
+			return map[string]any{"web": "stale " + inv.Name()}, nil
+		case "slow-broken":
+			<-release
+			returned <- inv.Name()
+			return nil, capstan.Permanentf("cannot index %s", inv.Name())
+		}
+		return map[string]any{app: inv.Name()}, nil
+	})
+	reg.OnCreate(res, "lookup", func(_ context.Context, inv *capstan.Invocation) (any, error) {
+		x, err := inv.Index("by_app")
+		if err != nil {
+			return nil, err
+		}
+		return x.Get(capstan.Key("web")), nil
+	})
+	ctl := capstantest.NewController(t)
+	ctl.Serve(t, reg)
+	ctl.Start(t, capstantest.Invocation{Handler: "by_app", Body: labelled("old", "slow")})
+	ctl.Start(t, capstantest.Invocation{Handler: "by_app", Body: labelled("kept", "slow-broken")})
+	ctl.Drop(t)
+	ctl.WaitConnected(t)
+
+	// The next stream builds its index afresh; then the lost stream's handlers answer.
+	ctl.Invoke(t, capstantest.Invocation{Handler: "by_app", Body: labelled("kept", "web")})
+	close(release)
+	for range 2 {
+		select {
+		case <-returned:
+		case <-time.After(capstantest.Wait):
+			t.Fatal("the lost stream's index handlers did not return")
+		}
+	}
+	// What they return is folded (if at all) right after they return: look a few times.
+	deadline := time.Now().Add(300 * time.Millisecond)
+	for time.Now().Before(deadline) {
+		if got, want := ctl.Invoke(t, capstantest.Invocation{Handler: "lookup"}).Value, []any{"kept"}; !reflect.DeepEqual(got, want) {
+			t.Fatalf("web = %v, want %v: a lost stream's handler changed the next stream's index", got, want)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

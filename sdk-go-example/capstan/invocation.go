@@ -201,7 +201,7 @@ func (inv *Invocation) Memo() *Memo {
 // An unknown name is a [PermanentError] naming the indexes there are.
 func (inv *Invocation) Index(name string) (*Index, error) {
 	if inv.indexes != nil {
-		if x := inv.indexes.get(name, false); x != nil {
+		if x := inv.indexes.get(name); x != nil {
 			return x, nil
 		}
 		if names := inv.indexes.names(); len(names) > 0 {

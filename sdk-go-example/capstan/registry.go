@@ -48,7 +48,8 @@ type Registry struct {
 	handlers []*handler
 	byID     map[string]*handler
 	memos    memos
-	indexes  indexes
+	// indexNames are the ids of the index handlers: each session starts empty indexes of them.
+	indexNames []string
 }
 
 // NewRegistry returns an empty registry.
@@ -62,7 +63,7 @@ func NewRegistry() *Registry {
 // [NoneKey], nil changes nothing; a failure drops the object's entries, except an unclassified
 // error under the default [ErrorsIgnored], which keeps them (kopf).
 func (r *Registry) Index(resource, id string, fn HandlerFunc, opts ...Option) {
-	r.indexes.get(id, true)
+	r.indexNames = append(r.indexNames, id)
 	r.add(KindIndex, resource, id, fn, opts)
 }
 

@@ -31,6 +31,10 @@ type session struct {
 	reg    *Registry
 	log    *slog.Logger
 	stream stream
+	// indexes are this session's own: the controller feeds every object again on a new
+	// stream before any other handler runs, and index handlers of a lost stream that answer
+	// late fold into the lost stream's indexes, never into these.
+	indexes *indexes
 	// ctx is the parent of every invocation's context; cancel ends them all.
 	ctx    context.Context
 	cancel context.CancelCauseFunc
@@ -51,14 +55,12 @@ type active struct {
 
 // newSession wraps a stream whose handshake is done.
 func newSession(reg *Registry, s stream) *session {
-	// The indexes of the previous stream are gone with it: the controller feeds every object
-	// again before any other handler runs.
-	reg.indexes.clearAll()
 	ctx, cancel := context.WithCancelCause(context.Background())
 	return &session{
 		reg:     reg,
 		log:     reg.logger(),
 		stream:  s,
+		indexes: newIndexes(reg.indexNames),
 		ctx:     ctx,
 		cancel:  cancel,
 		running: map[string]*active{},
@@ -157,7 +159,7 @@ func (s *session) start(m *pb.Invocation) {
 		s.reject(id, "INVALID_INVOCATION", fmt.Sprintf("the invocation carries malformed JSON: %v", err))
 		return
 	}
-	inv.logger, inv.send, inv.memos, inv.indexes = s.log, s.sendMessage, &s.reg.memos, &s.reg.indexes
+	inv.logger, inv.send, inv.memos, inv.indexes = s.log, s.sendMessage, &s.reg.memos, s.indexes
 
 	ctx, cancel := context.WithCancelCause(s.ctx)
 	stopDeadline := context.CancelFunc(func() {})

@@ -3,7 +3,9 @@
 exponential backoff.
 
 One writer task owns the stream's send side; everything else puts messages on its bounded
-queue. Invocations of a broken stream are stopped, since the controller re-queues them as new
+queue. Logs are dropped when it is full; results wait for room, but no longer than
+`STALL_TIMEOUT`: a stream that takes nothing for that long is closed with `StreamStalled`, and
+the process connects again. Invocations of a broken stream are stopped, since the controller re-queues them as new
 attempts for the next connection.
 """
 
@@ -19,7 +21,7 @@ import grpc
 
 from capstan import __version__, events, wire
 from capstan import settings as settings_module
-from capstan.errors import ConnectionFatal
+from capstan.errors import ConnectionFatal, StreamStalled
 from capstan.indexes import Indexes
 from capstan.invoke import Running, run
 from capstan.registry import Registry
@@ -34,6 +36,8 @@ DEFAULT_ENDPOINT = "unix:///run/capstan/capstan.sock"
 MAX_MESSAGE = 16 * 1024 * 1024
 #: Bound of the outgoing queue: results wait for room, logs are dropped when it is full.
 QUEUE_BOUND = 1024
+#: How long a result waits for room in the outgoing queue before the stream counts as stalled.
+STALL_TIMEOUT = 30.0
 #: Bound of the per-object memos kept (kopf's memo); the oldest are forgotten first.
 MEMO_BOUND = 10000
 BACKOFF_MIN, BACKOFF_MAX = 0.2, 15.0
@@ -91,12 +95,32 @@ class Session:
     def __init__(self, operator, call):
         self.operator = operator
         self.call = call
+        # This stream's own indexes: the controller feeds every object to the index handlers
+        # again on a new stream, and an index handler of a lost stream that answers late
+        # folds into the lost stream's indexes, never into these.
+        self.indexes = Indexes(operator.registry.index_names())
         self.queue = asyncio.Queue(QUEUE_BOUND)
         self.running = {}  # invocation id -> (Running, task)
         self.draining = False
         self.closed = False
         self.dropped_logs = 0
         self.loop = asyncio.get_running_loop()
+        #: Fails with `StreamStalled` once a message waited `STALL_TIMEOUT` for room.
+        self.stalled = self.loop.create_future()
+
+    async def send(self, message):
+        """Queues a message that must not be dropped (a result, a pong, the goodbye): waits for
+        room, and raises `StreamStalled` (ending the session) when there is none for
+        `STALL_TIMEOUT`, so that neither the reader nor a stop waits on a stalled stream
+        forever."""
+        try:
+            await asyncio.wait_for(self.queue.put(message), STALL_TIMEOUT)
+        except asyncio.TimeoutError:
+            error = StreamStalled(f"the stream to the controller took no message for {STALL_TIMEOUT:g}s "
+                                  f"({self.queue.qsize()} waiting); closing it")
+            if not self.stalled.done():
+                self.stalled.set_exception(error)
+            raise error from None
 
     def send_nowait(self, message):
         try:
@@ -148,16 +172,18 @@ class Operator:
         settings_module.activate(self.settings)
         # Settings given to kopf.run() or KopfRunner: named as a startup handler's are.
         settings_module.review(self.settings)
+        # The executor this operator used, once it stopped (the settings get a fresh one).
+        self._retired = None
         self.by_id = {h.id: h for h in registry.handlers}
         registry.check()
-        self.indexes = Indexes(registry.index_names())
         self.flow = {}  # handler id ("" for the process) -> the cap set with set_max_in_flight
         self.session = None
 
     @property
     def executor(self):
-        """The executor of sync handlers (`settings.execution.executor`)."""
-        return self.settings.execution.executor
+        """The executor of sync handlers (`settings.execution.executor`); once the operator
+        stopped, the one it used."""
+        return self._retired if self._retired is not None else self.settings.execution.executor
 
     def set_max_in_flight(self, limit, handler=None):
         """Changes how many invocations the controller sends this process at once — or, with
@@ -217,7 +243,7 @@ class Operator:
                     pass
                 delay = min(delay * 2, BACKOFF_MAX)
         finally:
-            settings_module.retire_executor(self.settings)
+            self._retired = settings_module.retire_executor(self.settings)
 
     async def _session(self):
         options = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
@@ -228,8 +254,6 @@ class Operator:
             writer = asyncio.create_task(self._writer(session))
             stopper = asyncio.create_task(self._stop_on_signal(session))
             self.session = session
-            # The controller feeds every object to the index handlers again on a new stream.
-            self.indexes.clear()
             try:
                 await session.queue.put(self.hello())
                 # Caps set with set_max_in_flight hold on every connection (0, a pause, has no
@@ -239,7 +263,9 @@ class Operator:
                         flow_control=rs.FlowControl(handler_id=handler_id, max_in_flight=limit)))
                 reader = asyncio.create_task(self._reader(session))
                 try:
-                    await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({reader, writer, session.stalled}, return_when=asyncio.FIRST_COMPLETED)
+                    if session.stalled.done():
+                        session.stalled.result()
                     if not reader.done():
                         # We said goodbye and closed our side: the controller ends the stream.
                         await asyncio.wait({reader}, timeout=CLOSE_TIMEOUT)
@@ -250,6 +276,10 @@ class Operator:
                 finally:
                     reader.cancel()
             finally:
+                if session.stalled.done():
+                    session.stalled.exception()  # raised above, or by the reader
+                else:
+                    session.stalled.cancel()
                 stopper.cancel()
                 events._set_process_sink(None)
                 session.closed = True
@@ -274,13 +304,13 @@ class Operator:
         """On stop: goodbye, let running invocations end (they are told to stop), close."""
         await self.stop.wait()
         log.info("stopping")
-        await session.queue.put(rs.ConnectRequest(goodbye=rs.Goodbye(reason="handler process stopping")))
+        await session.send(rs.ConnectRequest(goodbye=rs.Goodbye(reason="handler process stopping")))
         for running, _ in list(session.running.values()):
             running.stop.set(DaemonStoppingReason.OPERATOR_EXITING)
         tasks = [task for _, task in session.running.values()]
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_GRACE)
-        await session.queue.put(None)
+        await session.send(None)
 
     async def _reader(self, session):
         while True:
@@ -292,11 +322,11 @@ class Operator:
             which = message.WhichOneof("message")
             if which == "ping":
                 in_flight = len(session.running)
-                await session.queue.put(rs.ConnectRequest(pong=rs.Pong(nonce=message.ping.nonce, in_flight=in_flight)))
+                await session.send(rs.ConnectRequest(pong=rs.Pong(nonce=message.ping.nonce, in_flight=in_flight)))
             elif which == "welcome":
                 self._welcome(message.welcome)
             elif which == "invocation":
-                self._start(session, message.invocation)
+                await self._start(session, message.invocation)
             elif which == "cancel":
                 self._cancel(session, message.cancel)
             elif which == "object_update":
@@ -334,10 +364,11 @@ class Operator:
         log.info("connected to the controller %s (connection %s, %d rejected)",
                  welcome.runtime.name, welcome.connection_id, rejected)
 
-    def _start(self, session, message):
+    async def _start(self, session, message):
         handler = self.by_id.get(message.handler_id)
         if handler is None:
-            session.send_nowait(rs.ConnectRequest(result=inv.InvocationResult(
+            # A result like any other: it waits for room (the controller waits for it).
+            await session.send(rs.ConnectRequest(result=inv.InvocationResult(
                 invocation_id=message.invocation_id,
                 permanent_error=inv.PermanentError(diagnostics=[wire.common.Diagnostic(
                     severity=wire.common.SEVERITY_ERROR, reason="UNKNOWN_HANDLER",
@@ -350,7 +381,7 @@ class Operator:
         # Index calls get no memo (and removals must not make one for an object just gone).
         call.memo = self.memos.of(uid) if handler.kind != "index" else None
         call.settings = self.settings
-        call.indexes = self.indexes
+        call.indexes = session.indexes
         running = Running(call)
         task = asyncio.create_task(self._invoke(session, running, uid))
         session.running[message.invocation_id] = (running, task)
@@ -376,12 +407,15 @@ class Operator:
             result = inv.InvocationResult(invocation_id=call.invocation_id, permanent_error=inv.PermanentError(
                 diagnostics=[wire.common.Diagnostic(severity=wire.common.SEVERITY_ERROR,
                                                     summary=f"the result could not be encoded: {error}")]))
-        if outcome.status != "success" and call.handler.kind == "daemon" and (outcome.object_patch or outcome.status_patch):
-            # A failed daemon's patch is applied as kopf applies it: as a progress update
-            # before its result (results carry the patches of successes only).
-            await session.queue.put(rs.ConnectRequest(update=inv.InvocationUpdate(
-                invocation_id=call.invocation_id, patches=wire.patches(outcome))))
-        await session.queue.put(rs.ConnectRequest(result=result))
+        try:
+            if outcome.status != "success" and call.handler.kind == "daemon" and (outcome.object_patch or outcome.status_patch):
+                # A failed daemon's patch is applied as kopf applies it: as a progress update
+                # before its result (results carry the patches of successes only).
+                await session.send(rs.ConnectRequest(update=inv.InvocationUpdate(
+                    invocation_id=call.invocation_id, patches=wire.patches(outcome))))
+            await session.send(rs.ConnectRequest(result=result))
+        except StreamStalled as error:  # the session ends with it (see `Session.stalled`)
+            log.warning("result of %s not sent: %s", call.invocation_id, error)
 
     def _cancel(self, session, cancel):
         entry = session.running.get(cancel.invocation_id)

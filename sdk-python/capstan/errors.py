@@ -61,3 +61,9 @@ class RegistrationError(Exception):
 class ConnectionFatal(Exception):
     """The controller refused the handler process for good (for example, it accepted none of
     its handlers): reconnecting would not help."""
+
+
+class StreamStalled(ConnectionError):
+    """The stream to the controller took no message for the stall timeout: its outgoing
+    queue stayed full, so results could neither be sent nor dropped. The process closes the
+    stream and connects again (the controller re-queues the work of a lost stream)."""

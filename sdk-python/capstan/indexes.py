@@ -106,7 +106,7 @@ def change_of(handler_id, value):
 
 
 class Indexes:
-    """This process's indexes, by handler id."""
+    """The indexes of one stream (or one test harness), by handler id."""
 
     def __init__(self, names=()):
         self._lock = threading.Lock()

@@ -63,7 +63,7 @@ class Call:
     log_sink: Optional[Callable[[int, str], None]] = None
     event_sink: Optional[Callable[[dict], None]] = None
     invocation_id: str = ""
-    # This process's indexes (every handler reads them by name), and for an index handler's
+    # The indexes of this call's stream (every handler reads them by name), and for an index handler's
     # call whether its object is leaving the index.
     indexes: Any = None
     index_deleted: bool = False
@@ -471,7 +471,7 @@ async def _run_admission(running: Running, handler: Handler, logger, retry, exec
 
 
 async def _run_index(running: Running, handler: Handler, logger, retry, executor) -> Outcome:
-    """An index handler's call: folds its result into the process's index (kopf's rules, see
+    """An index handler's call: folds its result into its stream's index (kopf's rules, see
     `capstan.indexes`); an object leaving the index loses its entries without a call."""
     call = running.call
     meta = call.body.get("metadata") or {}

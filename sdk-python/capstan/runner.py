@@ -1,5 +1,7 @@
 """Running an operator: the embeddable `operator()` coroutine, and `run()` for a process,
-which stops cleanly on SIGTERM and SIGINT (goodbye, running handlers told to stop)."""
+which stops cleanly on SIGTERM and SIGINT (goodbye, running handlers told to stop) and within
+the grace period: sync handlers still running after it are left behind (`os._exit`), since
+Python can neither stop their threads nor exit while they run."""
 
 import asyncio
 import copy
@@ -11,7 +13,9 @@ import os
 import signal
 import threading
 import sys
+import time
 
+from capstan import connection
 from capstan.connection import Operator
 from capstan.errors import ConnectionFatal
 from capstan.registry import Registry, get_default_registry
@@ -26,6 +30,10 @@ async def operator(*, registry: Registry = None, endpoint: str = None, memo=None
     backoff whenever the stream breaks."""
     op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
                   stop=stop_flag, settings=settings)
+    await _serve(op)
+
+
+async def _serve(op: Operator):
     op.loop = asyncio.get_running_loop()
     _running.append(op)
     if _stop_requested.is_set():
@@ -66,21 +74,51 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
     """Runs `operator()` in a new event loop until SIGTERM or SIGINT (kopf's `kopf.run()`);
     with `signals=False`, until `stop_all()`."""
 
+    operators, signalled = [], []
+
     async def main():
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal():
+            if not signalled:
+                signalled.append(time.monotonic())
+            stop.set()
+
         if signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-        await operator(registry=registry, endpoint=endpoint, memo=memo, stop_flag=stop, max_in_flight=max_in_flight,
-                       settings=settings)
+                loop.add_signal_handler(sig, on_signal)
+        op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
+                      stop=stop, settings=settings)
+        operators.append(op)
+        await _serve(op)
 
     try:
         asyncio.run(main())
     except ConnectionFatal as error:
         log.error("%s", error)
+        _leave_hung_handlers(operators, signalled, 1)
         raise SystemExit(1) from None
+    _leave_hung_handlers(operators, signalled, 0)
     log.info("stopped")
+
+
+def _leave_hung_handlers(operators, signalled, code):
+    """Gives sync handlers still running what is left of the grace period (counted from the
+    signal), then exits without them: the interpreter would otherwise wait for their threads."""
+    since = signalled[0] if signalled else time.monotonic()
+    for op in operators:
+        left = max(0.0, connection.STOP_GRACE - (time.monotonic() - since))
+        wait_idle = getattr(op.executor, "wait_idle", None)  # a handler's own executor may not count
+        if wait_idle is None or wait_idle(left):
+            continue
+        log.error("%d sync handler(s) still running %.1fs after the stop was asked for (grace period %gs); "
+                  "exiting without them", op.executor.running(), time.monotonic() - since, connection.STOP_GRACE)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 class _JsonFormatter(logging.Formatter):

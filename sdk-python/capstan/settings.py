@@ -21,6 +21,7 @@ import threading
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
+from capstan.threads import HandlerThreads
 from capstan.storages import (
     AnnotationsDiffBaseStorage, DiffBaseStorage, ProgressStorage, SmartProgressStorage,
 )
@@ -109,7 +110,9 @@ class AdmissionSettings:
 
 
 def _executor():
-    return concurrent.futures.ThreadPoolExecutor(thread_name_prefix="capstan-handler")
+    # A pool that counts its running calls: a stopping process waits for them up to its grace
+    # period (capstan.threads).
+    return HandlerThreads(thread_name_prefix="capstan-handler")
 
 
 @dataclasses.dataclass
@@ -358,13 +361,15 @@ def _forget_reported():
 
 def retire_executor(settings: OperatorSettings):
     """Shuts down the executor of a stopping operator, leaving a fresh one of the same size
-    for an operator started later in the process."""
+    for an operator started later in the process; returns the old one (its sync handlers may
+    still run)."""
     execution = settings.execution
     old = execution.executor
     execution.executor = _executor()
     if execution._max_workers is not None:
         execution.executor._max_workers = execution._max_workers
     old.shutdown(wait=False, cancel_futures=True)
+    return old
 
 
 _active: Optional[OperatorSettings] = None

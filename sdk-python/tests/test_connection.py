@@ -369,3 +369,63 @@ def test_index_invocations_fill_the_index_and_object_gone_drops_the_memo(socket_
             await server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_an_index_handler_of_a_lost_stream_leaves_the_next_streams_index_alone(socket_path):
+    registry = Registry()
+    released = []
+
+    @capstan.index("examples", registry=registry, id="by_field")
+    async def by_field(spec, **_):
+        if spec.get("field") == "slow":
+            # A handler that ignores its cancellation and answers after its stream was lost.
+            try:
+                await asyncio.sleep(T)
+            except asyncio.CancelledError:
+                pass
+            while not released:
+                await asyncio.sleep(0.01)
+            return {"stale": True}
+        return {spec.get("field"): True}
+
+    @capstan.on.create("examples", registry=registry, id="reader")
+    def reader(by_field, **_):
+        return {"keys": sorted(by_field)}
+
+    async def scenario():
+        server, fake = await _serve(socket_path)
+        stop = asyncio.Event()
+        runner = asyncio.create_task(Operator(registry, endpoint=f"unix://{socket_path}", stop=stop).run())
+        try:
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(registrations=_registration_status(hello))))
+            await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
+                invocation_id="slow", handler_id="by_field", attempt=1, body=_body("old", "slow"),
+                index=inv.IndexRequest())))
+            await outgoing.put(rs.ConnectResponse(ping=rs.Ping(nonce=1)))
+            assert (await _next(incoming, "pong")).in_flight == 1
+            await outgoing.put(None)  # the stream breaks while the index handler runs
+
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(registrations=_registration_status(hello))))
+
+            async def call(i, handler, body, **payload):
+                await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
+                    invocation_id=i, handler_id=handler, attempt=1, body=body, **payload)))
+                return await _next(incoming, "result")
+
+            await call("x1", "by_field", _body("kept", "a"), index=inv.IndexRequest())
+            released.append(True)  # the lost stream's handler answers now
+            await asyncio.sleep(0.3)
+            r = await call("r1", "reader", _body("kept", "a"), change=inv.ResourceChange(reason=inv.CHANGE_REASON_CREATE))
+            assert json.loads(r.success.result.json) == {"keys": ["a"]}
+            stop.set()
+            await outgoing.put(None)
+            await asyncio.wait_for(runner, T)
+        finally:
+            runner.cancel()
+            await server.stop(0)
+
+    asyncio.run(scenario())

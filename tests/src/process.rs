@@ -222,6 +222,20 @@ impl Controller {
 
     /// Like [`Controller::start`] with another kubeconfig (a proxy, an impersonated identity).
     pub async fn start_with(env: &TestEnv, kubeconfig: &Path, name: &str, extra: &[&str]) -> Result<Self> {
+        let mut controller = Self::spawn_with(env, kubeconfig, name, extra).await?;
+        controller
+            .process
+            .wait_for("capstan started", Duration::from_secs(60))
+            .await?;
+        Ok(controller)
+    }
+
+    /// Like [`Controller::start`], without waiting for it to have started.
+    pub async fn spawn(env: &TestEnv, name: &str, extra: &[&str]) -> Result<Self> {
+        Self::spawn_with(env, &env.kubeconfig, name, extra).await
+    }
+
+    async fn spawn_with(env: &TestEnv, kubeconfig: &Path, name: &str, extra: &[&str]) -> Result<Self> {
         let bin = capstan_binary().await?;
         let socket = env.scratch().join(format!("{name}.sock"));
         let admin = format!("127.0.0.1:{}", free_port()?);
@@ -238,10 +252,7 @@ impl Controller {
         let mut vars = HashMap::new();
         vars.insert("KUBECONFIG".to_owned(), kubeconfig.to_string_lossy().into_owned());
         vars.insert("NO_COLOR".to_owned(), "1".to_owned());
-        let mut process = Process::spawn(name, &bin, &args, &vars, env.scratch())?;
-        process
-            .wait_for("capstan started", Duration::from_secs(60))
-            .await?;
+        let process = Process::spawn(name, &bin, &args, &vars, env.scratch())?;
         Ok(Self {
             process,
             socket,

@@ -762,3 +762,123 @@ async fn event_handler_retries_use_the_node_local_storage() -> anyhow::Result<()
     );
     Ok(())
 }
+
+/// A state file that exists but cannot be read (here a directory in its place, which no one
+/// can read, root included) is not a missing one: its object's next change is not processed
+/// — never its create handler again — it is retried, reported and counted, and once the file
+/// can be read the change is handled as an update.
+#[tokio::test]
+async fn an_unreadable_state_file_defers_its_object_and_never_runs_its_create_handler_again()
+-> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let (dir, flag) = node_storage(&env, "node-a");
+    let mut a = node_with(
+        &env,
+        "node-a",
+        "create,update",
+        &[],
+        &["--node-storage", flag.as_str()],
+    )
+    .await?;
+    create_example(&env, "kept", json!({}), json!({"field": "a"})).await?;
+    create_example(&env, "other", json!({}), json!({"field": "a"})).await?;
+    calls_until("both created", &[&a], || {
+        a.count("create_fn", "kept") == 1 && a.count("create_fn", "other") == 1
+    })
+    .await?;
+    let kept = uid(&env, "kept").await?;
+    let file = dir.join(format!("{kept}.json"));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !file.exists() {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "no state of kept");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let saved = std::fs::read(&file)?;
+    std::fs::remove_file(&file)?;
+    std::fs::create_dir(&file)?;
+    let api = examples(&env.client().await?, "default");
+    for name in ["kept", "other"] {
+        api.patch(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"field": "b"}})),
+        )
+        .await?;
+    }
+    calls_until("the other object updated", &[&a], || {
+        a.count("update_fn", "other") == 1
+    })
+    .await?;
+    // Retried with growing delays (1, 2, 4 s ...): a few failed reads in 4 s.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(a.count("create_fn", "kept"), 1, "the create handler ran again");
+    a.controller
+        .process
+        .wait_for(
+            "the object's node-local state cannot be read",
+            Duration::from_secs(10),
+        )
+        .await?;
+    let (_, metrics) = a.controller.admin_get("/metrics").await?;
+    let errors: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("capstan_node_storage_read_errors_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    anyhow::ensure!(errors >= 2.0, "read errors counted: {errors}");
+    assert_eq!(a.count("create_fn", "kept"), 1, "the create handler ran again");
+    assert_eq!(a.count("update_fn", "kept"), 0, "handled without its state");
+    // Readable again: the deferred change is handled, as the update it is.
+    std::fs::remove_dir(&file)?;
+    std::fs::write(&file, saved)?;
+    calls_until("kept updated once readable", &[&a], || {
+        a.count("update_fn", "kept") == 1
+    })
+    .await?;
+    assert_eq!(a.count("create_fn", "kept"), 1, "the create handler ran again");
+    Ok(())
+}
+
+/// A controller whose node-local storage another process still holds (the old pod of a
+/// surge rollout) waits for it without blocking: its admin endpoint answers probes
+/// meanwhile — alive, not ready, "waiting for storage" — and it starts once the other lets go.
+#[tokio::test]
+async fn a_held_store_is_waited_for_while_the_admin_endpoint_answers_probes() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let (_, flag) = node_storage(&env, "node-a");
+    let args = ["--node-name", "node-a", "--node-storage", flag.as_str()];
+    let mut old = Controller::start(&env, "capstan-old", &args).await?;
+    let mut new = Controller::spawn(&env, "capstan-new", &args).await?;
+    new.process
+        .wait_for(
+            "another process holds the node-local storage",
+            Duration::from_secs(30),
+        )
+        .await?;
+    for _ in 0..3 {
+        let (live, body) = new.admin_get("/healthz").await?;
+        anyhow::ensure!(live == 200, "not alive while waiting: {live} {body}");
+        let (ready, body) = new.admin_get("/readyz").await?;
+        anyhow::ensure!(
+            ready == 503 && body.contains("waiting for storage"),
+            "readiness while waiting: {ready} {body}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    anyhow::ensure!(
+        !new.process.output().contains("capstan started"),
+        "started while the store is held"
+    );
+    old.process.terminate().await?;
+    new.process
+        .wait_for("capstan started", Duration::from_secs(30))
+        .await?;
+    let (_, body) = new.admin_get("/readyz").await?;
+    anyhow::ensure!(
+        body.contains("node-local storage opened") && !body.contains("waiting for storage"),
+        "readiness once opened: {body}"
+    );
+    Ok(())
+}

@@ -13,6 +13,16 @@
 //!   call has a deadline (`login_timeout`, whether the handler never answers or its process
 //!   has left meanwhile), `/readyz` reports the wait and its last problem, and when no login
 //!   handler is registered any more the wait ends: the credentials in use stay.
+//!
+//!   A login handler that never answers stalls no one. The login handlers are called
+//!   together, and the credentials of the first to answer with usable ones are installed at
+//!   once (the highest priority among those that answered together); the calls still
+//!   running are withdrawn. Login gates resource watching only until the operator first
+//!   starts: a process that connects later with a login handler while the controller already
+//!   works with credentials (its own, or a login handler's) is logged in by a background
+//!   task, the credentials in use stay in use until a new login answers, and nothing already
+//!   served — watches, dispatch, other processes' new registrations and startup handlers —
+//!   waits for it.
 //! - **startup** handlers run next, each until it succeeds, with kopf's error rules
 //!   (temporary and unclassified errors retried after their delay/backoff; permanent errors,
 //!   exhausted retries or timeout fail it). The engine starts no resource watch while a
@@ -48,10 +58,15 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use futures::future::join_all;
+use futures::{FutureExt as _, StreamExt as _, future::join_all, stream::FuturesUnordered};
 use parking_lot::Mutex;
 use serde_json::Value;
-use tokio::{sync::Notify, sync::watch, task::JoinSet, time::Instant};
+use tokio::{
+    sync::Notify,
+    sync::watch,
+    task::{JoinHandle, JoinSet},
+    time::Instant,
+};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
@@ -59,7 +74,10 @@ use super::execution::{self, Verdict};
 use crate::{
     grpc::Hub,
     k8s::switch::Switchable,
-    model::{Activity, Diagnostic, HandlerId, HandlerKind, KindResult, Outcome, Payload, Registration, Work},
+    model::{
+        Activity, Credentials, Diagnostic, HandlerId, HandlerKind, KindResult, Outcome, Payload,
+        Registration, Work,
+    },
     observability::health::{Check, Health},
     persistence::ProgressRecord,
 };
@@ -271,13 +289,39 @@ impl Activities {
     /// change.
     async fn preflight(self, cancel: CancellationToken) {
         let mut registrations = self.inner.hub.registrations();
+        let mut late_login: Option<JoinHandle<()>> = None;
         loop {
             registrations.borrow_and_update();
             let logins = self.of_kind(HandlerKind::Login);
-            if !logins.is_empty() && !self.inner.state.lock().logged_in {
-                tokio::select! {
-                    () = cancel.cancelled() => return,
-                    () = self.login() => {}
+            let (logged_in, operating) = {
+                let state = self.inner.state.lock();
+                (state.logged_in, state.operating)
+            };
+            if !logins.is_empty() && !logged_in {
+                if operating {
+                    // The operator works with the credentials in use: a late login runs beside
+                    // it, and nothing waits for it.
+                    if late_login.as_ref().is_none_or(JoinHandle::is_finished) {
+                        info!(
+                            "a login handler registered while the operator runs; logging in meanwhile with the credentials in use"
+                        );
+                        let this = self.clone();
+                        let cancel = cancel.clone();
+                        late_login = Some(tokio::spawn(
+                            async move {
+                                tokio::select! {
+                                    () = cancel.cancelled() => {}
+                                    () = this.login() => {}
+                                }
+                            }
+                            .in_current_span(),
+                        ));
+                    }
+                } else {
+                    tokio::select! {
+                        () = cancel.cancelled() => return,
+                        () = self.login() => {}
+                    }
                 }
             }
             let pending: Vec<Registration> = {
@@ -419,70 +463,18 @@ impl Activities {
                 self.bump();
                 return;
             }
-            let mut candidates = Vec::new();
             let mut problems = Vec::new();
-            let timeout = self.inner.settings.login_timeout;
-            for reg in &logins {
-                let mut work = Work::new(
-                    reg.id.0.clone(),
-                    format!("login/{}", reg.id),
-                    Payload::Activity(Activity::Login),
-                );
-                work.attempt_timeout = Some(timeout);
-                work.param.clone_from(&reg.param);
-                // Dropping the invocation withdraws it, whether it waits for its process or runs.
-                let answer = tokio::select! {
-                    answer = tokio::time::timeout(timeout + LOGIN_SLACK, self.inner.hub.invoke(work)) => answer,
-                    () = self.gone(&reg.id) => {
-                        problems.push(format!("{}: its process left", reg.id));
-                        continue;
-                    }
-                };
-                let Ok(outcome) = answer else {
-                    problems.push(format!("{}: no answer within {timeout:?}", reg.id));
-                    continue;
-                };
-                match outcome {
-                    Outcome::Success {
-                        kind_result: Some(KindResult::Credentials(c)),
-                        ..
-                    } => candidates.push((reg.id.clone(), c)),
-                    Outcome::Success { .. } => problems.push(format!("{}: returned no credentials", reg.id)),
-                    other => problems.push(format!(
-                        "{}: {}",
-                        reg.id,
-                        diagnostics_of(&other).map_or_else(|| other.as_str().to_owned(), |d| d.summary)
-                    )),
+            if let Some((id, credentials)) = self.first_usable_login(switch, &logins, &mut problems).await {
+                let expires = credentials.expiration.map(crate::persistence::time::format);
+                info!(handler.id = %id, server = %credentials.server, expires, "logged in: the API client now uses the login handler's credentials");
+                {
+                    let mut state = self.inner.state.lock();
+                    state.logged_in = true;
+                    state.login_problem = None;
+                    state.expires_at = credentials.expiration;
                 }
-            }
-            candidates.sort_by_key(|(_, c)| std::cmp::Reverse(c.priority));
-            let now = SystemTime::now();
-            candidates.retain(|(id, c)| match c.expiration {
-                Some(at) if at <= now => {
-                    problems.push(format!(
-                        "{id}: the credentials expired at {}",
-                        crate::persistence::time::format(at)
-                    ));
-                    false
-                }
-                _ => true,
-            });
-            for (id, credentials) in &candidates {
-                match switch.install(&id.0, credentials).await {
-                    Ok(()) => {
-                        let expires = credentials.expiration.map(crate::persistence::time::format);
-                        info!(handler.id = %id, server = %credentials.server, expires, "logged in: the API client now uses the login handler's credentials");
-                        {
-                            let mut state = self.inner.state.lock();
-                            state.logged_in = true;
-                            state.login_problem = None;
-                            state.expires_at = credentials.expiration;
-                        }
-                        self.bump();
-                        return;
-                    }
-                    Err(e) => problems.push(format!("{id}: {}", crate::diagnostic::chain(&e))),
-                }
+                self.bump();
+                return;
             }
             let backoff = logins
                 .iter()
@@ -497,6 +489,80 @@ impl Activities {
                 () = tokio::time::sleep(backoff) => {}
                 _ = registrations.changed() => {}
             }
+        }
+    }
+
+    /// Calls every login handler at once and installs the credentials of the first to answer
+    /// with usable ones (among answers ready together, the highest priority first); the calls
+    /// still running are then withdrawn, so a handler that never answers delays no one.
+    /// `None` when none gave usable credentials; `problems` says why.
+    async fn first_usable_login(
+        &self,
+        switch: &Switchable,
+        logins: &[Registration],
+        problems: &mut Vec<String>,
+    ) -> Option<(HandlerId, Credentials)> {
+        let mut calls: FuturesUnordered<_> = logins
+            .iter()
+            .map(|reg| async move { (reg.id.clone(), self.call_login(reg).await) })
+            .collect();
+        while let Some(first) = calls.next().await {
+            let mut answers = vec![first];
+            while let Some(Some(more)) = calls.next().now_or_never() {
+                answers.push(more);
+            }
+            let mut candidates = Vec::new();
+            for (id, answer) in answers {
+                match answer {
+                    Ok(credentials) => candidates.push((id, credentials)),
+                    Err(problem) => problems.push(format!("{id}: {problem}")),
+                }
+            }
+            candidates.sort_by_key(|(_, c)| std::cmp::Reverse(c.priority));
+            let now = SystemTime::now();
+            for (id, credentials) in candidates {
+                if let Some(at) = credentials.expiration.filter(|at| *at <= now) {
+                    problems.push(format!(
+                        "{id}: the credentials expired at {}",
+                        crate::persistence::time::format(at)
+                    ));
+                    continue;
+                }
+                match switch.install(&id.0, &credentials).await {
+                    Ok(()) => return Some((id, credentials)),
+                    Err(e) => problems.push(format!("{id}: {}", crate::diagnostic::chain(&e))),
+                }
+            }
+        }
+        None
+    }
+
+    /// Calls one login handler, within the login deadline: its credentials, or why there are
+    /// none.
+    async fn call_login(&self, reg: &Registration) -> Result<Credentials, String> {
+        let timeout = self.inner.settings.login_timeout;
+        let mut work = Work::new(
+            reg.id.0.clone(),
+            format!("login/{}", reg.id),
+            Payload::Activity(Activity::Login),
+        );
+        work.attempt_timeout = Some(timeout);
+        work.param.clone_from(&reg.param);
+        // Dropping the invocation withdraws it, whether it waits for its process or runs.
+        let answer = tokio::select! {
+            answer = tokio::time::timeout(timeout + LOGIN_SLACK, self.inner.hub.invoke(work)) => answer,
+            () = self.gone(&reg.id) => return Err("its process left".into()),
+        };
+        let Ok(outcome) = answer else {
+            return Err(format!("no answer within {timeout:?}"));
+        };
+        match outcome {
+            Outcome::Success {
+                kind_result: Some(KindResult::Credentials(c)),
+                ..
+            } => Ok(c),
+            Outcome::Success { .. } => Err("returned no credentials".into()),
+            other => Err(diagnostics_of(&other).map_or_else(|| other.as_str().to_owned(), |d| d.summary)),
         }
     }
 
@@ -677,7 +743,8 @@ impl Activities {
 fn awaited(inner: &Inner, registrations: &[Registration]) -> Result<(), String> {
     let state = inner.state.lock();
     let login = registrations.iter().any(|r| r.kind == HandlerKind::Login);
-    if login && !state.logged_in && inner.switch.is_some() {
+    // Once the operator runs, it runs on the credentials in use: a late login gates nothing.
+    if login && !state.logged_in && !state.operating && inner.switch.is_some() {
         return Err(match &state.login_problem {
             Some(problem) => format!("waiting for a login handler's credentials (last attempt: {problem})"),
             None => "waiting for a login handler's credentials".into(),
@@ -759,6 +826,33 @@ mod tests {
             activities.ready(&[reg("l", HandlerKind::Login)]).is_ok(),
             "without a swappable client login handlers cannot gate"
         );
+    }
+
+    /// Login gates resource watching until the operator first starts; after that the
+    /// operator runs on the credentials in use, and a late login handler gates nothing.
+    #[tokio::test]
+    async fn a_late_login_handler_gates_nothing_once_the_operator_runs() {
+        let api = tower::service_fn(|_req: http::Request<kube::client::Body>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::empty()))
+        });
+        let switch = Switchable::new(
+            kube::Config::new("https://127.0.0.1:6443".parse().expect("a URL")),
+            kube::Client::new(api, "default"),
+            Duration::from_secs(1),
+        );
+        let activities = Activities::new(
+            Hub::new(hub::Settings::default()),
+            Health::default(),
+            Some(switch),
+            Settings::default(),
+        );
+        let regs = [reg("l", HandlerKind::Login), reg("c", HandlerKind::Create)];
+        assert!(
+            activities.ready(&regs).unwrap_err().contains("login"),
+            "before the operator starts, login comes first"
+        );
+        activities.inner.state.lock().operating = true;
+        assert!(activities.ready(&regs).is_ok(), "a late login gates nothing");
     }
 
     #[test]

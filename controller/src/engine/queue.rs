@@ -51,6 +51,7 @@ use tokio::{
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument, debug, error, info_span, warn};
 
+use self::version::{Judged, Versions, version_of};
 use super::{
     processing::{self, Input, Invoker, Memory, Storage},
     writing::{Writer, Written},
@@ -123,9 +124,9 @@ pub struct Queue {
     writer: Arc<Writer>,
     events: Arc<events::EventDispatch>,
     slots: Arc<Mutex<HashMap<Box<str>, Slot>>>,
-    /// Objects gone (deleted, or released by our last write), with the last version known:
-    /// a late event of an older version finds no slot and must not start one (bounded).
-    tombstones: Arc<Mutex<HashMap<String, (u64, tokio::time::Instant)>>>,
+    /// Objects our own write found gone: a late event of one (all its events came before its
+    /// deletion) finds no slot and must not start one (bounded).
+    tombstones: Arc<Mutex<HashMap<String, tokio::time::Instant>>>,
     /// Objects with work waiting for a permit of the global limit, each at most once.
     ready: Arc<Ready>,
     /// The listing that re-processes objects at rest, while one runs.
@@ -174,9 +175,21 @@ const FOLLOW_UPS: usize = 4;
 struct Next {
     event_type: EventType,
     body: Stored,
-    /// Whether `body` is the object as the API server stored it (see [`Slot::seen`]).
+    /// Whether `body` is the object as the API server stored it.
     as_stored: bool,
+    /// Whether `body` is news for the event handlers (see [`Slot::pending_event`]).
+    event: bool,
     memory: Memory,
+}
+
+/// Where a queued body comes from.
+#[derive(Clone, Copy, Debug)]
+enum Source {
+    /// A watch event, or an object of the watch's listing (`listed`: when that listing
+    /// started).
+    Watch { listed: Option<tokio::time::Instant> },
+    /// A body kept in memory.
+    Memory,
 }
 
 /// How many tombstones are kept, and for how long.
@@ -189,17 +202,15 @@ struct Slot {
     running: bool,
     memory: Memory,
     last_body: Option<Stored>,
-    /// The newest version our own cycles wrote or saw (see [`Slot::written_rv`]).
-    written: Option<NonZeroU64>,
-    /// Whether a cycle has seen that version's body as the API server stored it, or will (its
-    /// write's answer waits as the next work): its watch event then brings nothing new. Not
-    /// after a checkpoint with nothing written since: the plan's base is then a body the
-    /// controller composed (what it wrote, with the server's version), and so is a body kept
-    /// from it.
-    seen: bool,
+    /// The echo of our own write the object waits for, and the versions that arrived while
+    /// its cycle runs (see [`version`]); none when there is nothing to know.
+    versions: Option<Box<Versions>>,
     /// Whether the pending body is the object as the API server stored it (a watch event, a
     /// listing, a write's answer), not one kept in memory.
     pending_as_stored: bool,
+    /// Whether the pending body is news for the event handlers: a watch event or a listed
+    /// body standing in for one, not our own write's echo or answer, nor a body from memory.
+    pending_event: bool,
     timer: Option<JoinHandle<()>>,
     gone: bool,
     /// Run another cycle with the latest body once the current one ends.
@@ -208,37 +219,61 @@ struct Slot {
     /// event came while the queue held as many waiting bodies as it may): its next listed
     /// body is queued for it, as this event type, unless a cycle starts before.
     relist: Option<EventType>,
-    /// The version of the newest event that marked it: a listed or kept body older than that
-    /// does not clear the mark.
-    relist_version: Option<NonZeroU64>,
+    /// When an event marked it: the first listing pass that satisfies the mark (one that
+    /// started after the event came); none: any listed body will do (a resync's mark).
+    relist_from: Option<NonZeroU64>,
 }
 
 impl Slot {
-    /// The newest version our own cycles wrote or saw: events older than it are stale.
-    fn written_rv(&self) -> Option<u64> {
-        self.written.map(NonZeroU64::get)
+    /// What is known of the object's versions, made when needed.
+    fn versions(&mut self) -> &mut Versions {
+        self.versions.get_or_insert_with(Box::default)
     }
 
-    fn set_written_rv(&mut self, rv: Option<u64>) {
-        self.written = rv.and_then(NonZeroU64::new);
+    /// Drops the record of versions when nothing is known any more.
+    fn tidy(&mut self) {
+        if self.versions.as_ref().is_some_and(|v| v.is_empty()) {
+            self.versions = None;
+        }
     }
 
-    /// The version of the newest event that marked the object.
-    fn relist_rv(&self) -> Option<u64> {
-        self.relist_version.map(NonZeroU64::get)
+    /// Judges an event of `version` by the echo the object waits for (see [`version`]).
+    fn judge(&mut self, version: Option<&str>, listed: Option<tokio::time::Instant>) -> Judged {
+        let Some(versions) = self.versions.as_mut() else {
+            return Judged::New;
+        };
+        let judged = versions.judge(version, listed);
+        self.tidy();
+        judged
     }
 
-    /// Marks the object for a listed body, as `event_type` of version `rv` (none: any
-    /// version).
-    fn mark(&mut self, event_type: EventType, rv: Option<u64>) {
+    /// A cycle of the object starts: the events arriving from now on are remembered.
+    fn cycle_starts(&mut self) {
+        if let Some(versions) = self.versions.as_mut() {
+            versions.cycle_starts();
+        }
+        self.tidy();
+    }
+
+    /// The object's worker ends: what arrived while it ran is forgotten.
+    fn cycle_ends(&mut self) {
+        if let Some(versions) = self.versions.as_mut() {
+            versions.cycle_ends();
+        }
+        self.tidy();
+    }
+
+    /// Marks the object for a listed body, as `event_type`, satisfied by listing pass `from`
+    /// or a later one (none: by any pass).
+    fn mark(&mut self, event_type: EventType, from: Option<u64>) {
         self.relist = Some(event_type);
-        self.relist_version = self.relist_version.max(rv.and_then(NonZeroU64::new));
+        self.relist_from = self.relist_from.max(from.and_then(NonZeroU64::new));
     }
 
     /// The object's cycle starts: the mark is spent.
     fn unmark(&mut self) {
         self.relist = None;
-        self.relist_version = None;
+        self.relist_from = None;
     }
 }
 
@@ -246,12 +281,6 @@ fn uid_of(body: &Value) -> Option<String> {
     body.pointer("/metadata/uid")
         .and_then(Value::as_str)
         .map(str::to_owned)
-}
-
-fn rv_of(body: &Value) -> Option<u64> {
-    body.pointer("/metadata/resourceVersion")
-        .and_then(Value::as_str)
-        .and_then(|s| s.parse().ok())
 }
 
 impl Queue {
@@ -357,18 +386,17 @@ impl Queue {
         self.ready.waiting.load(Ordering::Relaxed) < self.ctx.relisting.waiting_bodies.max(1)
     }
 
-    /// Remembers that object `uid` is gone, at version `rv`.
-    fn bury(&self, uid: &str, rv: Option<u64>) {
-        let Some(rv) = rv else { return };
+    /// Remembers that our own write found object `uid` gone.
+    fn bury(&self, uid: &str) {
         let mut tombstones = self.tombstones.lock();
         if tombstones.len() >= TOMBSTONES {
             let now = tokio::time::Instant::now();
-            tombstones.retain(|_, (_, at)| now.duration_since(*at) < TOMBSTONE_TTL);
+            tombstones.retain(|_, at| now.duration_since(*at) < TOMBSTONE_TTL);
             if tombstones.len() >= TOMBSTONES {
                 tombstones.clear();
             }
         }
-        tombstones.insert(uid.to_owned(), (rv, tokio::time::Instant::now()));
+        tombstones.insert(uid.to_owned(), tokio::time::Instant::now());
     }
 
     /// How many objects are known.
@@ -388,19 +416,22 @@ impl Queue {
     /// resource run at once; beyond that, the event is dropped for the handler (counted and
     /// warned about) — never a task and a body copy per event and handler piling up, and
     /// never a stalled watch when one handler's process is slow or away.
-    pub async fn observe(&self, event_type: EventType, body: Value) {
+    ///
+    /// `listed`: for an object of the watch's listing, when that listing started (a listing
+    /// that started after a write's answer reflects the write).
+    pub async fn observe(&self, event_type: EventType, body: Value, listed: Option<tokio::time::Instant>) {
         self.dispatch_event_handlers(event_type, &body).await;
-        self.push(event_type, body);
+        self.queue_body(event_type, body, Source::Watch { listed });
     }
 
     /// Queues a watch event; starts the object's worker if it is idle.
     pub fn push(&self, event_type: EventType, body: Value) {
-        self.queue_body(event_type, body, true);
+        self.queue_body(event_type, body, Source::Watch { listed: None });
     }
 
     /// Queues an event (of the watch, or a body kept in memory); starts the object's worker
     /// if it is idle.
-    fn queue_body(&self, event_type: EventType, body: Value, watched: bool) {
+    fn queue_body(&self, event_type: EventType, body: Value, source: Source) {
         let Some(uid) = uid_of(&body) else {
             warn!("an object without a uid was ignored");
             return;
@@ -411,8 +442,7 @@ impl Queue {
         let mut slots = self.slots.lock();
         if event_type != EventType::Deleted
             && !slots.contains_key(uid.as_str())
-            && let Some((buried, _)) = self.tombstones.lock().get(&uid)
-            && rv_of(&body).is_some_and(|rv| rv <= *buried)
+            && self.tombstones.lock().contains_key(&uid)
         {
             debug!(%uid, "late event of an object that is gone dropped");
             return;
@@ -424,51 +454,86 @@ impl Queue {
             },
             ..Slot::default()
         });
-        let rv = rv_of(&body);
-        // A watch event of a version a cycle has seen — our own write's echo (its answer was
-        // checked when it came) or an event older than that — brings nothing new. Bodies
-        // queued from memory or listed again (watched = false) are of versions that must be
-        // processed again.
-        if event_type != EventType::Deleted
-            && let (Some(written), Some(rv)) = (slot.written_rv(), rv)
-            && (rv < written || watched && rv == written && slot.seen)
-        {
-            debug!(%uid, rv, written, "event of a version already seen dropped");
+        if slot.gone && event_type != EventType::Deleted {
+            debug!(%uid, "event of an object our own write found gone dropped");
             return;
         }
-        if event_type != EventType::Deleted
-            && let (Some(marked), Some(rv)) = (slot.relist_rv(), rv)
-            && rv < marked
-        {
-            debug!(%uid, rv, marked, "a newer version waits for its listed body; older one dropped");
-            return;
+        let version = version_of(&body);
+        let mut news = true;
+        match source {
+            Source::Watch { listed } => {
+                if slot.running
+                    && let Some(version) = version
+                {
+                    slot.versions().arrive(version);
+                }
+                // Our own write's echo whose body a cycle has seen (its answer was checked when
+                // it came) brings nothing new, nor does an event that came before it (see
+                // `version`).
+                if event_type != EventType::Deleted {
+                    match slot.judge(version, listed) {
+                        Judged::Echo { seen: true } => {
+                            debug!(%uid, ?version, "the echo of our own write dropped");
+                            return;
+                        }
+                        Judged::Echo { seen: false } => news = false,
+                        Judged::Stale => {
+                            debug!(%uid, ?version, "an event that predates our own write dropped");
+                            if event_type == EventType::Listing && !slot.running && slot.pending.is_none() {
+                                // A listing that was under way as our write answered may hold a
+                                // change made after it: a listing that starts now tells.
+                                slot.mark(event_type, Some(self.relisting.next_pass()));
+                                self.relisting.marked();
+                                drop(slots);
+                                self.relist_soon();
+                            }
+                            return;
+                        }
+                        Judged::New => {}
+                    }
+                }
+            }
+            Source::Memory if slot.relist_from.is_some() => {
+                debug!(%uid, "a newer event waits for its listed body; the body in memory is not queued");
+                return;
+            }
+            Source::Memory => news = false,
         }
+        let watched = matches!(source, Source::Watch { .. });
         // The next event of an object whose cycle runs waits with its body beyond the bound
         // (it may be the echo of the write in flight, which the write's answer then replaces):
         // at most one per worker.
         if slot.pending.is_none() && event_type != EventType::Deleted && !slot.running && !self.has_room() {
             // As many bodies wait as may: this one is listed again when there is room.
             debug!(%uid, "too many objects wait; the object waits for its listed body");
-            slot.mark(event_type, rv);
+            slot.mark(event_type, Some(self.relisting.next_pass()));
             self.relisting.marked();
             drop(slots);
             self.relist_soon();
             return;
         }
-        if self.set_pending(slot, event_type, Stored::new(&body), watched) {
+        if self.set_pending(slot, event_type, Stored::new(&body), watched, news) {
             drop(slots);
             self.enqueue(uid);
         }
     }
 
-    /// Makes `body` the object's next work; returns whether the object must be put on the
-    /// ready list (it had no worker and none waiting).
-    fn set_pending(&self, slot: &mut Slot, event_type: EventType, body: Stored, as_stored: bool) -> bool {
+    /// Makes `body` the object's next work (`news`: see [`Slot::pending_event`]); returns
+    /// whether the object must be put on the ready list (it had no worker and none waiting).
+    fn set_pending(
+        &self,
+        slot: &mut Slot,
+        event_type: EventType,
+        body: Stored,
+        as_stored: bool,
+        news: bool,
+    ) -> bool {
         if slot.pending.is_none() {
             self.count_waiting(1);
         }
         slot.pending = Some((event_type, body));
         slot.pending_as_stored = as_stored;
+        slot.pending_event = news;
         !std::mem::replace(&mut slot.running, true)
     }
 
@@ -508,7 +573,7 @@ impl Queue {
         };
         debug!(objects = bodies.len(), at_rest, "re-processing known objects");
         for body in bodies {
-            self.queue_body(EventType::Modified, body.value(), false);
+            self.queue_body(EventType::Modified, body.value(), Source::Memory);
         }
         if at_rest > 0 {
             self.relist();
@@ -577,63 +642,52 @@ impl Queue {
         guard.armed = false;
     }
 
-    /// Takes the object's next piece of work: its latest event (unless it predates our own
-    /// write), or a re-run with its latest body.
+    /// Takes the object's next piece of work: its latest event, or a re-run with its latest
+    /// body. (Events that predate our own write were dropped as they came, or replaced by the
+    /// write's answer: see [`Queue::check_answer`].)
     fn take_next(&self, uid: &str) -> Option<Next> {
         let mut slots = self.slots.lock();
         let slot = slots.get_mut(uid)?;
-        loop {
-            let taken = slot.pending.take();
-            if taken.is_some() {
-                self.count_waiting(-1);
+        let taken = slot.pending.take();
+        if taken.is_some() {
+            self.count_waiting(-1);
+        }
+        match taken {
+            // Work pending now came after any mark (a mark is made only when nothing waits): it
+            // is at least as new as the event that marked the object.
+            Some((event_type, body)) => {
+                slot.unmark();
+                slot.cycle_starts();
+                Some(Next {
+                    event_type,
+                    body,
+                    as_stored: slot.pending_as_stored,
+                    event: slot.pending_event,
+                    memory: slot.memory,
+                })
             }
-            return match taken {
-                // Events that arrived while our own write was in flight may predate it.
-                Some((t, body))
-                    if t != EventType::Deleted
-                        && matches!((slot.written_rv(), body.rv()), (Some(w), Some(rv)) if rv < w) =>
-                {
-                    debug!(%uid, "stale event older than our own write dropped");
-                    continue;
+            None if slot.rerun && !slot.gone && slot.last_body.is_some() => {
+                slot.rerun = false;
+                if slot.relist_from.is_some() {
+                    // An event came after the body in memory and waits for its listed body:
+                    // that cycle does the re-run.
+                    debug!(%uid, "re-run left to the newer listed body");
+                    return None;
                 }
-                Some((event_type, body)) => {
-                    if slot
-                        .relist_rv()
-                        .is_none_or(|marked| body.rv().is_some_and(|rv| rv >= marked))
-                    {
-                        slot.unmark();
-                    }
-                    Some(Next {
-                        event_type,
-                        body,
-                        as_stored: slot.pending_as_stored,
-                        memory: slot.memory,
-                    })
-                }
-                None if slot.rerun && !slot.gone && slot.last_body.is_some() => {
-                    slot.rerun = false;
-                    let kept = slot.last_body.as_ref().and_then(Stored::rv);
-                    if slot
-                        .relist_rv()
-                        .is_some_and(|marked| kept.is_none_or(|k| k < marked))
-                    {
-                        // A newer event waits for its listed body: that cycle does the re-run.
-                        debug!(%uid, "re-run left to the newer listed body");
-                        return None;
-                    }
-                    slot.unmark();
-                    slot.last_body.clone().map(|body| Next {
-                        event_type: EventType::Modified,
-                        body,
-                        as_stored: false,
-                        memory: slot.memory,
-                    })
-                }
-                // The slot stays running: `finish` marks it idle (or removes a gone object)
-                // under the same lock as it checks for work pushed meanwhile, so the object
-                // is never queued twice.
-                None => None,
-            };
+                slot.unmark();
+                slot.cycle_starts();
+                slot.last_body.clone().map(|body| Next {
+                    event_type: EventType::Modified,
+                    body,
+                    as_stored: false,
+                    event: false,
+                    memory: slot.memory,
+                })
+            }
+            // The slot stays running: `finish` marks it idle (or removes a gone object)
+            // under the same lock as it checks for work pushed meanwhile, so the object
+            // is never queued twice.
+            None => None,
         }
     }
 
@@ -659,6 +713,7 @@ impl Queue {
         // cycle did: nothing is left to re-run.
         slot.rerun = false;
         slot.running = false;
+        slot.cycle_ends();
         if slot.gone {
             slots.remove(uid);
         }
@@ -671,6 +726,7 @@ impl Queue {
             event_type,
             body: stored,
             as_stored,
+            event,
             memory,
         }) = self.take_next(uid)
         else {
@@ -705,7 +761,7 @@ impl Queue {
             .to_owned();
         let span = info_span!("object", object.resource = %self.ctx.resource.plural, object.namespace = %namespace, object.name = %name, object.uid = %uid, trace.id = tracing::field::Empty);
         let cycle = self
-            .process(uid, event_type, body, as_stored, memory)
+            .process(uid, event_type, body, as_stored, event, memory)
             .instrument(span.clone());
         match AssertUnwindSafe(cycle).catch_unwind().await {
             Ok(answer_next) => answer_next,
@@ -725,12 +781,17 @@ impl Queue {
             .or_else(|| panic.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "a panic without a message".to_owned());
         error!(panic = %what, retry_in = ?PANIC_RETRY, "processing the object panicked; it is processed again after a pause");
+        self.defer(uid, stored, PANIC_RETRY);
+    }
+
+    /// Runs the object again after `delay`, with `stored` (or a newer body).
+    fn defer(&self, uid: &str, stored: Stored, delay: Duration) {
         let mut slots = self.slots.lock();
         let Some(slot) = slots.get_mut(uid) else { return };
-        if slot.last_body.as_ref().is_none_or(|b| b.rv() <= stored.rv()) {
-            slot.last_body = Some(stored);
-        }
-        self.schedule(slot, uid, PANIC_RETRY);
+        // No cycle ended after the one that asked for the pause: what it processed is the
+        // latest body (newer events wait as pending work).
+        slot.last_body = Some(stored);
+        self.schedule(slot, uid, delay);
     }
 
     /// Wakes the object after `delay` (replacing any earlier wake-up).
@@ -757,10 +818,13 @@ impl Queue {
         event_type: EventType,
         mut body: Value,
         as_stored: bool,
+        event: bool,
         memory: Memory,
     ) -> bool {
         if event_type == EventType::Deleted {
-            self.bury(uid, rv_of(&body));
+            // No tombstone: nothing of the object comes after its deletion, and a watch with a
+            // selector says DELETED for an object that stops matching, whose events when it
+            // matches again are news.
             self.forget_locally(uid, &body).await;
             self.ctx.daemons.forget(uid);
             self.ctx
@@ -776,17 +840,24 @@ impl Queue {
             debug!("object is gone; forgotten");
             return false;
         }
-        if let Some(local) = self.ctx.storage.local.as_deref() {
-            local.overlay(uid, &mut body).await;
+        if let Some(local) = self.ctx.storage.local.as_deref()
+            && let Err(e) = local.overlay(uid, &mut body).await
+        {
+            // Its records exist but cannot be read: processed without them, the object would
+            // be taken for new and its create handlers would run again.
+            let delay = local.retry_delay(uid);
+            warn!(error = %crate::diagnostic::chain(&e), retry_in = ?delay, "the object's node-local state cannot be read; it is not processed until it can be");
+            self.defer(uid, Stored::new(&body), delay);
+            return false;
         }
         let handlers = self.ctx.handlers.borrow().clone();
         let paused = *self.ctx.paused.borrow();
-        let written_rv = self.slots.lock().get(uid).and_then(Slot::written_rv);
-        let echo = written_rv.is_some() && rv_of(&body) == written_rv;
-        let (body, event_wake) = self.retry_event_handlers(event_type, body, &handlers, echo).await;
+        let (body, event_wake) = self
+            .retry_event_handlers(event_type, body, &handlers, !event)
+            .await;
         let daemons_alive = self.ctx.daemons.sync(uid, &body, &handlers, paused);
         // The version this cycle sees (the event handlers' progress write may have moved it on).
-        let cycle_rv = rv_of(&body);
+        let cycle_version = version_of(&body).map(str::to_owned);
         let plan = processing::cycle(
             Input {
                 body: &body,
@@ -846,8 +917,8 @@ impl Queue {
         }
         let refused = matches!(written, Written::Refused(_));
         if matches!(written, Written::Gone) {
-            let mut last = rv_of(body);
             if let Some(slot) = self.slots.lock().get_mut(uid) {
+                // Events of any version it had are late now.
                 slot.gone = true;
                 if slot.pending.take().is_some() {
                     self.count_waiting(-1);
@@ -855,11 +926,9 @@ impl Queue {
                 if let Some(t) = slot.timer.take() {
                     t.abort();
                 }
-                last = last.max(slot.written_rv());
-                // Events of any version it had are late now.
-                slot.set_written_rv(last.map(|rv| rv.saturating_add(1)));
+                slot.versions = None;
             }
-            self.bury(uid, last);
+            self.bury(uid);
             // Its DELETED event may have been among the dropped ones.
             self.ctx.daemons.forget(uid);
             self.ctx
@@ -903,30 +972,37 @@ impl Queue {
         let mut answer = None;
         let (after, checked) = match &written {
             Written::Stored(stored) if uid_of(stored).as_deref() == Some(uid) => {
-                slot.set_written_rv(rv_of(stored).or(slot.written_rv()));
-                let check = rv_of(stored) > cycle_rv;
-                // A write that changed nothing answers with the version the cycle saw: seen now
-                // if the cycle's body was that version as stored; for a body kept in memory,
-                // what was seen stays (not after a checkpoint composed it).
-                if check || as_stored {
-                    slot.seen = true;
+                let stored_version = version_of(stored);
+                // A write that stored a new version: its echo is awaited, and its answer is the
+                // next work (so its body will have been seen). One that changed nothing
+                // answers with the version the cycle saw: seen now if the cycle's body was
+                // that version as stored; for a body kept in memory, what was seen stays (not
+                // after a checkpoint composed it).
+                let check = stored_version.is_some() && stored_version != cycle_version.as_deref();
+                if let Some(version) = stored_version {
+                    if check {
+                        slot.versions().await_echo(version, true);
+                    } else if as_stored {
+                        slot.versions().saw(version);
+                    }
                 }
                 (Some(stored), check)
             }
-            Written::Stored(stored) => {
-                slot.set_written_rv(rv_of(stored).or(slot.written_rv()));
-                slot.seen = false;
-                (None, false)
-            }
+            // The answer of another object (one that took the name over): its echo is not
+            // this object's.
+            Written::Stored(_) => (None, false),
             Written::Nothing => {
-                slot.set_written_rv(rv_of(&plan.base).max(slot.written_rv()));
-                if rv_of(&plan.base) != cycle_rv {
-                    // A checkpoint's composed body.
-                    slot.seen = false;
-                } else if as_stored {
-                    slot.seen = true;
+                match version_of(&plan.base) {
+                    // A checkpoint's composed body: the echo of what it wrote is awaited, and
+                    // processed when it comes (someone may have changed the object meanwhile).
+                    Some(version) if Some(version) != cycle_version.as_deref() => {
+                        slot.versions().await_echo(version, false);
+                    }
+                    Some(version) if as_stored => slot.versions().saw(version),
+                    // Otherwise a body kept in memory was seen again: what was seen stays.
+                    _ => {}
                 }
-                // Otherwise a body kept in memory was seen again: what was seen stays.
+                slot.tidy();
                 (Some(&plan.base), false)
             }
             Written::Refused(_) => (Some(&plan.base), false),
@@ -962,9 +1038,9 @@ impl Queue {
         if !over {
             return;
         }
-        if let Some((event_type, body)) = slot.pending.take() {
+        if let Some((event_type, _)) = slot.pending.take() {
             self.count_waiting(-1);
-            slot.mark(event_type, body.rv());
+            slot.mark(event_type, Some(self.relisting.next_pass()));
             self.relisting.marked();
             drop(slots);
             self.relist_soon();
@@ -979,16 +1055,27 @@ impl Queue {
     /// work waits already (a change by someone else, or a deletion): its cycle sees what the
     /// answer holds. Returns whether the answer is the next work.
     fn check_answer(&self, slot: &mut Slot, answer: Stored) -> bool {
-        if slot.gone || self.ctx.cancel.is_cancelled() || answer.rv().is_none() {
+        if slot.gone || self.ctx.cancel.is_cancelled() {
             return false;
         }
-        if let Some((event_type, waiting)) = &slot.pending
-            && (*event_type == EventType::Deleted || waiting.rv() > answer.rv())
-        {
+        let Some(version) = answer.version() else {
             return false;
+        };
+        if let Some((event_type, waiting)) = &slot.pending {
+            if *event_type == EventType::Deleted {
+                return false;
+            }
+            // The events of the object come in order: if the write's echo arrived while the
+            // cycle ran, what waits and is not the echo came after it (or too many came to tell,
+            // and what waits is processed rather than lost).
+            let echo_came = slot.versions.as_ref().map_or(Some(false), |v| v.arrived(version));
+            if waiting.version() != Some(version) && echo_came != Some(false) {
+                debug!("a change newer than the write's answer waits; the answer is not checked");
+                return false;
+            }
         }
         // What waits is this write's echo, come before the answer, or older.
-        self.set_pending(slot, EventType::Modified, answer, true);
+        self.set_pending(slot, EventType::Modified, answer, true, false);
         true
     }
 
@@ -1049,7 +1136,7 @@ impl Queue {
             slot.last_body.as_ref().map(Stored::value)
         };
         if let Some(body) = body {
-            self.queue_body(EventType::Modified, body, false);
+            self.queue_body(EventType::Modified, body, Source::Memory);
         }
     }
 }
@@ -1061,31 +1148,48 @@ impl Queue {
 /// allocation, so that a slot stays small (one pointer and length per body).
 #[derive(Clone)]
 struct Stored {
-    /// The resourceVersion (8 bytes, little-endian, 0 for none), then the compressed body.
+    /// The resourceVersion's length (2 bytes, little-endian; 0 for none or one too long to
+    /// keep) and text, then the compressed body.
     packed: Box<[u8]>,
 }
 
-const RV_BYTES: usize = std::mem::size_of::<u64>();
+const LEN_BYTES: usize = std::mem::size_of::<u16>();
 
 impl Stored {
     fn new(body: &Value) -> Self {
         let json = serde_json::to_vec(body).unwrap_or_default();
-        let mut packed = rv_of(body).unwrap_or(0).to_le_bytes().to_vec();
+        let version = version_of(body).unwrap_or_default().as_bytes();
+        let version = u16::try_from(version.len()).map_or(&[][..], |_| version);
+        let len = u16::try_from(version.len()).unwrap_or(0);
+        let mut packed = len.to_le_bytes().to_vec();
+        packed.extend_from_slice(version);
         packed.extend_from_slice(&lz4_flex::compress_prepend_size(&json));
         Self {
             packed: packed.into_boxed_slice(),
         }
     }
 
+    /// Where the compressed body starts.
+    fn body_at(&self) -> usize {
+        let len = self
+            .packed
+            .get(..LEN_BYTES)
+            .and_then(|b| <[u8; LEN_BYTES]>::try_from(b).ok())
+            .map_or(0, u16::from_le_bytes);
+        LEN_BYTES + usize::from(len)
+    }
+
     /// The body's resourceVersion.
-    fn rv(&self) -> Option<u64> {
-        let bytes: [u8; RV_BYTES] = self.packed.get(..RV_BYTES)?.try_into().ok()?;
-        Some(u64::from_le_bytes(bytes)).filter(|rv| *rv != 0)
+    fn version(&self) -> Option<&str> {
+        self.packed
+            .get(LEN_BYTES..self.body_at())
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .filter(|v| !v.is_empty())
     }
 
     fn value(&self) -> Value {
         self.packed
-            .get(RV_BYTES..)
+            .get(self.body_at()..)
             .and_then(|packed| lz4_flex::decompress_size_prepended(packed).ok())
             .and_then(|json| serde_json::from_slice(&json).ok())
             .unwrap_or(Value::Null)
@@ -1094,6 +1198,7 @@ impl Stored {
 
 mod events;
 pub mod relisting;
+mod version;
 
 #[cfg(test)]
 mod tests;

@@ -130,8 +130,13 @@ impl Writer {
                         Ok(mut fresh) => {
                             // Node-local records are not on the object: the fresh body gets them
                             // as the cycle's body had them, so the rebased write keeps them all.
-                            if let Some(local) = self.storage.local.as_deref() {
-                                local.overlay(uid_of(body).unwrap_or_default(), &mut fresh).await;
+                            if let Some(local) = self.storage.local.as_deref()
+                                && local
+                                    .overlay(uid_of(body).unwrap_or_default(), &mut fresh)
+                                    .await
+                                    .is_err()
+                            {
+                                local.carry(&base, &mut fresh);
                             }
                             if let Some(d) = desired.to_mut().as_mut() {
                                 rebase(d, &base, &fresh);

@@ -5,7 +5,10 @@
 //! handlers all done, or never handled). The state word is coloured only when asked for —
 //! the caller decides, from whether standard output is a terminal and `NO_COLOR`; colours
 //! never change the alignment. Messages are kept on one line and, except in `wide`, cut to
-//! [`MESSAGE_WIDTH`] characters.
+//! [`MESSAGE_WIDTH`] characters. Nothing read from an object reaches the terminal as a control
+//! character or a bidirectional override ([`escape`]).
+
+mod escape;
 
 use serde::Serialize;
 
@@ -56,8 +59,13 @@ pub fn render(
     colour: bool,
 ) -> Result<String, Error> {
     match output {
-        Output::Json => serde_json::to_string_pretty(&List { items: reports }).map_err(Error::Json),
-        Output::Yaml => serde_saphyr::to_string(&List { items: reports }).map_err(Error::Yaml),
+        Output::Json => serde_json::to_string_pretty(&List { items: reports })
+            .map(escape::json)
+            .map_err(Error::Json),
+        Output::Yaml => serde_saphyr::to_string(&List {
+            items: &with_strings(reports, escape::escape_bidi),
+        })
+        .map_err(Error::Yaml),
         Output::Table | Output::Wide => Ok(table(reports, output == Output::Wide, namespaced, colour)),
     }
 }
@@ -100,7 +108,7 @@ fn table(reports: &[ObjectReport], wide: bool, namespaced: bool, colour: bool) -
                 row.extend(["-".into(), "-".into(), "-".into()]);
             }
             row.push(message);
-            rows.push((row, None));
+            rows.push((escaped(row), None));
             continue;
         }
         for h in &r.handlers {
@@ -130,13 +138,13 @@ fn table(reports: &[ObjectReport], wide: bool, namespaced: bool, colour: bool) -
                     h.stored_in.clone(),
                 ]);
             }
-            let message = one_line(h.message.as_deref().unwrap_or("-"));
+            let message = escape::escape(&one_line(h.message.as_deref().unwrap_or("-")));
             row.push(if wide {
                 message
             } else {
                 cut(&message, MESSAGE_WIDTH)
             });
-            rows.push((row, Some(h.state)));
+            rows.push((escaped(row), Some(h.state)));
         }
     }
     let state_column = header.iter().position(|h| *h == "STATE").unwrap_or(0);
@@ -154,6 +162,40 @@ fn table(reports: &[ObjectReport], wide: bool, namespaced: bool, colour: bool) -
         line(&mut out, row, &widths, state.filter(|_| colour), state_column);
     }
     out
+}
+
+/// A table row with every cell escaped (escaping twice changes nothing).
+fn escaped(row: Vec<String>) -> Vec<String> {
+    row.iter().map(|cell| escape::escape(cell)).collect()
+}
+
+/// `reports` with `f` applied to every string read from the objects.
+fn with_strings(reports: &[ObjectReport], f: impl Fn(&str) -> String) -> Vec<ObjectReport> {
+    let all = |v: &mut Vec<String>| v.iter_mut().for_each(|s| *s = f(s));
+    let some = |o: &mut Option<String>| {
+        if let Some(s) = o.as_mut() {
+            *s = f(s);
+        }
+    };
+    let mut reports = reports.to_vec();
+    for r in &mut reports {
+        some(&mut r.namespace);
+        r.name = f(&r.name);
+        all(&mut r.handled_by);
+        all(&mut r.finalizers);
+        for h in &mut r.handlers {
+            h.handler = f(&h.handler);
+            some(&mut h.node);
+            h.owner = f(&h.owner);
+            h.stored_in = f(&h.stored_in);
+            some(&mut h.purpose);
+            some(&mut h.started);
+            some(&mut h.stopped);
+            some(&mut h.next_attempt);
+            some(&mut h.message);
+        }
+    }
+    reports
 }
 
 /// The state and message of an object without records.
@@ -291,6 +333,42 @@ mod tests {
         assert_eq!(json["items"][1]["handledBy"], json!(["capstan.dev"]));
         let yaml = render(&reports(), Output::Yaml, true, false).unwrap();
         assert!(yaml.contains("state: failed"), "{yaml}");
+    }
+
+    #[test]
+    fn control_characters_in_messages_are_escaped_in_tables() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        let hostile = json!({"metadata": {"name": "a", "namespace": "ns", "annotations": {
+            "capstan.dev/create_fn": serde_json::to_string(&json!({
+                "retries": 1, "failure": true,
+                "message": "\u{1b}]0;owned\u{7}\u{1b}[2Jgone\u{7f}\u{9b}31m \u{202e}txt.exe",
+            })).unwrap(),
+            "capstan.dev/\u{1b}[31mred": r#"{"retries":0,"started":"x"}"#,
+        }}});
+        let reports = vec![object_report(&Scope::default(), &hostile, now)];
+        let steers = |c: char| c != '\n' && (c.is_control() || ('\u{202a}'..='\u{202e}').contains(&c));
+        for output in [Output::Table, Output::Wide, Output::Json, Output::Yaml] {
+            let text = render(&reports, output, true, false).unwrap();
+            assert!(!text.chars().any(steers), "{output:?}:\n{text:?}");
+        }
+        let table = render(&reports, Output::Wide, false, false).unwrap();
+        assert!(
+            table.contains("\\x1b]0;owned\\x07\\x1b[2Jgone\\x7f\\x9b31m \\u{202e}txt.exe"),
+            "{table}"
+        );
+        let json: serde_json::Value =
+            serde_json::from_str(&render(&reports, Output::Json, false, false).unwrap()).unwrap();
+        let messages: Vec<&str> = json["items"][0]["handlers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|h| h["message"].as_str())
+            .collect();
+        assert_eq!(
+            messages,
+            ["\u{1b}]0;owned\u{7}\u{1b}[2Jgone\u{7f}\u{9b}31m \u{202e}txt.exe"],
+            "JSON keeps the message as stored"
+        );
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //! buffer as it arrives (the transport's chunks are freed as they are copied in, where
 //! `Client::request_text` collects them and then copies the whole twice), its objects are
 //! located in it without copying, and each is parsed only when the caller takes it. The page's
-//! text stays until its last object is taken.
+//! text stays until its last object is taken. An object that does not parse fails alone (see
+//! [`super::quarantine`]): the page's others are taken as ever.
 
 use std::{ops::Range, time::Duration};
 
@@ -21,6 +22,8 @@ use kube::{
 };
 use serde::Deserialize;
 use serde_json::value::RawValue;
+
+use super::quarantine::Unparsed;
 
 /// The parameters of a paged LIST with a watch's server-side selectors.
 pub fn list_params(page_size: u32, label_selector: Option<&str>, field_selector: Option<&str>) -> ListParams {
@@ -91,14 +94,15 @@ impl Page {
     }
 
     /// The page's objects in order, each parsed when taken (the page's text is freed when the
-    /// last is taken).
-    pub fn objects(self) -> impl Iterator<Item = Result<DynamicObject, kube::Error>> {
+    /// last is taken); one that does not parse is [`Unparsed`], to be quarantined.
+    pub fn objects(self) -> impl Iterator<Item = Result<DynamicObject, Unparsed>> {
         let Self { text, items, .. } = self;
         items.into_iter().map(move |at| {
-            let object = text.get(at).ok_or_else(|| {
-                kube::Error::Service(Box::new(std::io::Error::other("an object outside its page")))
-            })?;
-            serde_json::from_slice(object).map_err(kube::Error::SerdeError)
+            let object = text
+                .get(at)
+                .and_then(|o| std::str::from_utf8(o).ok())
+                .unwrap_or_default();
+            serde_json::from_str(object).map_err(|e| Unparsed::new(object, e))
         })
     }
 }
@@ -188,7 +192,28 @@ mod tests {
         .unwrap();
         let taken: Vec<_> = page.objects().collect();
         assert!(taken[0].is_ok());
-        assert!(matches!(taken[1], Err(kube::Error::SerdeError(_))));
+        assert!(taken[1].is_err());
+        assert!(taken.len() == 2);
+    }
+
+    #[test]
+    fn an_object_nested_deeper_than_the_parser_allows_fails_alone() {
+        let deep = format!("{}1{}", "[".repeat(200), "]".repeat(200));
+        let text = format!(
+            r#"{{"metadata":{{"resourceVersion":"9"}},"items":[{{"metadata":{{"name":"a"}}}},
+               {{"metadata":{{"name":"deep","uid":"u-deep"}},"spec":{deep}}},{{"metadata":{{"name":"b"}}}}]}}"#
+        );
+        let page = Page::parse(text.into_bytes()).unwrap();
+        let taken: Vec<_> = page.objects().collect();
+        assert_eq!(taken.len(), 3);
+        let unparsed = taken[1].as_ref().expect_err("too deep");
+        assert_eq!(unparsed.identity.uid, "u-deep");
+        let names: Vec<_> = taken
+            .iter()
+            .filter_map(|o| o.as_ref().ok())
+            .filter_map(|o| o.metadata.name.clone())
+            .collect();
+        assert_eq!(names, ["a", "b"]);
     }
 
     #[tokio::test]

@@ -25,6 +25,13 @@
 //! least the `Retry-After` the server asked for (`details.retryAfterSeconds`). The backoff
 //! starts over once a watch is established.
 //!
+//! # Objects that do not parse
+//!
+//! LIST pages and watch events are split before their objects are parsed, each alone
+//! ([`lines`], [`super::listing`]): an object that does not parse is quarantined (see
+//! [`super::quarantine`]) and the watch goes on past it, instead of failing on it for ever.
+//! A deletion of such an object is still reported, with what its text tells of it.
+//!
 //! Why not kube-runtime's `watcher()` itself: it keeps bookmarks, reconnects and its own idle
 //! timeout inside the stream and shows none of them to its consumer, so neither a silent
 //! watch nor one that keeps failing to reconnect could be reported to the health probes, and
@@ -35,10 +42,10 @@
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use kube::{
     Api,
-    api::{DynamicObject, WatchEvent, WatchParams},
+    api::{DynamicObject, WatchParams},
     runtime::{utils::Backoff as _, watcher::DefaultBackoff},
 };
 use parking_lot::Mutex;
@@ -47,12 +54,16 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use self::lines::{Line, Read};
 use super::{
     listing::{list_page, list_params},
     objects::to_value,
+    quarantine::{Unparsed, quarantine},
     reachability::{self, Reachability},
 };
 use crate::model::EventType;
+
+mod lines;
 
 /// Tunables of a watch.
 #[derive(Clone, Debug)]
@@ -82,6 +93,9 @@ pub struct Event {
     pub event_type: EventType,
     /// The object, without managed fields.
     pub body: Value,
+    /// For an object of a listing: when that listing started (it reflects every write
+    /// answered before).
+    pub listed: Option<tokio::time::Instant>,
 }
 
 /// The health of one watch, shared with the health endpoint (see the module docs).
@@ -171,6 +185,8 @@ pub struct Watch {
     /// Known objects by uid, for reporting objects that vanished between a watch's end and
     /// the relist (one entry per watched object, so kept small: see [`Known`]).
     known: HashMap<Box<str>, Known>,
+    /// The resource's plural, for the metrics of quarantined objects.
+    plural: String,
 }
 
 enum Restart {
@@ -194,7 +210,6 @@ impl Watch {
                 .saturating_add(Duration::from_secs(60)),
         );
         Self {
-            api,
             label_selector,
             field_selector,
             settings,
@@ -202,6 +217,13 @@ impl Watch {
             reachability: Reachability::global(),
             backoff: DefaultBackoff::default(),
             known: HashMap::new(),
+            plural: api
+                .resource_url()
+                .rsplit('/')
+                .next()
+                .unwrap_or_default()
+                .to_owned(),
+            api,
         }
     }
 
@@ -288,13 +310,25 @@ impl Watch {
         );
         let mut seen: HashMap<Box<str>, Known> = HashMap::new();
         let mut rv = String::new();
+        let started = tokio::time::Instant::now();
         loop {
             let page = list_page(&self.api, &params, self.settings.inactivity_timeout).await?;
             self.status.moved();
             rv = page.resource_version.clone().unwrap_or(rv);
             let next = page.continue_token.clone();
             for obj in page.objects() {
-                let obj = obj?;
+                let obj = match obj {
+                    Ok(obj) => obj,
+                    Err(unparsed) => {
+                        quarantine(&self.plural, &unparsed);
+                        // Still there: not reported as vanished.
+                        let id = &unparsed.identity;
+                        if !id.uid.is_empty() {
+                            seen.insert(id.uid.as_str().into(), Known::new(&id.namespace, &id.name));
+                        }
+                        continue;
+                    }
+                };
                 if let Some(uid) = obj.metadata.uid.as_deref() {
                     seen.insert(uid.into(), Known::of(&obj));
                 }
@@ -302,6 +336,7 @@ impl Watch {
                     .send(Event {
                         event_type: EventType::Listing,
                         body: to_value(obj),
+                        listed: Some(started),
                     })
                     .await
                     .is_err()
@@ -327,6 +362,7 @@ impl Watch {
                 .send(Event {
                     event_type: EventType::Deleted,
                     body,
+                    listed: None,
                 })
                 .await
                 .is_err()
@@ -355,7 +391,7 @@ impl Watch {
         let sent = tokio::time::Instant::now();
         let stream = tokio::select! {
             () = cancel.cancelled() => return None,
-            s = tokio::time::timeout(self.settings.inactivity_timeout, self.api.watch(&params, rv)) => s,
+            s = tokio::time::timeout(self.settings.inactivity_timeout, self.start(&params, rv)) => s,
         };
         let Ok(stream) = stream else {
             let delay = self.hung("starting the watch hung", sent);
@@ -384,7 +420,7 @@ impl Watch {
         loop {
             let next = tokio::select! {
                 () = cancel.cancelled() => return None,
-                n = tokio::time::timeout(self.settings.inactivity_timeout, stream.try_next()) => n,
+                n = tokio::time::timeout(self.settings.inactivity_timeout, stream.next()) => n,
             };
             let event = match next {
                 Err(_) => {
@@ -394,9 +430,20 @@ impl Watch {
                     self.status.moved();
                     return Some(Restart::Rewatch);
                 }
-                Ok(Ok(Some(e))) => e,
-                Ok(Ok(None)) => return Some(Restart::Rewatch),
-                Ok(Err(e)) => {
+                Ok(Some(Read::Line(line))) => line,
+                Ok(None) => return Some(Restart::Rewatch),
+                Ok(Some(Read::Bad(e))) => {
+                    // A line that is no event at all (not an object that does not parse).
+                    let e = kube::Error::Service(Box::new(e));
+                    let delay = self.failed("watch stream failed", &e);
+                    warn!(error = %e, retry_in = ?delay, "watch stream failed; restarting it");
+                    if sleep_or_cancel(delay, cancel).await {
+                        return None;
+                    }
+                    return Some(Restart::Rewatch);
+                }
+                Ok(Some(Read::Failed(e))) => {
+                    let e = kube::Error::ReadEvents(e);
                     let delay = self.failed("watch stream failed", &e);
                     warn!(error = %e, retry_in = ?delay, "watch stream failed; restarting it");
                     if sleep_or_cancel(delay, cancel).await {
@@ -406,20 +453,34 @@ impl Watch {
                 }
             };
             let (event_type, obj) = match event {
-                WatchEvent::Added(o) => (EventType::Added, o),
-                WatchEvent::Modified(o) => (EventType::Modified, o),
-                WatchEvent::Deleted(o) => (EventType::Deleted, o),
-                WatchEvent::Bookmark(b) => {
-                    *rv = b.metadata.resource_version;
+                Line::Event(event_type, o) => (event_type, *o),
+                Line::Unparsable(event_type, unparsed) => {
+                    self.established(false);
+                    if let Some(body) = self.skip(event_type, &unparsed, rv)
+                        && tx
+                            .send(Event {
+                                event_type,
+                                body,
+                                listed: None,
+                            })
+                            .await
+                            .is_err()
+                    {
+                        return None;
+                    }
+                    continue;
+                }
+                Line::Bookmark(version) => {
+                    *rv = version;
                     self.established(false);
                     continue;
                 }
-                WatchEvent::Error(e) if e.code == 410 => {
+                Line::Error(e) if e.code == 410 => {
                     debug!("watch expired (410 Gone); relisting");
                     return Some(Restart::Relist);
                 }
-                WatchEvent::Error(e) => {
-                    let e = kube::Error::Api(e.boxed());
+                Line::Error(e) => {
+                    let e = kube::Error::Api(e);
                     let delay = self.failed("watch error", &e);
                     warn!(error = %e, retry_in = ?delay, "watch error; restarting it");
                     if sleep_or_cancel(delay, cancel).await {
@@ -443,6 +504,7 @@ impl Watch {
                 .send(Event {
                     event_type,
                     body: to_value(obj),
+                    listed: None,
                 })
                 .await
                 .is_err()
@@ -450,6 +512,48 @@ impl Watch {
                 return None;
             }
         }
+    }
+}
+
+impl Watch {
+    /// Starts a watch from `rv`: its answer's lines, each parsed when it comes.
+    async fn start(
+        &self,
+        params: &WatchParams,
+        rv: &str,
+    ) -> Result<impl futures::Stream<Item = Read> + use<>, kube::Error> {
+        let mut request = kube::core::Request::new(self.api.resource_url())
+            .watch(params, rv)
+            .map_err(kube::Error::BuildRequest)?;
+        request.extensions_mut().insert("watch");
+        // One gzip member per event would be decoded only up to the first (as kube's own watch).
+        request.headers_mut().insert(
+            http::header::ACCEPT_ENCODING,
+            http::HeaderValue::from_static("identity"),
+        );
+        let body = self.api.clone().into_client().request_stream(request).await?;
+        Ok(lines::lines(body).boxed())
+    }
+
+    /// Skips an event of an object that does not parse: quarantined, with the watch's version
+    /// moved past it; a deletion is still reported, with the object's identity. Returns the
+    /// body to report.
+    fn skip(&mut self, event_type: EventType, unparsed: &Unparsed, rv: &mut String) -> Option<Value> {
+        let id = &unparsed.identity;
+        if let Some(version) = &id.resource_version {
+            rv.clone_from(version);
+        }
+        if event_type == EventType::Deleted {
+            self.known.remove(id.uid.as_str());
+            debug!(uid = %id.uid, name = %id.name, "an object that cannot be parsed was deleted");
+            return Some(id.body());
+        }
+        quarantine(&self.plural, unparsed);
+        if !id.uid.is_empty() {
+            self.known
+                .insert(id.uid.as_str().into(), Known::new(&id.namespace, &id.name));
+        }
+        None
     }
 }
 
@@ -462,6 +566,10 @@ impl Known {
     fn of(obj: &DynamicObject) -> Self {
         let namespace = obj.metadata.namespace.as_deref().unwrap_or_default();
         let name = obj.metadata.name.as_deref().unwrap_or_default();
+        Self::new(namespace, name)
+    }
+
+    fn new(namespace: &str, name: &str) -> Self {
         Self(format!("{namespace}/{name}").into_boxed_str())
     }
 

@@ -2,18 +2,76 @@
 //!
 //! Plain HTTP/1.1 on a TCP port (kubelet probes cannot reach a Unix socket), answering JSON
 //! with every check so that a failing probe explains itself in `kubectl describe pod`.
+//!
+//! # Hostile peers
+//!
+//! The port has no authentication and, by default, listens on every address, so anything that
+//! can reach the pod can connect. What a peer can hold is bounded, so that a flood of
+//! connections can neither take the descriptors the API client and the node store need nor
+//! keep the kubelet's probes out:
+//!
+//! - **At most `connections` are open** ([`slots`]): a new connection that finds them all
+//!   taken sheds the oldest — first the oldest that has not sent a byte.
+//! - **Headers within `header_timeout`**: a connection that sends nothing is closed then;
+//!   once it sends, hyper's own header-read timeout, run by hyper-util's Tokio timer, bounds
+//!   each request's headers. It also closes a kept-alive connection that sends no next request
+//!   in that time.
+//! - **Each connection within `request_timeout`**, whatever it does: then it is asked to close
+//!   after its current answer, and cut a moment later.
+//! - **No bodies**: every page is a `GET`; a request announcing a body is refused with `413`
+//!   by tower-http's body limit, and a connection whose body was not read is closed after the
+//!   answer.
+//! - **Failed accepts back off** ([`ACCEPT_BACKOFF`]): out of descriptors (`EMFILE`), the loop
+//!   waits instead of spinning on the error.
 
-use std::{convert::Infallible, net::SocketAddr};
+mod slots;
+
+use std::{convert::Infallible, net::SocketAddr, time::Duration};
 
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
-use hyper::{body::Bytes, server::conn::http1, service::service_fn};
-use hyper_util::rt::TokioIo;
-use tokio::net::TcpListener;
+use hyper::{body::Bytes, server::conn::http1};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info};
+use tower::{ServiceBuilder, ServiceExt as _};
+use tower_http::limit::RequestBodyLimitLayer;
+use tracing::{Instrument as _, debug, debug_span, info, warn};
 
+use self::slots::{Slot, Slots};
 use super::health::{Health, Report};
+
+/// How long the accept loop waits after a failed accept (out of descriptors, mostly).
+pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// How long a connection past its deadline may take to finish its current answer.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// The most bytes buffered per connection for reading a request (hyper's minimum is 8 KiB):
+/// probe and scrape requests are a few hundred bytes.
+const MAX_BUF: usize = 16 * 1024;
+
+/// Limits of the admin endpoint's connections (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// Most connections open at once; a new one beyond sheds the oldest. Default 64.
+    pub connections: usize,
+    /// Longest wait for a request's headers, and for the next request on an idle
+    /// connection. Default 5 s.
+    pub header_timeout: Duration,
+    /// Longest life of one connection. Default 10 s.
+    pub request_timeout: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            connections: 64,
+            header_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(10),
+        }
+    }
+}
 
 /// Why the admin listener failed.
 #[derive(Debug, thiserror::Error)]
@@ -27,6 +85,8 @@ pub enum Error {
 pub struct Admin {
     listener: TcpListener,
     health: Health,
+    settings: Settings,
+    slots: Slots,
 }
 
 impl Admin {
@@ -34,9 +94,14 @@ impl Admin {
     ///
     /// # Errors
     /// [`Error::Bind`].
-    pub async fn bind(addr: SocketAddr, health: Health) -> Result<Self, Error> {
+    pub async fn bind(addr: SocketAddr, settings: Settings, health: Health) -> Result<Self, Error> {
         let listener = TcpListener::bind(addr).await.map_err(|e| Error::Bind(addr, e))?;
-        Ok(Self { listener, health })
+        Ok(Self {
+            listener,
+            health,
+            slots: Slots::new(settings.connections),
+            settings,
+        })
     }
 
     /// The bound address.
@@ -46,31 +111,90 @@ impl Admin {
 
     /// Serves until `shutdown` is cancelled.
     pub async fn serve(self, shutdown: CancellationToken) {
-        info!(addr = ?self.local_addr(), "admin endpoint listening");
+        info!(addr = ?self.local_addr(), settings = ?self.settings, "admin endpoint listening");
         loop {
             let (stream, peer) = tokio::select! {
                 () = shutdown.cancelled() => return,
                 accepted = self.listener.accept() => match accepted {
                     Ok(a) => a,
                     Err(e) => {
-                        debug!(error = %e, "admin accept failed");
-                        continue;
+                        warn!(error = %e, retry_in = ?ACCEPT_BACKOFF, "admin accept failed");
+                        tokio::select! {
+                            () = shutdown.cancelled() => return,
+                            () = tokio::time::sleep(ACCEPT_BACKOFF) => continue,
+                        }
                     }
                 },
             };
-            let health = self.health.clone();
-            let conn_shutdown = shutdown.clone();
-            tokio::spawn(async move {
-                let service = service_fn(move |req| {
-                    let health = health.clone();
-                    async move { Ok::<_, Infallible>(route(&health, &req)) }
-                });
-                let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
-                tokio::select! {
-                    result = conn => if let Err(e) = result { debug!(%peer, error = %e, "admin connection failed") },
-                    () = conn_shutdown.cancelled() => {}
-                }
-            });
+            let slot = tokio::select! {
+                () = shutdown.cancelled() => return,
+                slot = self.slots.take() => slot,
+            };
+            debug!(%peer, open = self.slots.taken(), shed = self.slots.shed(), "admin connection accepted");
+            tokio::spawn(
+                connection(
+                    stream,
+                    slot,
+                    self.health.clone(),
+                    self.settings.clone(),
+                    shutdown.clone(),
+                )
+                .instrument(debug_span!("admin connection", %peer)),
+            );
+        }
+    }
+}
+
+/// Serves one connection until it ends, is shed, passes its deadline or the endpoint stops.
+async fn connection(
+    stream: TcpStream,
+    slot: Slot,
+    health: Health,
+    settings: Settings,
+    shutdown: CancellationToken,
+) {
+    let deadline = tokio::time::Instant::now() + settings.request_timeout;
+    // A connection counts as silent (shed first) until its first byte; silence is bounded by
+    // the header timeout as well.
+    let mut byte = [0u8; 1];
+    let first = tokio::select! {
+        first = stream.peek(&mut byte) => first,
+        () = slot.shed() => return debug!("silent admin connection shed for a newer one"),
+        () = shutdown.cancelled() => return,
+        () = tokio::time::sleep(settings.header_timeout) => return debug!("admin connection sent nothing; closing it"),
+        () = tokio::time::sleep_until(deadline) => return,
+    };
+    match first {
+        Ok(0) | Err(_) => return,
+        Ok(_) => slot.heard(),
+    }
+    let service = ServiceBuilder::new()
+        .layer(RequestBodyLimitLayer::new(0))
+        .service_fn(move |req: Request<_>| {
+            let response = route(&health, &req);
+            async move { Ok::<_, Infallible>(response) }
+        });
+    let service = hyper::service::service_fn(move |req| service.clone().oneshot(req));
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(settings.header_timeout)
+        .max_buf_size(MAX_BUF)
+        .serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    tokio::select! {
+        result = conn.as_mut() => if let Err(e) = result {
+            debug!(error = %e, "admin connection failed");
+        },
+        () = slot.shed() => debug!("admin connection shed for a newer one"),
+        () = shutdown.cancelled() => {}
+        () = tokio::time::sleep_until(deadline) => {
+            debug!(deadline = ?settings.request_timeout, "admin connection past its deadline; closing it");
+            conn.as_mut().graceful_shutdown();
+            tokio::select! {
+                _ = tokio::time::timeout(CLOSE_GRACE, conn) => {}
+                () = slot.shed() => {}
+                () = shutdown.cancelled() => {}
+            }
         }
     }
 }

@@ -177,6 +177,8 @@ pub struct Metrics {
     api_requests: Gauge,
     writes: Family<ResourceLabels, Counter>,
     events_dropped: Family<HandlerLabels, Counter>,
+    node_storage_read_errors: Counter,
+    quarantined: Family<ResourceLabels, Counter>,
     admission: AdmissionFamilies,
     samplers: Arc<Samplers>,
 }
@@ -283,6 +285,18 @@ impl Default for Metrics {
             "Watch events not passed to a fire-and-forget event handler because its invocations were at their limit, by handler.",
             events_dropped.clone(),
         );
+        let node_storage_read_errors = Counter::default();
+        registry.register(
+            "capstan_node_storage_read_errors",
+            "Reads of node-local state files that failed other than for a missing file (their objects wait until the file can be read).",
+            node_storage_read_errors.clone(),
+        );
+        let quarantined = Family::<ResourceLabels, Counter>::default();
+        registry.register(
+            "capstan_objects_quarantined",
+            "Objects received that could not be parsed (logged with their name and skipped; the others of the resource are processed), by resource.",
+            quarantined.clone(),
+        );
         let admission = AdmissionFamilies::register(&mut registry);
         let samplers = Arc::new(Samplers::default());
         registry.register_collector(Box::new(samplers.clone()));
@@ -297,6 +311,8 @@ impl Default for Metrics {
             api_requests,
             writes,
             events_dropped,
+            node_storage_read_errors,
+            quarantined,
             admission,
             samplers,
         }
@@ -377,6 +393,22 @@ impl Metrics {
         self.events_dropped
             .get_or_create(&HandlerLabels {
                 handler: handler.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts a node-local state file that exists but could not be read
+    /// (`capstan_node_storage_read_errors_total`).
+    pub fn node_storage_read_error(&self) {
+        self.node_storage_read_errors.inc();
+    }
+
+    /// Counts an object received that could not be parsed and was skipped
+    /// (`capstan_objects_quarantined_total`).
+    pub fn object_quarantined(&self, resource: &str) {
+        self.quarantined
+            .get_or_create(&ResourceLabels {
+                resource: resource.to_owned(),
             })
             .inc();
     }
@@ -483,6 +515,7 @@ mod tests {
         m.pending("examples", -1);
         m.api_write("examples");
         m.event_dropped("h");
+        m.object_quarantined("examples");
         m.sample(Sampled::Paused, || 0);
         m.sample(Sampled::Leader, || 1);
         let text = m.render();
@@ -493,6 +526,7 @@ mod tests {
             "capstan_objects_pending{resource=\"examples\"} 1",
             "capstan_api_writes_total{resource=\"examples\"} 1",
             "capstan_events_dropped_total{handler=\"h\"} 1",
+            "capstan_objects_quarantined_total{resource=\"examples\"} 1",
             "capstan_paused 0",
             "capstan_leader 1",
         ] {

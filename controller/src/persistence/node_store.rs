@@ -17,10 +17,15 @@
 //! One file per object (`<uid>.json`), replaced atomically: written to a temporary file,
 //! fsynced, renamed, and the directory fsynced. A file that does not parse or whose checksum
 //! does not match is reported and treated as "not handled yet" for that object only.
+//!
+//! A file that exists but cannot be read (permissions, an I/O error, something else in its
+//! place) is not a missing one: its object was handled, and treating it as new would run its
+//! create handlers again. Such an object is not processed at all until its file can be read
+//! again; it is retried with a growing delay ([`NodeStore::retry_delay`]), reported and counted
+//! (`capstan_node_storage_read_errors_total`).
 
 use std::{
-    collections::HashSet,
-    io::Write as _,
+    collections::{HashMap, HashSet},
     path::{Path, PathBuf},
     sync::atomic::{AtomicU64, Ordering},
     time::{Duration, SystemTime},
@@ -38,12 +43,18 @@ use tracing::{debug, warn};
 
 use super::keys::Keys;
 
+pub mod claim;
+mod files;
+
 /// The largest state kept for one object: what the object's annotations could hold.
 pub const ENTRY_LIMIT: usize = 256 * 1024;
 
 /// How long a starting controller waits for another process (a surge pod of the same
 /// DaemonSet) to release the store.
 const LOCK_WAIT: Duration = Duration::from_secs(120);
+
+/// The first and the longest delay before an object whose state cannot be read is tried again.
+const UNREADABLE_RETRY: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(30));
 
 /// Errors of the node-local store.
 #[derive(Debug, thiserror::Error)]
@@ -84,18 +95,36 @@ pub enum Error {
         /// The limit.
         limit: u64,
     },
+    /// The directory is another release's, overlaps one, or is reached through a link.
+    #[error(transparent)]
+    Claim(#[from] claim::Error),
     /// A uid that cannot be a file name.
     #[error("object uid {0:?} cannot name a file")]
     BadUid(String),
+    /// An object's file exists but cannot be read: its object is not processed (it was handled,
+    /// and its records are in that file) until it can.
+    #[error("cannot read the node-local state of object {uid} from {path}")]
+    Unreadable {
+        /// The object.
+        uid: String,
+        /// Its file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
-/// Where the node-local storage is and how large it may grow (`--node-storage`).
+/// Where the node-local storage is, whose it is and how large it may grow (`--node-storage`,
+/// `--node-storage-claim`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Spec {
     /// The directory (a hostPath on the node).
     pub dir: PathBuf,
     /// The most bytes of state kept.
     pub limit: u64,
+    /// The release the directory belongs to (see [`claim`]); unclaimed without one.
+    pub claim: Option<String>,
 }
 
 impl Spec {
@@ -108,9 +137,10 @@ impl Spec {
             Some(dir) if dir.starts_with('/') => Ok(Self {
                 dir: PathBuf::from(dir),
                 limit,
+                claim: None,
             }),
             _ => Err(format!(
-                "--node-storage takes file:<absolute directory> (for example file:/var/lib/capstan), not {value:?}"
+                "--node-storage takes file:<absolute directory> (for example file:/var/lib/capstan/<namespace>/<release>), not {value:?}"
             )),
         }
     }
@@ -145,41 +175,51 @@ pub struct NodeStore {
     /// Objects that still carry records of the node on themselves (written before the store
     /// was used): their next write removes them from the object.
     migrating: Mutex<HashSet<String>>,
+    /// Objects whose file could not be read, with the reads that failed in a row.
+    unreadable: Mutex<HashMap<String, u32>>,
     /// The lock on the directory, held for the store's lifetime.
     _lock: std::fs::File,
 }
 
 impl NodeStore {
-    /// Opens the store of the annotations `keys` owns under `root`: the directory
-    /// `<root>/<prefix>` (created, mode 0700), locked against other processes (waiting for a
-    /// previous pod to let go), with at most `limit` bytes in use; counts what is there and
-    /// removes temporary files a crash left behind.
+    /// Opens the store of the annotations `keys` owns under `spec`'s directory: claims that
+    /// directory for `spec`'s release (when it names one), then the directory
+    /// `<dir>/<prefix>` (created, mode 0700), locked against other processes (waiting up to
+    /// two minutes for a previous pod to let go: off the runtime, so the admin endpoint
+    /// answers probes meanwhile), with at most `spec.limit` bytes in use; counts what is
+    /// there and removes temporary files a crash left behind.
     ///
     /// # Errors
-    /// [`Error::Directory`] when it cannot be created, read, written or locked.
-    pub fn open(root: &Path, keys: Keys, limit: u64) -> Result<Self, Error> {
-        let dir = &root.join(&keys.prefix);
+    /// [`Error::Claim`] when the directory is another release's, overlaps one or is reached
+    /// through a link; [`Error::Directory`] when it cannot be created, read, written or
+    /// locked.
+    pub async fn open(spec: &Spec, keys: Keys) -> Result<Self, Error> {
+        let dir = spec.dir.join(&keys.prefix);
         let directory = |source| Error::Directory {
-            path: dir.to_owned(),
+            path: dir.clone(),
             source,
         };
-        std::fs::create_dir_all(dir).map_err(directory)?;
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(dir.join(".lock"))
-            .map_err(directory)?;
+        let claimed = {
+            let (spec, dir) = (spec.clone(), dir.clone());
+            blocking(move || Self::claimed(&spec, &dir)).await
+        };
+        let mut lock = claimed?;
         const STEP: Duration = Duration::from_millis(500);
         let mut waited = Duration::ZERO;
         loop {
-            match lock.try_lock() {
+            let (file, attempt) = blocking(move || {
+                let attempt = lock.try_lock();
+                Ok((lock, attempt))
+            })
+            .await?;
+            lock = file;
+            match attempt {
                 Ok(()) => break,
                 Err(std::fs::TryLockError::WouldBlock) if waited < LOCK_WAIT => {
                     if waited.is_zero() {
                         warn!(dir = %dir.display(), "another process holds the node-local storage; waiting for it to exit");
                     }
-                    std::thread::sleep(STEP);
+                    tokio::time::sleep(STEP).await;
                     waited += STEP;
                 }
                 Err(std::fs::TryLockError::WouldBlock) => {
@@ -191,6 +231,36 @@ impl NodeStore {
                 Err(std::fs::TryLockError::Error(e)) => return Err(directory(e)),
             }
         }
+        let limit = spec.limit;
+        blocking(move || Self::opened(&dir, keys, limit, lock)).await
+    }
+
+    /// Claims `spec`'s directory, creates the prefix's directory `dir` in it and opens (not
+    /// locks) its lock file.
+    fn claimed(spec: &Spec, dir: &Path) -> Result<std::fs::File, Error> {
+        if let Some(name) = &spec.claim {
+            claim::claim(&spec.dir, name)?;
+        }
+        let directory = |source| Error::Directory {
+            path: dir.to_owned(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(directory)?;
+        if let Some(link) = dir.ancestors().find(|p| files::is_link(p)) {
+            return Err(claim::Error::Linked {
+                path: link.to_owned(),
+            }
+            .into());
+        }
+        files::open_or_create(&dir.join(".lock")).map_err(directory)
+    }
+
+    /// The store of the locked directory `dir`.
+    fn opened(dir: &Path, keys: Keys, limit: u64, lock: std::fs::File) -> Result<Self, Error> {
+        let directory = |source| Error::Directory {
+            path: dir.to_owned(),
+            source,
+        };
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt as _;
@@ -204,28 +274,27 @@ impl NodeStore {
             entries: AtomicU64::new(0),
             corrupt: AtomicU64::new(0),
             migrating: Mutex::default(),
+            unreadable: Mutex::default(),
             _lock: lock,
         };
         let (mut bytes, mut entries) = (0, 0);
         for item in std::fs::read_dir(dir).map_err(directory)? {
             let item = item.map_err(directory)?;
             let path = item.path();
-            match path.extension().and_then(|e| e.to_str()) {
-                Some("json") => {
-                    entries += 1;
-                    bytes += item.metadata().map(|m| m.len()).unwrap_or(0);
-                }
-                Some("tmp") => {
-                    debug!(path = %path.display(), "removing a temporary file a crash left behind");
-                    let _ = std::fs::remove_file(&path);
-                }
-                _ => {}
+            let name = item.file_name();
+            let name = name.to_string_lossy();
+            let file = item.file_type().is_ok_and(|t| t.is_file());
+            if files::is_temporary(&name) {
+                debug!(path = %path.display(), "removing a temporary file a crash left behind");
+                let _ = std::fs::remove_file(&path);
+            } else if file && name.ends_with(".json") {
+                entries += 1;
+                bytes += item.metadata().map(|m| m.len()).unwrap_or(0);
             }
         }
         // Proves the directory is writable before any handler runs.
-        let probe = dir.join(".probe.tmp");
-        std::fs::write(&probe, b"").map_err(directory)?;
-        let _ = std::fs::remove_file(&probe);
+        files::replace(dir, &dir.join(".probe"), b"", true).map_err(directory)?;
+        files::remove(dir, &dir.join(".probe")).map_err(directory)?;
         store.bytes.store(bytes, Ordering::Relaxed);
         store.entries.store(entries, Ordering::Relaxed);
         Ok(store)
@@ -258,23 +327,54 @@ impl NodeStore {
 
     /// The stored annotations of object `uid`; empty when there are none, or when its file is
     /// corrupt (reported, and then that object is handled as if it was never handled).
-    pub fn load(&self, uid: &str) -> Map<String, Value> {
+    ///
+    /// # Errors
+    /// [`Error::Unreadable`] when its file exists but cannot be read (the object must not be
+    /// processed: see [`Self::retry_delay`]).
+    pub fn load(&self, uid: &str) -> Result<Map<String, Value>, Error> {
         let Ok(path) = self.path(uid) else {
-            return Map::new();
+            return Ok(Map::new());
         };
-        let text = match std::fs::read(&path) {
+        let text = match files::read(&path) {
             Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Map::new(),
-            Err(e) => {
-                warn!(%uid, error = %e, "cannot read the node-local state; the object is handled as new");
-                return Map::new();
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.readable(uid);
+                return Ok(Map::new());
+            }
+            Err(source) => {
+                crate::observability::metrics::global().node_storage_read_error();
+                *self.unreadable.lock().entry(uid.to_owned()).or_default() += 1;
+                return Err(Error::Unreadable {
+                    uid: uid.to_owned(),
+                    path,
+                    source,
+                });
             }
         };
-        match serde_json::from_slice::<Entry>(&text) {
+        self.readable(uid);
+        Ok(match serde_json::from_slice::<Entry>(&text) {
             Ok(entry) if entry.sum == checksum(&entry.annotations) => entry.annotations,
             Ok(_) => self.reject(uid, &path, "its checksum does not match"),
             Err(e) => self.reject(uid, &path, &e.to_string()),
+        })
+    }
+
+    /// Object `uid`'s file was read (or is missing): its next failure starts the delays anew.
+    fn readable(&self, uid: &str) {
+        let mut unreadable = self.unreadable.lock();
+        if !unreadable.is_empty() {
+            unreadable.remove(uid);
         }
+    }
+
+    /// How long to wait before object `uid`, whose file could not be read, is tried again: 1 s
+    /// after the first failure, doubling with every failure in a row, at most 30 s.
+    pub fn retry_delay(&self, uid: &str) -> Duration {
+        let failures = self.unreadable.lock().get(uid).copied().unwrap_or(1);
+        let (first, most) = UNREADABLE_RETRY;
+        first
+            .saturating_mul(1 << failures.saturating_sub(1).min(16))
+            .min(most)
     }
 
     fn reject(&self, uid: &str, path: &Path, why: &str) -> Map<String, Value> {
@@ -288,17 +388,20 @@ impl NodeStore {
     /// An object that still carries records of this node on itself (handled before the store
     /// was used) keeps them when the store has none for it — the state is taken over — and its
     /// next write removes them from the object. When the store has records, they win.
-    pub async fn overlay(&self, uid: &str, body: &mut Value) {
+    ///
+    /// # Errors
+    /// [`Error::Unreadable`] when the object's file cannot be read; `body` is left as it was.
+    pub async fn overlay(&self, uid: &str, body: &mut Value) -> Result<(), Error> {
         // One small file, usually in the page cache: read in place.
-        let stored = self.load(uid);
+        let stored = self.load(uid)?;
         let Some(meta) = body.get_mut("metadata").and_then(Value::as_object_mut) else {
-            return;
+            return Ok(());
         };
         let annotations = meta
             .entry("annotations")
             .or_insert_with(|| Value::Object(Map::new()));
         let Some(annotations) = annotations.as_object_mut() else {
-            return;
+            return Ok(());
         };
         let request = format!("{}/{}", self.keys.prefix, super::retry::NAME);
         let on_object = annotations.keys().any(|k| self.keys.owns(k) && *k != request);
@@ -306,10 +409,31 @@ impl NodeStore {
             self.migrating.lock().insert(uid.to_owned());
         }
         if stored.is_empty() {
-            return;
+            return Ok(());
         }
         annotations.retain(|k, _| !self.keys.owns(k) || *k == request);
         annotations.extend(stored);
+        Ok(())
+    }
+
+    /// Puts the node's records of `from` into `to` (another body of the same object), in
+    /// place of those `to` has: for a body read again, when the store cannot be read for it.
+    pub fn carry(&self, from: &Value, to: &mut Value) {
+        let records = self.detach(&mut from.clone());
+        self.detach(to);
+        if records.is_empty() {
+            return;
+        }
+        let Some(meta) = to.get_mut("metadata").and_then(Value::as_object_mut) else {
+            return;
+        };
+        if let Some(annotations) = meta
+            .entry("annotations")
+            .or_insert_with(|| Value::Object(Map::new()))
+            .as_object_mut()
+        {
+            annotations.extend(records);
+        }
     }
 
     /// Whether object `uid` still carries this node's records on itself (see [`Self::overlay`]).
@@ -380,7 +504,7 @@ impl NodeStore {
             });
         }
         let used = self.bytes();
-        let old = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        let old = files::size(&path).unwrap_or(0);
         if used.saturating_sub(old) + text.len() as u64 > self.limit {
             return Err(Error::Full {
                 uid: uid.to_owned(),
@@ -390,13 +514,13 @@ impl NodeStore {
         }
         let dir = self.dir.clone();
         let owned_uid = uid.to_owned();
-        let written = tokio::task::spawn_blocking(move || replace(&dir, &path, &text))
+        let written = tokio::task::spawn_blocking(move || files::replace(&dir, &path, &text, true))
             .await
             .map_err(|e| std::io::Error::other(e.to_string()))
             .and_then(|r| r);
         match written {
             Ok((old, new)) => {
-                self.account(old, new);
+                self.account(old, Some(new));
                 Ok(())
             }
             Err(source) => Err(Error::Io {
@@ -413,17 +537,10 @@ impl NodeStore {
     pub async fn remove(&self, uid: &str) -> Result<(), Error> {
         let path = self.path(uid)?;
         let dir = self.dir.clone();
-        let removed = tokio::task::spawn_blocking(move || {
-            let old = std::fs::metadata(&path).map(|m| m.len()).ok();
-            match std::fs::remove_file(&path) {
-                Ok(()) => sync_dir(&dir).map(|()| old),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-                Err(e) => Err(e),
-            }
-        })
-        .await
-        .map_err(|e| std::io::Error::other(e.to_string()))
-        .and_then(|r| r);
+        let removed = tokio::task::spawn_blocking(move || files::remove(&dir, &path))
+            .await
+            .map_err(|e| std::io::Error::other(e.to_string()))
+            .and_then(|r| r);
         match removed {
             Ok(old) => {
                 self.account(old, None);
@@ -494,24 +611,49 @@ impl NodeStore {
     }
 }
 
-/// Creates `dir` (and its parents) and gives it to `owner` (uid, gid) with mode 0700, for a
-/// controller that runs as that user (`capstan prepare-storage`, run once as root).
+/// Claims `dir` for the release `claim` (when given; see [`claim`]), creates it (and its
+/// parents) and gives it to `owner` (uid, gid) with mode 0711 (its claim readable by other
+/// releases, its state not: each prefix's directory is 0700), for a controller that runs as
+/// that user (`capstan prepare-storage`, run once as root). Only `dir` itself changes owner,
+/// never a directory above it that other releases share.
 ///
 /// # Errors
-/// [`Error::Directory`] when it cannot be created or changed.
-pub fn prepare(dir: &Path, owner: (u32, u32)) -> Result<(), Error> {
+/// [`Error::Claim`] when the directory is another release's, overlaps one or is reached
+/// through a link; [`Error::Directory`] when it cannot be created or changed.
+pub fn prepare(dir: &Path, owner: (u32, u32), claim: Option<&str>) -> Result<(), Error> {
     let directory = |source| Error::Directory {
         path: dir.to_owned(),
         source,
     };
-    std::fs::create_dir_all(dir).map_err(directory)?;
+    match claim {
+        Some(name) => claim::claim(dir, name)?,
+        None => std::fs::create_dir_all(dir).map_err(directory)?,
+    }
+    if let Some(link) = dir.ancestors().find(|p| files::is_link(p)) {
+        return Err(claim::Error::Linked {
+            path: link.to_owned(),
+        }
+        .into());
+    }
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt as _;
-        std::os::unix::fs::chown(dir, Some(owner.0), Some(owner.1)).map_err(directory)?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(directory)?;
+        std::os::unix::fs::lchown(dir, Some(owner.0), Some(owner.1)).map_err(directory)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).map_err(directory)?;
     }
     Ok(())
+}
+
+/// Runs `f` on the blocking pool: file-system calls never stall the runtime's threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
+) -> Result<T, Error> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(Error::Directory {
+            path: PathBuf::new(),
+            source: std::io::Error::other(e.to_string()),
+        })
+    })
 }
 
 /// What [`NodeStore::uids`] lists, reading the directory `dir`.
@@ -528,35 +670,16 @@ fn files_of(dir: &Path, resource: &str, before: SystemTime) -> Vec<String> {
             (path.extension()? == "json" && named).then_some((uid, path))
         })
         .filter(|(_, path)| {
-            std::fs::metadata(path)
+            std::fs::symlink_metadata(path)
                 .and_then(|m| m.modified())
                 .is_ok_and(|t| t < before)
         })
-        .filter(|(_, path)| match std::fs::read(path) {
+        .filter(|(_, path)| match files::read(path) {
             Ok(text) => serde_json::from_slice::<Entry>(&text).map_or(true, |e| e.resource == resource),
             Err(_) => false,
         })
         .map(|(uid, _)| uid)
         .collect()
-}
-
-/// Replaces `path` with `text` durably; returns the old and new sizes.
-fn replace(dir: &Path, path: &Path, text: &[u8]) -> std::io::Result<(Option<u64>, Option<u64>)> {
-    let old = std::fs::metadata(path).map(|m| m.len()).ok();
-    let tmp = path.with_extension("tmp");
-    {
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(text)?;
-        file.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)?;
-    sync_dir(dir)?;
-    Ok((old, Some(text.len() as u64)))
-}
-
-/// Makes a rename or removal in `dir` durable.
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    std::fs::File::open(dir)?.sync_all()
 }
 
 fn checksum(annotations: &Map<String, Value>) -> String {
@@ -575,8 +698,15 @@ mod tests {
 
     use super::*;
 
-    fn store(dir: &Path, limit: u64) -> NodeStore {
-        NodeStore::open(dir, Keys::new("node-a.capstan.dev"), limit).unwrap()
+    async fn store(dir: &Path, limit: u64) -> NodeStore {
+        let spec = Spec {
+            dir: dir.to_owned(),
+            limit,
+            claim: None,
+        };
+        NodeStore::open(&spec, Keys::new("node-a.capstan.dev"))
+            .await
+            .unwrap()
     }
 
     fn body() -> Value {
@@ -588,7 +718,7 @@ mod tests {
     #[tokio::test]
     async fn state_round_trips_and_leaves_the_object() {
         let dir = tempfile::tempdir().unwrap();
-        let s = store(dir.path(), 1 << 20);
+        let s = store(dir.path(), 1 << 20).await;
         let mut b = body();
         b["metadata"]["annotations"]["node-a.capstan.dev/retry-request"] = json!("{}");
         let ours = s.detach(&mut b);
@@ -612,12 +742,12 @@ mod tests {
             .unwrap();
         assert_eq!((s.entries(), s.bytes() > 0), (1, true));
         let mut again = b.clone();
-        s.overlay("u-1", &mut again).await;
+        s.overlay("u-1", &mut again).await.unwrap();
         assert_eq!(again, body());
         // A reopened store finds it (a restart).
         let entries = {
             // The store is locked while open: the first lets go before a second opens it.
-            let copy = s.load("u-1");
+            let copy = s.load("u-1").unwrap();
             assert_eq!(copy, ours);
             s.entries()
         };
@@ -626,17 +756,17 @@ mod tests {
             .await
             .unwrap();
         assert_eq!((s.entries(), s.bytes()), (0, 0));
-        assert!(s.load("u-1").is_empty());
+        assert!(s.load("u-1").unwrap().is_empty());
     }
 
     #[tokio::test]
     async fn records_on_the_object_are_taken_over_and_replacing_a_file_counts_its_old_size() {
         let dir = tempfile::tempdir().unwrap();
-        let s = store(dir.path(), 1 << 20);
+        let s = store(dir.path(), 1 << 20).await;
         // An object handled before the store: its records are kept, and marked for removal
         // from the object by its next write.
         let mut b = body();
-        s.overlay("u-1", &mut b).await;
+        s.overlay("u-1", &mut b).await.unwrap();
         assert_eq!(b, body());
         assert!(s.migrating("u-1"));
         s.migrated("u-1");
@@ -646,7 +776,7 @@ mod tests {
         ours.insert("node-a.capstan.dev/create_fn".into(), json!("{\"success\":true}"));
         s.persist("u-1", "r", &stored, ours.clone()).await.unwrap();
         let mut b = body();
-        s.overlay("u-1", &mut b).await;
+        s.overlay("u-1", &mut b).await.unwrap();
         assert_eq!(
             b["metadata"]["annotations"]["node-a.capstan.dev/create_fn"],
             json!("{\"success\":true}")
@@ -654,14 +784,14 @@ mod tests {
         // Near the limit, replacing a file is measured against what it replaces.
         let limit = s.bytes() + 10;
         drop(s);
-        let s = store(dir.path(), limit);
+        let s = store(dir.path(), limit).await;
         s.persist("u-1", "r", &stored, ours).await.unwrap();
     }
 
     #[tokio::test]
     async fn a_corrupt_file_affects_only_its_object() {
         let dir = tempfile::tempdir().unwrap();
-        let s = store(dir.path(), 1 << 20);
+        let s = store(dir.path(), 1 << 20).await;
         let mut b = body();
         let ours = s.detach(&mut b);
         for uid in ["u-1", "u-2", "u-3"] {
@@ -678,16 +808,147 @@ mod tests {
                 .unwrap()
                 .replace("create_fn", "create_fx");
         std::fs::write(dir.path().join("node-a.capstan.dev/u-3.json"), tampered).unwrap();
-        assert_eq!(s.load("u-1"), ours);
-        assert!(s.load("u-2").is_empty(), "truncated");
-        assert!(s.load("u-3").is_empty(), "checksum");
+        assert_eq!(s.load("u-1").unwrap(), ours);
+        assert!(s.load("u-2").unwrap().is_empty(), "truncated");
+        assert!(s.load("u-3").unwrap().is_empty(), "checksum");
         assert_eq!(s.corrupt(), 2);
+    }
+
+    #[tokio::test]
+    async fn an_unreadable_file_is_an_error_retried_with_growing_delays_not_an_empty_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = store(dir.path(), 1 << 20).await;
+        let mut b = body();
+        let ours = s.detach(&mut b);
+        s.persist("u-1", "r", &b, ours.clone()).await.unwrap();
+        // Something else in the file's place: it cannot be read (also as root).
+        let file = dir.path().join("node-a.capstan.dev/u-1.json");
+        std::fs::remove_file(&file).unwrap();
+        std::fs::create_dir(&file).unwrap();
+        let mut seen = b.clone();
+        for expected in [1, 2, 4, 8, 16, 30, 30] {
+            assert!(matches!(
+                s.overlay("u-1", &mut seen).await,
+                Err(Error::Unreadable { .. })
+            ));
+            assert_eq!(s.retry_delay("u-1"), Duration::from_secs(expected));
+        }
+        assert_eq!(seen, b, "the body is left as it was");
+        assert_eq!(s.corrupt(), 0, "not taken for a corrupt file");
+        assert!(
+            !s.uids("r", SystemTime::now() + Duration::from_secs(5))
+                .await
+                .contains(&"u-1".to_owned())
+        );
+        std::fs::remove_dir(&file).unwrap();
+        s.persist("u-1", "r", &b, ours.clone()).await.unwrap();
+        assert_eq!(s.load("u-1").unwrap(), ours);
+        assert_eq!(
+            s.retry_delay("u-1"),
+            Duration::from_secs(1),
+            "the delays start anew"
+        );
+        // A body read again gets the cycle's records when the store cannot give them.
+        let mut fresh = b.clone();
+        fresh["metadata"]["annotations"]["node-a.capstan.dev/stale"] = json!("x");
+        s.carry(&body(), &mut fresh);
+        assert_eq!(fresh, body());
+    }
+
+    #[tokio::test]
+    async fn links_planted_in_the_node_local_store_are_never_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = store(dir.path(), 1 << 20).await;
+        let mut b = body();
+        let ours = s.detach(&mut b);
+        s.persist("u-1", "r", &b, ours.clone()).await.unwrap();
+        let store_dir = dir.path().join("node-a.capstan.dev");
+        // Someone else's file, with valid state in it, and a link to it in place of a state file.
+        let elsewhere = dir.path().join("elsewhere.json");
+        std::fs::copy(store_dir.join("u-1.json"), &elsewhere).unwrap();
+        let before = std::fs::read(&elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, store_dir.join("u-2.json")).unwrap();
+        // Not read through: an unreadable entry (its object waits), not the other file's state.
+        assert!(matches!(s.load("u-2"), Err(Error::Unreadable { .. })));
+        assert!(
+            !s.uids("r", SystemTime::now() + Duration::from_secs(5))
+                .await
+                .contains(&"u-2".to_owned()),
+            "nor listed through"
+        );
+        // Not written through: the link is replaced, its target unchanged.
+        let small: Map<String, Value> = [("node-a.capstan.dev/x".to_owned(), json!("y"))]
+            .into_iter()
+            .collect();
+        s.persist("u-2", "r", &b, small.clone()).await.unwrap();
+        assert_eq!(
+            std::fs::read(&elsewhere).unwrap(),
+            before,
+            "the target was written"
+        );
+        assert!(
+            !std::fs::symlink_metadata(store_dir.join("u-2.json"))
+                .unwrap()
+                .is_symlink()
+        );
+        assert_eq!(s.load("u-2").unwrap(), small);
+        // Not removed through: the link goes, its target stays.
+        std::os::unix::fs::symlink(&elsewhere, store_dir.join("u-3.json")).unwrap();
+        s.remove("u-3").await.unwrap();
+        assert!(elsewhere.exists() && !store_dir.join("u-3.json").exists());
+        // A temporary file of a crash that is a link: removed as a link at the next start.
+        std::os::unix::fs::symlink(&elsewhere, store_dir.join(".x.tmp")).unwrap();
+        drop(s);
+        let s = store(dir.path(), 1 << 20).await;
+        assert!(elsewhere.exists() && !files::is_link(&store_dir.join(".x.tmp")));
+        // A lock file or a store directory that is a link: refused.
+        drop(s);
+        std::fs::remove_file(store_dir.join(".lock")).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, store_dir.join(".lock")).unwrap();
+        let spec = Spec {
+            dir: dir.path().to_owned(),
+            limit: 1 << 20,
+            claim: None,
+        };
+        assert!(
+            NodeStore::open(&spec, Keys::new("node-a.capstan.dev"))
+                .await
+                .is_err()
+        );
+        assert_eq!(std::fs::read(&elsewhere).unwrap(), before);
+        let other = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(other.path(), dir.path().join("node-b.capstan.dev")).unwrap();
+        assert!(matches!(
+            NodeStore::open(&spec, Keys::new("node-b.capstan.dev")).await,
+            Err(Error::Claim(claim::Error::Linked { .. }))
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_held_store_is_waited_for_without_stalling_the_runtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = store(dir.path(), 1 << 20).await;
+        let path = dir.path().to_owned();
+        // One runtime thread: the wait must leave it free for others (the admin endpoint).
+        let second = tokio::spawn(async move { store(&path, 1 << 20).await });
+        let mut ticks = 0;
+        while ticks < 10 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            ticks += 1;
+            assert!(!second.is_finished(), "opened while held");
+        }
+        drop(first);
+        let second = tokio::time::timeout(Duration::from_secs(5), second)
+            .await
+            .expect("opened once let go")
+            .unwrap();
+        assert_eq!(second.entries(), 0);
     }
 
     #[tokio::test]
     async fn sizes_are_bounded_and_gone_objects_are_collected() {
         let dir = tempfile::tempdir().unwrap();
-        let s = store(dir.path(), 600);
+        let s = store(dir.path(), 600).await;
         let b = body();
         let big: Map<String, Value> = [("node-a.capstan.dev/x".to_owned(), json!("y".repeat(ENTRY_LIMIT)))]
             .into_iter()
@@ -719,8 +980,8 @@ mod tests {
             "files written after the listing began stay"
         );
         assert_eq!(s.retain("r", &live, later).await, n - 2 - 1);
-        assert_eq!(s.load("u-1"), small);
-        assert_eq!(s.load("u-3"), small, "another resource's objects stay");
+        assert_eq!(s.load("u-1").unwrap(), small);
+        assert_eq!(s.load("u-3").unwrap(), small, "another resource's objects stay");
         assert!(matches!(
             s.persist("../x", "r", &b, small).await,
             Err(Error::BadUid(_))

@@ -7,6 +7,9 @@ use clap::Args;
 use super::{Mode, Service, Settings};
 use crate::config::parse_duration;
 
+/// The shortest handshake, header and body timeouts accepted.
+const MIN_TIMEOUT: Duration = Duration::from_millis(100);
+
 /// Admission webhooks (validate and mutate handlers).
 #[derive(Args, Debug, Clone)]
 pub struct WebhookArgs {
@@ -68,9 +71,38 @@ pub struct WebhookArgs {
     #[arg(long, env = "CAPSTAN_WEBHOOK_TIMEOUT", value_parser = parse_duration, default_value = "10s")]
     pub webhook_timeout: Duration,
 
-    /// The largest admission request body accepted (bytes); larger ones get HTTP 413.
-    #[arg(long, env = "CAPSTAN_WEBHOOK_MAX_BODY", default_value_t = 8 << 20)]
+    /// The largest admission request body accepted (bytes); larger ones get HTTP 413. The API
+    /// server sends at most about twice its own request limit (3 MiB): the object and the old
+    /// object.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_MAX_BODY", default_value_t = 6 << 20)]
     pub webhook_max_body: usize,
+
+    /// How long a TLS handshake on the webhook port may take.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_HANDSHAKE_TIMEOUT", value_parser = parse_duration, default_value = "10s")]
+    pub webhook_handshake_timeout: Duration,
+
+    /// How long a request head may take to arrive, and an idle connection may wait for its
+    /// next request, before the connection is closed.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_HEADER_TIMEOUT", value_parser = parse_duration, default_value = "10s")]
+    pub webhook_header_timeout: Duration,
+
+    /// How long a request body may pause between two chunks, and take in all (HTTP 408 after).
+    #[arg(long, env = "CAPSTAN_WEBHOOK_BODY_TIMEOUT", value_parser = parse_duration, default_value = "10s")]
+    pub webhook_body_timeout: Duration,
+
+    /// The bytes all admission requests in flight may hold together (bodies, and the trees
+    /// they become); beyond it requests get HTTP 429, and one that alone needs more gets 413.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_MEMORY_BUDGET", default_value_t = 32 << 20)]
+    pub webhook_memory_budget: usize,
+
+    /// The most admission reviews with the handlers at once; beyond it requests get HTTP 503.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_MAX_IN_FLIGHT", default_value_t = 64)]
+    pub webhook_max_in_flight: usize,
+
+    /// The most connections to the webhook port held at once; when all are taken, the one
+    /// idle the longest is closed for a new one.
+    #[arg(long, env = "CAPSTAN_WEBHOOK_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub webhook_max_connections: usize,
 
     /// Namespaces the managed configurations never send to the webhooks (comma-separated), so
     /// that a failing handler cannot lock the cluster out of them.
@@ -99,6 +131,12 @@ impl WebhookArgs {
                 default_timeout: self
                     .webhook_timeout
                     .clamp(Duration::from_secs(1), Duration::from_secs(30)),
+                handshake_timeout: self.webhook_handshake_timeout.max(MIN_TIMEOUT),
+                header_timeout: self.webhook_header_timeout.max(MIN_TIMEOUT),
+                body_timeout: self.webhook_body_timeout.max(MIN_TIMEOUT),
+                memory_budget: self.webhook_memory_budget.max(1 << 20),
+                max_in_flight: self.webhook_max_in_flight.max(1),
+                max_connections: self.webhook_max_connections.max(1),
             },
             cert_dir: self.webhook_cert_dir.clone(),
             cert_poll: self.webhook_cert_poll,
@@ -150,7 +188,35 @@ mod tests {
         assert_eq!(s.managed, None);
         assert_eq!(s.service, None);
         assert_eq!(s.excluded_namespaces, vec!["kube-system".to_owned()]);
-        assert_eq!(s.server.default_timeout, Duration::from_secs(10));
+        assert_eq!(s.server, super::super::server::Settings::default());
+        assert_eq!(s.server.max_body_bytes, 6 << 20);
+        assert_eq!(s.server.memory_budget, 32 << 20);
+        assert_eq!(s.server.max_in_flight, 64);
+        assert_eq!(s.server.max_connections, 1024);
+        for timeout in [
+            s.server.handshake_timeout,
+            s.server.header_timeout,
+            s.server.body_timeout,
+        ] {
+            assert_eq!(timeout, Duration::from_secs(10));
+        }
+        let s = settings(&[
+            "--webhook-header-timeout",
+            "2s",
+            "--webhook-body-timeout",
+            "3s",
+            "--webhook-handshake-timeout",
+            "4s",
+            "--webhook-memory-budget",
+            "1",
+            "--webhook-max-connections",
+            "0",
+        ]);
+        assert_eq!(s.server.header_timeout, Duration::from_secs(2));
+        assert_eq!(s.server.body_timeout, Duration::from_secs(3));
+        assert_eq!(s.server.handshake_timeout, Duration::from_secs(4));
+        assert_eq!(s.server.memory_budget, 1 << 20, "at least 1 MiB");
+        assert_eq!(s.server.max_connections, 1);
     }
 
     #[test]

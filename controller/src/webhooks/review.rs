@@ -1,11 +1,25 @@
 //! `admission.k8s.io` `AdmissionReview` documents: what the API server sends, read strictly
 //! enough to answer "400: why" for anything else, and the response it expects back.
 //!
+//! A review is read in steps that each refuse before the next allocates: a scan of the raw
+//! bytes for the nesting depth and the number of values (so that the server can reserve what
+//! the trees will cost), then the envelope with the request left as text, then kube's typed
+//! `AdmissionReview` with the objects still text, and only then the trees of `object`,
+//! `oldObject` and `userInfo` that the handlers receive.
+//!
 //! Both `admission.k8s.io/v1` and `v1beta1` are read; the response carries the request's own
 //! `apiVersion`, as the API server requires. The patch of a mutating response is a JSON Patch,
 //! base64-encoded in the document.
 
-use serde_json::{Value, json};
+use std::borrow::Cow;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::core::{
+    ApiResource, DynamicResourceScope, Resource, TypeMeta,
+    admission::{AdmissionRequest, AdmissionReview, Operation},
+};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json, value::RawValue};
 
 /// The largest `uid` accepted (the API server sends UUIDs).
 const MAX_UID: usize = 128;
@@ -85,80 +99,230 @@ impl Review {
     }
 }
 
-/// Reads an `AdmissionReview` request.
+/// The deepest nesting of arrays and objects accepted in a review document (serde_json's own
+/// recursion limit, checked on the raw bytes so that nothing is built for a deeper one).
+pub const MAX_DEPTH: usize = 128;
+
+/// What a scan of the raw bytes tells before anything is parsed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// The deepest nesting of arrays and objects.
+    pub depth: usize,
+    /// About how many JSON values the document holds (opening brackets, commas and colons outside
+    /// strings): what a tree of it costs is proportional to this.
+    pub values: usize,
+}
+
+/// Scans `body` without parsing it.
+///
+/// # Errors
+/// When the nesting is deeper than [`MAX_DEPTH`] (the text of the HTTP 400 answer).
+pub fn shape(body: &[u8]) -> Result<Shape, String> {
+    let (mut depth, mut deepest, mut values) = (0usize, 0usize, 1usize);
+    let (mut in_string, mut escaped) = (false, false);
+    for &b in body {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                values += 1;
+                if depth > MAX_DEPTH {
+                    return Err(format!("the document is nested deeper than {MAX_DEPTH} levels"));
+                }
+                deepest = deepest.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            b',' | b':' => values += 1,
+            _ => {}
+        }
+    }
+    Ok(Shape {
+        depth: deepest,
+        values,
+    })
+}
+
+/// An object in a review (`object`, `oldObject`), kept as the JSON text it arrived as until
+/// the handlers need its tree; only its metadata is read on arrival.
+#[derive(Clone, Debug)]
+pub struct RawObject {
+    json: Box<RawValue>,
+    meta: ObjectMeta,
+}
+
+impl RawObject {
+    /// The object's tree.
+    ///
+    /// # Errors
+    /// When the text is not JSON (it was, when it arrived).
+    pub fn tree(&self) -> Result<Value, serde_json::Error> {
+        serde_json::from_str(self.json.get())
+    }
+}
+
+impl<'de> Deserialize<'de> for RawObject {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        /// The only part of an object read on arrival; the rest is skipped, not built.
+        #[derive(Deserialize)]
+        struct Head {
+            #[serde(default)]
+            metadata: ObjectMeta,
+        }
+        let json = Box::<RawValue>::deserialize(deserializer)?;
+        let head: Head = serde_json::from_str(json.get())
+            .map_err(|e| serde::de::Error::custom(format!("the object is not a Kubernetes object: {e}")))?;
+        Ok(Self {
+            json,
+            meta: head.metadata,
+        })
+    }
+}
+
+impl Serialize for RawObject {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.json.serialize(serializer)
+    }
+}
+
+impl Resource for RawObject {
+    type DynamicType = ApiResource;
+    type Scope = DynamicResourceScope;
+
+    fn kind(dt: &ApiResource) -> Cow<'_, str> {
+        Cow::Borrowed(&dt.kind)
+    }
+
+    fn group(dt: &ApiResource) -> Cow<'_, str> {
+        Cow::Borrowed(&dt.group)
+    }
+
+    fn version(dt: &ApiResource) -> Cow<'_, str> {
+        Cow::Borrowed(&dt.version)
+    }
+
+    fn plural(dt: &ApiResource) -> Cow<'_, str> {
+        Cow::Borrowed(&dt.plural)
+    }
+
+    fn meta(&self) -> &ObjectMeta {
+        &self.meta
+    }
+
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.meta
+    }
+}
+
+/// The outside of the document, read first: the request stays raw text until the version and
+/// kind are known.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Envelope<'a> {
+    #[serde(default)]
+    api_version: String,
+    #[serde(default)]
+    kind: String,
+    #[serde(borrow)]
+    request: Option<&'a RawValue>,
+}
+
+/// Reads an `AdmissionReview` request into kube's typed review (objects kept as text), checks
+/// it, and builds the trees the handlers need. Call [`shape`] first: the document is not
+/// scanned for depth again.
 ///
 /// # Errors
 /// Why the document is not one (the text of the HTTP 400 answer).
 pub fn parse(body: &[u8]) -> Result<Review, String> {
-    let doc: Value = serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
-    let api_version = doc
-        .get("apiVersion")
-        .and_then(Value::as_str)
-        .ok_or("apiVersion is missing")?;
-    if !matches!(api_version, "admission.k8s.io/v1" | "admission.k8s.io/v1beta1") {
+    let envelope: Envelope<'_> =
+        serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
+    if envelope.api_version.is_empty() {
+        return Err("apiVersion is missing".into());
+    }
+    if !matches!(
+        envelope.api_version.as_str(),
+        "admission.k8s.io/v1" | "admission.k8s.io/v1beta1"
+    ) {
         return Err(format!(
-            "apiVersion {api_version:?} is not admission.k8s.io/v1 or v1beta1"
+            "apiVersion {:?} is not admission.k8s.io/v1 or v1beta1",
+            envelope.api_version
         ));
     }
-    if doc.get("kind").and_then(Value::as_str) != Some("AdmissionReview") {
+    if envelope.kind != "AdmissionReview" {
         return Err("kind is not AdmissionReview".into());
     }
-    let request = doc
-        .get("request")
-        .filter(|r| r.is_object())
+    let raw = envelope
+        .request
+        .filter(|r| r.get().starts_with('{'))
         .ok_or("request is missing")?;
-    let text = |key: &str| {
-        request
-            .get(key)
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned()
+    let request: AdmissionRequest<RawObject> =
+        serde_json::from_str(raw.get()).map_err(|e| format!("request: {e}"))?;
+    let typed = AdmissionReview {
+        types: TypeMeta {
+            api_version: envelope.api_version,
+            kind: envelope.kind,
+        },
+        request: Some(request),
+        response: None,
     };
-    let uid = text("uid");
-    if uid.is_empty() || uid.len() > MAX_UID {
-        return Err("request.uid is missing or too long".into());
+    Review::from_typed(typed)
+}
+
+impl Review {
+    /// The review the handlers see, from kube's typed one.
+    ///
+    /// # Errors
+    /// Why the request is refused.
+    pub fn from_typed(typed: AdmissionReview<RawObject>) -> Result<Self, String> {
+        let api_version = typed.types.api_version.clone();
+        let request: AdmissionRequest<RawObject> =
+            typed.try_into().map_err(|_| "request is missing".to_owned())?;
+        if request.uid.is_empty() || request.uid.len() > MAX_UID {
+            return Err("request.uid is missing or too long".into());
+        }
+        if request.resource.resource.is_empty() {
+            return Err("request.resource.resource is missing".into());
+        }
+        let tree = |o: Option<&RawObject>| -> Result<Option<Value>, String> {
+            match o.map(RawObject::tree).transpose() {
+                Ok(Some(v)) if !v.is_object() => Err("request.object is not a JSON object".into()),
+                Ok(v) => Ok(v),
+                Err(e) => Err(format!("request.object: {e}")),
+            }
+        };
+        let object = tree(request.object.as_ref())?;
+        let old_object = tree(request.old_object.as_ref())?;
+        let user_info = serde_json::to_value(&request.user_info).ok();
+        Ok(Self {
+            api_version,
+            uid: request.uid,
+            group: request.resource.group,
+            version: request.resource.version,
+            resource: request.resource.resource,
+            subresource: request.sub_resource.unwrap_or_default(),
+            operation: match request.operation {
+                Operation::Create => "CREATE",
+                Operation::Update => "UPDATE",
+                Operation::Delete => "DELETE",
+                Operation::Connect => "CONNECT",
+            }
+            .to_owned(),
+            namespace: request.namespace.unwrap_or_default(),
+            name: request.name,
+            object,
+            old_object,
+            dry_run: request.dry_run,
+            user_info,
+        })
     }
-    let operation = text("operation");
-    if !matches!(operation.as_str(), "CREATE" | "UPDATE" | "DELETE" | "CONNECT") {
-        return Err(format!(
-            "request.operation {operation:?} is not CREATE, UPDATE, DELETE or CONNECT"
-        ));
-    }
-    let resource = request
-        .get("resource")
-        .filter(|r| r.is_object())
-        .ok_or("request.resource is missing")?;
-    let field = |key: &str| {
-        resource
-            .get(key)
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned()
-    };
-    let plural = field("resource");
-    if plural.is_empty() {
-        return Err("request.resource.resource is missing".into());
-    }
-    let object = |key: &str| request.get(key).filter(|v| !v.is_null()).cloned();
-    let review = Review {
-        api_version: api_version.to_owned(),
-        uid,
-        group: field("group"),
-        version: field("version"),
-        resource: plural,
-        subresource: text("subResource"),
-        operation,
-        namespace: text("namespace"),
-        name: text("name"),
-        object: object("object"),
-        old_object: object("oldObject"),
-        dry_run: request.get("dryRun").and_then(Value::as_bool).unwrap_or(false),
-        user_info: object("userInfo"),
-    };
-    if review.body().is_some_and(|b| !b.is_object()) {
-        return Err("request.object is not a JSON object".into());
-    }
-    Ok(review)
 }
 
 /// The answer to one review.
@@ -297,9 +461,13 @@ mod tests {
             (json!({"kind": "Pod"}), "kind is not AdmissionReview"),
             (json!({"apiVersion": "v1"}), "is not admission.k8s.io"),
             (json!({"request": {"uid": ""}}), "request.uid"),
-            (json!({"request": {"operation": "PATCH"}}), "request.operation"),
-            (json!({"request": {"resource": null}}), "request.resource"),
-            (json!({"request": {"object": [1]}}), "not a JSON object"),
+            (
+                json!({"request": {"operation": "PATCH"}}),
+                "unknown variant `PATCH`",
+            ),
+            (json!({"request": {"resource": null}}), "missing field `resource`"),
+            (json!({"request": {"object": [1]}}), "not a Kubernetes object"),
+            (json!({"request": {"userInfo": null}}), "missing field `userInfo`"),
         ] {
             let mut doc = request();
             json_patch::merge(&mut doc, &change);
@@ -307,6 +475,23 @@ mod tests {
             assert!(err.contains(why), "{err} / {why}");
         }
         assert!(parse(b"{not json").expect_err("refused").contains("not JSON"));
+    }
+
+    #[test]
+    fn the_raw_scan_refuses_deep_documents_and_counts_values() {
+        let deep = format!("{}{}", "[".repeat(MAX_DEPTH + 1), "]".repeat(MAX_DEPTH + 1));
+        assert!(
+            shape(deep.as_bytes())
+                .expect_err("too deep")
+                .contains("deeper than 128")
+        );
+        let fine = format!("{}{}", "[".repeat(MAX_DEPTH), "]".repeat(MAX_DEPTH));
+        assert_eq!(shape(fine.as_bytes()).map(|s| s.depth), Ok(MAX_DEPTH));
+        // Brackets, commas and colons inside strings are text.
+        let text = br#"{"a":"[[[,,,:\"{{","b":[0,0,0]}"#;
+        assert_eq!(shape(text), Ok(Shape { depth: 2, values: 8 }));
+        let review = serde_json::to_vec(&request()).expect("json");
+        assert!(parse(&review).is_ok());
     }
 
     #[test]

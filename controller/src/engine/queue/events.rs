@@ -12,7 +12,7 @@ use serde_json::Value;
 use tokio::{sync::Semaphore, task::JoinSet, time::Instant};
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::{Queue, rv_of, uid_of};
+use super::{Queue, uid_of, version::version_of};
 use crate::{
     engine::{
         execution,
@@ -236,12 +236,17 @@ impl Queue {
                     writing::keep_locally(local, &self.ctx.resource, &body, state).await;
                     // The cycle that follows sees the node's records, as on the object.
                     let uid = uid_of(&body).unwrap_or_default();
-                    local.overlay(&uid, &mut stored).await;
+                    if local.overlay(&uid, &mut stored).await.is_err() {
+                        local.carry(&desired, &mut stored);
+                    }
                 }
+                // A new version: its echo is awaited; the cycle that follows sees it as stored.
                 if let Some(uid) = uid_of(&stored)
+                    && let Some(version) = version_of(&stored)
+                    && version_of(&body) != Some(version)
                     && let Some(slot) = self.slots.lock().get_mut(uid.as_str())
                 {
-                    slot.set_written_rv(rv_of(&stored).max(slot.written_rv()));
+                    slot.versions().await_echo(version, true);
                 }
                 (stored, wake)
             }

@@ -14,9 +14,12 @@
 //!   instead of bodies piling up in memory.
 //!
 //! Marked objects get the listed body as their next work; a cycle that starts meanwhile with
-//! a body at least as new (a watch event) clears the mark, so each object gets one cycle, also
-//! when a listing is retried or superseded. A listed body older than the event that marked
-//! the object (the LIST's snapshot predates it) leaves the mark for a later pass. The echoes
+//! a body at least as new (a watch event, which arrived after the mark) clears the mark, so
+//! each object gets one cycle, also when a listing is retried or superseded. resourceVersions
+//! are not compared (see [`super::version`]): a mark is satisfied by a pass that started after
+//! the event that marked the object (its snapshot is at least as new); a pass that started
+//! before leaves the mark for a later one, and so does a body listed by a pass that started
+//! before the answer of a write whose echo the object still awaits. The echoes
 //! of the controller's own writes are dropped, as the write's answer was checked instead (see
 //! [`super`]): only one that comes before its answer waits, one per running worker. One listing per queue runs at a time: a resync supersedes a running one (the
 //! handlers changed), a new mark beyond the bound asks the running one for another pass. A
@@ -33,7 +36,7 @@ use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::{Queue, Stored};
+use super::{Queue, Stored, version::Judged};
 use crate::k8s::{
     listing::{list_page, list_params},
     watch::is_gone,
@@ -76,6 +79,8 @@ pub(super) struct Relisting {
     pub(super) current: Mutex<Option<(u64, CancellationToken)>>,
     /// Listings started, to tell a running one from its successor.
     started: std::sync::atomic::AtomicU64,
+    /// Passes started (of any listing): a mark is satisfied by a pass that started after it.
+    passes: std::sync::atomic::AtomicU64,
     /// An object was marked since the running listing began its pass (set and read under the
     /// queue's slots lock, with the marks).
     marked: AtomicBool,
@@ -103,6 +108,16 @@ impl Relisting {
     /// Records that an object was marked (called under the slots lock).
     pub(super) fn marked(&self) {
         self.marked.store(true, Ordering::Relaxed);
+    }
+
+    /// The number of the next pass to start: the first that satisfies a mark made now.
+    pub(super) fn next_pass(&self) -> u64 {
+        self.passes.load(Ordering::Relaxed).saturating_add(1)
+    }
+
+    /// A pass starts: its number.
+    fn pass_starts(&self) -> u64 {
+        self.passes.fetch_add(1, Ordering::Relaxed).saturating_add(1)
     }
 }
 
@@ -272,6 +287,8 @@ impl Queue {
             settings.field_selector.as_deref(),
         );
         let mut queued = 0;
+        let pass = self.relisting.pass_starts();
+        let started = tokio::time::Instant::now();
         for scope in &settings.scopes {
             let api = self.ctx.objects.api(&self.ctx.resource, scope.as_deref());
             let mut params = params.clone();
@@ -282,7 +299,13 @@ impl Queue {
                 // the page's objects are parsed one at a time (see `k8s::listing`).
                 let mut marked: Vec<(String, Stored)> = Vec::new();
                 for obj in page.objects() {
-                    let obj = obj?;
+                    let obj = match obj {
+                        Ok(obj) => obj,
+                        Err(unparsed) => {
+                            crate::k8s::quarantine::quarantine(&self.ctx.resource.plural, &unparsed);
+                            continue;
+                        }
+                    };
                     let Some(uid) = obj.metadata.uid.clone() else {
                         continue;
                     };
@@ -301,7 +324,7 @@ impl Queue {
                         if cancel.is_cancelled() {
                             return Ok(queued);
                         }
-                        match self.push_listed(&uid, &body) {
+                        match self.push_listed(&uid, &body, pass, started) {
                             Listed::Queued => queued += 1,
                             Listed::Skipped => {}
                             Listed::NoRoom => continue,
@@ -364,34 +387,37 @@ impl Queue {
         !cancel.is_cancelled()
     }
 
-    /// Queues a listed body for a marked known object: unless a cycle started since, work
-    /// waits, it is gone, or the body is older than what its last cycle saw (skipped), or
-    /// older than the event that marked it (skipped, kept marked for a later pass); or the
-    /// queue has no room (checked under the slots lock, with the marks).
-    fn push_listed(&self, uid: &str, body: &Stored) -> Listed {
+    /// Queues a body listed by pass `pass` (started at `started`) for a marked known object:
+    /// unless a cycle started since, work waits, or it is gone (skipped); or the pass started
+    /// before the event that marked it, or before the answer of a write whose echo it awaits
+    /// (skipped, kept marked for a later pass); or the queue has no room (checked under the
+    /// slots lock, with the marks).
+    fn push_listed(&self, uid: &str, body: &Stored, pass: u64, started: tokio::time::Instant) -> Listed {
         let mut slots = self.slots.lock();
         let Some(slot) = slots.get_mut(uid) else {
             return Listed::Skipped;
         };
-        let rv = body.rv();
-        let older = matches!((slot.written_rv(), rv), (Some(w), Some(rv)) if rv < w);
-        let Some(event_type) = slot
-            .relist
-            .filter(|_| !slot.gone && slot.pending.is_none() && !older)
-        else {
+        let Some(event_type) = slot.relist.filter(|_| !slot.gone && slot.pending.is_none()) else {
             debug!(%uid, "listed object had a cycle since, or has newer work; skipped");
             return Listed::Skipped;
         };
-        if matches!((slot.relist_rv(), rv), (Some(m), Some(rv)) if rv < m) {
-            debug!(%uid, "listed body older than the event that marked it; listed again later");
+        if slot.relist_from.is_some_and(|from| pass < from.get()) {
+            debug!(%uid, "the pass started before the event that marked the object; listed again later");
             self.relisting.marked();
             return Listed::Skipped;
         }
         if !self.has_room() {
             return Listed::NoRoom;
         }
+        if slot.judge(body.version(), Some(started)) == Judged::Stale {
+            debug!(%uid, "the pass started before the answer of our own write; listed again later");
+            self.relisting.marked();
+            return Listed::Skipped;
+        }
+        // A body listed for an event's mark stands in for that event.
+        let news = slot.relist_from.is_some();
         slot.unmark();
-        if self.set_pending(slot, event_type, body.clone(), true) {
+        if self.set_pending(slot, event_type, body.clone(), true, news) {
             drop(slots);
             self.enqueue(uid.to_owned());
         }

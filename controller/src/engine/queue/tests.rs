@@ -31,6 +31,22 @@ impl Invoker for PanicsOnce {
     }
 }
 
+/// The number a fake API server counts a version by: its digits (versions are opaque to the
+/// queue; the tests' servers number theirs).
+fn rv_number(body: &Value) -> Option<u64> {
+    let digits: String = version_of(body)?.chars().filter(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+/// The version `u1` awaits the echo of, and whether its body was seen.
+fn awaited(q: &Queue) -> Option<(String, bool)> {
+    q.slots
+        .lock()
+        .get("u1")
+        .and_then(|s| s.versions.as_ref())
+        .and_then(|v| v.awaited().map(|(v, seen)| (v.to_owned(), seen)))
+}
+
 fn example(rv: &str) -> Value {
     json!({"apiVersion": "demo.capstan.dev/v1", "kind": "Example",
            "metadata": {"name": "one", "namespace": "default", "uid": "u1", "resourceVersion": rv},
@@ -50,6 +66,8 @@ fn objects() -> Objects {
 struct Store {
     objects: Arc<Mutex<HashMap<String, Value>>>,
     mutate: fn(&mut Value),
+    /// How the server spells version `n`.
+    spell: fn(u64) -> String,
 }
 
 impl Store {
@@ -57,6 +75,7 @@ impl Store {
         Self {
             objects: Arc::default(),
             mutate,
+            spell: |n| n.to_string(),
         }
     }
 
@@ -70,7 +89,7 @@ impl Store {
             .to_owned();
         let mut objects = self.objects.lock();
         let object = objects.entry(name.clone()).or_insert_with(|| {
-            let mut body = example("19");
+            let mut body = example(&(self.spell)(19));
             if let Some(n) = name.strip_prefix("object-") {
                 body["metadata"]["name"] = json!(name);
                 body["metadata"]["uid"] = json!(format!("u{n}"));
@@ -80,8 +99,8 @@ impl Store {
         if let Ok(patch) = serde_json::from_slice::<Value>(patch) {
             json_patch::merge(object, &patch);
             (self.mutate)(object);
-            let rv = rv_of(object).unwrap_or(0) + 1;
-            object["metadata"]["resourceVersion"] = json!(rv.to_string());
+            let rv = rv_number(object).unwrap_or(0) + 1;
+            object["metadata"]["resourceVersion"] = json!((self.spell)(rv));
         }
         object.clone()
     }
@@ -89,7 +108,11 @@ impl Store {
 
 /// An API server whose answers to writes are those of a [`Store`] with `mutate`.
 fn patching(mutate: fn(&mut Value)) -> Objects {
-    let store = Store::new(mutate);
+    serving(Store::new(mutate))
+}
+
+/// An API server whose answers to writes are those of `store`.
+fn serving(store: Store) -> Objects {
     let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
         let store = store.clone();
         async move {
@@ -226,7 +249,9 @@ async fn a_panicking_cycle_frees_its_slot_and_permit_and_the_object_is_processed
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(limit.available_permits(), 1, "the permit is back");
-    // The slot is usable: a new event starts a new worker.
+    // The slot is usable: a new event (after the echo of the retried cycle's write) starts a
+    // new worker.
+    queue.push(EventType::Modified, example("20"));
     queue.push(EventType::Modified, example("21"));
     while invoker.calls.load(Ordering::SeqCst) < 3 {
         assert!(
@@ -326,7 +351,9 @@ async fn event_handler_dispatch_is_bounded_and_never_stalls_the_watch() {
         let queue = queue.clone();
         tokio::spawn(async move {
             for n in 0..EVENT_DISPATCH_LIMIT + 5 {
-                queue.observe(EventType::Modified, example(&n.to_string())).await;
+                queue
+                    .observe(EventType::Modified, example(&n.to_string()), None)
+                    .await;
             }
         })
     };
@@ -365,7 +392,9 @@ fn stored_bodies_round_trip_and_are_smaller_than_their_text() {
     });
     let stored = Stored::new(&body);
     assert_eq!(stored.value(), body);
-    assert_eq!(stored.rv(), Some(42));
+    assert_eq!(stored.version(), Some("42"));
+    let opaque = Stored::new(&json!({"metadata": {"resourceVersion": "b7f3/ü"}}));
+    assert_eq!(opaque.version(), Some("b7f3/ü"));
     let text = serde_json::to_vec(&body).unwrap_or_default();
     assert!(
         stored.packed.len() < text.len(),
@@ -384,7 +413,7 @@ fn stored_bodies_round_trip_and_are_smaller_than_their_text() {
         );
     }
     let unversioned = Stored::new(&json!({"metadata": {"name": "x"}}));
-    assert_eq!(unversioned.rv(), None);
+    assert_eq!(unversioned.version(), None);
     assert_eq!(unversioned.value(), json!({"metadata": {"name": "x"}}));
 }
 
@@ -541,24 +570,19 @@ async fn queues_share_the_limit_first_come_first_served() {
     assert!(invoker.most.load(Ordering::SeqCst) <= 2);
 }
 
-/// A worker that finds only a stale event (the echo of its own first write) must keep the
-/// object marked running until it finishes: an event pushed in between is then queued once,
-/// never twice (two entries would start two cycles of one object at once).
+/// A worker must keep the object marked running until it finishes: an event pushed between
+/// its last look for work and its end is then queued once, never twice (two entries would
+/// start two cycles of one object at once).
 #[tokio::test(start_paused = true)]
-async fn an_object_whose_worker_found_only_a_stale_event_is_queued_once() {
+async fn an_object_whose_worker_found_no_more_work_is_queued_once() {
     let limit = Arc::new(Semaphore::new(0));
     let q = queue(Arc::new(Slow::default()), vec![], limit);
     q.push(EventType::Modified, example("5"));
     // The dispatcher takes it and waits for a permit that never comes.
     tokio::task::yield_now().await;
     assert_eq!(q.ready(), 0);
-    // A cycle of it wrote version 10 meanwhile: the pending version 5 is stale.
-    q.slots
-        .lock()
-        .get_mut("u1")
-        .expect("slot")
-        .set_written_rv(Some(10));
-    assert!(q.take_next("u1").is_none());
+    assert!(q.take_next("u1").is_some(), "the worker's cycle");
+    assert!(q.take_next("u1").is_none(), "no more work");
     q.push(EventType::Modified, example("11"));
     q.finish("u1");
     assert_eq!(q.ready(), 1, "queued once");
@@ -710,21 +734,29 @@ async fn objects_at_rest_keep_no_body_and_are_listed_again_to_be_re_processed() 
         calls.values().all(|n| *n == 2),
         "every object at rest got one more cycle: {calls:?}"
     );
-    // A listed body older than what the object's last cycle saw is not queued.
+    // An object awaiting the echo of a write (here one of version 45, which never comes):
+    // a listing that started after the write's answer reflects it, and ends the wait.
     queue
         .slots
         .lock()
         .get_mut("u0")
         .expect("slot")
-        .set_written_rv(Some(45));
+        .versions()
+        .await_echo("45", true);
+    tokio::time::sleep(Duration::from_millis(1)).await;
     queue.resync();
-    until_idle(&queue, || invoker.total(), 8).await;
+    until_idle(&queue, || invoker.total(), 9).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(lists.load(Ordering::SeqCst), 2);
-    assert_eq!(
-        invoker.calls.lock().get("u0"),
-        Some(&2),
-        "the stale body was skipped"
+    assert_eq!(invoker.calls.lock().get("u0"), Some(&3));
+    assert!(
+        queue
+            .slots
+            .lock()
+            .get("u0")
+            .and_then(|s| s.versions.as_ref())
+            .is_none_or(|v| !v.awaits("45")),
+        "the wait ended with the listing"
     );
 }
 
@@ -842,7 +874,6 @@ async fn an_object_with_a_body_whose_cycle_runs_during_a_resync_runs_once_more()
         Slot {
             running: true,
             last_body: Some(Stored::new(&example("20"))),
-            written: NonZeroU64::new(20),
             ..Slot::default()
         },
     );
@@ -851,7 +882,6 @@ async fn an_object_with_a_body_whose_cycle_runs_during_a_resync_runs_once_more()
         // The cycle ends: nothing written, its base (version 30) kept.
         let mut slots = queue.slots.lock();
         let slot = slots.get_mut("u1").expect("slot");
-        slot.set_written_rv(Some(30));
         slot.last_body = Some(Stored::new(&example("30")));
     }
     queue.finish("u1");
@@ -1012,36 +1042,36 @@ fn at_version(n: usize, rv: &str) -> Value {
     body
 }
 
-/// An object marked by a newer event while the listing's snapshot still holds an older
-/// version: the older listed body does not spend the mark; a later pass queues the newer one,
-/// and the handler sees only that.
+/// An object marked by an event while a listing's pass is under way: that pass's snapshot may
+/// predate the event, so its body does not spend the mark; a pass that starts later queues
+/// the object's current body, and the handler sees only that.
 #[tokio::test(start_paused = true)]
-async fn a_listed_body_older_than_the_event_that_marked_the_object_keeps_the_mark() {
+async fn a_body_listed_by_a_pass_that_started_before_the_event_that_marked_the_object_keeps_the_mark() {
     let (open, invoker) = Gated::new();
-    open.send_replace(true);
     let lists = Arc::new(AtomicU32::new(0));
     let items = Arc::new(Mutex::new(vec![at_version(1, "10")]));
-    let limit = Arc::new(Semaphore::new(0));
+    let (list_open, list_gate) = watch::channel(false);
     let queue = queue_with(
         invoker.clone(),
         vec![create_fn()],
-        limit.clone(),
-        listing_of(items.clone(), lists.clone(), watch::channel(true).1),
-        bounded(1),
+        Arc::new(Semaphore::new(1)),
+        listing_of(items.clone(), lists.clone(), list_gate),
+        bounded(2),
     );
     queue.push(EventType::Listing, at_version(0, "10"));
+    queue.push(EventType::Listing, at_version(2, "10"));
     queue.push(EventType::Listing, at_version(1, "10"));
-    queue.push(EventType::Modified, at_version(1, "60"));
-    limit.add_permits(1);
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(lists.load(Ordering::SeqCst), 1);
-    assert!(
-        queue.slots.lock().get("u1").is_some_and(|s| s.relist.is_some()),
-        "still marked after the stale listing"
-    );
+    assert_eq!(lists.load(Ordering::SeqCst), 1, "the pass for u1 started");
+    // The queue fills up again, and u1 changes while the pass's LIST is under way.
+    queue.push(EventType::Listing, at_version(3, "10"));
+    queue.push(EventType::Modified, at_version(1, "60"));
+    assert!(queue.slots.lock().get("u1").is_some_and(|s| s.relist.is_some()));
     items.lock()[0] = at_version(1, "60");
+    list_open.send_replace(true);
+    open.send_replace(true);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while invoker.total() < 2 || queue.relisting.current.lock().is_some() {
+    while invoker.total() < 4 || queue.relisting.current.lock().is_some() {
         assert!(tokio::time::Instant::now() < deadline, "u1 was not handled");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -1053,7 +1083,7 @@ async fn a_listed_body_older_than_the_event_that_marked_the_object_keeps_the_mar
         .cloned()
         .collect();
     assert_eq!(seen, vec![("u1".to_owned(), "60".to_owned())]);
-    assert!(lists.load(Ordering::SeqCst) >= 2);
+    assert_eq!(lists.load(Ordering::SeqCst), 2);
 }
 
 /// A re-run due after a running cycle (a timer fired during it) while a newer event of the
@@ -1079,9 +1109,8 @@ async fn a_re_run_leaves_a_newer_marked_event_to_its_listed_body() {
             running: true,
             rerun: true,
             last_body: Some(Stored::new(&at_version(1, "50"))),
-            written: NonZeroU64::new(50),
             relist: Some(EventType::Modified),
-            relist_version: NonZeroU64::new(60),
+            relist_from: NonZeroU64::new(1),
             ..Slot::default()
         },
     );
@@ -1117,17 +1146,16 @@ async fn an_older_body_kept_in_memory_is_not_queued_under_a_newer_mark() {
         "u1".into(),
         Slot {
             last_body: Some(Stored::new(&at_version(1, "50"))),
-            written: NonZeroU64::new(50),
             relist: Some(EventType::Modified),
-            relist_version: NonZeroU64::new(60),
+            relist_from: NonZeroU64::new(1),
             ..Slot::default()
         },
     );
-    queue.queue_body(EventType::Modified, at_version(1, "50"), false);
+    queue.queue_body(EventType::Modified, at_version(1, "50"), Source::Memory);
     let slots = queue.slots.lock();
     let slot = slots.get("u1").expect("slot");
     assert!(slot.pending.is_none(), "the older body was queued");
-    assert_eq!(slot.relist_rv(), Some(60), "the mark stays");
+    assert_eq!(slot.relist_from, NonZeroU64::new(1), "the mark stays");
 }
 
 /// While dispatch is paused, cycles keep no body and nothing is listed; resuming (a resync)
@@ -1237,14 +1265,10 @@ async fn echoes_of_handled_versions_arriving_at_once_wait_with_no_body() {
         bounded(4),
     );
     for n in 0..20 {
-        q.slots.lock().insert(
-            format!("u{n}").into(),
-            Slot {
-                written: NonZeroU64::new(10),
-                seen: true,
-                ..Slot::default()
-            },
-        );
+        q.slots.lock().insert(format!("u{n}").into(), Slot::default());
+        if let Some(slot) = q.slots.lock().get_mut(format!("u{n}").as_str()) {
+            slot.versions().await_echo("10", true);
+        }
     }
     for n in 0..20 {
         q.push(EventType::Modified, numbered(n));
@@ -1297,7 +1321,7 @@ async fn the_answer_to_a_write_is_checked_at_once_and_its_echo_runs_nothing() {
     // The echoes of both writes come late: nothing runs, nothing waits.
     // Two writes from version 19 (a checkpoint may make it three: the handler takes as long
     // as the checkpoint waits).
-    let written = q.slots.lock().get("u1").and_then(Slot::written_rv).unwrap_or(0);
+    let written = awaited(&q).and_then(|(v, _)| v.parse::<u64>().ok()).unwrap_or(0);
     assert!(written >= 21, "written {written}");
     for rv in 20..=written {
         let mut echo = example(&rv.to_string());
@@ -1319,12 +1343,26 @@ async fn while_the_handler_runs(
     next: Option<(EventType, Value)>,
     handlers: Vec<Registration>,
 ) -> (Queue, Arc<Gated>) {
+    while_the_handler_runs_at(next.into_iter().collect(), handlers, Store::new(|_| {})).await
+}
+
+/// As [`while_the_handler_runs`], with events `next` in order, against `store`.
+async fn while_the_handler_runs_at(
+    next: Vec<(EventType, Value)>,
+    handlers: Vec<Registration>,
+    store: Store,
+) -> (Queue, Arc<Gated>) {
     let (open, invoker) = Gated::new();
-    let q = queue(invoker.clone(), handlers, Arc::new(Semaphore::new(1)));
+    let q = queue_of(
+        invoker.clone(),
+        handlers,
+        Arc::new(Semaphore::new(1)),
+        serving(store),
+    );
     q.push(EventType::Added, example("10"));
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(invoker.total(), 1);
-    if let Some((event_type, body)) = next {
+    for (event_type, body) in next {
         q.push(event_type, body);
     }
     open.send_replace(true);
@@ -1345,32 +1383,60 @@ async fn an_echo_before_the_answer_is_replaced_by_the_answer() {
         q.slots
             .lock()
             .get("u1")
-            .is_some_and(|s| !s.running && s.written_rv() == Some(20))
+            .is_some_and(|s| !s.running && s.versions.is_none()),
+        "the echo came: nothing is awaited"
     );
 }
 
 /// A change by someone else that comes while the handler runs is newer than the cycle's write
-/// answer... or not: here it is older than the answer, so the answer supersedes it. A change
-/// newer than the answer is processed itself.
+/// answer if it arrived after the write's echo (the watch brings an object's events in order),
+/// and is processed itself; one that arrived before the echo predates the write, and the
+/// answer supersedes it — whatever their versions, which are never compared as numbers.
 #[tokio::test(start_paused = true)]
 async fn a_change_newer_than_the_answer_is_processed_and_an_older_one_is_not() {
-    let mut update = Registration::new("update_fn", HandlerKind::Update, None);
-    update.resource = Some(resource());
-    let mut newer = example("30");
-    newer["spec"]["size"] = json!(7);
-    let (q, invoker) =
-        while_the_handler_runs(Some((EventType::Modified, newer)), vec![create_fn(), update]).await;
-    // The change (version 30) carries none of the controller's records: it is a creation to
-    // the cycle that runs it, which proves that it ran rather than the answer (version 20).
-    assert_eq!(
+    let handlers = || {
+        let mut update = Registration::new("update_fn", HandlerKind::Update, None);
+        update.resource = Some(resource());
+        vec![create_fn(), update]
+    };
+    let versions = |invoker: &Gated| {
         invoker
             .versions
             .lock()
             .iter()
-            .map(|(_, rv)| rv.as_str())
-            .collect::<Vec<_>>(),
-        ["10", "30"]
-    );
+            .map(|(_, rv)| rv.clone())
+            .collect::<Vec<_>>()
+    };
+    // The server keeps the change (size 7) in every version it stores.
+    let changed = |rv: &str| {
+        let mut body = example(rv);
+        body["spec"]["size"] = json!(7);
+        body
+    };
+    let keeps_change = || Store::new(|o| o["spec"]["size"] = json!(7));
+    // After the echo (version 20), a change at version 3 (versions went backwards).
+    let (q, invoker) = while_the_handler_runs_at(
+        vec![
+            (EventType::Modified, example("20")),
+            (EventType::Modified, changed("3")),
+        ],
+        handlers(),
+        keeps_change(),
+    )
+    .await;
+    // The change carries none of the controller's records: it is a creation to the cycle
+    // that runs it, which proves that it ran rather than the answer (version 20).
+    assert_eq!(versions(&invoker), ["10", "3"]);
+    assert_eq!(pending_bodies(&q), 0);
+    // Before the echo, a change at version 30: it predates the write, whose answer (version
+    // 20) holds it: the update handler runs with the answer, never with the stale event.
+    let (q, invoker) = while_the_handler_runs_at(
+        vec![(EventType::Modified, changed("30"))],
+        handlers(),
+        keeps_change(),
+    )
+    .await;
+    assert_eq!(versions(&invoker), ["10", "20"]);
     assert_eq!(pending_bodies(&q), 0);
 }
 
@@ -1471,22 +1537,15 @@ async fn the_event_of_a_checkpoint_with_nothing_written_after_it_is_processed() 
         3,
         "two re-runs after withdrawals"
     );
-    let (written, seen) = written_and_seen(&q);
-    assert_eq!(written, Some(20), "one write: the checkpoint");
-    assert!(!seen, "the checkpoint's version counts as seen");
+    assert_eq!(
+        awaited(&q),
+        Some(("20".to_owned(), false)),
+        "one write, the checkpoint, whose echo is awaited unseen"
+    );
     assert!(
         an_edit_waits(&q, "20"),
         "the event of the checkpoint's version was dropped"
     );
-}
-
-/// The newest version `u1`'s cycles wrote or saw, and whether it counts as seen.
-fn written_and_seen(q: &Queue) -> (Option<u64>, bool) {
-    q.slots
-        .lock()
-        .get("u1")
-        .map(|s| (s.written_rv(), s.seen))
-        .unwrap_or_default()
 }
 
 /// Whether a watch event of `u1` at version `rv` with its spec edited is kept as work.
@@ -1520,7 +1579,7 @@ impl Invoker for WithdrawnOnce {
 /// An API server where a PATCH changes nothing stored (the object already holds what it
 /// sets, as when another writer got there first): the version stays.
 fn keeps_version(object: &mut Value) {
-    let rv = rv_of(object).unwrap_or(1).saturating_sub(1);
+    let rv = rv_number(object).unwrap_or(1).saturating_sub(1);
     object["metadata"]["resourceVersion"] = json!(rv.to_string());
 }
 
@@ -1543,18 +1602,139 @@ async fn a_write_that_changed_nothing_from_a_composed_body_leaves_its_version_un
         2,
         "a re-run after the withdrawal"
     );
-    let (written, seen) = written_and_seen(&q);
     assert_eq!(
-        written,
-        Some(19),
-        "the checkpoint and the re-run's write, both at 19"
-    );
-    assert!(
-        !seen,
-        "a version the cycles never got from the API server counts as seen"
+        awaited(&q),
+        Some(("19".to_owned(), false)),
+        "the checkpoint and the re-run's write, both at 19, whose body no cycle got from the API server"
     );
     assert!(
         an_edit_waits(&q, "19"),
         "the event of the stored version was dropped"
+    );
+}
+
+/// A change by someone else whose version compares lower than the controller's own write
+/// (after an etcd restore, versions go backwards) is processed once the write's echo came:
+/// "newer" is "arrived after the echo", never a larger number.
+#[tokio::test(start_paused = true)]
+async fn a_change_at_a_lower_version_than_our_write_is_processed() {
+    let mut update = Registration::new("update_fn", HandlerKind::Update, None);
+    update.resource = Some(resource());
+    let (open, invoker) = Gated::new();
+    open.send_replace(true);
+    let store = Store::new(|_| {});
+    let q = queue_of(
+        invoker.clone(),
+        vec![create_fn(), update],
+        Arc::new(Semaphore::new(1)),
+        serving(store.clone()),
+    );
+    q.push(EventType::Added, example("10"));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(invoker.total(), 1);
+    assert_eq!(awaited(&q), Some(("20".to_owned(), true)));
+    // An event from before the write: dropped. Then the echo: dropped.
+    q.push(EventType::Modified, example("12"));
+    assert_eq!(pending_bodies(&q), 0, "an event before the echo waits");
+    q.push(EventType::Modified, example("20"));
+    assert_eq!(pending_bodies(&q), 0, "the echo waits");
+    assert!(awaited(&q).is_none());
+    // Versions went backwards: someone's change is stored at version 3.
+    let changed = {
+        let mut objects = store.objects.lock();
+        let object = objects.get_mut("one").expect("stored");
+        object["spec"]["size"] = json!(5);
+        object["metadata"]["resourceVersion"] = json!("3");
+        object.clone()
+    };
+    q.push(EventType::Modified, changed);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        invoker.versions.lock().clone(),
+        [
+            ("u1".to_owned(), "10".to_owned()),
+            ("u1".to_owned(), "3".to_owned())
+        ],
+        "the change at a lower version was not handled once"
+    );
+}
+
+/// An API server whose versions are no numbers: the controller's own writes' echoes are
+/// recognised by exact version, and the events that came before them dropped, as with numbers.
+#[tokio::test(start_paused = true)]
+async fn echoes_are_recognised_when_versions_are_no_numbers() {
+    let mut update = Registration::new("update_fn", HandlerKind::Update, None);
+    update.resource = Some(resource());
+    let (open, invoker) = Gated::new();
+    open.send_replace(true);
+    let mut store = Store::new(|_| {});
+    store.spell = |n| format!("etcd-{n}-opaque");
+    let q = queue_of(
+        invoker.clone(),
+        vec![create_fn(), update],
+        Arc::new(Semaphore::new(1)),
+        serving(store.clone()),
+    );
+    q.push(EventType::Added, example("etcd-10-opaque"));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(invoker.total(), 1);
+    assert_eq!(
+        awaited(&q),
+        Some(("etcd-20-opaque".to_owned(), true)),
+        "the echo of the write is awaited by its exact version"
+    );
+    // The event of the version the cycle saw comes late, then the echo: neither runs anything.
+    q.push(EventType::Modified, example("etcd-10-opaque"));
+    q.push(EventType::Modified, example("etcd-20-opaque"));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(invoker.total(), 1);
+    assert_eq!(pending_bodies(&q), 0);
+    // A change after the echo runs the update handler.
+    let changed = {
+        let mut objects = store.objects.lock();
+        let object = objects.get_mut("one").expect("stored");
+        object["spec"]["size"] = json!(5);
+        object["metadata"]["resourceVersion"] = json!("etcd-21-opaque");
+        object.clone()
+    };
+    q.push(EventType::Modified, changed);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(invoker.total(), 2);
+}
+
+/// The echo of a write that never comes (a server that does not send it) does not stop the
+/// object for good: after its patience, the object's events are processed again.
+#[tokio::test(start_paused = true)]
+async fn an_echo_that_never_comes_is_awaited_for_a_bounded_number_of_events() {
+    let mut update = Registration::new("update_fn", HandlerKind::Update, None);
+    update.resource = Some(resource());
+    let (open, invoker) = Gated::new();
+    open.send_replace(true);
+    let store = Store::new(|_| {});
+    let q = queue_of(
+        invoker.clone(),
+        vec![create_fn(), update],
+        Arc::new(Semaphore::new(1)),
+        serving(store.clone()),
+    );
+    q.push(EventType::Added, example("10"));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(invoker.total(), 1);
+    for n in 0..=version::PATIENCE {
+        let changed = {
+            let mut objects = store.objects.lock();
+            let object = objects.get_mut("one").expect("stored");
+            object["spec"]["size"] = json!(100 + u64::from(n));
+            object["metadata"]["resourceVersion"] = json!(format!("x{n}"));
+            object.clone()
+        };
+        q.push(EventType::Modified, changed);
+        tokio::task::yield_now().await;
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        invoker.total(),
+        2,
+        "the event after the patience is processed, once"
     );
 }
