@@ -85,6 +85,16 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
         admin.serve(admin_stop).await;
         Ok(())
     });
+    // The handler container's own identity, before it starts (after the startup probe).
+    if let Some(spec) = settings.handler_identity.clone() {
+        let client = core.switch.base();
+        let first = crate::k8s::handler_identity::first(&client, &spec).await;
+        let stop = serving.clone();
+        tasks.spawn(async move {
+            crate::k8s::handler_identity::keep(client, spec, first, stop).await;
+            Ok(())
+        });
+    }
     tokio::select! {
         opened = open_node_store(&mut settings, &core.health) => opened?,
         () = shutdown.cancelled() => {

@@ -365,6 +365,21 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_NODE_STORAGE_LIMIT_MIB", default_value_t = 1024)]
     pub node_storage_limit_mib: u64,
 
+    /// Keep expiring API tokens of this ServiceAccount (`<namespace>/<name>`) for the handler
+    /// container in `--handler-identity-dir` (with `ca.crt` and `namespace`): renewed when 80 %
+    /// of their hour has passed, so the handler acts as an identity of its own without a
+    /// token that never expires.
+    #[arg(long, env = "CAPSTAN_HANDLER_IDENTITY", value_name = "NAMESPACE/NAME")]
+    pub handler_identity: Option<String>,
+
+    /// The directory the handler's identity is written to (shared with the handler container).
+    #[arg(
+        long,
+        env = "CAPSTAN_HANDLER_IDENTITY_DIR",
+        default_value = "/run/capstan-handler-identity"
+    )]
+    pub handler_identity_dir: std::path::PathBuf,
+
     /// The release the node-local storage directory belongs to (the chart passes
     /// `<namespace>/<release>`): written into the directory's `.capstan-claim` on first use;
     /// a directory claimed by another release, inside or around one, or reached through a
@@ -711,7 +726,7 @@ impl RunArgs {
     pub fn settings(&self) -> Settings {
         let mut settings = Settings {
             listen: self.listen.clone(),
-            admin_listen: self.admin_listen,
+            admin_listen: crate::config::bindable(self.admin_listen),
             admin: crate::observability::admin::Settings {
                 connections: self.admin_connections.max(1),
                 header_timeout: self.admin_header_timeout,
@@ -734,6 +749,7 @@ impl RunArgs {
         settings.hub.max_losses = self.max_losses.max(1);
         settings.connection.supported_kinds = Some(crate::engine::SUPPORTED_KINDS.to_vec());
         settings.webhooks = self.webhook.settings();
+        settings.webhooks.listen = crate::config::bindable(settings.webhooks.listen);
         if settings.webhooks.mode != crate::webhooks::Mode::Off
             && let Some(kinds) = settings.connection.supported_kinds.as_mut()
         {
@@ -744,6 +760,9 @@ impl RunArgs {
         }
         settings.engine.storage = self.storage();
         settings.node_store = self.node_store_spec();
+        settings.handler_identity = self.handler_identity.as_deref().and_then(|value| {
+            crate::k8s::handler_identity::Spec::parse(value, self.handler_identity_dir.clone()).ok()
+        });
         settings.engine.node = self.node().map(|name| crate::engine::nodes::Settings {
             name,
             base_prefix: self.persistence_prefix.clone(),
@@ -811,6 +830,10 @@ impl RunArgs {
             return Err(
                 "--diff-base fields cannot be used with --persistence kopf or kopf's diff-base key: kopf reads only the whole essence it stores (use --diff-base full, the default there)".into(),
             );
+        }
+        if let Some(value) = self.handler_identity.as_deref() {
+            crate::k8s::handler_identity::Spec::parse(value, self.handler_identity_dir.clone())
+                .map_err(|e| e.to_string())?;
         }
         if let Some(value) = self.node_storage.as_deref() {
             if self.node().is_none() {

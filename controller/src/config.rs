@@ -4,7 +4,10 @@
 //! The CLI maps flags and environment variables onto these structs without logic of its own;
 //! tests build them directly.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    time::Duration,
+};
 
 use crate::{
     engine,
@@ -41,6 +44,8 @@ pub struct Settings {
     pub election: peering::election::Settings,
     /// Node-local storage of per-node state (per-node mode only).
     pub node_store: Option<crate::persistence::node_store::Spec>,
+    /// The handler container's own identity, kept fresh by the controller.
+    pub handler_identity: Option<crate::k8s::handler_identity::Spec>,
     /// Admission webhooks.
     pub webhooks: crate::webhooks::Settings,
 }
@@ -61,6 +66,7 @@ impl Default for Settings {
             peering: peering::Settings::default(),
             election: peering::election::Settings::default(),
             node_store: None,
+            handler_identity: None,
             webhooks: crate::webhooks::Settings::default(),
         }
     }
@@ -90,9 +96,41 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(seconds).map_err(|_| format!("{s:?} is negative or too large"))
 }
 
+/// The address to listen on for `addr`: `[::]` (both address families, a dual-stack socket
+/// accepts IPv4 too) where the host has IPv6, `0.0.0.0` where it has none (a kernel without
+/// IPv6, where `[::]` cannot be bound), so that one setting — the chart's — serves IPv4-only,
+/// IPv6-only and dual-stack clusters. Other addresses are kept as they are.
+pub fn bindable(addr: SocketAddr) -> SocketAddr {
+    if addr.ip() != Ipv6Addr::UNSPECIFIED {
+        return addr;
+    }
+    let unsupported = [
+        rustix::io::Errno::AFNOSUPPORT.raw_os_error(),
+        rustix::io::Errno::ADDRNOTAVAIL.raw_os_error(),
+    ];
+    match std::net::TcpListener::bind((Ipv6Addr::UNSPECIFIED, 0)) {
+        Err(e) if e.raw_os_error().is_some_and(|code| unsupported.contains(&code)) => {
+            tracing::warn!(%addr, "the host has no IPv6; listening on IPv4 only");
+            SocketAddr::from((Ipv4Addr::UNSPECIFIED, addr.port()))
+        }
+        _ => addr,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn both_address_families_are_kept_where_the_host_has_them() {
+        let any: SocketAddr = "[::]:8080".parse().unwrap();
+        let has_ipv6 = std::net::TcpListener::bind((Ipv6Addr::UNSPECIFIED, 0)).is_ok();
+        assert_eq!(bindable(any) == any, has_ipv6);
+        for kept in ["127.0.0.1:8080", "0.0.0.0:9443", "[::1]:8080"] {
+            let addr: SocketAddr = kept.parse().unwrap();
+            assert_eq!(bindable(addr), addr);
+        }
+    }
 
     #[test]
     fn parses_durations() {

@@ -9,6 +9,7 @@ pub mod client;
 pub mod crds;
 pub mod discovery;
 pub mod events;
+pub mod handler_identity;
 pub mod lease;
 pub mod listing;
 pub mod objects;

@@ -172,8 +172,6 @@ class Operator:
         settings_module.activate(self.settings)
         # Settings given to kopf.run() or KopfRunner: named as a startup handler's are.
         settings_module.review(self.settings)
-        # The executor this operator used, once it stopped (the settings get a fresh one).
-        self._retired = None
         self.by_id = {h.id: h for h in registry.handlers}
         registry.check()
         self.flow = {}  # handler id ("" for the process) -> the cap set with set_max_in_flight
@@ -181,9 +179,8 @@ class Operator:
 
     @property
     def executor(self):
-        """The executor of sync handlers (`settings.execution.executor`); once the operator
-        stopped, the one it used."""
-        return self._retired if self._retired is not None else self.settings.execution.executor
+        """The executor of sync handlers (`settings.execution.executor`)."""
+        return self.settings.execution.executor
 
     def set_max_in_flight(self, limit, handler=None):
         """Changes how many invocations the controller sends this process at once — or, with
@@ -243,7 +240,8 @@ class Operator:
                     pass
                 delay = min(delay * 2, BACKOFF_MAX)
         finally:
-            self._retired = settings_module.retire_executor(self.settings)
+            # Kept for the stop: sync handlers still running in it get the rest of the grace period.
+            self.retired_executor = settings_module.retire_executor(self.settings)
 
     async def _session(self):
         options = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]

@@ -108,12 +108,14 @@ def _leave_hung_handlers(operators, signalled, code):
     signal), then exits without them: the interpreter would otherwise wait for their threads."""
     since = signalled[0] if signalled else time.monotonic()
     for op in operators:
+        executor = getattr(op, "retired_executor", None) or op.executor
+        if not hasattr(executor, "wait_idle"):  # an executor of the operator's own: not counted
+            continue
         left = max(0.0, connection.STOP_GRACE - (time.monotonic() - since))
-        wait_idle = getattr(op.executor, "wait_idle", None)  # a handler's own executor may not count
-        if wait_idle is None or wait_idle(left):
+        if executor.wait_idle(left):
             continue
         log.error("%d sync handler(s) still running %.1fs after the stop was asked for (grace period %gs); "
-                  "exiting without them", op.executor.running(), time.monotonic() - since, connection.STOP_GRACE)
+                  "exiting without them", executor.running(), time.monotonic() - since, connection.STOP_GRACE)
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stdout.flush()

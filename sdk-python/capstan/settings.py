@@ -21,10 +21,10 @@ import threading
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
-from capstan.threads import HandlerThreads
 from capstan.storages import (
     AnnotationsDiffBaseStorage, DiffBaseStorage, ProgressStorage, SmartProgressStorage,
 )
+from capstan.threads import HandlerThreads
 
 log = logging.getLogger("capstan")
 
@@ -110,8 +110,6 @@ class AdmissionSettings:
 
 
 def _executor():
-    # A pool that counts its running calls: a stopping process waits for them up to its grace
-    # period (capstan.threads).
     return HandlerThreads(thread_name_prefix="capstan-handler")
 
 
@@ -361,8 +359,7 @@ def _forget_reported():
 
 def retire_executor(settings: OperatorSettings):
     """Shuts down the executor of a stopping operator, leaving a fresh one of the same size
-    for an operator started later in the process; returns the old one (its sync handlers may
-    still run)."""
+    for an operator started later in the process; returns the old one (its calls may still run)."""
     execution = settings.execution
     old = execution.executor
     execution.executor = _executor()

@@ -168,7 +168,10 @@ async fn node_local_storage_mounts_a_host_directory_prepared_with_only_chown() -
             && daemonset.contains("type: DirectoryOrCreate"),
         "a hostPath of type DirectoryOrCreate"
     );
-    ensure!(out.contains("name: CAPSTAN_NODE_STORAGE") && out.contains("value: \"file:/var/lib/capstan\""));
+    ensure!(
+        out.contains("name: CAPSTAN_NODE_STORAGE")
+            && out.contains("value: \"file:/var/lib/capstan-example\"")
+    );
     let refused = Render {
         release: "ci",
         namespace: "ops",
@@ -556,16 +559,48 @@ fn check_ci_objects(stem: &str, ns: &str, objs: &[Value]) -> Result<()> {
                 name != capstan_token,
                 "{stem}: the handler gets the controller's token"
             );
-            let secret = volume(&name).and_then(|v| v["secret"]["secretName"].as_str());
-            let token = objs
-                .iter()
-                .find(|o| o["kind"] == "Secret" && o["metadata"]["name"].as_str() == secret)
-                .context("the handler's token Secret")?;
-            ensure!(token["type"] == "kubernetes.io/service-account-token");
+            // An in-memory volume the controller fills with expiring tokens of the handler's
+            // own ServiceAccount; no token Secret (which never expires).
             ensure!(
-                token["metadata"]["annotations"]["kubernetes.io/service-account.name"]
-                    != workload["spec"]["template"]["spec"]["serviceAccountName"],
-                "{stem}: the handler's token is of its own ServiceAccount"
+                volume(&name).is_some_and(|v| v["emptyDir"]["medium"] == "Memory"),
+                "{stem}: the handler's identity volume: {:?}",
+                volume(&name)
+            );
+            ensure!(
+                mount_at(capstan, "/run/capstan-handler-identity").as_deref() == Some(name.as_str()),
+                "{stem}: the controller writes the handler's identity"
+            );
+            ensure!(
+                lookup(&env_of(capstan), "CAPSTAN_HANDLER_IDENTITY")
+                    == Some(
+                        format!(
+                            "{ns}/{}-handler",
+                            workload["metadata"]["name"].as_str().unwrap_or_default()
+                        )
+                        .as_str()
+                    ),
+                "{stem}: the handler's ServiceAccount"
+            );
+            ensure!(
+                !objs
+                    .iter()
+                    .any(|o| o["kind"] == "Secret" && o["type"] == "kubernetes.io/service-account-token"),
+                "{stem}: a token Secret that never expires"
+            );
+            let token_role = find(objs, "Role")
+                .into_iter()
+                .find(|r| {
+                    r["metadata"]["name"]
+                        .as_str()
+                        .is_some_and(|n| n.ends_with("-handler-token"))
+                })
+                .context("the Role to request the handler's tokens")?;
+            ensure!(
+                token_role["rules"]
+                    == json!([{"apiGroups": [""], "resources": ["serviceaccounts/token"],
+                               "resourceNames": [format!("{}-handler", workload["metadata"]["name"].as_str().unwrap_or_default())],
+                               "verbs": ["create"]}]),
+                "{stem}: tokens of the handler's account only: {token_role}"
             );
         }
     }
@@ -1382,23 +1417,62 @@ async fn the_handler_gets_its_own_identity_and_none_of_the_controllers_rights() 
     .manifests()
     .await?;
     env.apply(&manifests).await?;
-    let secret = env
-        .kubectl_ok(&[
-            "get",
-            "secret",
-            "-n",
-            ns,
-            "ops-capstan-handler-token",
-            "-o",
-            "json",
-        ])
-        .await?;
-    let secret: Value = serde_json::from_str(&secret)?;
     ensure!(
-        secret["type"] == "kubernetes.io/service-account-token"
-            && secret["metadata"]["annotations"]["kubernetes.io/service-account.name"]
-                == "ops-capstan-handler",
-        "the handler's token Secret: {secret}"
+        !manifests.contains("kubernetes.io/service-account-token"),
+        "a token Secret that never expires:\n{manifests}"
+    );
+    // The controller, with exactly the chart's rights, writes an expiring token of the
+    // handler's ServiceAccount for the handler container.
+    let controller_user = format!("system:serviceaccount:{ns}:ops-capstan");
+    let controller = impersonating_kubeconfig(&env, &controller_user).await?;
+    let identity = env.scratch().join("handler-identity");
+    std::fs::create_dir_all(&identity)?;
+    let account = format!("{ns}/ops-capstan-handler");
+    let dir = identity.to_string_lossy().into_owned();
+    let mut capstan = capstan_tests::process::Controller::start_with(
+        &env,
+        &controller,
+        "capstan-identity",
+        &["--handler-identity", &account, "--handler-identity-dir", &dir],
+    )
+    .await?;
+    capstan
+        .process
+        .wait_for("the handler's identity is written", T)
+        .await?;
+    let token = std::fs::read_to_string(identity.join("token"))?;
+    ensure!(std::fs::read_to_string(identity.join("namespace"))? == ns);
+    let claims = jwt_claims(&token)?;
+    let lifetime = claims["exp"].as_i64().unwrap_or(0) - claims["iat"].as_i64().unwrap_or(0);
+    ensure!(
+        claims["sub"] == format!("system:serviceaccount:{ns}:ops-capstan-handler")
+            && (600..=3600).contains(&lifetime),
+        "the handler's token is of its own account and expires within the hour: {claims}"
+    );
+    let as_handler = token_kubeconfig(&env, &token)?;
+    let whoami = env
+        .kubectl()
+        .arg("--kubeconfig")
+        .arg(&as_handler)
+        .args(["auth", "whoami", "-o", "jsonpath={.status.userInfo.username}"])
+        .output()
+        .await?;
+    ensure!(
+        String::from_utf8_lossy(&whoami.stdout) == format!("system:serviceaccount:{ns}:ops-capstan-handler"),
+        "the API server takes the token for the handler's account: {whoami:?}"
+    );
+    capstan.process.terminate().await?;
+    // The controller may not mint tokens of any other account.
+    ensure!(
+        !env.kubectl()
+            .arg("--kubeconfig")
+            .arg(&controller)
+            .args(["create", "token", "ops-capstan", "-n", ns])
+            .output()
+            .await?
+            .status
+            .success(),
+        "the controller can request tokens of other accounts"
     );
 
     let handler_user = format!("system:serviceaccount:{ns}:ops-capstan-handler");
@@ -1419,8 +1493,6 @@ async fn the_handler_gets_its_own_identity_and_none_of_the_controllers_rights() 
         ],
     )
     .await?;
-    let controller_user = format!("system:serviceaccount:{ns}:ops-capstan");
-    let controller = impersonating_kubeconfig(&env, &controller_user).await?;
     permissions_are(
         &env,
         &controller,
@@ -1557,4 +1629,345 @@ async fn the_helm_test_hook_checks_health_and_a_connected_handler_process() -> R
     );
     s.controller.process.terminate().await?;
     s.env.stop().await
+}
+
+/// The DaemonSet of a render.
+fn daemonset_of(out: &str) -> Result<String> {
+    documents(out)
+        .into_iter()
+        .find(|d| d.contains("kind: DaemonSet"))
+        .context("no DaemonSet")
+}
+
+#[tokio::test]
+async fn node_local_storage_is_a_directory_per_release_and_shared_paths_are_refused() -> Result<()> {
+    let render = |release: &'static str, namespace: &'static str, set: Vec<&'static str>| async move {
+        let mut all = vec![
+            "mode=daemonset",
+            "daemonset.nodeStorage.enabled=true",
+            HANDLER_IMAGE,
+        ];
+        all.extend(set);
+        Render {
+            release,
+            namespace,
+            set: all,
+            ..Render::default()
+        }
+        .outcome()
+        .await
+    };
+    // Each release its own directory: hostPath, mount, flag, claim and the prepare step's.
+    for (release, namespace) in [("one", "ops"), ("two", "ops"), ("one", "apps")] {
+        let out = render(release, namespace, vec![]).await?;
+        ensure!(out.success, "{}", out.stderr);
+        let daemonset = daemonset_of(&out.stdout)?;
+        let dir = format!("/var/lib/capstan/{namespace}/{release}");
+        ensure!(
+            daemonset.contains(&format!("path: \"{dir}\""))
+                && daemonset.matches(&format!("mountPath: \"{dir}\"")).count() == 2,
+            "{dir}: the hostPath, mounted at its own path in capstan and prepare-storage:\n{daemonset}"
+        );
+        ensure!(
+            daemonset.contains(&format!("value: \"file:{dir}\""))
+                && daemonset.contains("name: CAPSTAN_NODE_STORAGE_CLAIM")
+                && daemonset.contains(&format!("value: \"{namespace}/{release}\"")),
+            "{dir}: the flag and the claim:\n{daemonset}"
+        );
+        let prepare = &daemonset[daemonset
+            .find("- name: prepare-storage")
+            .context("prepare-storage")?..];
+        ensure!(
+            prepare.contains(&format!("- \"{dir}\""))
+                && prepare.contains("- --claim")
+                && prepare.contains(&format!("- \"{namespace}/{release}\"")),
+            "{dir}: prepare-storage claims the release's directory:\n{prepare}"
+        );
+    }
+    // A directory the node shares, or not a plain absolute path: refused.
+    for path in ["/var/lib", "/tmp", "/", "/var/lib/capstan/../x", "relative"] {
+        let set = format!("daemonset.nodeStorage.path={path}");
+        let out = render("one", "ops", vec![Box::leak(set.into_boxed_str())]).await?;
+        ensure!(
+            !out.success
+                && (out.stderr.contains("is shared with the rest of the node")
+                    || out.stderr.contains("/daemonset/nodeStorage/path")),
+            "{path} is accepted:\n{}{}",
+            out.stdout,
+            out.stderr
+        );
+    }
+    // The path of releases before per-release directories, set explicitly: kept.
+    let out = render("one", "ops", vec!["daemonset.nodeStorage.path=/var/lib/capstan"]).await?;
+    ensure!(out.success, "{}", out.stderr);
+    ensure!(daemonset_of(&out.stdout)?.contains("value: \"file:/var/lib/capstan\""));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_surge_rollout_of_a_daemonset_with_node_local_storage_is_refused() -> Result<()> {
+    let render = |set: Vec<&'static str>| async move {
+        let mut all = vec![
+            "mode=daemonset",
+            HANDLER_IMAGE,
+            "updateStrategy.type=RollingUpdate",
+        ];
+        all.extend(set);
+        Render {
+            release: "ci",
+            namespace: "ops",
+            set: all,
+            ..Render::default()
+        }
+        .outcome()
+        .await
+    };
+    for surge in ["1", "25%"] {
+        let set = format!("updateStrategy.rollingUpdate.maxSurge={surge}");
+        let set: &'static str = Box::leak(set.into_boxed_str());
+        let out = render(vec![
+            "daemonset.nodeStorage.enabled=true",
+            set,
+            "updateStrategy.rollingUpdate.maxUnavailable=0",
+        ])
+        .await?;
+        ensure!(
+            !out.success && out.stderr.contains("maxSurge") && out.stderr.contains("Set maxSurge=0"),
+            "maxSurge={surge} with node storage is accepted:\n{}{}",
+            out.stdout,
+            out.stderr
+        );
+        let out = render(vec![set, "updateStrategy.rollingUpdate.maxUnavailable=0"]).await?;
+        ensure!(
+            out.success,
+            "maxSurge={surge} without node storage: {}",
+            out.stderr
+        );
+    }
+    let out = render(vec![
+        "daemonset.nodeStorage.enabled=true",
+        "updateStrategy.rollingUpdate.maxSurge=0",
+        "updateStrategy.rollingUpdate.maxUnavailable=1",
+    ])
+    .await?;
+    ensure!(out.success, "maxSurge=0 with node storage: {}", out.stderr);
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_chart_binds_the_admin_and_webhook_ports_on_both_address_families() -> Result<()> {
+    let out = Render {
+        release: "ci",
+        namespace: "ops",
+        values: vec![ci_file("08")?],
+        ..Render::default()
+    }
+    .manifests()
+    .await?;
+    ensure!(
+        out.contains("name: CAPSTAN_ADMIN_LISTEN") && out.contains("value: \"[::]:8080\""),
+        "the admin port on [::]:\n{out}"
+    );
+    ensure!(
+        out.contains("name: CAPSTAN_WEBHOOK_LISTEN") && out.contains("value: \"[::]:9443\""),
+        "the webhook port on [::]:\n{out}"
+    );
+    ensure!(!out.contains("0.0.0.0"), "an IPv4-only bind:\n{out}");
+    // A `[::]` socket of the controller answers over IPv4 and IPv6 (dual-stack).
+    let env = TestEnv::start().await?;
+    let port = capstan_tests::process::free_port()?;
+    let socket = env.scratch().join("dual.sock");
+    let args: Vec<String> = [
+        "run",
+        "--listen",
+        &format!("unix://{}", socket.display()),
+        "--admin-listen",
+        &format!("[::]:{port}"),
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let vars = [(
+        "KUBECONFIG".to_owned(),
+        env.kubeconfig.to_string_lossy().into_owned(),
+    )]
+    .into();
+    let bin = capstan_tests::process::capstan_binary().await?;
+    let mut process = capstan_tests::process::Process::spawn("dual", &bin, &args, &vars, env.scratch())?;
+    process.wait_for("capstan started", T).await?;
+    for host in ["127.0.0.1", "[::1]"] {
+        let answer = healthz(&format!("{host}:{port}")).await;
+        ensure!(
+            answer.as_deref().is_ok_and(|a| a.starts_with("HTTP/1.1 200")),
+            "/healthz over {host}: {answer:?}"
+        );
+    }
+    process.terminate().await?;
+    Ok(())
+}
+
+/// The first line of the answer to `GET /healthz` at `addr`.
+async fn healthz(addr: &str) -> Result<String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await?;
+    Ok(String::from_utf8_lossy(&raw)
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+#[tokio::test]
+async fn the_lease_rules_name_the_lease() -> Result<()> {
+    let out = Render {
+        release: "ci",
+        namespace: "ops",
+        values: vec![ci_file("03")?],
+        show_only: vec!["templates/rbac.yaml"],
+        ..Render::default()
+    }
+    .manifests()
+    .await?;
+    let role = documents(&out)
+        .into_iter()
+        .find(|d| d.contains("-leader-election") && d.contains("kind: Role\n"))
+        .context("the leader-election Role")?;
+    ensure!(
+        role.contains("resources: [leases]\n    resourceNames: [\"ci-capstan\"]\n    verbs: [get, update]"),
+        "reading and renewing are limited to the release's Lease:\n{role}"
+    );
+    // Creating cannot be limited to a name (the name is in the body): create alone, no more.
+    ensure!(
+        role.matches("verbs:").count() == 2 && role.contains("verbs: [create]"),
+        "{role}"
+    );
+    let named = Render {
+        release: "ci",
+        namespace: "ops",
+        values: vec![ci_file("03")?],
+        set: vec!["leaderElection.leaseName=my-lease"],
+        show_only: vec!["templates/rbac.yaml"],
+    }
+    .manifests()
+    .await?;
+    ensure!(named.contains("resourceNames: [\"my-lease\"]"), "{named}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn cluster_scope_with_watched_namespaces_binds_in_those_namespaces_only() -> Result<()> {
+    let out = Render {
+        release: "ci",
+        namespace: "ops",
+        set: [
+            EXAMPLE_RESOURCE.as_slice(),
+            &["rbac.scope=cluster", "watchNamespaces={apps,web}"],
+        ]
+        .concat(),
+        show_only: vec!["templates/rbac.yaml"],
+        ..Render::default()
+    }
+    .manifests()
+    .await?;
+    let docs = documents(&out);
+    let bindings: Vec<&String> = docs
+        .iter()
+        .filter(|d| d.contains("kind: RoleBinding") && d.contains("metadata:\n  name: ci-capstan\n"))
+        .collect();
+    ensure!(
+        !docs
+            .iter()
+            .any(|d| d.contains("kind: ClusterRoleBinding") && d.contains("metadata:\n  name: ci-capstan\n")),
+        "bound cluster-wide:\n{out}"
+    );
+    ensure!(bindings.len() == 2, "a RoleBinding per watched namespace:\n{out}");
+    for ns in ["apps", "web"] {
+        ensure!(
+            bindings.iter().any(|b| b.contains(&format!("namespace: {ns}\n"))
+                && b.contains("kind: ClusterRole\n  name: ci-capstan")),
+            "no binding of the ClusterRole in {ns}:\n{out}"
+        );
+    }
+    // Without watched namespaces the whole cluster is watched: bound cluster-wide.
+    let all = Render {
+        release: "ci",
+        namespace: "ops",
+        set: [EXAMPLE_RESOURCE.as_slice(), &["rbac.scope=cluster"]].concat(),
+        show_only: vec!["templates/rbac.yaml"],
+        ..Render::default()
+    }
+    .manifests()
+    .await?;
+    ensure!(all.contains("kind: ClusterRoleBinding"), "{all}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn helm_template_passes_the_charts_kube_version_without_being_told_one() -> Result<()> {
+    let chart = helm::chart_dir().to_string_lossy().into_owned();
+    for command in ["template", "lint"] {
+        let mut args = vec![command];
+        if command == "template" {
+            args.push("ci");
+        } else {
+            args.push("--strict");
+        }
+        args.extend([chart.as_str(), "--set", HANDLER_IMAGE]);
+        let out = helm::run(&args).await?;
+        ensure!(
+            out.success,
+            "helm {command} without --kube-version failed:\n{}{}",
+            out.stdout,
+            out.stderr
+        );
+    }
+    Ok(())
+}
+
+/// The claims of a JSON Web Token (its middle part), unverified.
+fn jwt_claims(token: &str) -> Result<Value> {
+    let payload = token.split('.').nth(1).context("not a JWT")?;
+    let mut bytes = Vec::new();
+    let (mut buffer, mut bits) = (0u32, 0);
+    for c in payload.bytes() {
+        let value = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'-' | b'+' => 62,
+            b'_' | b'/' => 63,
+            _ => continue,
+        };
+        buffer = (buffer << 6) | u32::from(value);
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            bytes.push(u8::try_from((buffer >> bits) & 0xff)?);
+        }
+    }
+    Ok(serde_json::from_slice(&bytes)?)
+}
+
+/// A kubeconfig for the testenv's API server that authenticates with `token` only.
+fn token_kubeconfig(env: &TestEnv, token: &str) -> Result<PathBuf> {
+    let base = kube::config::Kubeconfig::read_from(&env.kubeconfig)?;
+    let mut config = base.clone();
+    for user in &mut config.auth_infos {
+        if let Some(auth) = user.auth_info.as_mut() {
+            *auth = kube::config::AuthInfo {
+                token: Some(token.to_owned().into()),
+                ..kube::config::AuthInfo::default()
+            };
+        }
+    }
+    let path = env
+        .scratch()
+        .join(format!("token-{}.kubeconfig", std::process::id()));
+    std::fs::write(&path, serde_json::to_string(&config)?)?;
+    Ok(path)
 }

@@ -882,3 +882,62 @@ async fn a_held_store_is_waited_for_while_the_admin_endpoint_answers_probes() ->
     );
     Ok(())
 }
+
+/// A node-local storage directory belongs to the release that claimed it first: another
+/// release naming the same directory, or one inside it, does not start, and says whose it is.
+#[tokio::test]
+async fn a_storage_directory_claimed_by_another_release_is_refused_with_its_name() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let dir = env.scratch().join("capstan/ops/one");
+    let flag = format!("file:{}", dir.display());
+    let nested = format!("file:{}", dir.join("inner").display());
+    let mut one = Controller::start(
+        &env,
+        "capstan-one",
+        &[
+            "--node-name",
+            "node-a",
+            "--node-storage",
+            &flag,
+            "--node-storage-claim",
+            "ops/one",
+        ],
+    )
+    .await?;
+    anyhow::ensure!(std::fs::read_to_string(dir.join(".capstan-claim"))? == "ops/one\n");
+    for (name, storage, expected) in [
+        (
+            "capstan-two",
+            flag.as_str(),
+            "belongs to \"ops/one\", not to \"ops/two\"",
+        ),
+        ("capstan-inner", nested.as_str(), "which belongs to \"ops/one\""),
+    ] {
+        let mut other = Controller::spawn(
+            &env,
+            name,
+            &[
+                "--node-name",
+                "node-b",
+                "--node-storage",
+                storage,
+                "--node-storage-claim",
+                "ops/two",
+            ],
+        )
+        .await?;
+        other.process.wait_for(expected, Duration::from_secs(30)).await?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while other.process.running() {
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "{name} kept running");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        anyhow::ensure!(
+            !other.process.output().contains("capstan started"),
+            "{name} started"
+        );
+    }
+    one.process.terminate().await?;
+    Ok(())
+}

@@ -128,6 +128,17 @@ says what to change. Rendered by templates/validate.yaml.
 {{- fail "\n\ndaemonset.nodeStorage.enabled=true needs mode=daemonset: node-local storage keeps per-node state on each node." -}}
 {{- end -}}
 {{- $type := (.Values.updateStrategy | default dict).type | default "" -}}
+{{- if include "capstan.nodeStorage" . -}}
+{{- $path := include "capstan.nodeStoragePath" . -}}
+{{- $shared := list "" "/var" "/var/lib" "/var/run" "/var/tmp" "/var/log" "/tmp" "/run" "/etc" "/usr" "/opt" "/srv" "/mnt" "/home" "/root" "/dev" "/proc" "/sys" "/boot" "/bin" "/sbin" "/lib" "/lib64" -}}
+{{- if or (not (hasPrefix "/" $path)) (has $path $shared) (regexMatch "(^|/)\\.\\.?(/|$)" $path) (contains "//" $path) -}}
+{{- fail (printf "\n\ndaemonset.nodeStorage.path=%q is shared with the rest of the node (or not a plain absolute path): the prepare step gives the directory to the operator's user, and every release needs a directory of its own. Leave it empty for /var/lib/capstan/%s/%s, or name a directory only this release uses." $path .Release.Namespace .Release.Name) -}}
+{{- end -}}
+{{- $surge := toString ((((.Values.updateStrategy | default dict).rollingUpdate) | default dict).maxSurge | default 0) -}}
+{{- if and (ne $surge "0") (ne $surge "0%") -}}
+{{- fail (printf "\n\nupdateStrategy.rollingUpdate.maxSurge=%s with daemonset.nodeStorage.enabled=true: a surge pod starts while the old pod of its node still holds the node-local storage, and waits for it until the old pod is gone, which a surge rollout waits for the new pod to be ready first. Set maxSurge=0 (and maxUnavailable=1, the default)." $surge) -}}
+{{- end -}}
+{{- end -}}
 {{- if and (eq .Values.mode "deployment") (eq $type "OnDelete") -}}
 {{- fail "\n\nupdateStrategy.type=OnDelete is a DaemonSet strategy; a Deployment takes Recreate or RollingUpdate." -}}
 {{- end -}}
@@ -179,8 +190,10 @@ The environment of the capstan container: how the chart configures `capstan run`
 {{- define "capstan.env" -}}
 - name: CAPSTAN_LISTEN
   value: unix:///run/capstan/capstan.sock
+# Both address families: an IPv6-only cluster probes over IPv6, others over IPv4 (a `[::]`
+# socket accepts both).
 - name: CAPSTAN_ADMIN_LISTEN
-  value: {{ printf "0.0.0.0:%d" (int .Values.capstan.adminPort) | quote }}
+  value: {{ printf "[::]:%d" (int .Values.capstan.adminPort) | quote }}
 - name: CAPSTAN_LOG
   value: {{ .Values.capstan.logLevel | quote }}
 - name: CAPSTAN_LOG_FORMAT
@@ -231,10 +244,18 @@ The environment of the capstan container: how the chart configures `capstan run`
   value: {{ .Values.daemonset.nodeCleanup | quote }}
 {{- if .Values.daemonset.nodeStorage.enabled }}
 - name: CAPSTAN_NODE_STORAGE
-  value: "file:/var/lib/capstan"
+  value: {{ printf "file:%s" (include "capstan.nodeStoragePath" .) | quote }}
+- name: CAPSTAN_NODE_STORAGE_CLAIM
+  value: {{ include "capstan.nodeStorageClaim" . | quote }}
 - name: CAPSTAN_NODE_STORAGE_LIMIT_MIB
   value: {{ .Values.daemonset.nodeStorage.limitMiB | int | quote }}
 {{- end }}
+{{- end }}
+{{- if .Values.handler.apiAccess }}
+- name: CAPSTAN_HANDLER_IDENTITY
+  value: {{ printf "%s/%s" .Release.Namespace (include "capstan.handlerServiceAccountName" .) | quote }}
+- name: CAPSTAN_HANDLER_IDENTITY_DIR
+  value: /run/capstan-handler-identity
 {{- end }}
 {{- if not .Values.rbac.watchCrds }}
 - name: CAPSTAN_NO_CRD_WATCH
@@ -244,7 +265,7 @@ The environment of the capstan container: how the chart configures `capstan run`
 - name: CAPSTAN_WEBHOOKS
   value: "on"
 - name: CAPSTAN_WEBHOOK_LISTEN
-  value: {{ printf "0.0.0.0:%d" (int .Values.webhooks.port) | quote }}
+  value: {{ printf "[::]:%d" (int .Values.webhooks.port) | quote }}
 - name: CAPSTAN_WEBHOOK_SERVICE
   value: {{ include "capstan.webhookService" . | quote }}
 - name: CAPSTAN_WEBHOOK_SERVICE_NAMESPACE
@@ -348,7 +369,11 @@ The capstan container. As a native sidecar (an initContainer) it carries
       readOnly: true
     {{- if include "capstan.nodeStorage" . }}
     - name: capstan-node-storage
-      mountPath: /var/lib/capstan
+      mountPath: {{ include "capstan.nodeStoragePath" . | quote }}
+    {{- end }}
+    {{- if .Values.handler.apiAccess }}
+    - name: handler-api-access
+      mountPath: /run/capstan-handler-identity
     {{- end }}
     {{- if include "capstan.webhookSecret" . }}
     - name: webhook-tls
@@ -365,6 +390,21 @@ The capstan container. As a native sidecar (an initContainer) it carries
 {{- end -}}
 
 {{/*
+The node-local storage directory on the node (mounted at the same path in the pod): the
+release's own, `/var/lib/capstan/<namespace>/<release>`, unless set.
+*/}}
+{{- define "capstan.nodeStoragePath" -}}
+{{- .Values.daemonset.nodeStorage.path | default (printf "/var/lib/capstan/%s/%s" .Release.Namespace .Release.Name) | trimSuffix "/" -}}
+{{- end -}}
+
+{{/*
+The release's claim on its node-local storage directory (`--node-storage-claim`).
+*/}}
+{{- define "capstan.nodeStorageClaim" -}}
+{{- printf "%s/%s" .Release.Namespace .Release.Name -}}
+{{- end -}}
+
+{{/*
 The init container that gives the node-local storage directory to the pod's user.
 */}}
 {{- define "capstan.prepareStorageContainer" -}}
@@ -373,9 +413,11 @@ The init container that gives the node-local storage directory to the pod's user
   imagePullPolicy: {{ .Values.capstan.image.pullPolicy }}
   args:
     - prepare-storage
-    - /var/lib/capstan
+    - {{ include "capstan.nodeStoragePath" . | quote }}
     - --owner
     - {{ printf "%d:%d" (int (.Values.podSecurityContext.runAsUser | default 65532)) (int (.Values.podSecurityContext.runAsGroup | default 65532)) | quote }}
+    - --claim
+    - {{ include "capstan.nodeStorageClaim" . | quote }}
   securityContext:
     runAsUser: 0
     runAsNonRoot: false
@@ -386,7 +428,7 @@ The init container that gives the node-local storage directory to the pod's user
       add: [CHOWN, FOWNER]
   volumeMounts:
     - name: capstan-node-storage
-      mountPath: /var/lib/capstan
+      mountPath: {{ include "capstan.nodeStoragePath" . | quote }}
 {{- end -}}
 
 {{/*
@@ -511,16 +553,18 @@ spec:
         secretName: {{ . }}
     {{- end }}
     {{- if .Values.handler.apiAccess }}
-    # The handler's own identity (token, ca.crt and namespace, filled in by the cluster).
+    # The handler's own identity: an expiring token of its ServiceAccount, ca.crt and
+    # namespace, written and renewed by the controller (`--handler-identity`).
     - name: handler-api-access
-      secret:
-        secretName: {{ include "capstan.handlerTokenSecret" . }}
+      emptyDir:
+        medium: Memory
+        sizeLimit: 1Mi
     {{- end }}
     {{- if include "capstan.nodeStorage" . }}
     # This node's per-node state (`--node-storage`).
     - name: capstan-node-storage
       hostPath:
-        path: {{ .Values.daemonset.nodeStorage.path | quote }}
+        path: {{ include "capstan.nodeStoragePath" . | quote }}
         type: DirectoryOrCreate
     {{- end }}
     {{- with .Values.volumes }}
@@ -575,13 +619,6 @@ The handler container's own ServiceAccount (with handler.apiAccess).
 */}}
 {{- define "capstan.handlerServiceAccountName" -}}
 {{- printf "%s-handler" (include "capstan.fullname" .) -}}
-{{- end -}}
-
-{{/*
-The Secret holding the token of the handler's ServiceAccount.
-*/}}
-{{- define "capstan.handlerTokenSecret" -}}
-{{- printf "%s-handler-token" (include "capstan.fullname" .) -}}
 {{- end -}}
 
 {{/*
