@@ -26,7 +26,6 @@ from capstan.indexes import Indexes
 from capstan.invoke import Running, run
 from capstan.registry import Registry
 from capstan.structs import DaemonStoppingReason, Memo
-from capstan.threads import HandlerThreads
 from capstan.v1 import invocation_pb2 as inv
 from capstan.v1 import runtime_service_pb2 as rs
 from capstan.v1 import runtime_service_pb2_grpc as rs_grpc
