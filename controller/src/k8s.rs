@@ -14,6 +14,7 @@ pub mod listing;
 pub mod objects;
 pub mod peering;
 pub mod reachability;
+pub mod shared_secret;
 pub mod switch;
 pub mod transport;
 pub mod watch;
