@@ -22,16 +22,17 @@ use capstan_tests::{
     faults::{self, peak_rss_kib},
     process::free_port,
     scenario::{Scenario, tail},
+    webhook_tls,
 };
 use futures::{StreamExt as _, stream};
-use rustls_pki_types::{CertificateDer, ServerName, pem::PemObject as _};
+use rustls_pki_types::ServerName;
 use serde_json::{Value, json};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::TcpStream,
     time::Instant,
 };
-use tokio_rustls::{TlsConnector, client::TlsStream, rustls};
+use tokio_rustls::{TlsConnector, client::TlsStream};
 
 /// The slowest a legitimate review may be answered while the port is under attack.
 const LEGIT_BOUND: Duration = Duration::from_secs(1);
@@ -49,19 +50,6 @@ fn write_certs(dir: &std::path::Path, generated: &Generated) -> Result<()> {
         std::fs::write(dir.join(name), text)?;
     }
     Ok(())
-}
-
-fn connector(ca_pem: &str) -> Result<TlsConnector> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(cert?)?;
-    }
-    let config =
-        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-    Ok(TlsConnector::from(Arc::new(config)))
 }
 
 async fn tls(port: u16, connector: &TlsConnector) -> Result<TlsStream<TcpStream>> {
@@ -169,7 +157,7 @@ async fn start(dir: &tempfile::TempDir, extra: &[&str]) -> Result<(Scenario, u16
     ];
     args.extend_from_slice(extra);
     let s = Scenario::start("validate", &args).await?;
-    let connector = connector(&generated.ca)?;
+    let connector = webhook_tls::connector(generated.ca.as_bytes(), None)?;
     legit(port, &connector).await?;
     Ok((s, port, connector))
 }
