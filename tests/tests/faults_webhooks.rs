@@ -1,5 +1,6 @@
 //! Hostile peers of the admission webhook port: connections that stall after the TLS handshake,
-//! send half a header, trickle a body or never start TLS, more of them than the server has
+//! send half a header, trickle a body, never start TLS or idle after a review on a keep-alive
+//! connection, more of them than the server has
 //! connection slots; and a burst of 8 MiB bodies (flat arrays, deep nesting, well-formed
 //! reviews) at once. Throughout, a legitimate review is answered within a second, every bad
 //! connection is closed by the server within 30 s, and the controller's resident memory stays
@@ -173,6 +174,8 @@ enum Hostile {
     TrickledBody,
     /// TCP, and no TLS handshake at all.
     NoHandshake,
+    /// One review on a keep-alive connection, answered, then nothing.
+    KeptAlive,
 }
 
 /// Opens one hostile connection and holds it until the server closes it; returns how long that
@@ -201,11 +204,18 @@ async fn hostile(port: u16, connector: TlsConnector, kind: Hostile) -> Result<Op
     };
     let opened = Instant::now();
     let (mut reader, mut writer) = tokio::io::split(stream);
+    let kept_alive = {
+        let body = review("kept-alive", &legit_object(1));
+        let mut request = head(Some(body.len())).replace("Connection: close", "Connection: keep-alive");
+        request.push_str(&String::from_utf8_lossy(&body));
+        request.into_bytes()
+    };
     let start: &[u8] = match kind {
         Hostile::StalledHeader => b"POST /validate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty",
         Hostile::TrickledBody => {
             b"POST /validate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n"
         }
+        Hostile::KeptAlive => &kept_alive,
         _ => b"",
     };
     // A write that fails: the server closed the connection already (its slot was needed).
@@ -269,6 +279,7 @@ async fn hostile_connections_are_closed_and_a_legitimate_review_is_answered_thro
         Hostile::StalledHeader,
         Hostile::TrickledBody,
         Hostile::NoHandshake,
+        Hostile::KeptAlive,
     ];
     let started = Instant::now();
     let results: Vec<(Hostile, Result<Option<Duration>>)> = stream::iter(0..n)
