@@ -16,6 +16,7 @@ pub mod objects;
 pub mod peering;
 pub mod quarantine;
 pub mod reachability;
+pub mod shared_secret;
 pub mod switch;
 pub mod transport;
 pub mod watch;

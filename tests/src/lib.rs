@@ -14,3 +14,4 @@ pub mod process;
 pub mod proxy;
 pub mod scenario;
 pub mod testenv;
+pub mod webhook_tls;

@@ -541,21 +541,10 @@ async fn only_the_leader_manages_the_configurations_and_every_replica_serves() -
 
 /// A TLS handshake with the webhook server at `listen`, trusting only `ca_pem`.
 async fn handshake(listen: &str, ca_pem: &[u8]) -> Result<()> {
-    use rustls_pki_types::{CertificateDer, ServerName, pem::PemObject as _};
-    use tokio_rustls::{TlsConnector, rustls};
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(ca_pem) {
-        roots.add(cert?)?;
-    }
-    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    use rustls_pki_types::ServerName;
     let tcp = tokio::net::TcpStream::connect(listen).await?;
     let name = ServerName::try_from("127.0.0.1")?.to_owned();
-    TlsConnector::from(std::sync::Arc::new(config))
+    capstan_tests::webhook_tls::connector(ca_pem, None)?
         .connect(name, tcp)
         .await
         .context("the server's certificate is not trusted through the bundle")?;

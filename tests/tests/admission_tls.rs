@@ -3,19 +3,20 @@
 //! server through an unmanaged configuration), and bad input — not a review, an oversized
 //! body, an unknown resource, plaintext — is answered without disturbing other requests.
 
-use std::{sync::Arc, time::Duration};
+use std::time::Duration;
 
 use anyhow::{Result, anyhow, bail};
 use capstan::webhooks::certs::{self, Generated};
 use capstan_tests::{
     process::free_port,
     scenario::{Scenario, tail},
+    webhook_tls,
 };
 use kube::api::{DynamicObject, PostParams};
-use rustls_pki_types::{CertificateDer, ServerName, pem::PemObject as _};
+use rustls_pki_types::ServerName;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio_rustls::{TlsConnector, rustls};
+use tokio_rustls::TlsConnector;
 
 const LONG: Duration = Duration::from_secs(60);
 
@@ -34,16 +35,7 @@ fn write_certs(dir: &std::path::Path, generated: &Generated) -> Result<()> {
 }
 
 fn connector(ca_pem: &str) -> Result<TlsConnector> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(cert?)?;
-    }
-    let config =
-        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-    Ok(TlsConnector::from(Arc::new(config)))
+    webhook_tls::connector(ca_pem.as_bytes(), None)
 }
 
 /// Sends one raw HTTP/1.1 request over TLS trusting `ca_pem`; returns (status, body).
@@ -279,33 +271,12 @@ async fn certificate_files_replaced_on_disk_are_served_without_a_restart() -> Re
     Ok(())
 }
 
-/// A TLS connector trusting `ca_pem` and presenting `client` (chain and key) when given.
-fn client_connector(ca_pem: &str, client: Option<&Generated>) -> Result<TlsConnector> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(cert?)?;
-    }
-    let builder =
-        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()?
-            .with_root_certificates(roots);
-    let config = match client {
-        Some(c) => {
-            let chain = CertificateDer::pem_slice_iter(c.chain.as_bytes()).collect::<Result<Vec<_>, _>>()?;
-            let key = rustls_pki_types::PrivateKeyDer::from_pem_slice(c.key.as_bytes())?;
-            builder.with_client_auth_cert(chain, key)?
-        }
-        None => builder.with_no_client_auth(),
-    };
-    Ok(TlsConnector::from(Arc::new(config)))
-}
-
 /// POSTs a review presenting `client`; `None` when the server refused the caller (no TLS
 /// session, or no HTTP answer).
 async fn post_as(port: u16, ca_pem: &str, client: Option<&Generated>, body: &[u8]) -> Result<Option<u16>> {
     let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
     let name = ServerName::try_from("127.0.0.1")?.to_owned();
-    let connector = client_connector(ca_pem, client)?;
+    let connector = webhook_tls::connector(ca_pem.as_bytes(), client)?;
     let Ok(Ok(mut tls)) = tokio::time::timeout(Duration::from_secs(10), connector.connect(name, tcp)).await
     else {
         return Ok(None);

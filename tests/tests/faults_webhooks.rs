@@ -1,5 +1,6 @@
 //! Hostile peers of the admission webhook port: connections that stall after the TLS handshake,
-//! send half a header, trickle a body or never start TLS, more of them than the server has
+//! send half a header, trickle a body, never start TLS or idle after a review on a keep-alive
+//! connection, more of them than the server has
 //! connection slots; and a burst of 8 MiB bodies (flat arrays, deep nesting, well-formed
 //! reviews) at once. Throughout, a legitimate review is answered within a second, every bad
 //! connection is closed by the server within 30 s, and the controller's resident memory stays
@@ -22,16 +23,17 @@ use capstan_tests::{
     faults::{self, peak_rss_kib},
     process::free_port,
     scenario::{Scenario, tail},
+    webhook_tls,
 };
 use futures::{StreamExt as _, stream};
-use rustls_pki_types::{CertificateDer, ServerName, pem::PemObject as _};
+use rustls_pki_types::ServerName;
 use serde_json::{Value, json};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::TcpStream,
     time::Instant,
 };
-use tokio_rustls::{TlsConnector, client::TlsStream, rustls};
+use tokio_rustls::{TlsConnector, client::TlsStream};
 
 /// The slowest a legitimate review may be answered while the port is under attack.
 const LEGIT_BOUND: Duration = Duration::from_secs(1);
@@ -49,19 +51,6 @@ fn write_certs(dir: &std::path::Path, generated: &Generated) -> Result<()> {
         std::fs::write(dir.join(name), text)?;
     }
     Ok(())
-}
-
-fn connector(ca_pem: &str) -> Result<TlsConnector> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(cert?)?;
-    }
-    let config =
-        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-    Ok(TlsConnector::from(Arc::new(config)))
 }
 
 async fn tls(port: u16, connector: &TlsConnector) -> Result<TlsStream<TcpStream>> {
@@ -169,7 +158,7 @@ async fn start(dir: &tempfile::TempDir, extra: &[&str]) -> Result<(Scenario, u16
     ];
     args.extend_from_slice(extra);
     let s = Scenario::start("validate", &args).await?;
-    let connector = connector(&generated.ca)?;
+    let connector = webhook_tls::connector(generated.ca.as_bytes(), None)?;
     legit(port, &connector).await?;
     Ok((s, port, connector))
 }
@@ -185,6 +174,8 @@ enum Hostile {
     TrickledBody,
     /// TCP, and no TLS handshake at all.
     NoHandshake,
+    /// One review on a keep-alive connection, answered, then nothing.
+    KeptAlive,
 }
 
 /// Opens one hostile connection and holds it until the server closes it; returns how long that
@@ -213,11 +204,18 @@ async fn hostile(port: u16, connector: TlsConnector, kind: Hostile) -> Result<Op
     };
     let opened = Instant::now();
     let (mut reader, mut writer) = tokio::io::split(stream);
+    let kept_alive = {
+        let body = review("kept-alive", &legit_object(1));
+        let mut request = head(Some(body.len())).replace("Connection: close", "Connection: keep-alive");
+        request.push_str(&String::from_utf8_lossy(&body));
+        request.into_bytes()
+    };
     let start: &[u8] = match kind {
         Hostile::StalledHeader => b"POST /validate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty",
         Hostile::TrickledBody => {
             b"POST /validate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n"
         }
+        Hostile::KeptAlive => &kept_alive,
         _ => b"",
     };
     // A write that fails: the server closed the connection already (its slot was needed).
@@ -281,6 +279,7 @@ async fn hostile_connections_are_closed_and_a_legitimate_review_is_answered_thro
         Hostile::StalledHeader,
         Hostile::TrickledBody,
         Hostile::NoHandshake,
+        Hostile::KeptAlive,
     ];
     let started = Instant::now();
     let results: Vec<(Hostile, Result<Option<Duration>>)> = stream::iter(0..n)

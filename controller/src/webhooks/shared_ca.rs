@@ -12,9 +12,9 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::{ByteString, api::core::v1::Secret};
-use kube::api::{Api, ObjectMeta, PostParams};
 use tracing::info;
+
+use crate::k8s::shared_secret::{self, Origin};
 
 /// The CA certificate's key in the Secret.
 pub const CA_CERT_KEY: &str = "ca.crt";
@@ -25,16 +25,8 @@ pub const CA_KEY_KEY: &str = "ca.key";
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The API server refused or failed.
-    #[error("cannot read or create the webhook CA Secret {namespace}/{name}")]
-    Api {
-        /// The Secret's namespace.
-        namespace: String,
-        /// The Secret's name.
-        name: String,
-        /// Why.
-        #[source]
-        source: kube::Error,
-    },
+    #[error(transparent)]
+    Api(#[from] shared_secret::Error),
     /// The Secret exists but does not hold a CA.
     #[error("the webhook CA Secret {namespace}/{name} has no usable {CA_CERT_KEY} and {CA_KEY_KEY}")]
     Unusable {
@@ -70,64 +62,29 @@ impl std::fmt::Debug for Ca {
 /// # Errors
 /// When the API server refuses, or the Secret holds no CA.
 pub async fn obtain(client: kube::Client, namespace: &str, name: &str) -> Result<Ca, Error> {
-    let api: Api<Secret> = Api::namespaced(client, namespace);
-    let api_error = |source| Error::Api {
-        namespace: namespace.to_owned(),
-        name: name.to_owned(),
-        source,
-    };
-    if let Some(secret) = api.get_opt(name).await.map_err(api_error)? {
-        return read(&secret, namespace, name);
-    }
-    let ca = super::certs::generate_ca()?;
-    let secret = Secret {
-        metadata: ObjectMeta {
-            name: Some(name.to_owned()),
-            namespace: Some(namespace.to_owned()),
-            labels: Some(BTreeMap::from([(
-                "app.kubernetes.io/managed-by".to_owned(),
-                "capstan".to_owned(),
-            )])),
-            ..ObjectMeta::default()
-        },
-        type_: Some("Opaque".into()),
-        data: Some(BTreeMap::from([
-            (CA_CERT_KEY.to_owned(), ByteString(ca.cert.clone().into_bytes())),
-            (CA_KEY_KEY.to_owned(), ByteString(ca.key.clone().into_bytes())),
-        ])),
-        ..Secret::default()
-    };
-    match api.create(&PostParams::default(), &secret).await {
-        Ok(_) => {
-            info!(secret = %format!("{namespace}/{name}"), "webhook CA generated and kept in its Secret");
-            Ok(ca)
-        }
-        // Another replica created it first: use theirs.
-        Err(kube::Error::Api(status)) if status.code == 409 => {
-            let secret = api.get(name).await.map_err(api_error)?;
-            read(&secret, namespace, name)
-        }
-        Err(e) => Err(api_error(e)),
-    }
-}
-
-fn read(secret: &Secret, namespace: &str, name: &str) -> Result<Ca, Error> {
+    let (data, origin) = shared_secret::read_or_create(client, namespace, name, || {
+        let ca = super::certs::generate_ca()?;
+        Ok::<_, Error>(BTreeMap::from([
+            (CA_CERT_KEY.to_owned(), ca.cert.into_bytes()),
+            (CA_KEY_KEY.to_owned(), ca.key.into_bytes()),
+        ]))
+    })
+    .await?;
     let field = |key: &str| {
-        secret
-            .data
-            .as_ref()
-            .and_then(|d| d.get(key))
-            .and_then(|b| String::from_utf8(b.0.clone()).ok())
+        data.get(key)
+            .and_then(|b| String::from_utf8(b.clone()).ok())
             .filter(|s| !s.is_empty())
     };
-    match (field(CA_CERT_KEY), field(CA_KEY_KEY)) {
-        (Some(cert), Some(key)) => {
-            info!(secret = %format!("{namespace}/{name}"), "webhook CA read from its Secret");
-            Ok(Ca { cert, key })
-        }
-        _ => Err(Error::Unusable {
+    let (Some(cert), Some(key)) = (field(CA_CERT_KEY), field(CA_KEY_KEY)) else {
+        return Err(Error::Unusable {
             namespace: namespace.to_owned(),
             name: name.to_owned(),
-        }),
+        });
+    };
+    let secret = format!("{namespace}/{name}");
+    match origin {
+        Origin::Created => info!(%secret, "webhook CA generated and kept in its Secret"),
+        Origin::Read => info!(%secret, "webhook CA read from its Secret"),
     }
+    Ok(Ca { cert, key })
 }
