@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Runs Capstan's fault-injection suite: protocol fuzzing (the conversion layer and the
-# connection state machine), kill loops of the controller and of the handler process, API
-# faults (a frozen API server; refused, reset, delayed, half-closed and hung connections) and
-# floods. `scripts/test.sh` runs the same tests in their CI sizes as part of `cargo test`;
-# this script runs only them, and with --long in their full sizes:
+# Runs Capstan's fault-injection suite: protocol fuzzing (conversion layer, connection state
+# machine), kill loops of the controller and of the handler process, API faults (a frozen API
+# server; refused, reset, delayed, half-closed, hung connections), floods, and hostile peers of
+# the admin port. `scripts/test.sh` runs the same tests in their CI sizes as part of `cargo
+# test`; this script runs only them, and with --long in their full sizes:
 #
 #   scripts/faults.sh            CI sizes (20 kills of each, 256 fuzz cases per property, ...)
 #   scripts/faults.sh --long     100 kills of each, 2,000 objects, 100,000 fuzz cases, ...
