@@ -443,7 +443,8 @@ impl Watch {
                     return Some(Restart::Rewatch);
                 }
                 Ok(Some(Read::Failed(e))) => {
-                    let e = kube::Error::ReadEvents(e);
+                    // The connection broke mid-answer: the server or the way to it.
+                    let e = kube::Error::Service(Box::new(e));
                     let delay = self.failed("watch stream failed", &e);
                     warn!(error = %e, retry_in = ?delay, "watch stream failed; restarting it");
                     if sleep_or_cancel(delay, cancel).await {

@@ -94,7 +94,8 @@ pub enum Read {
     Line(Line),
     /// A line that is no event.
     Bad(Error),
-    /// The connection failed while reading.
+    /// The connection failed while reading (the API server or the way to it: an outage, not a
+    /// problem of the watch).
     Failed(std::io::Error),
 }
 
@@ -118,10 +119,20 @@ pub fn lines(body: impl AsyncBufRead + Unpin) -> impl Stream<Item = Read> {
 /// Whether a read error only ends the answer (the connection closed mid-answer or timed out):
 /// the watch resumes from its last version, as after any end.
 fn ends_the_answer(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::TimedOut
-    ) || e.to_string().contains("unexpected EOF")
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(error) = source {
+        if error.downcast_ref::<std::io::Error>().is_some_and(|io| {
+            matches!(
+                io.kind(),
+                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::TimedOut
+            )
+        }) || error.to_string().contains("unexpected EOF")
+        {
+            return true;
+        }
+        source = error.source();
+    }
+    false
 }
 
 #[cfg(test)]
