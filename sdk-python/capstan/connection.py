@@ -211,6 +211,7 @@ class Operator:
         if not self.registry.handlers:
             raise ConnectionFatal("no handlers are registered: nothing to serve")
         delay = BACKOFF_MIN
+        settings_module.use_executor(self.settings)
         try:
             while not self.stop.is_set():
                 started = time.monotonic()
