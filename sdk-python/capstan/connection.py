@@ -241,8 +241,8 @@ class Operator:
                     pass
                 delay = min(delay * 2, BACKOFF_MAX)
         finally:
-            # Kept for the stop: sync handlers still running in it get the rest of the grace period.
-            self.retired_executor = settings_module.retire_executor(self.settings)
+            # Sync handlers still running in it get the rest of the grace period (runner.run).
+            settings_module.retire_executor(self.settings)
 
     async def _session(self):
         options = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]

@@ -2,11 +2,11 @@
 
 Python cannot stop a thread: a sync handler that ignores its stop request keeps its thread, and
 the interpreter waits for every pool thread at exit, so one hung handler would hold a stopping
-process forever, far beyond its grace period. The pool counts the calls running in it, so that
-a process that stops can wait for them up to its grace period and then exit without them.
-Whatever the executor (a startup handler may set a plain `ThreadPoolExecutor`), the threads
-running a sync handler's call are known too (`handler_call`), so that the stop can tell them
-from idle pool threads, which end at exit by themselves.
+process forever, far beyond its grace period. The threads running a sync handler's call are
+known (`handler_call`), whatever the executor (the SDK's pool, which also counts its calls, or
+a plain `ThreadPoolExecutor` a startup handler set), so that a process that stops can wait for
+them up to its grace period and then exit without them — and tell them from idle pool threads,
+which end at exit by themselves.
 """
 
 import concurrent.futures
