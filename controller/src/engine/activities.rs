@@ -19,12 +19,12 @@
 //!   once (the highest priority among those that answered together). kopf's rule that the
 //!   highest priority wins still holds: the other calls go on in the background until their
 //!   deadline, and a usable answer of a higher priority than the credentials in use replaces
-//!   them when it arrives (on every login, the first and the renewals alike). Login gates resource watching only until the operator first
-//!   starts: a process that connects later with a login handler while the controller already
-//!   works with credentials (its own, or a login handler's) is logged in by a background
-//!   task, the credentials in use stay in use until a new login answers, and nothing already
-//!   served — watches, dispatch, other processes' new registrations and startup handlers —
-//!   waits for it.
+//!   them when it arrives (on every login, the first and the renewals alike). Login gates
+//!   resource watching only until the operator first starts: a process that connects later
+//!   with a login handler while the controller already works with credentials (its own, or
+//!   a login handler's) is logged in by a background task, the credentials in use stay in
+//!   use until a new login answers, and nothing already served — watches, dispatch, other
+//!   processes' new registrations and startup handlers — waits for it.
 //! - **startup** handlers run next, each until it succeeds, with kopf's error rules
 //!   (temporary and unclassified errors retried after their delay/backoff; permanent errors,
 //!   exhausted retries or timeout fail it). The engine starts no resource watch while a
