@@ -321,6 +321,11 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_PROBE_TIMEOUT", value_parser = parse_duration, default_value = "5s")]
     pub probe_timeout: Duration,
 
+    /// How long one call of a login handler may take (kopf's login deadline): a handler that
+    /// has not answered by then is withdrawn, and the answers of the others decide.
+    #[arg(long, env = "CAPSTAN_LOGIN_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
+    pub login_timeout: Duration,
+
     /// Do not watch CustomResourceDefinitions: registrations for resources that are not
     /// served at handshake time then wait until the next handshake, and deleted CRDs are not
     /// noticed (for operators without RBAC to list/watch CRDs).
@@ -789,6 +794,7 @@ impl RunArgs {
             EventLevel::Error => Level::Error,
         };
         settings.engine.activities.probe_timeout = self.probe_timeout;
+        settings.engine.activities.login_timeout = self.login_timeout;
         settings.engine.watch_crds = !self.no_crd_watch;
         settings.peering = peering::Settings {
             standalone: self.standalone,

@@ -211,6 +211,7 @@ class Operator:
         if not self.registry.handlers:
             raise ConnectionFatal("no handlers are registered: nothing to serve")
         delay = BACKOFF_MIN
+        settings_module.use_executor(self.settings)
         try:
             while not self.stop.is_set():
                 started = time.monotonic()
@@ -240,8 +241,8 @@ class Operator:
                     pass
                 delay = min(delay * 2, BACKOFF_MAX)
         finally:
-            # Kept for the stop: sync handlers still running in it get the rest of the grace period.
-            self.retired_executor = settings_module.retire_executor(self.settings)
+            # Sync handlers still running in it get the rest of the grace period (runner.run).
+            settings_module.retire_executor(self.settings)
 
     async def _session(self):
         options = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]

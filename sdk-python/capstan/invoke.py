@@ -20,6 +20,7 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 from capstan import settings as settings_module
+from capstan import threads
 from capstan.errors import AdmissionError, PermanentError, RegistrationError, TemporaryError
 from capstan.indexes import KEEP, REMOVE, change_of
 from capstan.registry import Handler, build_handler
@@ -291,7 +292,7 @@ async def _execute(handler: Handler, kwargs, executor):
     func = functools.partial(ctx.run, handler.fn, **kwargs)
     if handler.kind == "daemon":
         return await _in_own_thread(loop, func, handler.id)
-    return await loop.run_in_executor(executor, func)
+    return await loop.run_in_executor(executor, functools.partial(threads.handler_call, func))
 
 
 def _in_own_thread(loop, func, name):

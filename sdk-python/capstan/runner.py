@@ -15,7 +15,7 @@ import threading
 import sys
 import time
 
-from capstan import connection
+from capstan import connection, threads
 from capstan.connection import Operator
 from capstan.errors import ConnectionFatal
 from capstan.registry import Registry, get_default_registry
@@ -74,7 +74,7 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
     """Runs `operator()` in a new event loop until SIGTERM or SIGINT (kopf's `kopf.run()`);
     with `signals=False`, until `stop_all()`."""
 
-    operators, signalled = [], []
+    signalled = []
 
     async def main():
         stop = asyncio.Event()
@@ -90,37 +90,35 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
                 loop.add_signal_handler(sig, on_signal)
         op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
                       stop=stop, settings=settings)
-        operators.append(op)
         await _serve(op)
 
     try:
         asyncio.run(main())
     except ConnectionFatal as error:
         log.error("%s", error)
-        _leave_hung_handlers(operators, signalled, 1)
+        _leave_hung_handlers(signalled, 1)
         raise SystemExit(1) from None
-    _leave_hung_handlers(operators, signalled, 0)
+    _leave_hung_handlers(signalled, 0)
     log.info("stopped")
 
 
-def _leave_hung_handlers(operators, signalled, code):
+def _leave_hung_handlers(signalled, code):
     """Gives sync handlers still running what is left of the grace period (counted from the
-    signal), then exits without them: the interpreter would otherwise wait for their threads."""
+    signal), then exits without them: the interpreter would otherwise wait for their threads.
+    Whatever the executor (the SDK's, or one a startup handler set): the threads that run a
+    handler's call are known (`threads.handler_call`)."""
     since = signalled[0] if signalled else time.monotonic()
-    for op in operators:
-        executor = getattr(op, "retired_executor", None) or op.executor
-        if not hasattr(executor, "wait_idle"):  # an executor of the operator's own: not counted
-            continue
-        left = max(0.0, connection.STOP_GRACE - (time.monotonic() - since))
-        if executor.wait_idle(left):
-            continue
-        log.error("%d sync handler(s) still running %.1fs after the stop was asked for (grace period %gs); "
-                  "exiting without them", executor.running(), time.monotonic() - since, connection.STOP_GRACE)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    left = max(0.0, connection.STOP_GRACE - (time.monotonic() - since))
+    hung = threads.wait_handler_calls(left)
+    if not hung:
+        return
+    log.error("%d sync handler(s) still running %.1fs after the stop was asked for (grace period %gs); "
+              "exiting without them", len(hung), time.monotonic() - since, connection.STOP_GRACE)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _JsonFormatter(logging.Formatter):

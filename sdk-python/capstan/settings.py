@@ -357,9 +357,29 @@ def _forget_reported():
         _reported.clear()
 
 
+#: How many running operators use each settings object (by id), and so its executor: operators
+#: built without settings share the process's.
+_users = {}
+_users_lock = threading.Lock()
+
+
+def use_executor(settings: OperatorSettings):
+    """Counts a starting operator among the users of `settings` (see `retire_executor`)."""
+    with _users_lock:
+        _users[id(settings)] = _users.get(id(settings), 0) + 1
+
+
 def retire_executor(settings: OperatorSettings):
     """Shuts down the executor of a stopping operator, leaving a fresh one of the same size
-    for an operator started later in the process; returns the old one (its calls may still run)."""
+    for an operator started later in the process; returns the old one (its calls may still run).
+    While other running operators use the same settings the executor is theirs too: it is left
+    running (their queued calls would be cancelled) and None is returned."""
+    with _users_lock:
+        left = _users.get(id(settings), 1) - 1
+        if left > 0:
+            _users[id(settings)] = left
+            return None
+        _users.pop(id(settings), None)
     execution = settings.execution
     old = execution.executor
     execution.executor = _executor()

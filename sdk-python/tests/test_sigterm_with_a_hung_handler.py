@@ -31,11 +31,27 @@ PROCESS = textwrap.dedent("""
         logger.info("hanging")
         time.sleep(3600)
 
-    capstan.run(registry=registry, endpoint=sys.argv[1])
+    settings = None
+    if sys.argv[3] == "plain":
+        # An executor of the operator's own (as a startup handler may set): a plain pool,
+        # whose threads the interpreter waits for at exit.
+        import concurrent.futures
+        from capstan.settings import OperatorSettings
+        settings = OperatorSettings()
+        settings.execution.executor = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    capstan.run(registry=registry, endpoint=sys.argv[1], settings=settings)
 """)
 
 
 def test_a_hung_sync_handler_does_not_hold_the_process_past_its_grace_period(socket_path, tmp_path):  # noqa: F811
+    _hung_handler_stops_within_its_grace_period(socket_path, tmp_path, "capstan")
+
+
+def test_a_hung_sync_handler_in_a_plain_thread_pool_does_not_hold_the_process_either(socket_path, tmp_path):  # noqa: F811
+    _hung_handler_stops_within_its_grace_period(socket_path, tmp_path, "plain")
+
+
+def _hung_handler_stops_within_its_grace_period(socket_path, tmp_path, executor):  # noqa: F811
     script = tmp_path / "hung_handler_process.py"
     script.write_text(PROCESS)
 
@@ -43,7 +59,7 @@ def test_a_hung_sync_handler_does_not_hold_the_process_past_its_grace_period(soc
         server, fake = await _serve(socket_path)
         env = dict(os.environ, PYTHONPATH=SDK)
         proc = await asyncio.create_subprocess_exec(sys.executable, str(script), f"unix://{socket_path}", str(GRACE),
-                                                    env=env)
+                                                    executor, env=env)
         try:
             incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
             hello = await _next(incoming, "hello")

@@ -18,8 +18,12 @@ use tokio::time::Instant;
 
 const T: Duration = Duration::from_secs(60);
 
-/// How soon work is expected that waits for nothing: far below the login deadline (30 s).
+/// How soon work is expected that waits for nothing.
 const PROMPT: Duration = Duration::from_secs(8);
+
+/// The login deadline, set explicitly: PROMPT must stay well below it, or waiting out the
+/// silent handler would pass these tests too.
+const LOGIN_TIMEOUT: &str = "40s";
 
 fn lines(path: &std::path::Path) -> Vec<String> {
     std::fs::read_to_string(path)
@@ -103,7 +107,7 @@ fn logged_in(controller: &Controller) -> usize {
 async fn a_late_login_handler_that_never_answers_stalls_no_one() -> Result<()> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
-    let mut controller = Controller::start(&env, "capstan", &[]).await?;
+    let mut controller = Controller::start(&env, "capstan", &["--login-timeout", LOGIN_TIMEOUT]).await?;
     let calls = env.scratch().join("calls.log");
     let log = calls.to_string_lossy().into_owned();
     // The first process is served on the controller's own (working) credentials.
@@ -169,7 +173,7 @@ async fn a_renewal_installs_the_credentials_that_answer_without_waiting_for_a_si
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
     let login = login_credentials(&env).await?;
-    let mut controller = Controller::start(&env, "capstan", &[]).await?;
+    let mut controller = Controller::start(&env, "capstan", &["--login-timeout", LOGIN_TIMEOUT]).await?;
     let calls = env.scratch().join("calls.log");
     let log = calls.to_string_lossy().into_owned();
     let mut first = start(

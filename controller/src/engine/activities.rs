@@ -16,13 +16,15 @@
 //!
 //!   A login handler that never answers stalls no one. The login handlers are called
 //!   together, and the credentials of the first to answer with usable ones are installed at
-//!   once (the highest priority among those that answered together); the calls still
-//!   running are withdrawn. Login gates resource watching only until the operator first
-//!   starts: a process that connects later with a login handler while the controller already
-//!   works with credentials (its own, or a login handler's) is logged in by a background
-//!   task, the credentials in use stay in use until a new login answers, and nothing already
-//!   served — watches, dispatch, other processes' new registrations and startup handlers —
-//!   waits for it.
+//!   once (the highest priority among those that answered together). kopf's rule that the
+//!   highest priority wins still holds: the other calls go on in the background until their
+//!   deadline, and a usable answer of a higher priority than the credentials in use replaces
+//!   them when it arrives (on every login, the first and the renewals alike). Login gates
+//!   resource watching only until the operator first starts: a process that connects later
+//!   with a login handler while the controller already works with credentials (its own, or
+//!   a login handler's) is logged in by a background task, the credentials in use stay in
+//!   use until a new login answers, and nothing already served — watches, dispatch, other
+//!   processes' new registrations and startup handlers — waits for it.
 //! - **startup** handlers run next, each until it succeeds, with kopf's error rules
 //!   (temporary and unclassified errors retried after their delay/backoff; permanent errors,
 //!   exhausted retries or timeout fail it). The engine starts no resource watch while a
@@ -54,17 +56,22 @@
 
 use std::{
     collections::{BTreeMap, HashSet},
+    future::Future,
     sync::{Arc, Weak},
     time::{Duration, SystemTime},
 };
 
-use futures::{FutureExt as _, StreamExt as _, future::join_all, stream::FuturesUnordered};
+use futures::{
+    FutureExt as _, StreamExt as _,
+    future::join_all,
+    stream::{BoxStream, FuturesUnordered},
+};
 use parking_lot::Mutex;
 use serde_json::Value;
 use tokio::{
     sync::Notify,
     sync::watch,
-    task::{JoinHandle, JoinSet},
+    task::{AbortHandle, JoinHandle, JoinSet},
     time::Instant,
 };
 use tokio_util::sync::CancellationToken;
@@ -132,6 +139,8 @@ struct Inner {
     failed: watch::Sender<Option<String>>,
     probe_wanted: Notify,
     login_lock: tokio::sync::Mutex<()>,
+    /// The background task collecting a login round's later answers ([`upgrade_from`]).
+    upgrade: Mutex<Option<AbortHandle>>,
 }
 
 #[derive(Default)]
@@ -146,6 +155,8 @@ struct State {
     login_problem: Option<String>,
     /// When the credentials in use expire, if they said so.
     expires_at: Option<SystemTime>,
+    /// Counts the rounds of login calls: a later answer of an earlier round installs nothing.
+    login_round: u64,
 }
 
 /// The shortest time between two logins for credentials that expire (however short-lived the
@@ -182,6 +193,7 @@ impl Activities {
             failed,
             probe_wanted: Notify::new(),
             login_lock: tokio::sync::Mutex::new(()),
+            upgrade: Mutex::new(None),
         });
         let weak = Arc::downgrade(&inner);
         health.readiness("activities", move || {
@@ -267,6 +279,9 @@ impl Activities {
                 .instrument(info_span!("activities", activity = "probe")),
         );
         cancel.cancelled().await;
+        if let Some(upgrade) = self.inner.upgrade.lock().take() {
+            upgrade.abort();
+        }
         while tasks.join_next().await.is_some() {}
     }
 
@@ -447,12 +462,15 @@ impl Activities {
     }
 
     /// Calls the login handlers until credentials from one of them work, or until no login
-    /// handler is registered any more.
+    /// handler is registered any more. Returns once the first usable answer is installed;
+    /// the answers still coming are collected in the background until the login deadline,
+    /// and one of a higher priority replaces it ([`upgrade_from`]).
     async fn login(&self) {
         let Some(switch) = &self.inner.switch else {
             return;
         };
         let _serial = self.inner.login_lock.lock().await;
+        let round = self.new_login_round();
         let mut registrations = self.inner.hub.registrations();
         loop {
             registrations.borrow_and_update();
@@ -463,17 +481,22 @@ impl Activities {
                 self.bump();
                 return;
             }
-            let mut problems = Vec::new();
-            if let Some((id, credentials)) = self.first_usable_login(switch, &logins, &mut problems).await {
-                let expires = credentials.expiration.map(crate::persistence::time::format);
-                info!(handler.id = %id, server = %credentials.server, expires, "logged in: the API client now uses the login handler's credentials");
-                {
-                    let mut state = self.inner.state.lock();
-                    state.logged_in = true;
-                    state.login_problem = None;
-                    state.expires_at = credentials.expiration;
+            let mut answers = self.call_logins(&logins);
+            let mut install = |id: HandlerId, credentials: Credentials| {
+                let switch = switch.clone();
+                async move {
+                    switch
+                        .install(&id.0, &credentials)
+                        .await
+                        .map_err(|e| crate::diagnostic::chain(&e))
                 }
-                self.bump();
+            };
+            let mut problems = Vec::new();
+            if let Some((id, credentials)) =
+                next_installed(&mut answers, None, &mut install, &mut problems).await
+            {
+                self.installed(&id, &credentials);
+                self.upgrade_later(answers, credentials.priority, round);
                 return;
             }
             let backoff = logins
@@ -492,49 +515,78 @@ impl Activities {
         }
     }
 
-    /// Calls every login handler at once and installs the credentials of the first to answer
-    /// with usable ones (among answers ready together, the highest priority first); the calls
-    /// still running are then withdrawn, so a handler that never answers delays no one.
-    /// `None` when none gave usable credentials; `problems` says why.
-    async fn first_usable_login(
-        &self,
-        switch: &Switchable,
-        logins: &[Registration],
-        problems: &mut Vec<String>,
-    ) -> Option<(HandlerId, Credentials)> {
-        let mut calls: FuturesUnordered<_> = logins
-            .iter()
-            .map(|reg| async move { (reg.id.clone(), self.call_login(reg).await) })
-            .collect();
-        while let Some(first) = calls.next().await {
-            let mut answers = vec![first];
-            while let Some(Some(more)) = calls.next().now_or_never() {
-                answers.push(more);
-            }
-            let mut candidates = Vec::new();
-            for (id, answer) in answers {
-                match answer {
-                    Ok(credentials) => candidates.push((id, credentials)),
-                    Err(problem) => problems.push(format!("{id}: {problem}")),
-                }
-            }
-            candidates.sort_by_key(|(_, c)| std::cmp::Reverse(c.priority));
-            let now = SystemTime::now();
-            for (id, credentials) in candidates {
-                if let Some(at) = credentials.expiration.filter(|at| *at <= now) {
-                    problems.push(format!(
-                        "{id}: the credentials expired at {}",
-                        crate::persistence::time::format(at)
-                    ));
-                    continue;
-                }
-                match switch.install(&id.0, &credentials).await {
-                    Ok(()) => return Some((id, credentials)),
-                    Err(e) => problems.push(format!("{id}: {}", crate::diagnostic::chain(&e))),
-                }
-            }
+    /// Starts a round of login calls (under the login lock): the answers of earlier rounds
+    /// still being collected are withdrawn and may no longer install anything.
+    fn new_login_round(&self) -> u64 {
+        if let Some(earlier) = self.inner.upgrade.lock().take() {
+            earlier.abort();
         }
-        None
+        let mut state = self.inner.state.lock();
+        state.login_round += 1;
+        state.login_round
+    }
+
+    /// Calls every login handler at once; their answers as they arrive, each within the
+    /// login deadline.
+    fn call_logins(&self, logins: &[Registration]) -> Answers {
+        logins
+            .iter()
+            .map(|reg| {
+                let this = self.clone();
+                let reg = reg.clone();
+                async move {
+                    let answer = this.call_login(&reg).await;
+                    (reg.id, answer)
+                }
+            })
+            .collect::<FuturesUnordered<_>>()
+            .boxed()
+    }
+
+    /// Records that the credentials of `id` are in use.
+    fn installed(&self, id: &HandlerId, credentials: &Credentials) {
+        let expires = credentials.expiration.map(crate::persistence::time::format);
+        info!(handler.id = %id, server = %credentials.server, priority = credentials.priority, expires, "logged in: the API client now uses the login handler's credentials");
+        {
+            let mut state = self.inner.state.lock();
+            state.logged_in = true;
+            state.login_problem = None;
+            state.expires_at = credentials.expiration;
+        }
+        self.bump();
+    }
+
+    /// Collects the rest of a round's `answers` in the background, installing those that
+    /// outrank the credentials in use, until the calls end (at their deadline at the latest),
+    /// a new round starts, or the activities stop.
+    fn upgrade_later(&self, mut answers: Answers, priority: i32, round: u64) {
+        let Some(switch) = self.inner.switch.clone() else {
+            return;
+        };
+        let this = self.clone();
+        let task = tokio::spawn(
+            async move {
+                let mut install = |id: HandlerId, credentials: Credentials| {
+                    let this = this.clone();
+                    let switch = switch.clone();
+                    async move {
+                        let _serial = this.inner.login_lock.lock().await;
+                        if this.inner.state.lock().login_round != round {
+                            return Err("a newer login round runs".to_owned());
+                        }
+                        switch
+                            .install(&id.0, &credentials)
+                            .await
+                            .map_err(|e| crate::diagnostic::chain(&e))?;
+                        this.installed(&id, &credentials);
+                        Ok(())
+                    }
+                };
+                upgrade_from(&mut answers, priority, &mut install).await;
+            }
+            .in_current_span(),
+        );
+        *self.inner.upgrade.lock() = Some(task.abort_handle());
     }
 
     /// Calls one login handler, within the login deadline: its credentials, or why there are
@@ -762,6 +814,74 @@ fn awaited(inner: &Inner, registrations: &[Registration]) -> Result<(), String> 
     }
 }
 
+/// One round's login answers, as they arrive.
+type Answers = BoxStream<'static, (HandlerId, Result<Credentials, String>)>;
+
+/// Takes `answers` as they arrive until one is installed: credentials not expired yet, of a
+/// priority above `above` (any, when `None`), that `install` accepts. Among answers ready
+/// together, the highest priority is tried first. `None` when the answers ran out;
+/// `problems` says why the others were not installed.
+async fn next_installed<I, F>(
+    answers: &mut Answers,
+    above: Option<i32>,
+    install: &mut I,
+    problems: &mut Vec<String>,
+) -> Option<(HandlerId, Credentials)>
+where
+    I: FnMut(HandlerId, Credentials) -> F,
+    F: Future<Output = Result<(), String>>,
+{
+    while let Some(first) = answers.next().await {
+        let mut ready = vec![first];
+        while let Some(Some(more)) = answers.next().now_or_never() {
+            ready.push(more);
+        }
+        let mut candidates = Vec::new();
+        for (id, answer) in ready {
+            match answer {
+                Ok(credentials) if above.is_none_or(|p| credentials.priority > p) => {
+                    candidates.push((id, credentials));
+                }
+                Ok(_) => {}
+                Err(problem) => problems.push(format!("{id}: {problem}")),
+            }
+        }
+        candidates.sort_by_key(|(_, c)| std::cmp::Reverse(c.priority));
+        let now = SystemTime::now();
+        for (id, credentials) in candidates {
+            if let Some(at) = credentials.expiration.filter(|at| *at <= now) {
+                problems.push(format!(
+                    "{id}: the credentials expired at {}",
+                    crate::persistence::time::format(at)
+                ));
+                continue;
+            }
+            match install(id.clone(), credentials.clone()).await {
+                Ok(()) => return Some((id, credentials)),
+                Err(problem) => problems.push(format!("{id}: {problem}")),
+            }
+        }
+    }
+    None
+}
+
+/// Installs, from the `answers` still coming, each that outranks the credentials in use (of
+/// `priority`): kopf's highest priority wins, though the first usable answer was installed
+/// without waiting for it.
+async fn upgrade_from<I, F>(answers: &mut Answers, mut priority: i32, install: &mut I)
+where
+    I: FnMut(HandlerId, Credentials) -> F,
+    F: Future<Output = Result<(), String>>,
+{
+    let mut problems = Vec::new();
+    while let Some((_, credentials)) = next_installed(answers, Some(priority), install, &mut problems).await {
+        priority = credentials.priority;
+    }
+    if !problems.is_empty() {
+        debug!(problems = %problems.join("; "), "later login answers not installed");
+    }
+}
+
 fn diagnostics_of(outcome: &Outcome) -> Option<Diagnostic> {
     match outcome {
         Outcome::Temporary { diagnostics, .. }
@@ -922,5 +1042,70 @@ mod tests {
         activities.inner.failed.send_replace(Some("s\0boom".into()));
         let err = activities.failed().await;
         assert_eq!(err.to_string(), "startup handler s failed: boom");
+    }
+
+    /// kopf's rule: the highest priority wins. The first usable answer is installed at once
+    /// (nothing waits for slower handlers), and an answer of a higher priority that arrives
+    /// later within the login deadline replaces it; a lower one does not.
+    #[tokio::test(start_paused = true)]
+    async fn a_slower_higher_priority_login_answer_replaces_a_faster_lower_one() {
+        fn answer(
+            id: &str,
+            after_ms: u64,
+            priority: Option<i32>,
+        ) -> futures::future::BoxFuture<'static, (HandlerId, Result<Credentials, String>)> {
+            let id = HandlerId(id.into());
+            async move {
+                tokio::time::sleep(Duration::from_millis(after_ms)).await;
+                let credentials = priority
+                    .map(|priority| Credentials {
+                        token: id.0.clone(),
+                        priority,
+                        ..Credentials::default()
+                    })
+                    .ok_or_else(|| "returned no credentials".to_owned());
+                (id, credentials)
+            }
+            .boxed()
+        }
+        let mut answers: Answers = [
+            answer("low", 10, Some(1)),
+            answer("broken", 20, None),
+            answer("high", 100, Some(5)),
+            answer("middle", 150, Some(3)),
+            answer("silent", 10_000_000, Some(9)),
+        ]
+        .into_iter()
+        .collect::<FuturesUnordered<_>>()
+        .boxed();
+        let installed = Arc::new(Mutex::new(Vec::<(String, Duration)>::new()));
+        let started = Instant::now();
+        let mut install = |id: HandlerId, _: Credentials| {
+            let installed = installed.clone();
+            async move {
+                installed.lock().push((id.0, started.elapsed()));
+                Ok(())
+            }
+        };
+        let mut problems = Vec::new();
+        let (first, credentials) = next_installed(&mut answers, None, &mut install, &mut problems)
+            .await
+            .expect("an answer");
+        assert_eq!(first.0, "low", "the first usable answer is installed at once");
+        assert_eq!(started.elapsed(), Duration::from_millis(10));
+        let upgrading = upgrade_from(&mut answers, credentials.priority, &mut install);
+        // Upgrading collects the answers while calls run (each until its deadline).
+        tokio::time::timeout(Duration::from_secs(60), upgrading)
+            .await
+            .expect_err("the silent call still runs");
+        let installed: Vec<_> = installed.lock().clone();
+        assert_eq!(
+            installed,
+            [
+                ("low".to_owned(), Duration::from_millis(10)),
+                ("high".to_owned(), Duration::from_millis(100)),
+            ],
+            "the higher priority replaced the lower one when it answered; a middle one did not"
+        );
     }
 }
