@@ -847,7 +847,7 @@ impl Queue {
             // Its records exist but cannot be read: processed without them, the object would
             // be taken for new and its create handlers would run again.
             let delay = local.retry_delay(uid);
-            warn!(error = %crate::diagnostic::chain(&e), retry_in = ?delay, "the object's node-local state cannot be read; it is not processed until it can be");
+            warn!(error = %crate::diagnostic::chain(&e), retry_in = ?delay, "the object's node-local state cannot be read or written; it is not processed until it can be");
             self.defer(uid, Stored::new(&body), delay);
             return false;
         }
@@ -957,6 +957,15 @@ impl Queue {
         // changes (or its handlers do).
         let planned = plan.wake_at.filter(|_| !refused);
         let wake_at = match (planned, event_wake) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        // A node-local state that could not be written: the object comes back to write it
+        // (its handlers do not run until it is written).
+        let unwritten = (self.ctx.storage.local.as_deref())
+            .filter(|local| local.unwritten(uid))
+            .map(|local| SystemTime::now() + local.retry_delay(uid));
+        let wake_at = match (wake_at, unwritten) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };

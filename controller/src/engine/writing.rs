@@ -398,8 +398,9 @@ impl processing::Checkpoint for Writer {
     }
 }
 
-/// Keeps an object's node-local records (`state`) in the node's store; a failure is reported
-/// and leaves the previous records, so the object's handlers may run again.
+/// Keeps an object's node-local records (`state`) in the node's store; a failure is reported,
+/// and the store keeps the records in memory until a retry writes them (the object is not
+/// processed meanwhile, so its handlers do not run again).
 pub(crate) async fn keep_locally(
     local: &crate::persistence::node_store::NodeStore,
     resource: &ResolvedResource,
@@ -411,7 +412,7 @@ pub(crate) async fn keep_locally(
         .and_then(Value::as_str)
         .unwrap_or_default();
     if let Err(e) = local.persist(uid, &resource.to_string(), body, state).await {
-        warn!(error = %crate::diagnostic::chain(&e), "the node-local state was not kept; the object's handlers may run again");
+        warn!(error = %crate::diagnostic::chain(&e), "the node-local state was not written; it is kept in memory and written again before the object is processed");
     }
 }
 

@@ -162,6 +162,16 @@ struct Entry {
     sum: String,
 }
 
+/// An object's state that could not be written yet.
+#[derive(Debug, Clone)]
+struct Unwritten {
+    resource: String,
+    body: Value,
+    annotations: Map<String, Value>,
+    /// The writes that failed in a row.
+    failures: u32,
+}
+
 /// The node-local store of one controller: a directory per persistence prefix under the
 /// given one, held with an exclusive lock while the controller runs.
 #[derive(Debug)]
@@ -177,6 +187,9 @@ pub struct NodeStore {
     migrating: Mutex<HashSet<String>>,
     /// Objects whose file could not be read, with the reads that failed in a row.
     unreadable: Mutex<HashMap<String, u32>>,
+    /// Objects whose latest state could not be written: kept here, and preferred to their
+    /// files, until a retry writes it (their handlers ran; the old file would run them again).
+    unwritten: Mutex<HashMap<String, Unwritten>>,
     /// The lock on the directory, held for the store's lifetime.
     _lock: std::fs::File,
 }
@@ -275,6 +288,7 @@ impl NodeStore {
             corrupt: AtomicU64::new(0),
             migrating: Mutex::default(),
             unreadable: Mutex::default(),
+            unwritten: Mutex::default(),
             _lock: lock,
         };
         let (mut bytes, mut entries) = (0, 0);
@@ -370,7 +384,9 @@ impl NodeStore {
     /// How long to wait before object `uid`, whose file could not be read, is tried again: 1 s
     /// after the first failure, doubling with every failure in a row, at most 30 s.
     pub fn retry_delay(&self, uid: &str) -> Duration {
-        let failures = self.unreadable.lock().get(uid).copied().unwrap_or(1);
+        let unreadable = self.unreadable.lock().get(uid).copied().unwrap_or(1);
+        let unwritten = self.unwritten.lock().get(uid).map_or(1, |u| u.failures);
+        let failures = unreadable.max(unwritten);
         let (first, most) = UNREADABLE_RETRY;
         first
             .saturating_mul(1 << failures.saturating_sub(1).min(16))
@@ -392,8 +408,12 @@ impl NodeStore {
     /// # Errors
     /// [`Error::Unreadable`] when the object's file cannot be read; `body` is left as it was.
     pub async fn overlay(&self, uid: &str, body: &mut Value) -> Result<(), Error> {
-        // One small file, usually in the page cache: read in place.
-        let stored = self.load(uid)?;
+        // A state not written yet is the object's state: written now, or the object waits.
+        let stored = match self.flush(uid).await? {
+            Some(state) => state,
+            // One small file, usually in the page cache: read in place.
+            None => self.load(uid)?,
+        };
         let Some(meta) = body.get_mut("metadata").and_then(Value::as_object_mut) else {
             return Ok(());
         };
@@ -470,9 +490,63 @@ impl NodeStore {
     /// Replaces object `uid`'s state with `annotations` (removing its file when empty),
     /// atomically and durably.
     ///
+    /// A state that cannot be written is kept in memory and preferred to the file by
+    /// [`Self::overlay`], which writes it again (the object is not processed until it is
+    /// written: see [`Self::unwritten`] and [`Self::retry_delay`]).
+    ///
     /// # Errors
-    /// [`Error::TooLarge`], [`Error::Full`] or [`Error::Io`]; the previous state is then kept.
+    /// [`Error::TooLarge`], [`Error::Full`] or [`Error::Io`]; the file then keeps the previous
+    /// state.
     pub async fn persist(
+        &self,
+        uid: &str,
+        resource: &str,
+        body: &Value,
+        annotations: Map<String, Value>,
+    ) -> Result<(), Error> {
+        let kept = annotations.clone();
+        let written = self.write(uid, resource, body, annotations).await;
+        match &written {
+            Ok(()) => {
+                self.unwritten.lock().remove(uid);
+            }
+            Err(Error::BadUid(_)) => {}
+            Err(_) => {
+                let meta = body.get("metadata").cloned().unwrap_or(Value::Null);
+                let mut unwritten = self.unwritten.lock();
+                let failures = unwritten.get(uid).map_or(0, |u| u.failures) + 1;
+                unwritten.insert(
+                    uid.to_owned(),
+                    Unwritten {
+                        resource: resource.to_owned(),
+                        body: serde_json::json!({ "metadata": meta }),
+                        annotations: kept,
+                        failures,
+                    },
+                );
+            }
+        }
+        written
+    }
+
+    /// Whether object `uid` has a state not written yet: it must not be processed until
+    /// [`Self::overlay`] writes it.
+    pub fn unwritten(&self, uid: &str) -> bool {
+        self.unwritten.lock().contains_key(uid)
+    }
+
+    /// Writes object `uid`'s state not written yet, if it has one; that state when written.
+    async fn flush(&self, uid: &str) -> Result<Option<Map<String, Value>>, Error> {
+        let Some(pending) = self.unwritten.lock().get(uid).cloned() else {
+            return Ok(None);
+        };
+        self.persist(uid, &pending.resource, &pending.body, pending.annotations.clone())
+            .await?;
+        debug!(%uid, "the node-local state not written before is written now");
+        Ok(Some(pending.annotations))
+    }
+
+    async fn write(
         &self,
         uid: &str,
         resource: &str,
@@ -544,6 +618,7 @@ impl NodeStore {
         match removed {
             Ok(old) => {
                 self.account(old, None);
+                self.unwritten.lock().remove(uid);
                 Ok(())
             }
             Err(source) => Err(Error::Io {
@@ -853,6 +928,51 @@ mod tests {
         fresh["metadata"]["annotations"]["node-a.capstan.dev/stale"] = json!("x");
         s.carry(&body(), &mut fresh);
         assert_eq!(fresh, body());
+    }
+
+    #[tokio::test]
+    async fn a_state_that_cannot_be_written_is_kept_and_written_before_its_object_is_processed() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = store(dir.path(), 1 << 20).await;
+        let mut b = body();
+        let old = s.detach(&mut b);
+        s.persist("u-1", "r", &b, old.clone()).await.unwrap();
+        // Something in the file's place that a file cannot replace (also as root).
+        let file = dir.path().join("node-a.capstan.dev/u-1.json");
+        std::fs::remove_file(&file).unwrap();
+        std::fs::create_dir(&file).unwrap();
+        let mut new = old.clone();
+        new.insert("node-a.capstan.dev/update_fn".into(), json!("{\"success\":true}"));
+        assert!(matches!(
+            s.persist("u-1", "r", &b, new.clone()).await,
+            Err(Error::Io { .. })
+        ));
+        assert!(s.unwritten("u-1"));
+        // While it cannot be written, the object is not processed, with growing delays.
+        let mut seen = b.clone();
+        for expected in [2, 4, 8] {
+            assert!(s.overlay("u-1", &mut seen).await.is_err());
+            assert_eq!(s.retry_delay("u-1"), Duration::from_secs(expected));
+        }
+        assert_eq!(seen, b, "the body is left as it was");
+        // Once it can be, the state not written is written and is the object's state.
+        std::fs::remove_dir(&file).unwrap();
+        s.overlay("u-1", &mut seen).await.unwrap();
+        assert_eq!(
+            seen["metadata"]["annotations"]["node-a.capstan.dev/update_fn"],
+            json!("{\"success\":true}")
+        );
+        assert!(!s.unwritten("u-1"));
+        assert_eq!(s.load("u-1").unwrap(), new);
+        assert_eq!(s.retry_delay("u-1"), Duration::from_secs(1));
+        // A state too large is kept as well; a gone object's is dropped.
+        let big: Map<String, Value> = [("node-a.capstan.dev/x".to_owned(), json!("y".repeat(ENTRY_LIMIT)))]
+            .into_iter()
+            .collect();
+        assert!(s.persist("u-1", "r", &b, big).await.is_err());
+        assert!(s.unwritten("u-1"));
+        s.remove("u-1").await.unwrap();
+        assert!(!s.unwritten("u-1"));
     }
 
     #[tokio::test]
