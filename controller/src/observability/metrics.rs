@@ -9,7 +9,9 @@
 //! the page cannot be malformed. Updates touch only the family they record (a read lock on
 //! its label map and an atomic), never one lock shared by all. One process-wide registry,
 //! because metrics are observed from many layers (`grpc`, `engine`, `app`) and carry no
-//! behaviour; `observability::admin` serves [`Metrics::render`].
+//! behaviour; `observability::admin` serves [`Metrics::render`]. controller-runtime's
+//! families (`workqueue_*`, `controller_runtime_*`, `leader_election_master_status`) are in
+//! the same registry, recorded through [`Metrics::workqueue`] (see `observability::workqueue`).
 
 use std::{
     fmt,
@@ -136,6 +138,13 @@ type SampleFn = Arc<dyn Fn() -> i64 + Send + Sync>;
 #[derive(Default)]
 struct Samplers {
     functions: RwLock<[Option<SampleFn>; 6]>,
+    /// `leader_election_master_status{name}`: the lease's name and whether this replica holds it.
+    leader_election: RwLock<Option<(String, SampleFn)>>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LeaseLabels {
+    name: String,
 }
 
 impl fmt::Debug for Samplers {
@@ -161,6 +170,17 @@ impl Collector for Samplers {
             let metric = encoder.encode_descriptor(gauge.name(), gauge.help(), None, MetricType::Gauge)?;
             ConstGauge::new(value).encode(metric)?;
         }
+        let leader = self.leader_election.read().clone();
+        if let Some((name, f)) = leader {
+            let value = f();
+            let mut family = encoder.encode_descriptor(
+                "leader_election_master_status",
+                "Gauge of if the reporting system is master of the relevant lease, 0 indicates backup, 1 indicates master. 'name' is the string used to identify the lease.",
+                None,
+                MetricType::Gauge,
+            )?;
+            ConstGauge::new(value).encode(family.encode_family(&LeaseLabels { name })?)?;
+        }
         Ok(())
     }
 }
@@ -181,6 +201,7 @@ pub struct Metrics {
     quarantined: Family<ResourceLabels, Counter>,
     admission: AdmissionFamilies,
     samplers: Arc<Samplers>,
+    workqueues: Arc<super::workqueue::WorkQueues>,
 }
 
 /// The admission webhook families.
@@ -300,6 +321,7 @@ impl Default for Metrics {
         let admission = AdmissionFamilies::register(&mut registry);
         let samplers = Arc::new(Samplers::default());
         registry.register_collector(Box::new(samplers.clone()));
+        let workqueues = super::workqueue::WorkQueues::register(&mut registry);
         Self {
             registry,
             invocations,
@@ -315,6 +337,7 @@ impl Default for Metrics {
             quarantined,
             admission,
             samplers,
+            workqueues,
         }
     }
 }
@@ -457,6 +480,23 @@ impl Metrics {
         self.samplers.functions.write()[gauge.index()] = Some(Arc::new(f));
     }
 
+    /// Registers the function that says whether this replica holds lease `name`
+    /// (`leader_election_master_status{name}`, as client-go's leader election reports it).
+    pub fn sample_leader(&self, name: &str, f: impl Fn() -> i64 + Send + Sync + 'static) {
+        *self.samplers.leader_election.write() = Some((name.to_owned(), Arc::new(f)));
+    }
+
+    /// The controller-runtime metrics of `resource`'s workqueue and cycles (`workqueue_*`,
+    /// `controller_runtime_*`, labelled by the resource's plural).
+    pub fn workqueue(&self, resource: &str) -> Arc<super::workqueue::WorkQueue> {
+        self.workqueues.of(resource)
+    }
+
+    /// Sets `--worker-limit` (`controller_runtime_max_concurrent_reconciles`).
+    pub fn worker_limit(&self, limit: usize) {
+        self.workqueues.set_worker_limit(limit);
+    }
+
     /// The Prometheus text exposition (format 0.0.4, [`CONTENT_TYPE`]) of every family.
     pub fn render(&self) -> String {
         let mut out = String::new();
@@ -580,6 +620,9 @@ mod exposition_tests {
                 if !["counter", "gauge", "histogram", "untyped", "summary"].contains(&kind) {
                     return fail("unknown type");
                 }
+                if families.iter().any(|f| f == name) {
+                    return fail("family declared twice");
+                }
                 families.push(name.to_owned());
                 continue;
             }
@@ -651,6 +694,70 @@ mod exposition_tests {
             }
         }
         Ok(())
+    }
+
+    /// The families of controller-runtime (and client-go's leader election) the page must
+    /// hold, with their types as controller-runtime declares them.
+    pub(crate) const CONTROLLER_RUNTIME_FAMILIES: [(&str, &str); 14] = [
+        ("workqueue_depth", "gauge"),
+        ("workqueue_adds_total", "counter"),
+        ("workqueue_queue_duration_seconds", "histogram"),
+        ("workqueue_work_duration_seconds", "histogram"),
+        ("workqueue_unfinished_work_seconds", "gauge"),
+        ("workqueue_longest_running_processor_seconds", "gauge"),
+        ("workqueue_retries_total", "counter"),
+        ("controller_runtime_reconcile_total", "counter"),
+        ("controller_runtime_reconcile_errors_total", "counter"),
+        ("controller_runtime_reconcile_time_seconds", "histogram"),
+        ("controller_runtime_active_workers", "gauge"),
+        ("controller_runtime_max_concurrent_reconciles", "gauge"),
+        ("leader_election_master_status", "gauge"),
+        ("capstan_handler_invocations_total", "counter"),
+    ];
+
+    /// The `# TYPE` lines of a page, by family.
+    fn types(text: &str) -> std::collections::BTreeMap<&str, &str> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_once(' '))
+            .collect()
+    }
+
+    #[test]
+    fn the_page_holds_controller_runtimes_families_with_their_types() {
+        let m = Metrics::default();
+        m.worker_limit(4);
+        m.sample_leader("capstan-leader", || 1);
+        m.invocation("h", "success", Duration::from_millis(1));
+        let q = m.workqueue("examples");
+        q.add("u");
+        let turn = q.take("u");
+        q.reconciled(
+            super::super::workqueue::Reconciled::Success,
+            Duration::from_millis(2),
+        );
+        q.retry();
+        drop(turn);
+        let text = m.render();
+        check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let types = types(&text);
+        for (family, kind) in CONTROLLER_RUNTIME_FAMILIES {
+            assert_eq!(types.get(family), Some(&kind), "{family}:\n{text}");
+            let samples = text
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .filter(|l| l.starts_with(family.trim_end_matches("_total")))
+                .count();
+            assert!(samples > 0, "no sample of {family}:\n{text}");
+        }
+        for sample in [
+            "workqueue_adds_total{name=\"examples\",controller=\"examples\"} 1",
+            "controller_runtime_reconcile_total{controller=\"examples\",result=\"success\"} 1",
+            "controller_runtime_max_concurrent_reconciles{controller=\"examples\"} 4",
+            "leader_election_master_status{name=\"capstan-leader\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == sample), "{sample} missing:\n{text}");
+        }
     }
 
     #[test]
