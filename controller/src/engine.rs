@@ -533,6 +533,12 @@ impl Engine {
             };
             {
                 let status = status.clone();
+                crate::observability::metrics::global().sample_watch(&name, &resource.plural, move || {
+                    status.is_up() && status.problem().is_none()
+                });
+            }
+            {
+                let status = status.clone();
                 self.health.liveness(&name, move || match status.problem() {
                     Some(problem) => Check::fail(problem),
                     None => Check::pass("watching"),

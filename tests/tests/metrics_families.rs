@@ -1,8 +1,9 @@
 //! controller-runtime's metric families on `/metrics`, fed by real work: after objects are
 //! handled (one at once, one after a temporary failure), the workqueue and reconcile families
 //! of the resource have samples above zero, with controller-runtime's types, beside the
-//! `capstan_*` families; with leader election, `leader_election_master_status` says this
-//! replica leads.
+//! `capstan_*` families (the watch is up, API requests are counted by answer, the process's
+//! memory is shown); with leader election, `leader_election_master_status` says this replica
+//! leads.
 
 use std::time::Duration;
 
@@ -60,6 +61,9 @@ async fn controller_runtime_families_count_the_handled_objects() -> Result<()> {
         ("controller_runtime_max_concurrent_reconciles", "gauge"),
         ("leader_election_master_status", "gauge"),
         ("capstan_handler_invocations_total", "counter"),
+        ("capstan_watch_up", "gauge"),
+        ("capstan_api_requests_total", "counter"),
+        ("process_resident_memory_bytes", "gauge"),
     ] {
         ensure!(
             declared(&page, family) == Some(kind),
@@ -79,6 +83,9 @@ async fn controller_runtime_families_count_the_handled_objects() -> Result<()> {
         format!("controller_runtime_reconcile_time_seconds_count{controller}}}"),
         format!("controller_runtime_max_concurrent_reconciles{controller}}}"),
         "leader_election_master_status{name=\"capstan-metrics\"}".to_owned(),
+        "capstan_watch_up{resource=\"examples\"}".to_owned(),
+        "capstan_api_requests_total{method=\"PATCH\",code=\"200\"}".to_owned(),
+        "process_resident_memory_bytes".to_owned(),
     ] {
         let v = value(&page, &sample).with_context(|| format!("no sample {sample}:\n{page}"))?;
         ensure!(v > 0.0, "{sample} is {v}:\n{page}");

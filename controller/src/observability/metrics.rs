@@ -140,6 +140,30 @@ struct Samplers {
     functions: RwLock<[Option<SampleFn>; 6]>,
     /// `leader_election_master_status{name}`: the lease's name and whether this replica holds it.
     leader_election: RwLock<Option<(String, SampleFn)>>,
+    /// `capstan_watch_up{resource}`: each watch by name, with its resource and whether it is up.
+    watches: RwLock<std::collections::BTreeMap<String, (String, WatchFn)>>,
+}
+
+type WatchFn = Arc<dyn Fn() -> bool + Send + Sync>;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ApiLabels {
+    method: String,
+    code: String,
+}
+
+/// The resident memory of this process in bytes (`VmRSS`), where the system tells it.
+fn resident_memory() -> Option<i64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: i64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -170,6 +194,33 @@ impl Collector for Samplers {
             let metric = encoder.encode_descriptor(gauge.name(), gauge.help(), None, MetricType::Gauge)?;
             ConstGauge::new(value).encode(metric)?;
         }
+        let mut up: std::collections::BTreeMap<String, bool> = std::collections::BTreeMap::new();
+        let watches: Vec<(String, WatchFn)> = self.watches.read().values().cloned().collect();
+        for (resource, f) in watches {
+            let is_up = f();
+            up.entry(resource).and_modify(|u| *u &= is_up).or_insert(is_up);
+        }
+        if !up.is_empty() {
+            let mut family = encoder.encode_descriptor(
+                "capstan_watch_up",
+                "1 while every watch of the resource is established and moving; 0 while one is down or stuck (restarted with backoff).",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (resource, is_up) in up {
+                ConstGauge::new(i64::from(is_up))
+                    .encode(family.encode_family(&ResourceLabels { resource })?)?;
+            }
+        }
+        if let Some(bytes) = resident_memory() {
+            let metric = encoder.encode_descriptor(
+                "process_resident_memory_bytes",
+                "Resident memory size in bytes.",
+                None,
+                MetricType::Gauge,
+            )?;
+            ConstGauge::new(bytes).encode(metric)?;
+        }
         let leader = self.leader_election.read().clone();
         if let Some((name, f)) = leader {
             let value = f();
@@ -195,6 +246,7 @@ pub struct Metrics {
     processing: Gauge,
     processing_peak: Gauge,
     api_requests: Gauge,
+    api_responses: Family<ApiLabels, Counter>,
     writes: Family<ResourceLabels, Counter>,
     events_dropped: Family<HandlerLabels, Counter>,
     node_storage_read_errors: Counter,
@@ -294,6 +346,12 @@ impl Default for Metrics {
             "API requests other than watches in flight (at most --api-requests; more wait their turn).",
             api_requests.clone(),
         );
+        let api_responses = Family::<ApiLabels, Counter>::default();
+        registry.register(
+            "capstan_api_requests",
+            "API requests other than watches' streams, by method and answer: the HTTP status code, or error (no answer) or timeout.",
+            api_responses.clone(),
+        );
         let writes = Family::<ResourceLabels, Counter>::default();
         registry.register(
             "capstan_api_writes",
@@ -331,6 +389,7 @@ impl Default for Metrics {
             processing,
             processing_peak,
             api_requests,
+            api_responses,
             writes,
             events_dropped,
             node_storage_read_errors,
@@ -399,6 +458,26 @@ impl Metrics {
     /// Adds `delta` (+1 or -1) to the API requests in flight (`capstan_api_requests_in_flight`).
     pub fn api_requests(&self, delta: i64) {
         self.api_requests.inc_by(delta);
+    }
+
+    /// Counts one API request's answer (`capstan_api_requests_total{method,code}`): its status
+    /// code, or `error` or `timeout`.
+    pub fn api_response(&self, method: &str, code: &str) {
+        self.api_responses
+            .get_or_create(&ApiLabels {
+                method: method.to_owned(),
+                code: code.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Registers (or replaces) watch `name` of `resource`, and the function that says whether
+    /// it is up (`capstan_watch_up{resource}`).
+    pub fn sample_watch(&self, name: &str, resource: &str, up: impl Fn() -> bool + Send + Sync + 'static) {
+        self.samplers
+            .watches
+            .write()
+            .insert(name.to_owned(), (resource.to_owned(), Arc::new(up)));
     }
 
     /// Counts one PATCH request for a handled change (`capstan_api_writes_total`).
@@ -698,7 +777,7 @@ mod exposition_tests {
 
     /// The families of controller-runtime (and client-go's leader election) the page must
     /// hold, with their types as controller-runtime declares them.
-    pub(crate) const CONTROLLER_RUNTIME_FAMILIES: [(&str, &str); 14] = [
+    pub(crate) const CONTROLLER_RUNTIME_FAMILIES: [(&str, &str); 17] = [
         ("workqueue_depth", "gauge"),
         ("workqueue_adds_total", "counter"),
         ("workqueue_queue_duration_seconds", "histogram"),
@@ -713,6 +792,9 @@ mod exposition_tests {
         ("controller_runtime_max_concurrent_reconciles", "gauge"),
         ("leader_election_master_status", "gauge"),
         ("capstan_handler_invocations_total", "counter"),
+        ("capstan_watch_up", "gauge"),
+        ("capstan_api_requests_total", "counter"),
+        ("process_resident_memory_bytes", "gauge"),
     ];
 
     /// The `# TYPE` lines of a page, by family.
@@ -728,6 +810,9 @@ mod exposition_tests {
         let m = Metrics::default();
         m.worker_limit(4);
         m.sample_leader("capstan-leader", || 1);
+        m.sample_watch("watch/examples/a", "examples", || true);
+        m.sample_watch("watch/examples/b", "examples", || false);
+        m.api_response("PATCH", "409");
         m.invocation("h", "success", Duration::from_millis(1));
         let q = m.workqueue("examples");
         q.add("u");
@@ -755,6 +840,8 @@ mod exposition_tests {
             "controller_runtime_reconcile_total{controller=\"examples\",result=\"success\"} 1",
             "controller_runtime_max_concurrent_reconciles{controller=\"examples\"} 4",
             "leader_election_master_status{name=\"capstan-leader\"} 1",
+            "capstan_watch_up{resource=\"examples\"} 0",
+            "capstan_api_requests_total{method=\"PATCH\",code=\"409\"} 1",
         ] {
             assert!(text.lines().any(|l| l == sample), "{sample} missing:\n{text}");
         }
