@@ -383,6 +383,9 @@ impl Pausing {
             let sampled = status.clone();
             crate::observability::metrics::global()
                 .sample(Sampled::Leader, move || i64::from(sampled.lock().leading));
+            let sampled = status.clone();
+            crate::observability::metrics::global()
+                .sample_leader(&election.lease_name, move || i64::from(sampled.lock().leading));
             let webhooks = status.clone();
             leading = Arc::new(move || webhooks.lock().leading);
             core.health

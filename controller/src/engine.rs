@@ -239,6 +239,7 @@ impl Engine {
         let mut registrations = self.hub.registrations();
         let mut registry = Registry::default();
         let limit = Arc::new(Semaphore::new(self.settings.worker_limit.max(1)));
+        crate::observability::metrics::global().worker_limit(self.settings.worker_limit.max(1));
         let instance = std::env::var("POD_NAME")
             .or_else(|_| std::env::var("HOSTNAME"))
             .unwrap_or_else(|_| format!("capstan-{}", std::process::id()));
@@ -530,6 +531,12 @@ impl Engine {
                 Some(ns) => format!("watch/{resource}/{ns}"),
                 None => format!("watch/{resource}"),
             };
+            {
+                let status = status.clone();
+                crate::observability::metrics::global().sample_watch(&name, &resource.plural, move || {
+                    status.is_up() && status.problem().is_none()
+                });
+            }
             {
                 let status = status.clone();
                 self.health.liveness(&name, move || match status.problem() {

@@ -7,3 +7,4 @@ pub mod admin;
 pub mod health;
 pub mod logging;
 pub mod metrics;
+pub mod workqueue;

@@ -1971,3 +1971,224 @@ fn token_kubeconfig(env: &TestEnv, token: &str) -> Result<PathBuf> {
     std::fs::write(&path, serde_json::to_string(&config)?)?;
     Ok(path)
 }
+
+/// The text of the block scalar `key: |-` in a YAML document, without its indentation.
+fn block_scalar(doc: &str, key: &str) -> Option<String> {
+    let mut lines = doc.lines().skip_while(|l| l.trim() != format!("{key}: |-"));
+    let header = lines.next()?;
+    let indent = header.len() - header.trim_start().len() + 2;
+    let body: Vec<&str> = lines
+        .take_while(|l| l.trim().is_empty() || l.len() - l.trim_start().len() >= indent)
+        .map(|l| l.get(indent..).unwrap_or_default())
+        .collect();
+    Some(body.join("\n"))
+}
+
+/// The metric names a PromQL expression selects: every identifier followed by `{` (each of
+/// the chart's selectors has one), and any identifier with a prefix of the controller's
+/// families.
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    const PREFIXES: [&str; 5] = [
+        "capstan_",
+        "workqueue_",
+        "controller_runtime_",
+        "leader_election_",
+        "process_",
+    ];
+    let mut names = BTreeSet::new();
+    let mut ident = String::new();
+    let mut quoted = false;
+    for c in expr.chars().chain(std::iter::once(' ')) {
+        if c == '"' {
+            quoted = !quoted;
+            ident.clear();
+            continue;
+        }
+        if quoted {
+            continue;
+        }
+        if c.is_ascii_alphanumeric() || c == '_' || c == ':' {
+            ident.push(c);
+            continue;
+        }
+        if !ident.is_empty() && (c == '{' || PREFIXES.iter().any(|p| ident.starts_with(p))) {
+            names.insert(std::mem::take(&mut ident));
+        }
+        ident.clear();
+    }
+    names
+}
+
+/// The families on a `/metrics` page (`# TYPE` lines), with the series names of each
+/// (`_bucket`, `_sum` and `_count` of a histogram).
+fn exported(page: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    for (family, kind) in page
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_once(' '))
+    {
+        names.insert(family.to_owned());
+        if kind == "histogram" {
+            for suffix in ["_bucket", "_sum", "_count"] {
+                names.insert(format!("{family}{suffix}"));
+            }
+        }
+    }
+    names
+}
+
+/// The families the controller registers (its metrics modules' names; a family is on the page
+/// only once it has a sample), with the series names each may have.
+fn registered() -> Result<BTreeSet<String>> {
+    let dir = helm::chart_dir().join("../../controller/src/observability");
+    let mut names = BTreeSet::new();
+    for file in ["metrics.rs", "workqueue.rs"] {
+        let source = std::fs::read_to_string(dir.join(file)).with_context(|| format!("reading {file}"))?;
+        for literal in source.split('"').skip(1).step_by(2) {
+            let family = [
+                "capstan_",
+                "workqueue_",
+                "controller_runtime_",
+                "leader_election_",
+                "process_",
+            ]
+            .iter()
+            .any(|p| literal.starts_with(p))
+                && literal
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+            if family {
+                for suffix in ["", "_total", "_bucket", "_sum", "_count"] {
+                    names.insert(format!("{literal}{suffix}"));
+                }
+            }
+        }
+    }
+    Ok(names)
+}
+
+#[tokio::test]
+async fn the_grafana_dashboard_renders_and_its_queries_and_alerts_name_only_exported_metrics() -> Result<()> {
+    // Off by default.
+    let default = Render {
+        release: "ci",
+        namespace: "ops",
+        set: vec![HANDLER_IMAGE],
+        ..Render::default()
+    }
+    .manifests()
+    .await?;
+    ensure!(
+        !default.contains("capstan.json"),
+        "the dashboard is rendered without being asked for:\n{default}"
+    );
+    let out = Render {
+        release: "ci",
+        namespace: "ops",
+        set: vec![
+            HANDLER_IMAGE,
+            "grafanaDashboard.enabled=true",
+            "grafanaDashboard.label=dashboards",
+            "grafanaDashboard.labelValue=capstan",
+            "metrics.prometheusRule.enabled=true",
+        ],
+        show_only: vec![
+            "templates/grafana-dashboard.yaml",
+            "templates/prometheusrule.yaml",
+        ],
+        ..Render::default()
+    }
+    .manifests()
+    .await?;
+    let docs = documents(&out);
+    let configmap = docs
+        .iter()
+        .find(|d| d.contains("kind: ConfigMap"))
+        .with_context(|| format!("no ConfigMap:\n{out}"))?;
+    ensure!(
+        configmap.contains("    dashboards: \"capstan\"\n"),
+        "the ConfigMap does not carry the sidecar's label:\n{configmap}"
+    );
+    let text = block_scalar(configmap, "capstan.json").context("no capstan.json in the ConfigMap")?;
+    let dashboard: Value = serde_json::from_str(&text).context("the dashboard is no JSON")?;
+    let panels = dashboard["panels"].as_array().context("no panels")?;
+    let mut queries: Vec<(String, String)> = Vec::new();
+    for panel in panels.iter().filter(|p| p["type"] != "row") {
+        let title = panel["title"].as_str().unwrap_or_default().to_owned();
+        let targets = panel["targets"].as_array().filter(|t| !t.is_empty());
+        let targets = targets.with_context(|| format!("panel {title:?} has no query"))?;
+        for target in targets {
+            let expr = target["expr"].as_str().context("a target without expr")?;
+            queries.push((title.clone(), expr.to_owned()));
+        }
+    }
+    for wanted in [
+        "Queue depth",
+        "Queue latency",
+        "Cycle outcomes",
+        "Handler latency",
+        "API requests",
+        "API errors",
+        "The hop",
+        "Memory",
+    ] {
+        ensure!(queries.iter().any(|(t, _)| t == wanted), "no panel {wanted:?}");
+    }
+    let rule = docs
+        .iter()
+        .find(|d| d.contains("kind: PrometheusRule"))
+        .context("no PrometheusRule")?;
+    for alert in [
+        "CapstanQueueLatencyHigh",
+        "CapstanHandlersFailing",
+        "CapstanWatchDown",
+    ] {
+        ensure!(
+            rule.contains(&format!("- alert: {alert}\n")),
+            "no alert {alert}:\n{rule}"
+        );
+    }
+    queries.extend(
+        rule.lines()
+            .filter_map(|l| l.trim().strip_prefix("expr: "))
+            .map(|e| ("PrometheusRule".to_owned(), e.to_owned())),
+    );
+
+    // What a controller exports once it has handled objects (one after a retry), as a leader.
+    let mut s = Scenario::start(
+        "create3,update,delete",
+        &["--leader-election", "--lease-name", "capstan-dashboard"],
+    )
+    .await?;
+    s.create("dashboard-object", json!({"temporary": {"create_b": 1}}))
+        .await?;
+    s.wait("dashboard-object", T, "handled", |o| {
+        annotation(o, "capstan.dev/last-handled-configuration").is_some()
+    })
+    .await?;
+    let (_, page) = s.controller.admin_get("/metrics").await?;
+    s.handler.terminate().await?;
+    s.controller.process.terminate().await?;
+    s.env.stop().await?;
+    let exported = exported(&page);
+    let registered = registered()?;
+    ensure!(
+        exported.iter().all(|n| registered.contains(n)),
+        "the page has families the metrics modules do not name:\n{page}"
+    );
+    let mut named = 0;
+    for (title, expr) in &queries {
+        let names = metric_names(expr);
+        ensure!(!names.is_empty(), "{title}: no metric in {expr}");
+        for name in names {
+            named += 1;
+            ensure!(
+                exported.contains(&name) || registered.contains(&name),
+                "{title}: {name} is not exported by the controller ({expr}):\n{page}"
+            );
+        }
+    }
+    ensure!(named > 20, "only {named} metric names found");
+    Ok(())
+}

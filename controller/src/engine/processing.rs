@@ -25,7 +25,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::model::Level;
+use crate::{model::Level, observability::workqueue::Reconciled};
 
 use super::{
     causes::{self, Cause, Facts},
@@ -211,6 +211,10 @@ pub struct Plan {
     pub notes: Vec<(Level, String)>,
     /// Events with a reason of their own, always posted (a consumed retry request).
     pub announcements: Vec<(Level, &'static str, String)>,
+    /// A handler failed in this cycle (to be retried, or for good).
+    pub failed: bool,
+    /// A handler that failed in this cycle is to be retried.
+    pub retrying: bool,
 }
 
 impl Plan {
@@ -227,6 +231,8 @@ impl Plan {
             interrupted: false,
             notes: Vec::new(),
             announcements: Vec::new(),
+            failed: false,
+            retrying: false,
         }
     }
 }
@@ -295,14 +301,36 @@ pub fn has_finalizer(body: &Value, finalizer: &str) -> bool {
 }
 
 /// Runs one cycle.
+///
+/// Recorded as one reconcile of the resource (`controller_runtime_reconcile_*`, see
+/// `observability::workqueue`).
 pub async fn cycle(input: Input<'_>, invoker: &dyn Invoker) -> Plan {
+    let started = tokio::time::Instant::now();
     let daemons_alive = input.daemons_alive;
+    let metrics = crate::observability::metrics::global().workqueue(&input.resource.plural);
     let mut plan = cycle::run(input, invoker).await;
     if daemons_alive && plan.finalizer == FinalizerChange::Remove {
         debug!("daemons are still stopping; the finalizer stays for now");
         plan.finalizer = FinalizerChange::Keep;
     }
+    if plan.retrying {
+        metrics.retry();
+    }
+    metrics.reconciled(reconciled(&plan), started.elapsed());
     plan
+}
+
+/// How a cycle ended, in controller-runtime's terms.
+fn reconciled(plan: &Plan) -> Reconciled {
+    if plan.failed {
+        Reconciled::Error
+    } else if plan.interrupted {
+        Reconciled::Requeue
+    } else if plan.wake_at.is_some() {
+        Reconciled::RequeueAfter
+    } else {
+        Reconciled::Success
+    }
 }
 
 /// One handler's part in a cycle.
@@ -453,6 +481,8 @@ fn compose(
         interrupted: false,
         notes: Vec::new(),
         announcements: Vec::new(),
+        failed: false,
+        retrying: false,
     }
 }
 

@@ -310,6 +310,9 @@ impl Queue {
 
     /// Puts an object whose slot is marked running at the end of the ready list.
     fn enqueue(&self, uid: String) {
+        crate::observability::metrics::global()
+            .workqueue(&self.ctx.resource.plural)
+            .add(&uid);
         self.ready.uids.lock().push_back(uid);
         self.ready.added.notify_one();
     }
@@ -343,8 +346,14 @@ impl Queue {
                 return self.abandon();
             };
             let working = Working::new(permit);
+            let turn = crate::observability::metrics::global()
+                .workqueue(&self.ctx.resource.plural)
+                .take(&uid);
             let queue = self.clone();
-            self.workers.spawn(async move { queue.work(uid, working).await });
+            self.workers.spawn(async move {
+                queue.work(uid, working).await;
+                drop(turn);
+            });
         }
     }
 
@@ -358,6 +367,9 @@ impl Queue {
             }
         }
         self.ready.uids.lock().clear();
+        crate::observability::metrics::global()
+            .workqueue(&self.ctx.resource.plural)
+            .clear();
         self.count_waiting(-dropped);
     }
 

@@ -329,6 +329,9 @@ impl tower::Service<Request<Body>> for Route {
         };
         let inner = self.inner.clone();
         let watch = is_watch(request.uri());
+        let method = request.method().clone();
+        let answered =
+            move |code: &str| crate::observability::metrics::global().api_response(method.as_str(), code);
         let unlimited = watch || is_coordination(request.uri());
         Box::pin(async move {
             let timeout = inner.timeout;
@@ -348,16 +351,19 @@ impl tower::Service<Request<Body>> for Route {
             let response = match tokio::time::timeout_at(deadline, client.send(request)).await {
                 Ok(Ok(response)) => response,
                 Ok(Err(e)) => {
+                    answered("error");
                     if reachability::is_unanswered(&e) {
                         inner.reachability.failed(e.to_string());
                     }
                     return Err(e);
                 }
                 Err(_) => {
+                    answered("timeout");
                     inner.reachability.failed(TimedOut(timeout).to_string());
                     return Err(kube::Error::Service(Box::new(TimedOut(timeout))));
                 }
             };
+            answered(response.status().as_str());
             if reachability::is_answer(response.status()) {
                 inner.reachability.answered();
             } else {

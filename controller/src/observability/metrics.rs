@@ -9,7 +9,9 @@
 //! the page cannot be malformed. Updates touch only the family they record (a read lock on
 //! its label map and an atomic), never one lock shared by all. One process-wide registry,
 //! because metrics are observed from many layers (`grpc`, `engine`, `app`) and carry no
-//! behaviour; `observability::admin` serves [`Metrics::render`].
+//! behaviour; `observability::admin` serves [`Metrics::render`]. controller-runtime's
+//! families (`workqueue_*`, `controller_runtime_*`, `leader_election_master_status`) are in
+//! the same registry, recorded through [`Metrics::workqueue`] (see `observability::workqueue`).
 
 use std::{
     fmt,
@@ -136,6 +138,37 @@ type SampleFn = Arc<dyn Fn() -> i64 + Send + Sync>;
 #[derive(Default)]
 struct Samplers {
     functions: RwLock<[Option<SampleFn>; 6]>,
+    /// `leader_election_master_status{name}`: the lease's name and whether this replica holds it.
+    leader_election: RwLock<Option<(String, SampleFn)>>,
+    /// `capstan_watch_up{resource}`: each watch by name, with its resource and whether it is up.
+    watches: RwLock<std::collections::BTreeMap<String, (String, WatchFn)>>,
+}
+
+type WatchFn = Arc<dyn Fn() -> bool + Send + Sync>;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ApiLabels {
+    method: String,
+    code: String,
+}
+
+/// The resident memory of this process in bytes (`VmRSS`), where the system tells it.
+fn resident_memory() -> Option<i64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: i64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LeaseLabels {
+    name: String,
 }
 
 impl fmt::Debug for Samplers {
@@ -161,6 +194,44 @@ impl Collector for Samplers {
             let metric = encoder.encode_descriptor(gauge.name(), gauge.help(), None, MetricType::Gauge)?;
             ConstGauge::new(value).encode(metric)?;
         }
+        let mut up: std::collections::BTreeMap<String, bool> = std::collections::BTreeMap::new();
+        let watches: Vec<(String, WatchFn)> = self.watches.read().values().cloned().collect();
+        for (resource, f) in watches {
+            let is_up = f();
+            up.entry(resource).and_modify(|u| *u &= is_up).or_insert(is_up);
+        }
+        if !up.is_empty() {
+            let mut family = encoder.encode_descriptor(
+                "capstan_watch_up",
+                "1 while every watch of the resource is established and moving; 0 while one is down or stuck (restarted with backoff).",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (resource, is_up) in up {
+                ConstGauge::new(i64::from(is_up))
+                    .encode(family.encode_family(&ResourceLabels { resource })?)?;
+            }
+        }
+        if let Some(bytes) = resident_memory() {
+            let metric = encoder.encode_descriptor(
+                "process_resident_memory_bytes",
+                "Resident memory size in bytes.",
+                None,
+                MetricType::Gauge,
+            )?;
+            ConstGauge::new(bytes).encode(metric)?;
+        }
+        let leader = self.leader_election.read().clone();
+        if let Some((name, f)) = leader {
+            let value = f();
+            let mut family = encoder.encode_descriptor(
+                "leader_election_master_status",
+                "Gauge of if the reporting system is master of the relevant lease, 0 indicates backup, 1 indicates master. 'name' is the string used to identify the lease.",
+                None,
+                MetricType::Gauge,
+            )?;
+            ConstGauge::new(value).encode(family.encode_family(&LeaseLabels { name })?)?;
+        }
         Ok(())
     }
 }
@@ -175,12 +246,14 @@ pub struct Metrics {
     processing: Gauge,
     processing_peak: Gauge,
     api_requests: Gauge,
+    api_responses: Family<ApiLabels, Counter>,
     writes: Family<ResourceLabels, Counter>,
     events_dropped: Family<HandlerLabels, Counter>,
     node_storage_read_errors: Counter,
     quarantined: Family<ResourceLabels, Counter>,
     admission: AdmissionFamilies,
     samplers: Arc<Samplers>,
+    workqueues: Arc<super::workqueue::WorkQueues>,
 }
 
 /// The admission webhook families.
@@ -273,6 +346,12 @@ impl Default for Metrics {
             "API requests other than watches in flight (at most --api-requests; more wait their turn).",
             api_requests.clone(),
         );
+        let api_responses = Family::<ApiLabels, Counter>::default();
+        registry.register(
+            "capstan_api_requests",
+            "API requests other than watches' streams, by method and answer: the HTTP status code, or error (no answer) or timeout.",
+            api_responses.clone(),
+        );
         let writes = Family::<ResourceLabels, Counter>::default();
         registry.register(
             "capstan_api_writes",
@@ -300,6 +379,7 @@ impl Default for Metrics {
         let admission = AdmissionFamilies::register(&mut registry);
         let samplers = Arc::new(Samplers::default());
         registry.register_collector(Box::new(samplers.clone()));
+        let workqueues = super::workqueue::WorkQueues::register(&mut registry);
         Self {
             registry,
             invocations,
@@ -309,12 +389,14 @@ impl Default for Metrics {
             processing,
             processing_peak,
             api_requests,
+            api_responses,
             writes,
             events_dropped,
             node_storage_read_errors,
             quarantined,
             admission,
             samplers,
+            workqueues,
         }
     }
 }
@@ -376,6 +458,26 @@ impl Metrics {
     /// Adds `delta` (+1 or -1) to the API requests in flight (`capstan_api_requests_in_flight`).
     pub fn api_requests(&self, delta: i64) {
         self.api_requests.inc_by(delta);
+    }
+
+    /// Counts one API request's answer (`capstan_api_requests_total{method,code}`): its status
+    /// code, or `error` or `timeout`.
+    pub fn api_response(&self, method: &str, code: &str) {
+        self.api_responses
+            .get_or_create(&ApiLabels {
+                method: method.to_owned(),
+                code: code.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Registers (or replaces) watch `name` of `resource`, and the function that says whether
+    /// it is up (`capstan_watch_up{resource}`).
+    pub fn sample_watch(&self, name: &str, resource: &str, up: impl Fn() -> bool + Send + Sync + 'static) {
+        self.samplers
+            .watches
+            .write()
+            .insert(name.to_owned(), (resource.to_owned(), Arc::new(up)));
     }
 
     /// Counts one PATCH request for a handled change (`capstan_api_writes_total`).
@@ -455,6 +557,23 @@ impl Metrics {
     /// Registers (or replaces) the function a sampled gauge is read from at every scrape.
     pub fn sample(&self, gauge: Sampled, f: impl Fn() -> i64 + Send + Sync + 'static) {
         self.samplers.functions.write()[gauge.index()] = Some(Arc::new(f));
+    }
+
+    /// Registers the function that says whether this replica holds lease `name`
+    /// (`leader_election_master_status{name}`, as client-go's leader election reports it).
+    pub fn sample_leader(&self, name: &str, f: impl Fn() -> i64 + Send + Sync + 'static) {
+        *self.samplers.leader_election.write() = Some((name.to_owned(), Arc::new(f)));
+    }
+
+    /// The controller-runtime metrics of `resource`'s workqueue and cycles (`workqueue_*`,
+    /// `controller_runtime_*`, labelled by the resource's plural).
+    pub fn workqueue(&self, resource: &str) -> Arc<super::workqueue::WorkQueue> {
+        self.workqueues.of(resource)
+    }
+
+    /// Sets `--worker-limit` (`controller_runtime_max_concurrent_reconciles`).
+    pub fn worker_limit(&self, limit: usize) {
+        self.workqueues.set_worker_limit(limit);
     }
 
     /// The Prometheus text exposition (format 0.0.4, [`CONTENT_TYPE`]) of every family.
@@ -580,6 +699,9 @@ mod exposition_tests {
                 if !["counter", "gauge", "histogram", "untyped", "summary"].contains(&kind) {
                     return fail("unknown type");
                 }
+                if families.iter().any(|f| f == name) {
+                    return fail("family declared twice");
+                }
                 families.push(name.to_owned());
                 continue;
             }
@@ -651,6 +773,78 @@ mod exposition_tests {
             }
         }
         Ok(())
+    }
+
+    /// The families of controller-runtime (and client-go's leader election) the page must
+    /// hold, with their types as controller-runtime declares them.
+    pub(crate) const CONTROLLER_RUNTIME_FAMILIES: [(&str, &str); 17] = [
+        ("workqueue_depth", "gauge"),
+        ("workqueue_adds_total", "counter"),
+        ("workqueue_queue_duration_seconds", "histogram"),
+        ("workqueue_work_duration_seconds", "histogram"),
+        ("workqueue_unfinished_work_seconds", "gauge"),
+        ("workqueue_longest_running_processor_seconds", "gauge"),
+        ("workqueue_retries_total", "counter"),
+        ("controller_runtime_reconcile_total", "counter"),
+        ("controller_runtime_reconcile_errors_total", "counter"),
+        ("controller_runtime_reconcile_time_seconds", "histogram"),
+        ("controller_runtime_active_workers", "gauge"),
+        ("controller_runtime_max_concurrent_reconciles", "gauge"),
+        ("leader_election_master_status", "gauge"),
+        ("capstan_handler_invocations_total", "counter"),
+        ("capstan_watch_up", "gauge"),
+        ("capstan_api_requests_total", "counter"),
+        ("process_resident_memory_bytes", "gauge"),
+    ];
+
+    /// The `# TYPE` lines of a page, by family.
+    fn types(text: &str) -> std::collections::BTreeMap<&str, &str> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_once(' '))
+            .collect()
+    }
+
+    #[test]
+    fn the_page_holds_controller_runtimes_families_with_their_types() {
+        let m = Metrics::default();
+        m.worker_limit(4);
+        m.sample_leader("capstan-leader", || 1);
+        m.sample_watch("watch/examples/a", "examples", || true);
+        m.sample_watch("watch/examples/b", "examples", || false);
+        m.api_response("PATCH", "409");
+        m.invocation("h", "success", Duration::from_millis(1));
+        let q = m.workqueue("examples");
+        q.add("u");
+        let turn = q.take("u");
+        q.reconciled(
+            super::super::workqueue::Reconciled::Success,
+            Duration::from_millis(2),
+        );
+        q.retry();
+        drop(turn);
+        let text = m.render();
+        check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let types = types(&text);
+        for (family, kind) in CONTROLLER_RUNTIME_FAMILIES {
+            assert_eq!(types.get(family), Some(&kind), "{family}:\n{text}");
+            let samples = text
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .filter(|l| l.starts_with(family.trim_end_matches("_total")))
+                .count();
+            assert!(samples > 0, "no sample of {family}:\n{text}");
+        }
+        for sample in [
+            "workqueue_adds_total{name=\"examples\",controller=\"examples\"} 1",
+            "controller_runtime_reconcile_total{controller=\"examples\",result=\"success\"} 1",
+            "controller_runtime_max_concurrent_reconciles{controller=\"examples\"} 4",
+            "leader_election_master_status{name=\"capstan-leader\"} 1",
+            "capstan_watch_up{resource=\"examples\"} 0",
+            "capstan_api_requests_total{method=\"PATCH\",code=\"409\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == sample), "{sample} missing:\n{text}");
+        }
     }
 
     #[test]

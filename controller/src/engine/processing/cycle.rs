@@ -115,6 +115,9 @@ struct Cycle<'i, 'a> {
     resets: Vec<(String, ProgressRecord)>,
     /// The cycle's trace; each invocation is a span of it (`model::trace`).
     trace: crate::model::TraceContext,
+    /// A handler failed in this cycle; one of them is to be retried.
+    failed: bool,
+    retrying: bool,
 }
 
 impl<'i, 'a> Cycle<'i, 'a> {
@@ -234,6 +237,8 @@ impl<'i, 'a> Cycle<'i, 'a> {
             retried: Vec::new(),
             resets: Vec::new(),
             trace,
+            failed: false,
+            retrying: false,
         })
     }
 
@@ -499,6 +504,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
                         record.success = false;
                         record.failure = true;
                         record.message = Some(d.to_string());
+                        self.failed = true;
                     }
                 }
             }
@@ -507,6 +513,8 @@ impl<'i, 'a> Cycle<'i, 'a> {
                 let delayed = record.delayed.as_deref().unwrap_or_default();
                 info!(handler.id = %reg.id, error, delayed, "handler will be retried");
                 crate::observability::metrics::global().retry(reg.id.0.as_str());
+                self.failed = true;
+                self.retrying = true;
                 self.notes.push((
                     Level::Error,
                     format!("Handler '{}' failed temporarily: {error}", reg.id),
@@ -515,6 +523,7 @@ impl<'i, 'a> Cycle<'i, 'a> {
             Verdict::Failure => {
                 let error = record.message.as_deref().unwrap_or_default();
                 warn!(handler.id = %reg.id, error, "handler failed permanently");
+                self.failed = true;
                 self.notes.push((
                     Level::Error,
                     format!("Handler '{}' failed permanently: {error}", reg.id),
@@ -555,6 +564,8 @@ impl<'i, 'a> Cycle<'i, 'a> {
         }
         plan.notes = std::mem::take(&mut self.notes);
         plan.interrupted = self.interrupted;
+        plan.failed = self.failed;
+        plan.retrying = self.retrying;
         if self.interrupted {
             plan.done = false;
             plan.wake_at = None;

@@ -22,6 +22,7 @@ type running struct {
 	handler *proc
 	callLog string // one line per handler call
 	started time.Time
+	admin   string // the controller's admin address (`/metrics`), when it has one
 }
 
 func (r *running) alive() bool {
@@ -77,7 +78,7 @@ func capstanController(name, capstanBin, handlerBin, kubeconfig string, handlerE
 			if err != nil {
 				return nil, err
 			}
-			r := &running{main: main, callLog: callLog, started: main.started}
+			r := &running{main: main, callLog: callLog, started: main.started, admin: fmt.Sprintf("127.0.0.1:%d", port)}
 			deadline := time.Now().Add(60 * time.Second)
 			for {
 				if _, err := os.Stat(sock); err == nil {

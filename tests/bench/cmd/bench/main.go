@@ -423,6 +423,10 @@ func (b *bencher) runB1B2(c controller, short string, cr *controllerResult) {
 		if r.handler != nil {
 			handler0 = cpuSeconds(r.handler.pid())
 		}
+		var queue0 histogram
+		if r.admin != "" {
+			queue0, _ = scrapeQueueDuration(b.ctx, r.admin)
+		}
 		t0 := time.Now()
 		acks, tCreate, err := createMany(b.ctx, b.dyn, ns, "obj", n, 64, func(int) map[string]any { return spec1KiB() })
 		if err != nil {
@@ -454,9 +458,14 @@ func (b *bencher) runB1B2(c controller, short string, cr *controllerResult) {
 			HandlerCPUS: handler1 - handler0, APIServerCPUS: api1 - api0, DriverCPUS: self1 - self0,
 		}
 		run.PerS = float64(n) / run.TotalS
+		if queue0 != nil {
+			if queue1, err := scrapeQueueDuration(b.ctx, r.admin); err == nil {
+				run.QueueP99Ms = 1000 * quantile(0.99, queue0, queue1)
+			}
+		}
 		cr.B1 = append(cr.B1, run)
-		say("%s: B1 N=%d: %.2fs (%.0f/s), p50 %.1fms p99 %.1fms, cpu: controller %.2fs handler %.2fs apiserver %.2fs driver %.2fs",
-			c.Name, n, run.TotalS, run.PerS, run.P50Ms, run.P99Ms, run.CPUS, run.HandlerCPUS, run.APIServerCPUS, run.DriverCPUS)
+		say("%s: B1 N=%d: %.2fs (%.0f/s), p50 %.1fms p99 %.1fms, workqueue_queue_duration_seconds p99 %.1fms, cpu: controller %.2fs handler %.2fs apiserver %.2fs driver %.2fs",
+			c.Name, n, run.TotalS, run.PerS, run.P50Ms, run.P99Ms, run.QueueP99Ms, run.CPUS, run.HandlerCPUS, run.APIServerCPUS, run.DriverCPUS)
 		time.Sleep(b.o.steady)
 		if m, err := readMemory(r.main.pid()); err == nil {
 			at := memAt{Objects: total, Memory: m}

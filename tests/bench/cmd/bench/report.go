@@ -31,6 +31,9 @@ type b1Result struct {
 	HandlerCPUS   float64 `json:"handler_cpu_s"`
 	APIServerCPUS float64 `json:"apiserver_cpu_s"`
 	DriverCPUS    float64 `json:"driver_cpu_s"`
+	// QueueP99Ms is the p99 of the controller's own workqueue_queue_duration_seconds over the
+	// run (Capstan only): from an object's work arriving to a worker taking it.
+	QueueP99Ms float64 `json:"workqueue_queue_p99_ms,omitempty"`
 }
 
 type memAt struct {
@@ -264,6 +267,18 @@ func writeReport(dir string, r *results) error {
 	p("")
 	p("Total: first create sent → last marker seen. Latency: create acknowledged → marker first seen on an independent watch. Creates at concurrency 64; each object ~1 KiB of spec. CPU: utime+stime over the same interval (the API server includes its embedded etcd). The time to only create the N objects is in `latest.json` (`create_s`).")
 	p("")
+	if capstan != nil {
+		var queue []string
+		for _, n := range r.Sizes {
+			if x := capstan.b1(n); x != nil && x.QueueP99Ms > 0 {
+				queue = append(queue, fmt.Sprintf("%.1f ms at N=%d", x.QueueP99Ms, n))
+			}
+		}
+		if len(queue) > 0 {
+			p("Capstan's own account of the queue (`workqueue_queue_duration_seconds` on `/metrics`, from an object's work arriving to a worker taking it, p99 as Prometheus's `histogram_quantile` computes it over the run): %s.", strings.Join(queue, ", "))
+			p("")
+		}
+	}
 
 	p("One object at a time (the unloaded latency, create acknowledged → marker seen), and what each controller's bookkeeping adds to an object:")
 	p("")
