@@ -244,8 +244,16 @@ async fn hostile(port: u16, connector: TlsConnector, kind: Hostile) -> Result<Op
     Ok(closed.ok().map(|()| opened.elapsed()))
 }
 
+/// The two tests load the machine heavily; run one at a time, so that one's bodies do not
+/// stretch the other's latencies.
+fn one_at_a_time() -> &'static tokio::sync::Mutex<()> {
+    static SERIAL: std::sync::OnceLock<tokio::sync::Mutex<()>> = std::sync::OnceLock::new();
+    SERIAL.get_or_init(|| tokio::sync::Mutex::new(()))
+}
+
 #[tokio::test]
 async fn hostile_connections_are_closed_and_a_legitimate_review_is_answered_throughout() -> Result<()> {
+    let _serial = one_at_a_time().lock().await;
     let long = faults::long();
     let n = faults::size(160, 1100);
     let dir = tempfile::tempdir()?;
@@ -376,6 +384,7 @@ fn big(kind: Big, bytes: usize) -> Vec<u8> {
 
 #[tokio::test]
 async fn concurrent_big_bodies_stay_within_the_memory_budget() -> Result<()> {
+    let _serial = one_at_a_time().lock().await;
     let dir = tempfile::tempdir()?;
     let (s, port, connector) = start(&dir, &[]).await?;
     let pid = s
