@@ -1772,10 +1772,7 @@ async fn the_chart_binds_the_admin_and_webhook_ports_on_both_address_families() 
         out.contains("name: CAPSTAN_WEBHOOK_LISTEN") && out.contains("value: \"[::]:9443\""),
         "the webhook port on [::]:\n{out}"
     );
-    ensure!(
-        !out.contains("value: \"0.0.0.0:"),
-        "an IPv4-only bind:\n{out}"
-    );
+    ensure!(!out.contains("value: \"0.0.0.0:"), "an IPv4-only bind:\n{out}");
     // A `[::]` socket of the controller answers over IPv4 and IPv6 (dual-stack).
     let env = TestEnv::start().await?;
     let port = capstan_tests::process::free_port()?;
