@@ -6,7 +6,8 @@
 //! every covered write in the cluster depends on it, so the server is a stack of kept layers
 //! around Capstan's admission logic, each bounding one way a peer could hold it:
 //! - connections: a fixed number of [`slots`](super::slots); when all are taken the longest
-//!   idle connection gives way (only connections whose review is with the handlers are busy);
+//!   idle connection gives way, one reading its request only when none is idle, and one whose
+//!   review is with the handlers never;
 //! - the TLS handshake has a deadline (and, with a client CA, needs a client certificate); then hyper's HTTP/1 connection with hyper-util's timer,
 //!   so that its header-read timeout holds, also for an idle keep-alive connection waiting for
 //!   its next request; a read buffer of at most 64 KiB;
@@ -16,6 +17,8 @@
 //!   (429 when it is spent), parsed into kube's typed review;
 //! - tower's load shedding over its concurrency limit: at most so many reviews with the
 //!   handlers (503 beyond), never a queue.
+//!
+//! A failed accept (out of descriptors, mostly) backs off as the admin endpoint's does.
 //!
 //! The API server appends `?timeout=<duration>` to every call: the answer is due that long
 //! after the request arrived, so the handlers get it minus a margin for the way back (a tenth,
@@ -63,7 +66,7 @@ use super::{
     review,
     slots::{Marker, Slots},
 };
-use crate::observability::metrics;
+use crate::observability::{admin::ACCEPT_BACKOFF, metrics};
 
 /// The most bytes hyper buffers for one connection (the request head must fit).
 const READ_BUFFER: usize = 64 << 10;
@@ -180,8 +183,12 @@ impl Server {
                 accepted = self.listener.accept() => match accepted {
                     Ok(a) => a,
                     Err(e) => {
-                        debug!(error = %e, "webhook accept failed");
-                        continue;
+                        // Out of descriptors, mostly: wait instead of spinning on the error.
+                        warn!(error = %e, retry_in = ?ACCEPT_BACKOFF, "webhook accept failed");
+                        tokio::select! {
+                            () = stop.cancelled() => break,
+                            () = tokio::time::sleep(ACCEPT_BACKOFF) => continue,
+                        }
                     }
                 },
             };
@@ -217,8 +224,16 @@ impl Server {
                         },
                     };
                     let service = service_fn(move |mut req: Request<Incoming>| {
+                        // From its head to its answer, a request keeps its connection from
+                        // being shed before the silent ones.
+                        let reading = marker.reading();
                         req.extensions_mut().insert(marker.clone());
-                        stack.clone().oneshot(req)
+                        let answered = stack.clone().oneshot(req);
+                        async move {
+                            let response = answered.await;
+                            drop(reading);
+                            response
+                        }
                     });
                     let conn = http.serve_connection(TokioIo::new(tls), service);
                     tokio::select! {

@@ -1,12 +1,19 @@
 //! The webhook server's connection slots: a fixed number of connections held at once, and when
-//! all are taken a new connection takes the slot of the one idle the longest, which is closed.
-//! A connection is busy only while one of its reviews is with the handlers; waiting for a
-//! header, reading a body or idling between requests is idle, so that connections that hold a
-//! slot without asking anything cannot keep the API server's calls out (they would otherwise
-//! wait in the listen backlog until their timeout, and the webhook's failure policy would
-//! decide every covered write).
+//! all are taken a new connection takes the slot of another, which is closed. A connection is
+//! in one of three states:
+//! - **idle**: in its TLS handshake, waiting for a request head, or kept alive between requests;
+//! - **reading**: a request head has arrived and its body is being read (bounded by the body
+//!   deadlines);
+//! - **busy**: one of its reviews is with the handlers.
 //!
-//! Only when every slot is busy does a new connection wait, for the first to become idle.
+//! Idle connections that were never answered give way first (the longest idle first), then
+//! those answered before (the API server keeps its connections alive between calls); only
+//! when none is idle does the one reading the longest, and a busy one never does. So
+//! connections that hold a slot without asking anything cannot keep the API server's calls out
+//! (they would otherwise wait in the listen backlog until their timeout, and the webhook's
+//! failure policy would decide every covered write), and a flood of new connections cannot
+//! shed a call whose body is on its way while silent connections are held. Only when every slot is busy does a new connection wait, for
+//! the first to be no longer busy.
 
 use std::{collections::HashMap, sync::Arc};
 
@@ -30,9 +37,23 @@ struct State {
 
 #[derive(Debug)]
 struct Entry {
-    idle_since: Instant,
+    /// When the connection last changed state.
+    since: Instant,
+    /// Requests read or answered now (a request is counted from its head to its answer).
+    reading: usize,
+    /// Reviews with the handlers now.
     busy: usize,
+    /// Whether a request of this connection was answered.
+    answered: bool,
     close: CancellationToken,
+}
+
+impl Entry {
+    /// The order in which connections give way: idle before reading, never answered before
+    /// answered, then the longest first.
+    fn shedding_order(&self) -> (bool, bool, Instant) {
+        (self.reading > 0, self.answered, self.since)
+    }
 }
 
 /// One connection's slot; freed when dropped.
@@ -43,9 +64,17 @@ pub struct Slot {
     close: CancellationToken,
 }
 
-/// A review with the handlers; the connection is idle again when the last one is dropped.
+/// A review with the handlers; the connection is no longer busy when the last one is dropped.
 #[derive(Debug)]
 pub struct Busy {
+    id: u64,
+    slots: Arc<Slots>,
+}
+
+/// A request being read or answered; the connection is idle again when the last one is
+/// dropped.
+#[derive(Debug)]
+pub struct Reading {
     id: u64,
     slots: Arc<Slots>,
 }
@@ -70,8 +99,9 @@ impl Slots {
         self.len() == 0
     }
 
-    /// A slot for a new connection: a free one, or the one of the connection idle the longest
-    /// (which is told to close); waits only while every slot is busy.
+    /// A slot for a new connection: a free one, or the one of the connection that gives way
+    /// first (idle the longest, else reading the longest; it is told to close); waits only
+    /// while every slot is busy.
     pub async fn take(self: &Arc<Self>) -> Slot {
         loop {
             let freed = self.freed.notified();
@@ -89,7 +119,7 @@ impl Slots {
                 .held
                 .iter()
                 .filter(|(_, e)| e.busy == 0)
-                .min_by_key(|(_, e)| e.idle_since)?;
+                .min_by_key(|(_, e)| e.shedding_order())?;
             if let Some(evicted) = state.held.remove(&oldest) {
                 evicted.close.cancel();
             }
@@ -100,8 +130,10 @@ impl Slots {
         state.held.insert(
             id,
             Entry {
-                idle_since: Instant::now(),
+                since: Instant::now(),
+                reading: 0,
                 busy: 0,
+                answered: false,
                 close: close.clone(),
             },
         );
@@ -118,11 +150,31 @@ impl Slots {
         }
     }
 
-    fn idle(&self, id: u64) {
+    /// Counts one more request (`reading`) or review (`busy`) on a connection.
+    fn enter(&self, id: u64, busy: bool) {
+        if let Some(entry) = self.state.lock().held.get_mut(&id) {
+            if busy {
+                entry.busy += 1;
+            } else {
+                entry.reading += 1;
+            }
+            entry.since = Instant::now();
+        }
+    }
+
+    /// Counts one request or review less; a connection no longer busy may give way, so a
+    /// waiting new connection is woken.
+    fn leave(&self, id: u64, busy: bool) {
         let mut state = self.state.lock();
         if let Some(entry) = state.held.get_mut(&id) {
-            entry.busy = entry.busy.saturating_sub(1);
-            entry.idle_since = Instant::now();
+            let count = if busy {
+                &mut entry.busy
+            } else {
+                entry.answered = true;
+                &mut entry.reading
+            };
+            *count = count.saturating_sub(1);
+            entry.since = Instant::now();
             if entry.busy == 0 {
                 drop(state);
                 self.freed.notify_waiters();
@@ -137,7 +189,7 @@ impl Slot {
         self.close.clone()
     }
 
-    /// A handle that marks the connection busy.
+    /// A handle that marks the connection reading or busy.
     pub fn marker(&self) -> Marker {
         Marker {
             id: self.id,
@@ -152,7 +204,8 @@ impl Drop for Slot {
     }
 }
 
-/// Marks its connection busy while a review is with the handlers. Cheap to clone.
+/// Marks its connection reading while a request is read or answered, and busy while a review
+/// is with the handlers. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Marker {
     id: u64,
@@ -160,11 +213,18 @@ pub struct Marker {
 }
 
 impl Marker {
+    /// Reading until the returned guard is dropped.
+    pub fn reading(&self) -> Reading {
+        self.slots.enter(self.id, false);
+        Reading {
+            id: self.id,
+            slots: self.slots.clone(),
+        }
+    }
+
     /// Busy until the returned guard is dropped.
     pub fn busy(&self) -> Busy {
-        if let Some(entry) = self.slots.state.lock().held.get_mut(&self.id) {
-            entry.busy += 1;
-        }
+        self.slots.enter(self.id, true);
         Busy {
             id: self.id,
             slots: self.slots.clone(),
@@ -172,9 +232,15 @@ impl Marker {
     }
 }
 
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.slots.leave(self.id, false);
+    }
+}
+
 impl Drop for Busy {
     fn drop(&mut self) {
-        self.slots.idle(self.id);
+        self.slots.leave(self.id, true);
     }
 }
 
@@ -207,6 +273,57 @@ mod tests {
         let _e = slots.take().await;
         assert!(c.closed().is_cancelled());
         assert!(!a.closed().is_cancelled() && !d.closed().is_cancelled());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_reading_its_request_gives_way_only_after_every_idle_one() {
+        let slots = Slots::new(3);
+        let legitimate = slots.take().await;
+        let reading = legitimate.marker().reading();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let silent = slots.take().await;
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let _also_silent = slots.take().await;
+        // A flood of new connections: each sheds a silent one, never the one reading.
+        let mut flood = Vec::new();
+        for _ in 0..10 {
+            tokio::time::advance(Duration::from_millis(10)).await;
+            flood.push(slots.take().await);
+        }
+        assert!(silent.closed().is_cancelled());
+        assert!(!legitimate.closed().is_cancelled());
+        assert_eq!(slots.len(), 3);
+        // Once its request is answered it is idle again, kept alive as the API server keeps
+        // its connections: the silent ones still give way first.
+        tokio::time::advance(Duration::from_millis(10)).await;
+        drop(reading);
+        for _ in 0..10 {
+            tokio::time::advance(Duration::from_millis(10)).await;
+            flood.push(slots.take().await);
+            assert!(!legitimate.closed().is_cancelled());
+        }
+        // Among answered connections, the one idle the longest goes first.
+        let other = flood.pop().expect("a connection");
+        drop(other.marker().reading());
+        tokio::time::advance(Duration::from_millis(10)).await;
+        let third = slots.take().await;
+        assert!(!other.closed().is_cancelled() && !legitimate.closed().is_cancelled());
+        let _third_reading = third.marker().reading();
+        let _fourth = slots.take().await;
+        assert!(legitimate.closed().is_cancelled() && !other.closed().is_cancelled());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn when_only_reading_connections_are_left_the_one_reading_the_longest_gives_way() {
+        let slots = Slots::new(2);
+        let trickling = slots.take().await;
+        let _trickle = trickling.marker().reading();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let later = slots.take().await;
+        let _later = later.marker().reading();
+        let _new = slots.take().await;
+        assert!(trickling.closed().is_cancelled());
+        assert!(!later.closed().is_cancelled());
     }
 
     #[tokio::test(start_paused = true)]
