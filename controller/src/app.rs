@@ -75,17 +75,12 @@ impl grpc::Resolver for DiscoveryResolver {
 pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<()> {
     let core = Core::connect(&settings).await?;
     let serving = CancellationToken::new();
-    // The admin endpoint answers probes from the start: also while the node-local storage is
-    // waited for (a surge pod of the same DaemonSet may still hold it).
+    // Bound now, so that an address in use is known at once.
     let admin = Admin::bind(settings.admin_listen, settings.admin.clone(), core.health.clone()).await?;
     let admin_addr = admin.local_addr();
     let mut tasks = JoinSet::new();
-    let admin_stop = serving.clone();
-    tasks.spawn(async move {
-        admin.serve(admin_stop).await;
-        Ok(())
-    });
-    // The handler container's own identity, before it starts (after the startup probe).
+    // The handler container's own identity, before it starts: kubelet starts it once the
+    // startup probe passes, so the first token is written before the admin endpoint answers.
     if let Some(spec) = settings.handler_identity.clone() {
         let client = core.switch.base();
         let first = crate::k8s::handler_identity::first(&client, &spec).await;
@@ -95,6 +90,13 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
             Ok(())
         });
     }
+    // Then the admin endpoint answers probes: also while the node-local storage is waited for
+    // (a surge pod of the same DaemonSet may still hold it).
+    let admin_stop = serving.clone();
+    tasks.spawn(async move {
+        admin.serve(admin_stop).await;
+        Ok(())
+    });
     tokio::select! {
         opened = open_node_store(&mut settings, &core.health) => opened?,
         () = shutdown.cancelled() => {

@@ -235,7 +235,8 @@ impl Controller {
         Self::spawn_with(env, &env.kubeconfig, name, extra).await
     }
 
-    async fn spawn_with(env: &TestEnv, kubeconfig: &Path, name: &str, extra: &[&str]) -> Result<Self> {
+    /// Like [`Controller::start_with`], without waiting for it to have started.
+    pub async fn spawn_with(env: &TestEnv, kubeconfig: &Path, name: &str, extra: &[&str]) -> Result<Self> {
         let bin = capstan_binary().await?;
         let socket = env.scratch().join(format!("{name}.sock"));
         let admin = format!("127.0.0.1:{}", free_port()?);

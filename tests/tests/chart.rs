@@ -1429,13 +1429,30 @@ async fn the_handler_gets_its_own_identity_and_none_of_the_controllers_rights() 
     std::fs::create_dir_all(&identity)?;
     let account = format!("{ns}/ops-capstan-handler");
     let dir = identity.to_string_lossy().into_owned();
-    let mut capstan = capstan_tests::process::Controller::start_with(
+    let mut capstan = capstan_tests::process::Controller::spawn_with(
         &env,
         &controller,
         "capstan-identity",
         &["--handler-identity", &account, "--handler-identity-dir", &dir],
     )
     .await?;
+    // The startup probe lets kubelet start the handler container: the token is there by the
+    // time `/healthz` first answers.
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        if let Ok((200, _)) = capstan.admin_get("/healthz").await {
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "/healthz never answered 200"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    ensure!(
+        identity.join("token").exists(),
+        "/healthz answered before the handler's token was written, so the handler container would start without it"
+    );
     capstan
         .process
         .wait_for("the handler's identity is written", T)

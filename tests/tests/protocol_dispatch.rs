@@ -189,6 +189,31 @@ async fn a_deadline_sends_cancel_and_an_unanswered_attempt_times_out() -> anyhow
     Ok(())
 }
 
+/// An SDK enforces the deadline it was sent on its own clock and reports `Cancelled` when it
+/// passes, a moment before the controller's own Cancel would go out: that attempt timed out.
+/// (An admission handler stopped so was reported "cancelled" instead of "did not answer in
+/// time".)
+#[tokio::test]
+async fn a_handler_that_stops_itself_at_its_deadline_timed_out() -> anyhow::Result<()> {
+    let server = TestServer::start().await?;
+    let mut client = connect(&server).await?;
+    let hub = server.hub.clone();
+    let mut work = create_work("uid-4b/create_fn");
+    work.attempt_timeout = Some(Duration::from_millis(1500));
+    let outcome = tokio::spawn(async move { hub.invoke(work).await });
+    let inv = client.invocation().await?;
+    tokio::time::sleep(Duration::from_millis(1400)).await;
+    client
+        .send(In::Result(pb::InvocationResult {
+            invocation_id: inv.invocation_id,
+            outcome: Some(pb::invocation_result::Outcome::Cancelled(pb::Cancelled {})),
+            ..Default::default()
+        }))
+        .await?;
+    assert_eq!(outcome.await?, Outcome::TimedOut);
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_dropped_connection_requeues_the_work_for_the_next_connection() -> anyhow::Result<()> {
     let server = TestServer::start().await?;

@@ -3,7 +3,8 @@
 //! The engine (or a test) calls [`Hub::invoke`] with one [`Work`] and awaits one [`Outcome`].
 //! Everything in between happens here: waiting until some connection has registered the
 //! handler, the per-handler and per-process in-flight caps (fair, first come first served),
-//! the attempt's deadline and the `Cancel` it triggers, and redelivery when a connection drops
+//! the attempt's deadline and the `Cancel` it triggers (an attempt the SDK stopped at its
+//! deadline before that timed out too), and redelivery when a connection drops
 //! (a new invocation id, the next attempt number, and the poison-pill guard after repeated
 //! losses). Work that cannot be dispatched waits here, in memory, never in gRPC buffers.
 //!
@@ -25,6 +26,11 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tracing::{Instrument, debug, info_span, warn};
 
 use super::{Control, convert};
+
+/// How much earlier than the controller an SDK may find an attempt's deadline passed: it is
+/// sent as a wall-clock time and enforced on the process's own clock. A `Cancelled` the
+/// controller did not ask for, this close to the deadline, is the attempt timing out.
+const CLOCK_SKEW: std::time::Duration = std::time::Duration::from_millis(500);
 use crate::model::{
     CancelReason, Diagnostic, HandlerId, Outcome, Patch, Posting, Registration, ResourceRef, Work,
 };
@@ -724,7 +730,15 @@ impl Hub {
             tokio::select! {
                 delivery = &mut reply_rx => {
                     guard.armed = false;
-                    return delivery.unwrap_or(Delivery::Lost);
+                    return match delivery {
+                        // Not asked to stop: the SDK stopped it at the deadline it was sent,
+                        // on its own clock, a moment before ours.
+                        Ok(Delivery::Result(Outcome::Cancelled)) if deadline.is_some_and(|d| tokio::time::Instant::now() + CLOCK_SKEW >= d) => {
+                            Delivery::Result(Outcome::TimedOut)
+                        }
+                        Ok(delivery) => delivery,
+                        Err(_) => Delivery::Lost,
+                    };
                 }
                 () = sleep_until_opt(deadline) => break CancelReason::DeadlineExceeded,
                 () = control.cancel.cancelled() => break control.reason(),
