@@ -758,7 +758,16 @@ impl RunArgs {
         settings.webhooks = self.webhook.settings();
         settings.webhooks.listen = crate::config::bindable(settings.webhooks.listen);
         settings.webhooks.leader_election = self.leader_election;
-        if settings.webhooks.mode != crate::webhooks::Mode::Off
+        // Admission handlers are run only where webhooks are served; otherwise their
+        // registrations are refused with the reason, so the handler process learns it.
+        settings.connection.admission_unavailable = if settings.webhooks.mode == crate::webhooks::Mode::Off {
+            Some("its admission webhooks are off (--webhooks=off)".to_owned())
+        } else if settings.webhooks.needs_shared_ca() {
+            Some(crate::webhooks::NEEDS_SHARED_CA.to_owned())
+        } else {
+            None
+        };
+        if settings.connection.admission_unavailable.is_none()
             && let Some(kinds) = settings.connection.supported_kinds.as_mut()
         {
             kinds.extend([

@@ -28,7 +28,8 @@
 //!   loopback) unless `--webhook-cert-dir` names a mounted Secret, whose files are reloaded
 //!   when they change. With leader election a generated certificate needs one CA for all
 //!   replicas (`--webhook-ca-secret`), or the replicas the leader's bundle does not cover would
-//!   fail every review sent to them: without it the webhooks are refused. In development (no `--webhook-service`), the configurations address
+//!   fail every review sent to them: without it the webhooks are refused (at start with
+//!   `--webhooks on`, at registration of admission handlers with `auto`). In development (no `--webhook-service`), the configurations address
 //!   the server by URL, `https://127.0.0.1:<port>` unless `--webhook-url` says otherwise.
 
 pub mod admission;
@@ -200,7 +201,9 @@ impl Webhooks {
             if settings.mode == Mode::On {
                 return Err(Error::NeedsSharedCa);
             }
-            return Ok(Some(Self::refusing(hub)));
+            // `auto`: nothing is served, and admission handlers are refused at registration
+            // with this reason (see `cli`), so their processes learn it.
+            return Ok(None);
         }
         let shared = match &settings.ca_secret {
             Some((namespace, name)) if settings.cert_dir.is_none() => {
@@ -320,50 +323,12 @@ impl Webhooks {
         }))
     }
 
-    /// Webhooks that cannot be served (a generated certificate with leader election and no
-    /// shared CA, `auto`): the refusal is said when the first admission handler registers,
-    /// and nothing is served or written.
-    fn refusing(hub: &Hub) -> Self {
-        let stop = CancellationToken::new();
-        let (tx, handlers) = watch::channel(Arc::new(Vec::new()));
-        let task = {
-            let stop = stop.clone();
-            let mut connected = hub.registrations();
-            async move {
-                let mut said = false;
-                loop {
-                    let admission = connected
-                        .borrow_and_update()
-                        .iter()
-                        .any(|r| r.kind.is_admission());
-                    if admission && !said {
-                        error!("admission handlers are not served: {NEEDS_SHARED_CA}");
-                        said = true;
-                    }
-                    tokio::select! {
-                        () = stop.cancelled() => return,
-                        changed = connected.changed() => if changed.is_err() { return },
-                    }
-                }
-            }
-        };
-        let tasks = vec![tokio::spawn(task.instrument(info_span!("webhook-refusal")))];
-        drop(tx);
-        Self {
-            stop,
-            tasks,
-            manager: None,
-            handlers,
-            certs: None,
-        }
-    }
-
     /// The admission handlers known now.
     pub fn handlers(&self) -> watch::Receiver<Arc<Vec<Registration>>> {
         self.handlers.clone()
     }
 
-    /// The serving certificates; `None` when the webhooks are refused.
+    /// The serving certificates.
     pub fn certificates(&self) -> Option<&Certificates> {
         self.certs.as_ref()
     }

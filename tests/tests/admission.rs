@@ -594,17 +594,21 @@ async fn a_generated_certificate_with_leader_election_needs_a_shared_ca() -> Res
         "{text}"
     );
 
+    // `auto`: the admission handler's registration is refused with the reason, which reaches
+    // its process (not only the controller's log).
     let mut c = Controller::start(&env, "auto", &["--leader-election", "--webhook-listen", &listen]).await?;
-    let _handler = start_handler(
+    let mut handler = start_handler(
         &env,
         "auto-handler",
         &c.endpoint(),
         &[("E2E_HANDLERS", "validate")],
     )?;
-    c.process
-        .wait_for("admission handlers are not served", LONG)
+    c.process.wait_for("registration rejected", LONG).await?;
+    assert!(c.process.output().contains("needs a CA shared by the replicas"));
+    handler
+        .wait_for("needs a CA shared by the replicas", LONG)
         .await?;
-    assert!(c.process.output().contains("--webhook-ca-secret"));
+    assert!(handler.output().contains("--webhook-ca-secret"));
     assert!(
         tokio::net::TcpStream::connect(&listen).await.is_err(),
         "nothing listens"

@@ -59,6 +59,9 @@ pub struct Settings {
     /// The handler kinds the controller runs; `None` accepts every kind of the protocol.
     /// Registrations of other kinds are rejected with `UNSUPPORTED_HANDLER_KIND`.
     pub supported_kinds: Option<Vec<HandlerKind>>,
+    /// Why admission handlers are not run when [`Self::supported_kinds`] leaves them out,
+    /// said in their refusal (webhooks off, or not servable).
+    pub admission_unavailable: Option<String>,
     /// Most registrations (`Hello.handlers` entries) one handler process may make. A larger
     /// `hello` ends the stream with `RESOURCE_EXHAUSTED` (`TOO_MANY_HANDLERS:`) before any of
     /// it is validated, so that one process cannot stall registration for the others.
@@ -85,6 +88,7 @@ impl Default for Settings {
             max_message_bytes: capstan_proto::MAX_MESSAGE_BYTES,
             cancel_grace: Duration::from_secs(5),
             supported_kinds: None,
+            admission_unavailable: None,
             max_handlers: MAX_HANDLERS,
             preface_timeout: Duration::from_secs(10),
             insecure_non_loopback: false,
@@ -173,7 +177,10 @@ pub async fn accept(
         &hub,
         resolver.as_ref(),
         &hello,
-        settings.supported_kinds.as_deref(),
+        Supported {
+            kinds: settings.supported_kinds.as_deref(),
+            admission_unavailable: settings.admission_unavailable.as_deref(),
+        },
     )
     .await;
     let sdk = hello.sdk.clone().unwrap_or_default();
@@ -280,12 +287,19 @@ fn reject_taken(statuses: &mut [pb::RegistrationStatus], id: &HandlerId) {
     }
 }
 
+/// The handler kinds a controller runs, and why admission handlers are not when they are not.
+#[derive(Clone, Copy)]
+struct Supported<'a> {
+    kinds: Option<&'a [HandlerKind]>,
+    admission_unavailable: Option<&'a str>,
+}
+
 /// Validates every registration of `hello`: conversion, duplicates, ownership, resolution.
 async fn validate(
     hub: &Hub,
     resolver: &dyn Resolver,
     hello: &pb::Hello,
-    supported: Option<&[HandlerKind]>,
+    supported: Supported<'_>,
 ) -> (Vec<pb::RegistrationStatus>, Vec<Registration>) {
     let mut statuses = Vec::with_capacity(hello.handlers.len());
     let mut accepted = Vec::new();
@@ -316,16 +330,14 @@ async fn validate(
                 )
                 .at(format!("handlers[{index}].handler_id")),
             ]),
-            Ok(reg) if supported.is_some_and(|kinds| !kinds.contains(&reg.kind)) => Err(vec![
+            Ok(reg) if supported.kinds.is_some_and(|kinds| !kinds.contains(&reg.kind)) => Err(vec![
                 Diagnostic::error(
                     "UNSUPPORTED_HANDLER_KIND",
-                    if reg.kind.is_admission() {
-                        format!(
-                            "this controller does not run {} handlers: its admission webhooks are off (--webhooks=off)",
-                            reg.kind
-                        )
-                    } else {
-                        format!("this controller does not run {} handlers", reg.kind)
+                    match supported.admission_unavailable {
+                        Some(why) if reg.kind.is_admission() => {
+                            format!("this controller does not run {} handlers: {why}", reg.kind)
+                        }
+                        _ => format!("this controller does not run {} handlers", reg.kind),
                     },
                 )
                 .at(format!("handlers[{index}].kind")),

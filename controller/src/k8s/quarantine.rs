@@ -11,6 +11,10 @@
 //! logged with its namespace, name, uid and resourceVersion (read from its text without parsing
 //! the rest), counted in `capstan_objects_quarantined_total{resource}`, and skipped. The
 //! watch's resourceVersion moves past it as past any event.
+//!
+//! No handler sees a quarantined object, its deletion handlers included: deleted while it
+//! carries Capstan's finalizer, it stays until it is readable again or the finalizer is
+//! removed by hand, rather than have its deletion taken as handled when it was not.
 
 use serde::Deserialize;
 use serde_json::{Value, json, value::RawValue};
