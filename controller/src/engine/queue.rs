@@ -15,9 +15,11 @@
 //!
 //! # Bounded memory
 //!
-//! An object with work waits in the resource's ready list (its uid, once) until the queue's
-//! dispatcher gets one of the global limit's permits for it (`--worker-limit`, first come first
-//! served across resources); only then is a worker task spawned. So at any time at most
+//! An object with work waits in the resource's ready lines (its uid, once: changes before
+//! confirmations of the state, which are never starved; see [`ready`]) until the queue's
+//! dispatcher gets one of the global limit's permits (`--worker-limit`, first come first
+//! served across resources) and then takes the best work waiting at that moment; only then is
+//! a worker task spawned. So at any time at most
 //! `--worker-limit` objects have a task, a parsed body and an invocation in flight, however
 //! many objects a start-up listing brings: a waiting object costs its slot and one compressed
 //! body (a newer event replaces the one waiting), never a task whose future is sized for a
@@ -32,7 +34,7 @@
 //! `capstan_objects_pending` how many wait.
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::HashMap,
     num::NonZeroU64,
     panic::AssertUnwindSafe,
     sync::{
@@ -52,7 +54,10 @@ use tokio::{
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument, debug, error, info_span, warn};
 
-use self::version::{Judged, Versions, version_of};
+use self::{
+    ready::{Priority, Taken},
+    version::{Judged, Versions, version_of},
+};
 use super::{
     processing::{self, Input, Invoker, Memory, Storage},
     writing::{Writer, Written},
@@ -137,11 +142,10 @@ pub struct Queue {
     workers: TaskTracker,
 }
 
-/// The uids of objects with work and no worker yet, in arrival order (see the module docs).
+/// The objects with work and no worker yet (see the module docs).
 #[derive(Default)]
 struct Ready {
-    uids: Mutex<VecDeque<String>>,
-    added: Notify,
+    lines: ready::Ready,
     /// How many objects wait with a body (their pending event).
     waiting: AtomicUsize,
     /// Told when an object's waiting body is taken or dropped.
@@ -178,7 +182,7 @@ struct Next {
     body: Stored,
     /// Whether `body` is the object as the API server stored it.
     as_stored: bool,
-    /// Whether `body` is news for the event handlers (see [`Slot::pending_event`]).
+    /// Whether `body` is news for the event handlers (see [`Pending::event`]).
     event: bool,
     memory: Memory,
 }
@@ -189,29 +193,38 @@ enum Source {
     /// A watch event, or an object of the watch's listing (`listed`: when that listing
     /// started).
     Watch { listed: Option<tokio::time::Instant> },
-    /// A body kept in memory.
-    Memory,
+    /// A body kept in memory: a retry, timer or daemon that is due (a change), or a resync
+    /// (a confirmation).
+    Memory(Priority),
 }
 
 /// How many tombstones are kept, and for how long.
 const TOMBSTONES: usize = 4096;
 const TOMBSTONE_TTL: Duration = Duration::from_secs(300);
 
+/// An object's next work, waiting for its worker.
+struct Pending {
+    event_type: EventType,
+    /// Whether the body is the object as the API server stored it (a watch event, a listing,
+    /// a write's answer), not one kept in memory.
+    as_stored: bool,
+    /// Whether the body is news for the event handlers: a watch event or a listed body
+    /// standing in for one, not our own write's echo or answer, nor a body from memory.
+    event: bool,
+    body: Stored,
+}
+
 #[derive(Default)]
 struct Slot {
-    pending: Option<(EventType, Stored)>,
+    /// The object's next work: its event type, whether the body is as stored and whether it
+    /// is news (see [`Pending`]), and the body.
+    pending: Option<Pending>,
     running: bool,
     memory: Memory,
     last_body: Option<Stored>,
     /// The echo of our own write the object waits for, and the versions that arrived while
     /// its cycle runs (see [`version`]); none when there is nothing to know.
     versions: Option<Box<Versions>>,
-    /// Whether the pending body is the object as the API server stored it (a watch event, a
-    /// listing, a write's answer), not one kept in memory.
-    pending_as_stored: bool,
-    /// Whether the pending body is news for the event handlers: a watch event or a listed
-    /// body standing in for one, not our own write's echo or answer, nor a body from memory.
-    pending_event: bool,
     timer: Option<JoinHandle<()>>,
     gone: bool,
     /// Run another cycle with the latest body once the current one ends.
@@ -223,6 +236,8 @@ struct Slot {
     /// When an event marked it: the first listing pass that satisfies the mark (one that
     /// started after the event came); none: any listed body will do (a resync's mark).
     relist_from: Option<NonZeroU64>,
+    /// The ready line the object waits in (see [`ready`]); none when it is not waiting.
+    queued: Option<Priority>,
 }
 
 impl Slot {
@@ -308,42 +323,62 @@ impl Queue {
         queue
     }
 
-    /// Puts an object whose slot is marked running at the end of the ready list.
-    fn enqueue(&self, uid: String) {
+    /// Puts an object whose slot is marked running at the end of its ready line.
+    fn enqueue(&self, uid: String, priority: Priority) {
         crate::observability::metrics::global()
             .workqueue(&self.ctx.resource.plural)
             .add(&uid);
-        self.ready.uids.lock().push_back(uid);
-        self.ready.added.notify_one();
+        if let Some(slot) = self.slots.lock().get_mut(uid.as_str()) {
+            slot.queued = Some(priority);
+        }
+        self.ready.lines.push(uid, priority);
     }
 
     /// How many objects wait for a worker.
     pub fn ready(&self) -> usize {
-        self.ready.uids.lock().len()
+        self.ready.lines.len()
     }
 
-    /// The dispatcher: gives the ready objects, in order, a permit of the global limit and a
-    /// worker each; ends when the queue is stopped.
+    /// The best work waiting now: the next entry of the ready lines whose object still waits
+    /// in that line (the old entry of an object moved to the changes is skipped).
+    fn next_ready(&self) -> Option<String> {
+        loop {
+            let Taken { uid, priority } = self.ready.lines.take()?;
+            let mut slots = self.slots.lock();
+            match slots.get_mut(uid.as_str()) {
+                Some(slot) if slot.queued == Some(priority) => {
+                    slot.queued = None;
+                    return Some(uid);
+                }
+                Some(_) => self.ready.lines.skipped(),
+                // Forgotten while waiting: its worker finds nothing and ends.
+                None => return Some(uid),
+            }
+        }
+    }
+
+    /// The dispatcher: once objects are ready, gets a permit of the global limit and gives it
+    /// to the best work waiting then (a change that came while the permit was awaited goes
+    /// before the confirmations); ends when the queue is stopped.
     async fn dispatch(self) {
         let cancel = self.ctx.cancel.clone();
         loop {
-            let next = self.ready.uids.lock().pop_front();
-            let Some(uid) = next else {
+            if self.ready.lines.is_empty() {
                 tokio::select! {
                     () = cancel.cancelled() => return self.abandon(),
-                    () = self.ready.added.notified() => continue,
+                    () = self.ready.lines.added.notified() => continue,
                 }
-            };
+            }
             let permit = tokio::select! {
                 () = cancel.cancelled() => return self.abandon(),
                 permit = self.ctx.limit.clone().acquire_owned() => permit,
             };
             let Ok(permit) = permit else {
                 // The limit is closed: nothing is processed any more.
-                if let Some(slot) = self.slots.lock().get_mut(uid.as_str()) {
-                    slot.running = false;
-                }
                 return self.abandon();
+            };
+            let Some(uid) = self.next_ready() else {
+                continue;
             };
             let working = Working::new(permit);
             let turn = crate::observability::metrics::global()
@@ -366,7 +401,7 @@ impl Queue {
                 dropped += 1;
             }
         }
-        self.ready.uids.lock().clear();
+        self.ready.lines.clear();
         crate::observability::metrics::global()
             .workqueue(&self.ctx.resource.plural)
             .clear();
@@ -506,12 +541,17 @@ impl Queue {
                     }
                 }
             }
-            Source::Memory if slot.relist_from.is_some() => {
+            Source::Memory(_) if slot.relist_from.is_some() => {
                 debug!(%uid, "a newer event waits for its listed body; the body in memory is not queued");
                 return;
             }
-            Source::Memory => news = false,
+            Source::Memory(_) => news = false,
         }
+        let priority = match source {
+            Source::Watch { .. } if event_type == EventType::Listing => Priority::Confirmation,
+            Source::Watch { .. } => Priority::Change,
+            Source::Memory(priority) => priority,
+        };
         let watched = matches!(source, Source::Watch { .. });
         // The next event of an object whose cycle runs waits with its body beyond the bound
         // (it may be the echo of the write in flight, which the write's answer then replaces):
@@ -527,7 +567,12 @@ impl Queue {
         }
         if self.set_pending(slot, event_type, Stored::new(&body), watched, news) {
             drop(slots);
-            self.enqueue(uid);
+            self.enqueue(uid, priority);
+        } else if priority == Priority::Change && slot.queued == Some(Priority::Confirmation) {
+            // It waits as a confirmation and now has a change: it goes with the changes.
+            slot.queued = Some(Priority::Change);
+            drop(slots);
+            self.ready.lines.promote(uid);
         }
     }
 
@@ -544,9 +589,12 @@ impl Queue {
         if slot.pending.is_none() {
             self.count_waiting(1);
         }
-        slot.pending = Some((event_type, body));
-        slot.pending_as_stored = as_stored;
-        slot.pending_event = news;
+        slot.pending = Some(Pending {
+            event_type,
+            as_stored,
+            event: news,
+            body,
+        });
         !std::mem::replace(&mut slot.running, true)
     }
 
@@ -586,7 +634,11 @@ impl Queue {
         };
         debug!(objects = bodies.len(), at_rest, "re-processing known objects");
         for body in bodies {
-            self.queue_body(EventType::Modified, body.value(), Source::Memory);
+            self.queue_body(
+                EventType::Modified,
+                body.value(),
+                Source::Memory(Priority::Confirmation),
+            );
         }
         if at_rest > 0 {
             self.relist();
@@ -668,14 +720,19 @@ impl Queue {
         match taken {
             // Work pending now came after any mark (a mark is made only when nothing waits): it
             // is at least as new as the event that marked the object.
-            Some((event_type, body)) => {
+            Some(Pending {
+                event_type,
+                as_stored,
+                event,
+                body,
+            }) => {
                 slot.unmark();
                 slot.cycle_starts();
                 Some(Next {
                     event_type,
                     body,
-                    as_stored: slot.pending_as_stored,
-                    event: slot.pending_event,
+                    as_stored,
+                    event,
                     memory: slot.memory,
                 })
             }
@@ -714,8 +771,16 @@ impl Queue {
         }
         let more = slot.pending.is_some() || (slot.rerun && !slot.gone && slot.last_body.is_some());
         if more && !self.ctx.cancel.is_cancelled() {
+            // Handling under way goes on as a change, unless all that waits is a listing's.
+            let priority = match &slot.pending {
+                Some(Pending {
+                    event_type: EventType::Listing,
+                    ..
+                }) => Priority::Confirmation,
+                _ => Priority::Change,
+            };
             drop(slots);
-            self.enqueue(uid.to_owned());
+            self.enqueue(uid.to_owned(), priority);
             return;
         }
         if slot.pending.take().is_some() {
@@ -1060,7 +1125,7 @@ impl Queue {
         if !over {
             return;
         }
-        if let Some((event_type, _)) = slot.pending.take() {
+        if let Some(Pending { event_type, .. }) = slot.pending.take() {
             self.count_waiting(-1);
             slot.mark(event_type, Some(self.relisting.next_pass()));
             self.relisting.marked();
@@ -1083,7 +1148,12 @@ impl Queue {
         let Some(version) = answer.version() else {
             return false;
         };
-        if let Some((event_type, waiting)) = &slot.pending {
+        if let Some(Pending {
+            event_type,
+            body: waiting,
+            ..
+        }) = &slot.pending
+        {
             if *event_type == EventType::Deleted {
                 return false;
             }
@@ -1158,7 +1228,7 @@ impl Queue {
             slot.last_body.as_ref().map(Stored::value)
         };
         if let Some(body) = body {
-            self.queue_body(EventType::Modified, body, Source::Memory);
+            self.queue_body(EventType::Modified, body, Source::Memory(Priority::Change));
         }
     }
 }
@@ -1219,6 +1289,7 @@ impl Stored {
 }
 
 mod events;
+pub mod ready;
 pub mod relisting;
 mod version;
 

@@ -36,10 +36,13 @@ use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::{Queue, Stored, version::Judged};
-use crate::k8s::{
-    listing::{list_page, list_params},
-    watch::is_gone,
+use super::{Queue, Stored, ready::Priority, version::Judged};
+use crate::{
+    k8s::{
+        listing::{list_page, list_params},
+        watch::is_gone,
+    },
+    model::EventType,
 };
 
 /// How the queue's objects are listed again: as the watch lists them.
@@ -414,12 +417,22 @@ impl Queue {
             self.relisting.marked();
             return Listed::Skipped;
         }
-        // A body listed for an event's mark stands in for that event.
+        // A body listed for an event's mark stands in for that event: a change; one listed
+        // for a resync or a listing's stale mark confirms the state.
         let news = slot.relist_from.is_some();
+        let priority = if news && event_type != EventType::Listing {
+            Priority::Change
+        } else {
+            Priority::Confirmation
+        };
         slot.unmark();
         if self.set_pending(slot, event_type, body.clone(), true, news) {
             drop(slots);
-            self.enqueue(uid.to_owned());
+            self.enqueue(uid.to_owned(), priority);
+        } else if priority == Priority::Change && slot.queued == Some(Priority::Confirmation) {
+            slot.queued = Some(Priority::Change);
+            drop(slots);
+            self.ready.lines.promote(uid.to_owned());
         }
         Listed::Queued
     }

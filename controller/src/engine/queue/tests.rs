@@ -510,15 +510,15 @@ async fn a_burst_of_objects_gets_no_more_workers_than_the_limit_and_each_is_hand
     );
     assert_eq!(
         queue.ready(),
-        OBJECTS - LIMIT - 1,
-        "the rest wait as uids (one holds the dispatcher)"
+        OBJECTS - LIMIT,
+        "the rest wait as uids (the dispatcher takes one only with a permit)"
     );
     assert_eq!(limit.available_permits(), 0);
     // A newer version of a waiting object replaces its waiting event: still one cycle.
     let mut newer = numbered(OBJECTS - 1);
     newer["metadata"]["resourceVersion"] = json!("11");
     queue.push(EventType::Modified, newer);
-    assert_eq!(queue.ready(), OBJECTS - LIMIT - 1);
+    assert_eq!(queue.ready(), OBJECTS - LIMIT);
     open.send_replace(true);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
     while invoker.total() < OBJECTS as u32 || queue.slots.lock().values().any(|s| s.running) {
@@ -577,6 +577,41 @@ async fn queues_share_the_limit_first_come_first_served() {
     assert!(invoker.most.load(Ordering::SeqCst) <= 2);
 }
 
+/// A change goes before the objects of a listing that came earlier (after a restart, a new
+/// object is not handled only after every listed one), and a listed object that gets a change
+/// while it waits goes with the changes, handled once.
+#[tokio::test(start_paused = true)]
+async fn changes_go_before_a_listings_backlog_and_a_listed_object_that_changes_moves_up() {
+    let create = create_fn();
+    let (open, invoker) = Gated::new();
+    let limit = Arc::new(Semaphore::new(1));
+    let queue = queue(invoker.clone(), vec![create], limit);
+    for n in 0..50 {
+        queue.push(EventType::Listing, numbered(n));
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(invoker.total(), 1, "one listed object runs");
+    queue.push(EventType::Added, numbered(1000));
+    let mut changed = numbered(40);
+    changed["metadata"]["resourceVersion"] = json!("11");
+    queue.push(EventType::Modified, changed);
+    assert_eq!(queue.ready(), 50, "the changed object counted once");
+    open.send_replace(true);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while invoker.total() < 51 || queue.slots.lock().values().any(|s| s.running) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not every object was handled"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let order = invoker.order.lock().clone();
+    assert_eq!(order[1..3], ["u1000", "u40"], "{order:?}");
+    assert_eq!(order.len(), 51);
+    assert!(invoker.calls.lock().values().all(|n| *n == 1));
+    assert_eq!(queue.ready(), 0);
+}
+
 /// A worker must keep the object marked running until it finishes: an event pushed between
 /// its last look for work and its end is then queued once, never twice (two entries would
 /// start two cycles of one object at once).
@@ -585,8 +620,10 @@ async fn an_object_whose_worker_found_no_more_work_is_queued_once() {
     let limit = Arc::new(Semaphore::new(0));
     let q = queue(Arc::new(Slow::default()), vec![], limit);
     q.push(EventType::Modified, example("5"));
-    // The dispatcher takes it and waits for a permit that never comes.
+    // The dispatcher waits for a permit that never comes; taken as it would take it.
     tokio::task::yield_now().await;
+    assert_eq!(q.ready(), 1);
+    assert_eq!(q.next_ready().as_deref(), Some("u1"));
     assert_eq!(q.ready(), 0);
     assert!(q.take_next("u1").is_some(), "the worker's cycle");
     assert!(q.take_next("u1").is_none(), "no more work");
@@ -1158,7 +1195,11 @@ async fn an_older_body_kept_in_memory_is_not_queued_under_a_newer_mark() {
             ..Slot::default()
         },
     );
-    queue.queue_body(EventType::Modified, at_version(1, "50"), Source::Memory);
+    queue.queue_body(
+        EventType::Modified,
+        at_version(1, "50"),
+        Source::Memory(Priority::Change),
+    );
     let slots = queue.slots.lock();
     let slot = slots.get("u1").expect("slot");
     assert!(slot.pending.is_none(), "the older body was queued");
