@@ -1,10 +1,10 @@
 //! One admission review, answered by the handler processes: which validating or mutating
 //! handlers apply, their invocations over the stream, and the one verdict they make together.
 //!
-//! Handlers apply when their resource and subresource are the review's, the operation is one
-//! of theirs (mutating handlers with no operations given are not called for DELETE, as kopf),
-//! and their declarative filters (labels, annotations, field value) hold for the object — the
-//! new one, or the old one of a DELETE. A callable `when` filter runs in the SDK, which may
+//! Handlers apply when their resource and subresource are the review's (`*`: any
+//! subresource), the operation is one of theirs (mutating handlers with no operations given
+//! are not called for DELETE, as kopf), and their declarative filters (labels, annotations,
+//! field value) hold for the object — the new one, or the old one of a DELETE. A callable `when` filter runs in the SDK, which may
 //! answer `skipped`. They run in registration order:
 //!
 //! - validating handlers all at once; the verdict is the first denial in registration order,
@@ -334,7 +334,8 @@ fn applies(reg: &Registration, review: &Review, body: &Value) -> bool {
         KindOptions::Admission(o) => (o.operations.as_slice(), o.subresource.as_str()),
         _ => (&[][..], ""),
     };
-    if subresource != review.subresource {
+    // kopf's `*` is every subresource.
+    if subresource != "*" && subresource != review.subresource {
         return false;
     }
     let operation_ok = if operations.is_empty() {
@@ -460,6 +461,11 @@ mod tests {
             ..AdmissionOptions::default()
         });
         assert!(!applies(&v, &review("UPDATE"), &body));
+        v.options = KindOptions::Admission(AdmissionOptions {
+            subresource: "*".into(),
+            ..AdmissionOptions::default()
+        });
+        assert!(applies(&v, &review("UPDATE"), &body), "`*` is every subresource");
         v.options = KindOptions::Admission(AdmissionOptions::default());
         v.filters
             .labels

@@ -226,7 +226,12 @@ fn webhook_name(plural: &str, subresource: &str, group: &str, configuration: &st
     };
     let mut first = clean(plural);
     if !subresource.is_empty() {
-        first = format!("{first}-{}", clean(subresource));
+        // `*` (every subresource) cleans to nothing: named `all`.
+        let sub = match clean(subresource) {
+            s if s.is_empty() => "all".to_owned(),
+            s => s,
+        };
+        first = format!("{first}-{sub}");
     }
     let group = if group.is_empty() {
         "core".to_owned()
@@ -325,6 +330,13 @@ mod tests {
         assert_eq!(
             webhook_name("pods", "status", "", "capstan"),
             "pods-status.core.capstan"
+        );
+        // kopf's `subresource='*'`: every subresource, in a valid name (not `examples-.…`,
+        // which the API server refuses, and the configuration would be written again and
+        // again).
+        assert_eq!(
+            webhook_name("examples", "*", "demo.capstan.dev", "capstan"),
+            "examples-all.demo.capstan.dev.capstan"
         );
         let mut l = layout();
         l.endpoint = Endpoint::Service {
