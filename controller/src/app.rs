@@ -83,7 +83,11 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
     // startup probe passes, so the first token is written before the admin endpoint answers.
     if let Some(spec) = settings.handler_identity.clone() {
         let client = core.switch.base();
-        let first = crate::k8s::handler_identity::first(&client, &spec).await;
+        let Some(first) = crate::k8s::handler_identity::first_written(&client, &spec, &shutdown).await else {
+            info!("stopped while writing the handler's identity");
+            serving.cancel();
+            return Ok(());
+        };
         let stop = serving.clone();
         tasks.spawn(async move {
             crate::k8s::handler_identity::keep(client, spec, first, stop).await;

@@ -23,8 +23,10 @@
 //! `--worker-limit` objects have a task, a parsed body and an invocation in flight, however
 //! many objects a start-up listing brings: a waiting object costs its slot and one compressed
 //! body (a newer event replaces the one waiting), never a task whose future is sized for a
-//! whole cycle. At most `waiting_bodies` objects of a queue wait with their body: beyond that,
-//! an object's event only marks it, and its body is listed again once there is room (see
+//! whole cycle. At most `waiting_bodies` objects of a queue wait with their body (changes may
+//! use a reserve of a quarter more, so that a listing's backlog, which keeps the bound full,
+//! does not make a new object wait for a relisting): beyond that, an object's event only marks
+//! it, and its body is listed again once there is room (see
 //! [`relisting`]), paced by the workers — so a start with 100,000 unhandled objects holds a
 //! bounded number of bodies, not all of them. An object with more work after its cycle goes to
 //! the end of the ready list again (after at most [`FOLLOW_UPS`] cycles in a row, each
@@ -211,6 +213,9 @@ struct Pending {
     /// Whether the body is news for the event handlers: a watch event or a listed body
     /// standing in for one, not our own write's echo or answer, nor a body from memory.
     event: bool,
+    /// Whether this work, or work it replaced, is a change (see [`ready`]): a listing's body
+    /// that replaces a change's still goes with the changes.
+    change: bool,
     body: Stored,
 }
 
@@ -291,6 +296,29 @@ impl Slot {
         self.relist = None;
         self.relist_from = None;
     }
+
+    /// The object, which has a worker or waits for one, gets more work: a change moves it up
+    /// from the confirmations, marked so under the caller's lock (the caller then
+    /// [promotes](ready::Ready::promote) it).
+    fn promote(&mut self, change: bool) -> Queued {
+        if change && self.queued == Some(Priority::Confirmation) {
+            self.queued = Some(Priority::Change);
+            Queued::Promoted
+        } else {
+            Queued::Already
+        }
+    }
+}
+
+/// What became of an object given work (see [`Queue::set_pending`]).
+#[derive(Debug, PartialEq, Eq)]
+enum Queued {
+    /// It goes at the end of this ready line.
+    In(Priority),
+    /// It waited as a confirmation and goes with the changes now.
+    Promoted,
+    /// It waits or runs already.
+    Already,
 }
 
 fn uid_of(body: &Value) -> Option<String> {
@@ -323,14 +351,13 @@ impl Queue {
         queue
     }
 
-    /// Puts an object whose slot is marked running at the end of its ready line.
+    /// Puts an object at the end of its ready line; its slot was marked running and queued in
+    /// that line under the same lock that decided it (so a change arriving meanwhile finds
+    /// the mark and moves it up).
     fn enqueue(&self, uid: String, priority: Priority) {
         crate::observability::metrics::global()
             .workqueue(&self.ctx.resource.plural)
             .add(&uid);
-        if let Some(slot) = self.slots.lock().get_mut(uid.as_str()) {
-            slot.queued = Some(priority);
-        }
         self.ready.lines.push(uid, priority);
     }
 
@@ -344,16 +371,19 @@ impl Queue {
     fn next_ready(&self) -> Option<String> {
         loop {
             let Taken { uid, priority } = self.ready.lines.take()?;
-            let mut slots = self.slots.lock();
-            match slots.get_mut(uid.as_str()) {
-                Some(slot) if slot.queued == Some(priority) => {
+            {
+                let mut slots = self.slots.lock();
+                // An object owed a dispatch keeps its slot until its worker runs: an entry
+                // whose object is marked for another line, or not at all, or whose slot is
+                // gone, is the surplus one of a promotion.
+                if let Some(slot) = slots.get_mut(uid.as_str())
+                    && slot.queued == Some(priority)
+                {
                     slot.queued = None;
                     return Some(uid);
                 }
-                Some(_) => self.ready.lines.skipped(),
-                // Forgotten while waiting: its worker finds nothing and ends.
-                None => return Some(uid),
             }
+            self.ready.lines.skipped();
         }
     }
 
@@ -429,9 +459,17 @@ impl Queue {
         }
     }
 
-    /// Whether another object may wait with its body.
-    fn has_room(&self) -> bool {
-        self.ready.waiting.load(Ordering::Relaxed) < self.ctx.relisting.waiting_bodies.max(1)
+    /// Whether another object may wait with its body: confirmations within the bound,
+    /// changes also within a reserve of a quarter of it beyond (so that a new object, a
+    /// change or a retry that is due does not wait for a relisting behind a listing's
+    /// backlog, which keeps the bound full).
+    fn has_room(&self, priority: Priority) -> bool {
+        let bound = self.ctx.relisting.waiting_bodies.max(1);
+        let bound = match priority {
+            Priority::Change => bound + bound / 4,
+            Priority::Confirmation => bound,
+        };
+        self.ready.waiting.load(Ordering::Relaxed) < bound
     }
 
     /// Remembers that our own write found object `uid` gone.
@@ -556,7 +594,11 @@ impl Queue {
         // The next event of an object whose cycle runs waits with its body beyond the bound
         // (it may be the echo of the write in flight, which the write's answer then replaces):
         // at most one per worker.
-        if slot.pending.is_none() && event_type != EventType::Deleted && !slot.running && !self.has_room() {
+        if slot.pending.is_none()
+            && event_type != EventType::Deleted
+            && !slot.running
+            && !self.has_room(priority)
+        {
             // As many bodies wait as may: this one is listed again when there is room.
             debug!(%uid, "too many objects wait; the object waits for its listed body");
             slot.mark(event_type, Some(self.relisting.next_pass()));
@@ -565,19 +607,23 @@ impl Queue {
             self.relist_soon();
             return;
         }
-        if self.set_pending(slot, event_type, Stored::new(&body), watched, news) {
-            drop(slots);
-            self.enqueue(uid, priority);
-        } else if priority == Priority::Change && slot.queued == Some(Priority::Confirmation) {
-            // It waits as a confirmation and now has a change: it goes with the changes.
-            slot.queued = Some(Priority::Change);
-            drop(slots);
-            self.ready.lines.promote(uid);
+        match self.set_pending(slot, event_type, Stored::new(&body), watched, news, priority) {
+            Queued::In(line) => {
+                drop(slots);
+                self.enqueue(uid, line);
+            }
+            Queued::Promoted => {
+                drop(slots);
+                self.ready.lines.promote(uid);
+            }
+            Queued::Already => {}
         }
     }
 
-    /// Makes `body` the object's next work (`news`: see [`Slot::pending_event`]); returns
-    /// whether the object must be put on the ready list (it had no worker and none waiting).
+    /// Makes `body` the object's next work (`news`: see [`Pending::event`]), of `priority`;
+    /// says whether the object must be put in a ready line (it had no worker and none
+    /// waiting: its slot is marked for that line now), moved up to the changes (it waits as a
+    /// confirmation and this is a change), or neither.
     fn set_pending(
         &self,
         slot: &mut Slot,
@@ -585,7 +631,9 @@ impl Queue {
         body: Stored,
         as_stored: bool,
         news: bool,
-    ) -> bool {
+        priority: Priority,
+    ) -> Queued {
+        let change = priority == Priority::Change || slot.pending.as_ref().is_some_and(|p| p.change);
         if slot.pending.is_none() {
             self.count_waiting(1);
         }
@@ -593,9 +641,19 @@ impl Queue {
             event_type,
             as_stored,
             event: news,
+            change,
             body,
         });
-        !std::mem::replace(&mut slot.running, true)
+        if !std::mem::replace(&mut slot.running, true) {
+            let line = if change {
+                Priority::Change
+            } else {
+                Priority::Confirmation
+            };
+            slot.queued = Some(line);
+            return Queued::In(line);
+        }
+        slot.promote(change)
     }
 
     /// Re-runs a cycle for every known object with its latest body (after the handlers
@@ -725,6 +783,7 @@ impl Queue {
                 as_stored,
                 event,
                 body,
+                ..
             }) => {
                 slot.unmark();
                 slot.cycle_starts();
@@ -772,13 +831,12 @@ impl Queue {
         let more = slot.pending.is_some() || (slot.rerun && !slot.gone && slot.last_body.is_some());
         if more && !self.ctx.cancel.is_cancelled() {
             // Handling under way goes on as a change, unless all that waits is a listing's.
-            let priority = match &slot.pending {
-                Some(Pending {
-                    event_type: EventType::Listing,
-                    ..
-                }) => Priority::Confirmation,
-                _ => Priority::Change,
+            let priority = if slot.pending.as_ref().is_none_or(|p| p.change) {
+                Priority::Change
+            } else {
+                Priority::Confirmation
             };
+            slot.queued = Some(priority);
             drop(slots);
             self.enqueue(uid.to_owned(), priority);
             return;
@@ -1167,7 +1225,7 @@ impl Queue {
             }
         }
         // What waits is this write's echo, come before the answer, or older.
-        self.set_pending(slot, EventType::Modified, answer, true, false);
+        self.set_pending(slot, EventType::Modified, answer, true, false, Priority::Change);
         true
     }
 
@@ -1212,7 +1270,16 @@ impl Queue {
             let mut slots = self.slots.lock();
             let Some(slot) = slots.get_mut(uid) else { return };
             slot.timer = None;
-            if slot.pending.is_some() || slot.gone {
+            if slot.gone {
+                return;
+            }
+            if let Some(pending) = slot.pending.as_mut() {
+                // Its cycle runs what is due; waiting as a confirmation, it moves up.
+                pending.change = true;
+                if slot.promote(true) == Queued::Promoted {
+                    drop(slots);
+                    self.ready.lines.promote(uid.to_owned());
+                }
                 return;
             }
             if slot.relist.is_some() && !slot.running {

@@ -34,6 +34,8 @@ pub const LIFETIME: Duration = Duration::from_secs(3600);
 
 /// How long after a failed request to try again.
 const RETRY: Duration = Duration::from_secs(10);
+/// How soon a first token that could not be written is tried again.
+const FIRST_RETRY: Duration = Duration::from_secs(2);
 
 /// Errors of keeping the handler's identity.
 #[derive(Debug, thiserror::Error)]
@@ -175,8 +177,8 @@ fn replace(dir: &Path, path: &Path, text: &[u8]) -> std::io::Result<()> {
 
 /// Keeps the identity fresh until `stop`: a new token when 80 % of the last one's lifetime
 /// has passed, every 10 s after a failure (the previous token stays until it expires).
-pub async fn keep(client: kube::Client, spec: Spec, first: Option<Duration>, stop: CancellationToken) {
-    let mut next = first.map_or(RETRY, |lifetime| lifetime.mul_f64(0.8));
+pub async fn keep(client: kube::Client, spec: Spec, first: Duration, stop: CancellationToken) {
+    let mut next = first.mul_f64(0.8);
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
@@ -195,16 +197,34 @@ pub async fn keep(client: kube::Client, spec: Spec, first: Option<Duration>, sto
     }
 }
 
-/// Writes the first token (reported, not fatal: the handler then starts without one until a
-/// renewal succeeds); its lifetime, for [`keep`].
-pub async fn first(client: &kube::Client, spec: &Spec) -> Option<Duration> {
+/// Writes the first token, trying again every [`FIRST_RETRY`] until it is written; its
+/// lifetime, for [`keep`]. `None` when `stop` is cancelled first. The admin endpoint answers
+/// only after this, so the startup probe, which lets kubelet start the handler container,
+/// never passes before the token is there.
+pub async fn first_written(client: &kube::Client, spec: &Spec, stop: &CancellationToken) -> Option<Duration> {
+    let written = async {
+        loop {
+            if let Some(lifetime) = first(client, spec).await {
+                return lifetime;
+            }
+            tokio::time::sleep(FIRST_RETRY).await;
+        }
+    };
+    tokio::select! {
+        lifetime = written => Some(lifetime),
+        () = stop.cancelled() => None,
+    }
+}
+
+/// Writes the first token once (reported when it fails); its lifetime.
+async fn first(client: &kube::Client, spec: &Spec) -> Option<Duration> {
     match renew(client, spec).await {
         Ok(lifetime) => {
             info!(account = %format!("{}/{}", spec.namespace, spec.name), dir = %spec.dir.display(), ?lifetime, "the handler's identity is written");
             Some(lifetime)
         }
         Err(e) => {
-            warn!(error = %crate::diagnostic::chain(&e), retry_in = ?RETRY, "the handler's token could not be written; retrying");
+            warn!(error = %crate::diagnostic::chain(&e), retry_in = ?FIRST_RETRY, "the handler's token could not be written; retrying");
             None
         }
     }

@@ -2,7 +2,7 @@
 //! handlers apply, their invocations over the stream, and the one verdict they make together.
 //!
 //! Handlers apply when their resource and subresource are the review's (`*`: any
-//! subresource), the operation is one of theirs (mutating handlers with no operations given
+//! subresource, not the resource itself), the operation is one of theirs (mutating handlers with no operations given
 //! are not called for DELETE, as kopf), and their declarative filters (labels, annotations,
 //! field value) hold for the object — the new one, or the old one of a DELETE. A callable `when` filter runs in the SDK, which may
 //! answer `skipped`. They run in registration order:
@@ -334,8 +334,10 @@ fn applies(reg: &Registration, review: &Review, body: &Value) -> bool {
         KindOptions::Admission(o) => (o.operations.as_slice(), o.subresource.as_str()),
         _ => (&[][..], ""),
     };
-    // kopf's `*` is every subresource.
-    if subresource != "*" && subresource != review.subresource {
+    // kopf's `*` is every subresource (its webhook, `<plural>/*`, is called for no write of
+    // the resource itself).
+    let every = subresource == "*" && !review.subresource.is_empty();
+    if !every && subresource != review.subresource {
         return false;
     }
     let operation_ok = if operations.is_empty() {
@@ -465,7 +467,13 @@ mod tests {
             subresource: "*".into(),
             ..AdmissionOptions::default()
         });
-        assert!(applies(&v, &review("UPDATE"), &body), "`*` is every subresource");
+        assert!(
+            !applies(&v, &review("UPDATE"), &body),
+            "`*` is every subresource, not the resource"
+        );
+        let mut status = review("UPDATE");
+        status.subresource = "status".into();
+        assert!(applies(&v, &status, &body), "`*` is every subresource");
         v.options = KindOptions::Admission(AdmissionOptions::default());
         v.filters
             .labels

@@ -3,8 +3,9 @@
 //! accepted validate and mutate registrations.
 //!
 //! kopf writes one webhook per handler and lets the API server combine them; Capstan writes one
-//! webhook per resource (and subresource) and combines the handlers itself, so one request of
-//! a user costs one call to the controller, however many handlers it has. Each webhook:
+//! webhook per resource (and subresource; a `*` handler's webhook takes in those of single
+//! subresources) and combines the handlers itself, so one request of a user costs one call to
+//! the controller, however many handlers it has. Each webhook:
 //!
 //! - `rules`: the resource as discovery resolved it, with the union of the handlers'
 //!   operations (`*` when one of them takes all), any scope;
@@ -83,6 +84,30 @@ pub fn build(phase: Phase, registrations: &[Registration], layout: &Layout) -> V
             ))
             .or_default()
             .push(reg);
+    }
+    // A `*` handler's webhook (`<plural>/*`) covers every subresource: the handlers of one
+    // subresource join it, or a write of that subresource would call the server twice and
+    // run every handler twice.
+    let every: Vec<(String, String, String)> = groups
+        .keys()
+        .filter(|(_, _, _, sub)| sub == "*")
+        .map(|(g, v, p, _)| (g.clone(), v.clone(), p.clone()))
+        .collect();
+    for (group, version, plural) in every {
+        let covered: Vec<_> = groups
+            .keys()
+            .filter(|(g, v, p, sub)| {
+                (g, v, p) == (&group, &version, &plural) && !sub.is_empty() && sub != "*"
+            })
+            .cloned()
+            .collect();
+        for key in covered {
+            let regs = groups.remove(&key).unwrap_or_default();
+            groups
+                .entry((group.clone(), version.clone(), plural.clone(), "*".to_owned()))
+                .or_default()
+                .extend(regs);
+        }
     }
     let webhooks: Vec<Value> = groups
         .iter()
@@ -323,6 +348,31 @@ mod tests {
         assert_eq!(hook["failurePolicy"], "Fail");
         assert_eq!(hook["reinvocationPolicy"], "Never");
         assert!(hook.get("objectSelector").is_none());
+    }
+
+    /// A status write is one call: the `status` handler's webhook joins the `*` one, whose
+    /// rule covers it (two webhooks would both call, and every handler would run twice).
+    #[test]
+    fn the_webhook_of_every_subresource_takes_in_those_of_single_ones() {
+        let sub = |id: &str, subresource: &str| {
+            reg(
+                id,
+                HandlerKind::Validate,
+                AdmissionOptions {
+                    subresource: subresource.into(),
+                    ..AdmissionOptions::default()
+                },
+            )
+        };
+        let regs = vec![sub("main", ""), sub("status", "status"), sub("any", "*")];
+        let config = build(Phase::Validating, &regs, &layout());
+        let hooks = config["webhooks"].as_array().expect("webhooks");
+        let resources: Vec<&Value> = hooks.iter().map(|h| &h["rules"][0]["resources"]).collect();
+        assert_eq!(
+            resources,
+            [&json!(["examples"]), &json!(["examples/*"])],
+            "{hooks:?}"
+        );
     }
 
     #[test]

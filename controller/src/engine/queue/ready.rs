@@ -79,8 +79,12 @@ impl Ready {
     /// Moves an object waiting as a confirmation to the end of the changes; its old entry is
     /// skipped when taken (the caller has marked the object's slot as a change).
     pub fn promote(&self, uid: String) {
-        self.lines.lock().stale += 1;
-        self.push(uid, Priority::Change);
+        {
+            let mut lines = self.lines.lock();
+            lines.stale += 1;
+            lines.changes.push_back(uid);
+        }
+        self.added.notify_one();
     }
 
     /// An entry taken was skipped: its object waits elsewhere, or no more.

@@ -8,7 +8,7 @@
 //!   its current body. That costs one paged LIST per such change, which happens on
 //!   deployments and peer handovers, not per event.
 //! - **Objects beyond the waiting bound.** A queue holds at most `waiting_bodies` waiting
-//!   bodies; an event beyond that only marks its object (a start with many unhandled objects,
+//!   bodies (changes a quarter more); an event beyond that only marks its object (a start with many unhandled objects,
 //!   or a burst). The listing then queues the marked objects' bodies one by one as workers
 //!   take waiting ones, so the listing itself is paced by the processing (backpressure)
 //!   instead of bodies piling up in memory.
@@ -36,7 +36,7 @@ use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::{Queue, Stored, ready::Priority, version::Judged};
+use super::{Queue, Queued, Stored, ready::Priority, version::Judged};
 use crate::{
     k8s::{
         listing::{list_page, list_params},
@@ -350,7 +350,7 @@ impl Queue {
     async fn room(&self, cancel: &CancellationToken) {
         loop {
             let room = self.ready.room.notified();
-            if !self.unpaused(cancel).await || self.has_room() {
+            if !self.unpaused(cancel).await || self.has_room(Priority::Confirmation) {
                 return;
             }
             tokio::select! {
@@ -409,14 +409,6 @@ impl Queue {
             self.relisting.marked();
             return Listed::Skipped;
         }
-        if !self.has_room() {
-            return Listed::NoRoom;
-        }
-        if slot.judge(body.version(), Some(started)) == Judged::Stale {
-            debug!(%uid, "the pass started before the answer of our own write; listed again later");
-            self.relisting.marked();
-            return Listed::Skipped;
-        }
         // A body listed for an event's mark stands in for that event: a change; one listed
         // for a resync or a listing's stale mark confirms the state.
         let news = slot.relist_from.is_some();
@@ -425,14 +417,25 @@ impl Queue {
         } else {
             Priority::Confirmation
         };
+        if !self.has_room(priority) {
+            return Listed::NoRoom;
+        }
+        if slot.judge(body.version(), Some(started)) == Judged::Stale {
+            debug!(%uid, "the pass started before the answer of our own write; listed again later");
+            self.relisting.marked();
+            return Listed::Skipped;
+        }
         slot.unmark();
-        if self.set_pending(slot, event_type, body.clone(), true, news) {
-            drop(slots);
-            self.enqueue(uid.to_owned(), priority);
-        } else if priority == Priority::Change && slot.queued == Some(Priority::Confirmation) {
-            slot.queued = Some(Priority::Change);
-            drop(slots);
-            self.ready.lines.promote(uid.to_owned());
+        match self.set_pending(slot, event_type, body.clone(), true, news, priority) {
+            Queued::In(line) => {
+                drop(slots);
+                self.enqueue(uid.to_owned(), line);
+            }
+            Queued::Promoted => {
+                drop(slots);
+                self.ready.lines.promote(uid.to_owned());
+            }
+            Queued::Already => {}
         }
         Listed::Queued
     }

@@ -612,6 +612,55 @@ async fn changes_go_before_a_listings_backlog_and_a_listed_object_that_changes_m
     assert_eq!(queue.ready(), 0);
 }
 
+/// A listing's backlog keeps the waiting bound full: a new object still waits with its body
+/// (in the changes' reserve) and goes first, instead of being marked for the next relisting.
+#[tokio::test(start_paused = true)]
+async fn a_change_waits_with_its_body_while_a_listing_fills_the_bound() {
+    let q = queue_with(
+        Arc::new(Slow::default()),
+        vec![create_fn()],
+        Arc::new(Semaphore::new(0)),
+        objects(),
+        bounded(4),
+    );
+    for n in 0..10 {
+        q.push(EventType::Listing, numbered(n));
+    }
+    assert_eq!(pending_bodies(&q), 4, "the rest of the listing is marked");
+    q.push(EventType::Added, numbered(1000));
+    assert_eq!(pending_bodies(&q), 5);
+    assert_eq!(q.next_ready().as_deref(), Some("u1000"));
+}
+
+/// The surplus entry a promotion leaves in the confirmations is skipped, also once its
+/// object's slot is gone: it never starts a worker of its own.
+#[tokio::test(start_paused = true)]
+async fn the_old_entry_of_a_promoted_object_starts_no_worker() {
+    let q = queue(Arc::new(Slow::default()), vec![], Arc::new(Semaphore::new(0)));
+    q.push(EventType::Listing, numbered(1));
+    let mut changed = numbered(1);
+    changed["metadata"]["resourceVersion"] = json!("11");
+    q.push(EventType::Modified, changed);
+    assert_eq!(q.ready(), 1, "one object waits");
+    assert_eq!(q.next_ready().as_deref(), Some("u1"), "as a change");
+    // Its worker ran and found it gone.
+    q.slots.lock().remove("u1");
+    assert_eq!(q.next_ready(), None, "the old entry is skipped");
+    assert_eq!(q.ready(), 0);
+}
+
+/// A retry that falls due while its object waits as a confirmation moves it up.
+#[tokio::test(start_paused = true)]
+async fn a_retry_due_while_waiting_as_a_confirmation_moves_the_object_up() {
+    let q = queue(Arc::new(Slow::default()), vec![], Arc::new(Semaphore::new(0)));
+    q.push(EventType::Listing, numbered(1));
+    q.push(EventType::Listing, numbered(2));
+    q.wake("u2");
+    assert_eq!(q.next_ready().as_deref(), Some("u2"));
+    assert_eq!(q.next_ready().as_deref(), Some("u1"));
+    assert_eq!(q.next_ready(), None);
+}
+
 /// A worker must keep the object marked running until it finishes: an event pushed between
 /// its last look for work and its end is then queued once, never twice (two entries would
 /// start two cycles of one object at once).
@@ -1327,13 +1376,14 @@ async fn echoes_of_handled_versions_arriving_at_once_wait_with_no_body() {
         "echoes of handled versions wait with their body"
     );
     assert_eq!(q.ready(), 0);
-    // Changes by others beyond the bound are marked as ever.
+    // Changes by others beyond the bound (and the changes' reserve of a quarter more) are
+    // marked as ever.
     for n in 0..20 {
         let mut changed = numbered(n);
         changed["metadata"]["resourceVersion"] = json!("11");
         q.push(EventType::Modified, changed);
     }
-    assert_eq!(pending_bodies(&q), 4);
+    assert_eq!(pending_bodies(&q), 5);
 }
 
 /// A cycle's write answers with the object as stored; the worker checks that version at once,
