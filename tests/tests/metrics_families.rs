@@ -3,12 +3,16 @@
 //! of the resource have samples above zero, with controller-runtime's types, beside the
 //! `capstan_*` families (the watch is up, API requests are counted by answer, the process's
 //! memory is shown); with leader election, `leader_election_master_status` says this replica
-//! leads.
+//! leads. The page is read by Prometheus' own text-format parser (its Python client's,
+//! pinned in `tests/interop/setup.sh`), which must find every family with its type.
 
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, ensure};
-use capstan_tests::scenario::{Scenario, annotation};
+use capstan_tests::{
+    process::venv_python,
+    scenario::{Scenario, annotation},
+};
 use serde_json::json;
 
 const T: Duration = Duration::from_secs(60);
@@ -25,6 +29,36 @@ fn declared<'a>(page: &'a str, family: &str) -> Option<&'a str> {
     page.lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))
         .find_map(|l| l.strip_prefix(family)?.strip_prefix(' '))
+}
+
+/// The families of a metrics page as Prometheus' own text-format parser (its Python client's)
+/// reads them: name → `{"type": …, "samples": n}`. A page it cannot parse is an error.
+async fn parse_with_prometheus_client(page: &str) -> Result<serde_json::Map<String, serde_json::Value>> {
+    use tokio::io::AsyncWriteExt as _;
+    const READ: &str = "import json, sys\n\
+        from prometheus_client.parser import text_string_to_metric_families\n\
+        families = {f.name: {'type': f.type, 'samples': len(f.samples)}\n\
+                    for f in text_string_to_metric_families(sys.stdin.read())}\n\
+        print(json.dumps(families))\n";
+    let python = venv_python("CAPSTAN_INTEROP_PYTHON", "tests/interop/setup.sh").await?;
+    let mut child = tokio::process::Command::new(python)
+        .args(["-c", READ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let mut stdin = child.stdin.take().context("no stdin")?;
+    stdin.write_all(page.as_bytes()).await?;
+    drop(stdin);
+    let out = tokio::time::timeout(T, child.wait_with_output())
+        .await
+        .context("the parser did not finish")??;
+    ensure!(
+        out.status.success(),
+        "Prometheus' text parser refused the page: {}\n{page}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
 }
 
 #[tokio::test]
@@ -45,6 +79,7 @@ async fn controller_runtime_families_count_the_handled_objects() -> Result<()> {
     }
     let (code, page) = s.controller.admin_get("/metrics").await?;
     ensure!(code == 200, "/metrics answered {code}");
+    let parsed = parse_with_prometheus_client(&page).await?;
 
     for (family, kind) in [
         ("workqueue_depth", "gauge"),
@@ -68,6 +103,17 @@ async fn controller_runtime_families_count_the_handled_objects() -> Result<()> {
         ensure!(
             declared(&page, family) == Some(kind),
             "{family} is not declared a {kind}:\n{page}"
+        );
+        // Prometheus' parser names a counter's family without its `_total`.
+        let name = if kind == "counter" {
+            family.strip_suffix("_total").unwrap_or(family)
+        } else {
+            family
+        };
+        let parsed_kind = parsed.get(name).and_then(|f| f["type"].as_str());
+        ensure!(
+            parsed_kind == Some(kind),
+            "Prometheus' text parser reads {family} as {parsed_kind:?}, not {kind}"
         );
     }
     let queue = "{name=\"examples\",controller=\"examples\"}";
