@@ -309,6 +309,15 @@ pub fn success(invocation_id: &str, result: Option<&str>, patches: Vec<pb::Patch
     })
 }
 
+/// A `cancelled` result: the handler stopped.
+pub fn cancelled(invocation_id: &str) -> In {
+    In::Result(pb::InvocationResult {
+        invocation_id: invocation_id.into(),
+        outcome: Some(pb::invocation_result::Outcome::Cancelled(pb::Cancelled {})),
+        ..Default::default()
+    })
+}
+
 /// A merge patch on the object.
 pub fn merge_patch(json: &str) -> pb::Patch {
     pb::Patch {

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use capstan::model::{ChangeReason, Outcome, Patch, PatchTarget, PatchType, Payload, Work};
 use capstan_proto::pb::{self, connect_request::Message as In, connect_response::Message as Out};
-use capstan_tests::grpc::{RawClient, TestServer, hello, merge_patch, registration, success};
+use capstan_tests::grpc::{RawClient, TestServer, cancelled, hello, merge_patch, registration, success};
 use serde_json::json;
 
 fn create_work(key: &str) -> Work {
@@ -147,13 +147,7 @@ async fn a_long_invocation_is_cancelled_and_answers_cancelled() -> anyhow::Resul
     assert_eq!(cancel.invocation_id, inv.invocation_id);
     assert_eq!(cancel.reason, pb::CancelReason::ResourceDeleted as i32);
     assert!(cancel.grace_period.is_some());
-    client
-        .send(In::Result(pb::InvocationResult {
-            invocation_id: inv.invocation_id,
-            outcome: Some(pb::invocation_result::Outcome::Cancelled(pb::Cancelled {})),
-            ..Default::default()
-        }))
-        .await?;
+    client.send(cancelled(&inv.invocation_id)).await?;
     assert_eq!(outcome.await?, Outcome::Cancelled);
     Ok(())
 }
@@ -203,13 +197,7 @@ async fn a_handler_that_stops_itself_at_its_deadline_timed_out() -> anyhow::Resu
     let outcome = tokio::spawn(async move { hub.invoke(work).await });
     let inv = client.invocation().await?;
     tokio::time::sleep(Duration::from_millis(1400)).await;
-    client
-        .send(In::Result(pb::InvocationResult {
-            invocation_id: inv.invocation_id,
-            outcome: Some(pb::invocation_result::Outcome::Cancelled(pb::Cancelled {})),
-            ..Default::default()
-        }))
-        .await?;
+    client.send(cancelled(&inv.invocation_id)).await?;
     assert_eq!(outcome.await?, Outcome::TimedOut);
     Ok(())
 }

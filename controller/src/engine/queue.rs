@@ -311,7 +311,7 @@ impl Slot {
 }
 
 /// What became of an object given work (see [`Queue::set_pending`]).
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 enum Queued {
     /// It goes at the end of this ready line.
     In(Priority),
@@ -607,15 +607,17 @@ impl Queue {
             self.relist_soon();
             return;
         }
-        match self.set_pending(slot, event_type, Stored::new(&body), watched, news, priority) {
-            Queued::In(line) => {
-                drop(slots);
-                self.enqueue(uid, line);
-            }
-            Queued::Promoted => {
-                drop(slots);
-                self.ready.lines.promote(uid);
-            }
+        let queued = self.set_pending(slot, event_type, Stored::new(&body), watched, news, priority);
+        drop(slots);
+        self.place(uid, queued);
+    }
+
+    /// Puts an object given work where [`Queue::set_pending`] (or [`Slot::promote`]) said,
+    /// once the slots' lock is released.
+    fn place(&self, uid: String, queued: Queued) {
+        match queued {
+            Queued::In(line) => self.enqueue(uid, line),
+            Queued::Promoted => self.ready.lines.promote(uid),
             Queued::Already => {}
         }
     }
@@ -645,11 +647,7 @@ impl Queue {
             body,
         });
         if !std::mem::replace(&mut slot.running, true) {
-            let line = if change {
-                Priority::Change
-            } else {
-                Priority::Confirmation
-            };
+            let line = Priority::of(change);
             slot.queued = Some(line);
             return Queued::In(line);
         }
@@ -831,11 +829,7 @@ impl Queue {
         let more = slot.pending.is_some() || (slot.rerun && !slot.gone && slot.last_body.is_some());
         if more && !self.ctx.cancel.is_cancelled() {
             // Handling under way goes on as a change, unless all that waits is a listing's.
-            let priority = if slot.pending.as_ref().is_none_or(|p| p.change) {
-                Priority::Change
-            } else {
-                Priority::Confirmation
-            };
+            let priority = Priority::of(slot.pending.as_ref().is_none_or(|p| p.change));
             slot.queued = Some(priority);
             drop(slots);
             self.enqueue(uid.to_owned(), priority);
@@ -1276,10 +1270,9 @@ impl Queue {
             if let Some(pending) = slot.pending.as_mut() {
                 // Its cycle runs what is due; waiting as a confirmation, it moves up.
                 pending.change = true;
-                if slot.promote(true) == Queued::Promoted {
-                    drop(slots);
-                    self.ready.lines.promote(uid.to_owned());
-                }
+                let queued = slot.promote(true);
+                drop(slots);
+                self.place(uid.to_owned(), queued);
                 return;
             }
             if slot.relist.is_some() && !slot.running {

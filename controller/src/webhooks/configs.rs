@@ -25,7 +25,7 @@
 //! Webhook names are `<plural>[-<subresource>].<group or "core">.<configuration name>`, made
 //! valid DNS names.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::{Value, json};
 
@@ -68,13 +68,33 @@ pub struct Layout {
 
 /// The configuration of `phase` built from `registrations` (other kinds are ignored).
 pub fn build(phase: Phase, registrations: &[Registration], layout: &Layout) -> Value {
+    let regs: Vec<&Registration> = registrations.iter().filter(|r| r.kind == phase.kind()).collect();
+    let subresource_of = |reg: &Registration| match &reg.options {
+        KindOptions::Admission(o) => o.subresource.clone(),
+        _ => String::new(),
+    };
+    // A `*` handler's webhook (`<plural>/*`) covers every subresource: the handlers of one
+    // subresource join it, or a write of that subresource would call the server twice and
+    // run every handler twice.
+    let every: BTreeSet<(&str, &str, &str)> = regs
+        .iter()
+        .filter(|reg| subresource_of(reg) == "*")
+        .filter_map(|reg| reg.resource.as_ref())
+        .map(|r| (r.group.as_str(), r.version.as_str(), r.plural.as_str()))
+        .collect();
     let mut groups: BTreeMap<(String, String, String, String), Vec<&Registration>> = BTreeMap::new();
-    for reg in registrations.iter().filter(|r| r.kind == phase.kind()) {
+    for reg in regs {
         let Some(resource) = &reg.resource else { continue };
-        let subresource = match &reg.options {
-            KindOptions::Admission(o) => o.subresource.clone(),
-            _ => String::new(),
-        };
+        let mut subresource = subresource_of(reg);
+        if !subresource.is_empty()
+            && every.contains(&(
+                resource.group.as_str(),
+                resource.version.as_str(),
+                resource.plural.as_str(),
+            ))
+        {
+            subresource = "*".to_owned();
+        }
         groups
             .entry((
                 resource.group.clone(),
@@ -84,30 +104,6 @@ pub fn build(phase: Phase, registrations: &[Registration], layout: &Layout) -> V
             ))
             .or_default()
             .push(reg);
-    }
-    // A `*` handler's webhook (`<plural>/*`) covers every subresource: the handlers of one
-    // subresource join it, or a write of that subresource would call the server twice and
-    // run every handler twice.
-    let every: Vec<(String, String, String)> = groups
-        .keys()
-        .filter(|(_, _, _, sub)| sub == "*")
-        .map(|(g, v, p, _)| (g.clone(), v.clone(), p.clone()))
-        .collect();
-    for (group, version, plural) in every {
-        let covered: Vec<_> = groups
-            .keys()
-            .filter(|(g, v, p, sub)| {
-                (g, v, p) == (&group, &version, &plural) && !sub.is_empty() && sub != "*"
-            })
-            .cloned()
-            .collect();
-        for key in covered {
-            let regs = groups.remove(&key).unwrap_or_default();
-            groups
-                .entry((group.clone(), version.clone(), plural.clone(), "*".to_owned()))
-                .or_default()
-                .extend(regs);
-        }
     }
     let webhooks: Vec<Value> = groups
         .iter()

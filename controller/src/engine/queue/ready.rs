@@ -32,6 +32,13 @@ pub enum Priority {
     Confirmation,
 }
 
+impl Priority {
+    /// The line of work that is (`true`) or is not a change.
+    pub fn of(change: bool) -> Self {
+        if change { Self::Change } else { Self::Confirmation }
+    }
+}
+
 /// While changes wait, one dispatch in this many takes the oldest confirmation.
 pub const SHARE: usize = 8;
 

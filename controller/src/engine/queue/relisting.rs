@@ -36,7 +36,7 @@ use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::{Queue, Queued, Stored, ready::Priority, version::Judged};
+use super::{Queue, Stored, ready::Priority, version::Judged};
 use crate::{
     k8s::{
         listing::{list_page, list_params},
@@ -426,17 +426,9 @@ impl Queue {
             return Listed::Skipped;
         }
         slot.unmark();
-        match self.set_pending(slot, event_type, body.clone(), true, news, priority) {
-            Queued::In(line) => {
-                drop(slots);
-                self.enqueue(uid.to_owned(), line);
-            }
-            Queued::Promoted => {
-                drop(slots);
-                self.ready.lines.promote(uid.to_owned());
-            }
-            Queued::Already => {}
-        }
+        let queued = self.set_pending(slot, event_type, body.clone(), true, news, priority);
+        drop(slots);
+        self.place(uid.to_owned(), queued);
         Listed::Queued
     }
 }
