@@ -804,6 +804,7 @@ impl RunArgs {
         };
         settings.engine.activities.probe_timeout = self.probe_timeout;
         settings.engine.activities.login_timeout = self.login_timeout;
+        settings.engine.activities.cleanup_grace = self.shutdown_grace;
         settings.engine.watch_crds = !self.no_crd_watch;
         settings.peering = peering::Settings {
             standalone: self.standalone,

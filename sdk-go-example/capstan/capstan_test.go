@@ -562,6 +562,36 @@ func TestReconnectsAfterALostStreamAndSaysGoodbyeOnShutdown(t *testing.T) {
 	}
 }
 
+func TestAProcessWithCleanupHandlersAsksForThemInItsGoodbyeAndStopsAtTheFarewell(t *testing.T) {
+	reg := &capstan.Registry{ShutdownGrace: time.Second}
+	reg.OnCleanup("cleanup_fn", func(context.Context, *capstan.Invocation) (any, error) { return nil, nil })
+	ctl := capstantest.NewController(t)
+	p := ctl.Serve(t, reg)
+	ctl.Ping(t) // the session serves
+	started := time.Now()
+	if err := p.Stop(t); err != nil {
+		t.Errorf("Run = %v", err)
+	}
+	if ctl.Goodbyes() != 1 || ctl.CleanupGoodbyes() != 1 {
+		t.Errorf("%d goodbyes, %d asking for cleanup", ctl.Goodbyes(), ctl.CleanupGoodbyes())
+	}
+	if elapsed := time.Since(started); elapsed > 5*time.Second {
+		t.Errorf("Run returned %s after the stop: the farewell was not taken", elapsed)
+	}
+
+	plain := &capstan.Registry{}
+	plain.OnStartup("startup_fn", func(context.Context, *capstan.Invocation) (any, error) { return nil, nil })
+	ctl = capstantest.NewController(t)
+	p = ctl.Serve(t, plain)
+	ctl.Ping(t)
+	if err := p.Stop(t); err != nil {
+		t.Errorf("Run = %v", err)
+	}
+	if ctl.Goodbyes() != 1 || ctl.CleanupGoodbyes() != 0 {
+		t.Errorf("without cleanup handlers: %d goodbyes, %d asking for cleanup", ctl.Goodbyes(), ctl.CleanupGoodbyes())
+	}
+}
+
 func TestShutdownLetsInvocationsFinishThenCancelsThem(t *testing.T) {
 	reg := capstan.NewRegistry()
 	reg.ShutdownGrace = 100 * time.Millisecond

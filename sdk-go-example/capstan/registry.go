@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"time"
 )
@@ -128,9 +129,17 @@ func (r *Registry) OnStartup(id string, fn HandlerFunc, opts ...Option) {
 	r.add(KindStartup, "", id, fn, opts)
 }
 
-// OnCleanup registers a handler run once when the controller stops (kopf on.cleanup).
+// OnCleanup registers a handler run once when the operator stops (kopf on.cleanup): when the
+// controller stops, or when this process stops first (as in the chart's pod, where the handler
+// container is stopped before the controller), before Run returns.
 func (r *Registry) OnCleanup(id string, fn HandlerFunc, opts ...Option) {
 	r.add(KindCleanup, "", id, fn, opts)
+}
+
+// hasCleanup says whether a cleanup handler is registered (a stopping process then asks the
+// controller to run it before the stream closes).
+func (r *Registry) hasCleanup() bool {
+	return slices.ContainsFunc(r.handlers, func(h *handler) bool { return h.spec.kind == KindCleanup })
 }
 
 // OnLogin registers a handler returning API credentials for the controller (kopf on.login);

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -37,6 +38,7 @@ var capabilities = []pb.Capability{
 	pb.Capability_CAPABILITY_SUBHANDLERS,
 	pb.Capability_CAPABILITY_OBJECT_UPDATES,
 	pb.Capability_CAPABILITY_OBJECT_GONE,
+	pb.Capability_CAPABILITY_CLEANUP_ON_GOODBYE,
 }
 
 // handshakeTimeout bounds the wait for Welcome after Hello.
@@ -134,7 +136,10 @@ func (r *Registry) connect(ctx context.Context, conn *grpc.ClientConn, hello *pb
 		_ = s.CloseSend()
 		return true, err
 	}
-	return true, newSession(r, s).serve(ctx)
+	sess := newSession(r, s)
+	sess.cleanupOnGoodbye = slices.Contains(welcome.GetCapabilities(), pb.Capability_CAPABILITY_CLEANUP_ON_GOODBYE) &&
+		r.hasCleanup()
+	return true, sess.serve(ctx)
 }
 
 // UnsupportedError says which handlers the connected controller does not run (their kind was

@@ -45,6 +45,13 @@ type session struct {
 	mu      sync.Mutex
 	running map[string]*active
 	idle    chan struct{} // closed when running becomes empty; see waitIdle
+
+	// cleanupOnGoodbye: the goodbye asks the controller to run this process's cleanup
+	// handlers (CAPABILITY_CLEANUP_ON_GOODBYE is in effect and some are registered).
+	cleanupOnGoodbye bool
+	// farewell is closed when the controller says the cleanup is done.
+	farewell     chan struct{}
+	farewellOnce sync.Once
 }
 
 // active is one running invocation.
@@ -57,13 +64,14 @@ type active struct {
 func newSession(reg *Registry, s stream) *session {
 	ctx, cancel := context.WithCancelCause(context.Background())
 	return &session{
-		reg:     reg,
-		log:     reg.logger(),
-		stream:  s,
-		indexes: newIndexes(reg.indexNames),
-		ctx:     ctx,
-		cancel:  cancel,
-		running: map[string]*active{},
+		reg:      reg,
+		log:      reg.logger(),
+		stream:   s,
+		indexes:  newIndexes(reg.indexNames),
+		ctx:      ctx,
+		cancel:   cancel,
+		running:  map[string]*active{},
+		farewell: make(chan struct{}),
 	}
 }
 
@@ -136,6 +144,9 @@ func (s *session) read() error {
 				s.logDiagnostics("capstan: result not accepted", msg.ResultAck.GetInvocationId(),
 					msg.ResultAck.GetDiagnostics())
 			}
+		case *pb.ConnectResponse_Farewell:
+			s.log.Info("capstan: the controller ran this process's cleanup", "reason", msg.Farewell.GetReason())
+			s.farewellOnce.Do(func() { close(s.farewell) })
 		case *pb.ConnectResponse_Notice:
 			s.logDiagnostics("capstan: notice from the controller", msg.Notice.GetInvocationId(),
 				msg.Notice.GetDiagnostics())
@@ -300,6 +311,11 @@ func (s *session) cancelAll(cause *CancelledError) {
 	s.cancel(cause)
 }
 
+// cleanupTimeout bounds how long a stopping process waits for the controller to run its
+// cleanup handlers (counted from its goodbye; the controller's own bound is its shutdown grace,
+// 20 s by default).
+const cleanupTimeout = 25 * time.Second
+
 // shutdown says goodbye, lets the running invocations finish within the grace period, cancels
 // the rest, sends their results, and closes our side of the stream.
 func (s *session) shutdown(lost <-chan error) {
@@ -307,16 +323,29 @@ func (s *session) shutdown(lost <-chan error) {
 	if grace <= 0 {
 		grace = 10 * time.Second
 	}
-	s.log.Info("capstan: stopping; saying goodbye", "running", s.inFlight())
+	s.log.Info("capstan: stopping; saying goodbye", "running", s.inFlight(), "cleanup", s.cleanupOnGoodbye)
 	s.send(&pb.ConnectRequest{Message: &pb.ConnectRequest_Goodbye{
-		Goodbye: &pb.Goodbye{Reason: "the handler process is stopping"},
+		Goodbye: &pb.Goodbye{Reason: "the handler process is stopping", Cleanup: s.cleanupOnGoodbye},
 	}})
+	deadline := time.Now().Add(grace)
+	if s.cleanupOnGoodbye {
+		// The cleanup handlers come now, on this stream; cancelling what runs would cancel
+		// them too, so the grace counts only once the controller said they are done.
+		select {
+		case <-s.farewell:
+		case <-lost:
+			s.abandon()
+			return
+		case <-time.After(cleanupTimeout):
+			s.log.Warn("capstan: the controller did not finish this process's cleanup handlers in time")
+		}
+	}
 	select {
 	case <-s.waitIdle():
 	case <-lost:
 		s.abandon()
 		return
-	case <-time.After(grace):
+	case <-time.After(time.Until(deadline)):
 		s.cancelAll(errStopping)
 		select {
 		case <-s.waitIdle():

@@ -65,6 +65,8 @@ type Controller struct {
 	nextID   int
 	logs     []Log
 	goodbyes int
+	// cleanupGoodbyes counts the goodbyes that asked for the process's cleanup handlers.
+	cleanupGoodbyes int
 }
 
 // NewController starts a fake controller that serves until the test ends.
@@ -287,7 +289,17 @@ func (c *Controller) read(cn *conn) {
 		case *pb.ConnectRequest_Goodbye:
 			c.mu.Lock()
 			c.goodbyes++
+			if msg.Goodbye.GetCleanup() {
+				c.cleanupGoodbyes++
+			}
 			c.mu.Unlock()
+			if msg.Goodbye.GetCleanup() {
+				// The fake runs no handler by itself (Invoke cleanup handlers explicitly): the
+				// cleanup asked for is done at once.
+				_ = cn.send(&pb.ConnectResponse{Message: &pb.ConnectResponse_Farewell{
+					Farewell: &pb.Farewell{Reason: "capstantest runs no cleanup handlers by itself"},
+				}})
+			}
 		}
 	}
 }
@@ -425,6 +437,15 @@ func (c *Controller) Goodbyes() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.goodbyes
+}
+
+// CleanupGoodbyes returns how many goodbyes asked for the process's cleanup handlers (a
+// process with cleanup handlers does, stopping before the controller); the fake answers each
+// with a farewell at once.
+func (c *Controller) CleanupGoodbyes() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.cleanupGoodbyes
 }
 
 // Running is an invocation that was sent and has not necessarily answered yet.

@@ -45,6 +45,9 @@ BACKOFF_MIN, BACKOFF_MAX = 0.2, 15.0
 STOP_GRACE = 10.0
 #: How long the controller has to end the stream after the handler process closed its side.
 CLOSE_TIMEOUT = 5.0
+#: How long a stopping process waits for the controller to run its cleanup handlers (counted
+#: from its goodbye; the controller's own bound is its shutdown grace, 20 s by default).
+CLEANUP_TIMEOUT = 25.0
 _LEVELS = {
     logging.DEBUG: rs.LOG_LEVEL_DEBUG, logging.INFO: rs.LOG_LEVEL_INFO,
     logging.WARNING: rs.LOG_LEVEL_WARNING, logging.ERROR: rs.LOG_LEVEL_ERROR,
@@ -103,6 +106,10 @@ class Session:
         self.running = {}  # invocation id -> (Running, task)
         self.draining = False
         self.closed = False
+        #: What the controller's welcome put in effect.
+        self.capabilities = frozenset()
+        #: Set by the controller's farewell: the cleanup a goodbye asked for is done.
+        self.farewell = asyncio.Event()
         self.dropped_logs = 0
         self.loop = asyncio.get_running_loop()
         #: Fails with `StreamStalled` once a message waited `STALL_TIMEOUT` for room.
@@ -199,7 +206,8 @@ class Operator:
     def hello(self):
         return rs.ConnectRequest(hello=rs.Hello(
             capabilities=[rs.CAPABILITY_RESULT_ACK, rs.CAPABILITY_SDK_FILTERS, rs.CAPABILITY_SUBHANDLERS,
-                          rs.CAPABILITY_OBJECT_UPDATES, rs.CAPABILITY_OBJECT_GONE, rs.CAPABILITY_INVOCATION_UPDATES],
+                          rs.CAPABILITY_OBJECT_UPDATES, rs.CAPABILITY_OBJECT_GONE, rs.CAPABILITY_INVOCATION_UPDATES,
+                          rs.CAPABILITY_CLEANUP_ON_GOODBYE],
             sdk=rs.SoftwareInfo(name="capstan-python", version=__version__, language="python"),
             instance_id=self.instance_id,
             handlers=[wire.registration(h) for h in self.registry.handlers],
@@ -300,15 +308,32 @@ class Operator:
             await session.call.write(message)
 
     async def _stop_on_signal(self, session):
-        """On stop: goodbye, let running invocations end (they are told to stop), close."""
+        """On stop: goodbye, let running invocations end (they are told to stop), close.
+
+        A process with cleanup handlers asks in its goodbye for them (when the controller
+        offers it): in the chart's pod this process stops before the controller, which then
+        invokes them on this stream and says farewell once they are done; the stream closes
+        after that, or after `CLEANUP_TIMEOUT`."""
         await self.stop.wait()
         log.info("stopping")
-        await session.send(rs.ConnectRequest(goodbye=rs.Goodbye(reason="handler process stopping")))
+        cleanup = (rs.CAPABILITY_CLEANUP_ON_GOODBYE in session.capabilities
+                   and any(h.kind == "cleanup" for h in self.registry.handlers))
+        said = time.monotonic()
+        await session.send(rs.ConnectRequest(goodbye=rs.Goodbye(reason="handler process stopping", cleanup=cleanup)))
         for running, _ in list(session.running.values()):
             running.stop.set(DaemonStoppingReason.OPERATOR_EXITING)
         tasks = [task for _, task in session.running.values()]
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_GRACE)
+        if cleanup:
+            left = max(0.0, CLEANUP_TIMEOUT - (time.monotonic() - said))
+            try:
+                await asyncio.wait_for(session.farewell.wait(), left)
+            except asyncio.TimeoutError:
+                log.warning("the controller did not finish this process's cleanup handlers within %gs", CLEANUP_TIMEOUT)
+            cleanups = [task for _, task in session.running.values()]
+            if cleanups:
+                await asyncio.wait(cleanups, timeout=CLOSE_TIMEOUT)
         await session.send(None)
 
     async def _reader(self, session):
@@ -323,7 +348,11 @@ class Operator:
                 in_flight = len(session.running)
                 await session.send(rs.ConnectRequest(pong=rs.Pong(nonce=message.ping.nonce, in_flight=in_flight)))
             elif which == "welcome":
+                session.capabilities = frozenset(message.welcome.capabilities)
                 self._welcome(message.welcome)
+            elif which == "farewell":
+                log.info("the controller ran this process's cleanup (%s)", message.farewell.reason)
+                session.farewell.set()
             elif which == "invocation":
                 await self._start(session, message.invocation)
             elif which == "cancel":

@@ -165,6 +165,79 @@ def test_the_whole_stream(socket_path):
     asyncio.run(scenario())
 
 
+def test_a_stopping_process_asks_for_its_cleanup_handlers_and_closes_after_the_farewell(socket_path):
+    registry = Registry()
+    ran = []
+
+    @capstan.on.cleanup(registry=registry, id="cleanup_fn")
+    def cleanup_fn(**_):
+        ran.append("cleanup")
+
+    async def scenario():
+        server, fake = await _serve(socket_path)
+        stop = asyncio.Event()
+        op = Operator(registry, endpoint=f"unix://{socket_path}", stop=stop)
+        runner = asyncio.create_task(op.run())
+        try:
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            assert rs.CAPABILITY_CLEANUP_ON_GOODBYE in hello.capabilities
+            await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(
+                connection_id="c1", capabilities=list(hello.capabilities),
+                registrations=_registration_status(hello))))
+            await outgoing.put(rs.ConnectResponse(ping=rs.Ping(nonce=1)))
+            await _next(incoming, "pong")
+
+            stop.set()
+            goodbye = await _next(incoming, "goodbye")
+            assert goodbye.cleanup
+            # The controller runs the cleanup handler on this stream: it is still answered.
+            await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
+                invocation_id="c1", handler_id="cleanup_fn", attempt=1,
+                activity=inv.ActivityRequest(activity=inv.ACTIVITY_CLEANUP))))
+            result = await _next(incoming, "result")
+            assert result.invocation_id == "c1" and result.WhichOneof("outcome") == "success"
+            assert ran == ["cleanup"]
+            assert not runner.done(), "the process closed before the farewell"
+            await outgoing.put(rs.ConnectResponse(farewell=rs.Farewell(reason="done")))
+            assert await asyncio.wait_for(incoming.get(), T) is None
+            await outgoing.put(None)
+            await asyncio.wait_for(runner, T)
+        finally:
+            runner.cancel()
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_without_the_capability_a_goodbye_asks_for_no_cleanup(socket_path):
+    registry = Registry()
+    capstan.on.cleanup(registry=registry, id="cleanup_fn")(lambda **_: None)
+
+    async def scenario():
+        server, fake = await _serve(socket_path)
+        stop = asyncio.Event()
+        op = Operator(registry, endpoint=f"unix://{socket_path}", stop=stop)
+        runner = asyncio.create_task(op.run())
+        try:
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(
+                connection_id="c1", registrations=_registration_status(hello))))
+            await outgoing.put(rs.ConnectResponse(ping=rs.Ping(nonce=1)))
+            await _next(incoming, "pong")
+            stop.set()
+            assert not (await _next(incoming, "goodbye")).cleanup
+            assert await asyncio.wait_for(incoming.get(), T) is None
+            await outgoing.put(None)
+            await asyncio.wait_for(runner, T)
+        finally:
+            runner.cancel()
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
 def test_no_accepted_handler_is_fatal(socket_path):
     registry = Registry()
     capstan.on.create("examples", registry=registry)(lambda **_: None)

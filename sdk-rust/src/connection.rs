@@ -6,7 +6,10 @@
 //! answered from the reader at once, `Cancel` only flips the invocation's token, and an
 //! `ObjectUpdate` only swaps the body the invocation's `Context` reads. On shutdown
 //! it sends `Goodbye`, gives running invocations a bounded grace (still answering pings and
-//! cancels), cancels what is left, and closes its side. When the stream is lost, running
+//! cancels), cancels what is left, and closes its side. A process with cleanup handlers asks
+//! in its goodbye for them (where the controller offers `CAPABILITY_CLEANUP_ON_GOODBYE`): in a
+//! pod whose controller is a native sidecar, this process is stopped first, so the controller
+//! runs them then, on this stream, and the stream closes after its `Farewell` (bounded). When the stream is lost, running
 //! invocations are cancelled and dropped: the controller re-queues them as new attempts.
 
 use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
@@ -35,6 +38,9 @@ use crate::{
 const ABANDON_AFTER: Duration = Duration::from_secs(1);
 /// How long to wait for the controller to end the stream after this side closed it.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a stopping process waits for the controller to run its cleanup handlers (counted
+/// from its goodbye; the controller's own bound is its shutdown grace, 20 s by default).
+const CLEANUP_TIMEOUT: Duration = Duration::from_secs(25);
 
 /// Where the controller listens.
 #[derive(Debug, Clone)]
@@ -147,6 +153,8 @@ pub(crate) async fn run(
         tasks: JoinSet::new(),
         running: HashMap::new(),
         welcomed: false,
+        cleanup_on_goodbye: false,
+        farewell: false,
     };
     let ended = stream.serve(stop).await;
     match ended {
@@ -202,6 +210,10 @@ struct Stream {
     tasks: JoinSet<String>,
     running: HashMap<String, Control>,
     welcomed: bool,
+    /// The welcome put `CAPABILITY_CLEANUP_ON_GOODBYE` in effect.
+    cleanup_on_goodbye: bool,
+    /// The controller said farewell: the cleanup the goodbye asked for is done.
+    farewell: bool,
 }
 
 impl Stream {
@@ -225,17 +237,35 @@ impl Stream {
         }
     }
 
-    /// Says goodbye, lets running invocations finish within `grace`, then cancels the rest.
+    /// Says goodbye, lets running invocations finish within `grace`, then cancels the rest;
+    /// with cleanup handlers, also answers their invocations until the controller's farewell.
     async fn shut_down(&mut self, grace: Duration) {
-        tracing::info!(running = self.running.len(), "saying goodbye to the controller");
+        let cleanup = self.cleanup_on_goodbye
+            && self
+                .table
+                .registrations()
+                .iter()
+                .any(|r| r.kind == pb::HandlerKind::Cleanup as i32);
+        tracing::info!(
+            running = self.running.len(),
+            cleanup,
+            "saying goodbye to the controller"
+        );
         let goodbye = pb::Goodbye {
             reason: "the handler process is shutting down".to_owned(),
+            cleanup,
         };
         if self.outbox.send(Up::Goodbye(goodbye)).await.is_err() {
             return;
         }
-        let deadline = tokio::time::Instant::now() + grace;
-        while !self.tasks.is_empty() {
+        let now = tokio::time::Instant::now();
+        // Only what ran before the goodbye is cancelled at the grace: the cleanup handlers
+        // that come after it have the controller's own bound.
+        let before: Vec<String> = self.running.keys().cloned().collect();
+        let deadline = now + grace;
+        let last = now + (grace + ABANDON_AFTER).max(if cleanup { CLEANUP_TIMEOUT } else { Duration::ZERO });
+        let mut cancelled = false;
+        while !self.tasks.is_empty() || (cleanup && !self.farewell) {
             tokio::select! {
                 Some(joined) = self.tasks.join_next() => self.finished(joined),
                 message = self.inbound.message() => match message {
@@ -246,13 +276,20 @@ impl Stream {
                     }
                     _ => break,
                 },
-                () = tokio::time::sleep_until(deadline) => {
-                    tracing::warn!(running = self.running.len(), "shutdown grace passed; cancelling invocations");
-                    for control in self.running.values() {
+                () = tokio::time::sleep_until(deadline), if !cancelled => {
+                    cancelled = true;
+                    let late: Vec<&Control> = before.iter().filter_map(|id| self.running.get(id)).collect();
+                    if !late.is_empty() {
+                        tracing::warn!(running = late.len(), "shutdown grace passed; cancelling invocations");
+                    }
+                    for control in late {
                         control.cancel(pb::CancelReason::RuntimeShutdown);
                     }
-                    let tasks = &mut self.tasks;
-                    let _ = tokio::time::timeout(ABANDON_AFTER, async { while tasks.join_next().await.is_some() {} }).await;
+                }
+                () = tokio::time::sleep_until(last) => {
+                    if cleanup && !self.farewell {
+                        tracing::warn!("the controller did not finish this process's cleanup handlers in time");
+                    }
                     break;
                 }
             }
@@ -302,6 +339,9 @@ impl Stream {
         match message.message {
             Some(Down::Welcome(welcome)) => {
                 self.welcomed = true;
+                self.cleanup_on_goodbye = welcome
+                    .capabilities
+                    .contains(&(pb::Capability::CleanupOnGoodbye as i32));
                 log_welcome(&welcome, self.table.registrations());
                 let unsupported = unsupported_kinds(&welcome, self.table.registrations());
                 if !unsupported.is_empty() {
@@ -356,6 +396,10 @@ impl Stream {
                 for d in &notice.diagnostics {
                     tracing::warn!(invocation.id = %notice.invocation_id, reason = %d.reason, "notice from the controller: {}", d.summary);
                 }
+            }
+            Some(Down::Farewell(farewell)) => {
+                tracing::info!(reason = %farewell.reason, "the controller ran this process's cleanup");
+                self.farewell = true;
             }
             None => tracing::debug!("ignoring an empty or unknown message"),
         }

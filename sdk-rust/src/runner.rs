@@ -103,6 +103,7 @@ impl Operator {
                 pb::Capability::InvocationUpdates as i32,
                 pb::Capability::ObjectUpdates as i32,
                 pb::Capability::ObjectGone as i32,
+                pb::Capability::CleanupOnGoodbye as i32,
             ],
             sdk: Some(pb::SoftwareInfo {
                 name: env!("CARGO_PKG_NAME").to_owned(),

@@ -187,6 +187,49 @@ async fn cleanup_handlers_run_on_sigterm_and_the_controller_exits_0() -> Result<
     env.stop().await
 }
 
+/// The order of the chart's pod: kubelet stops the handler container first (the controller is
+/// a native sidecar, stopped once the handler container exited). The Rust SDK's process asks
+/// for its cleanup handler in its goodbye, and waits for it before it exits; the controller's
+/// own stop later does not run it again.
+#[tokio::test]
+async fn a_handler_process_stopped_before_the_controller_runs_its_cleanup_handler_once() -> Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let mut controller = Controller::start(&env, "capstan", &["--shutdown-grace", "5s"]).await?;
+    let calls = env.scratch().join("calls.log");
+    let log = calls.to_string_lossy().into_owned();
+    let mut handler = start_handler(
+        &env,
+        "handler",
+        &controller.endpoint(),
+        &[("E2E_HANDLERS", "cleanup,create"), ("E2E_LOG", log.as_str())],
+    )?;
+    controller
+        .process
+        .wait_for("handler process connected", T)
+        .await?;
+    create_example(&env, "one", json!({})).await?;
+    wait_line(&calls, "create_fn one 1", &controller, &handler).await?;
+    let status = handler.terminate().await?;
+    ensure!(status.success(), "handler exit status {status}");
+    ensure!(
+        lines(&calls).iter().filter(|l| *l == "cleanup ran").count() == 1,
+        "the cleanup handler did not run once when its process stopped first: {:?}\n{}",
+        lines(&calls),
+        tail(&handler.output(), 30)
+    );
+    let status = controller.process.terminate().await?;
+    ensure!(status.success(), "exit status {status}");
+    let out = controller.process.output();
+    ensure!(
+        out.matches("cleanup handler succeeded").count() == 1,
+        "{}",
+        tail(&out, 30)
+    );
+    ensure!(lines(&calls).iter().filter(|l| *l == "cleanup ran").count() == 1);
+    env.stop().await
+}
+
 #[tokio::test]
 async fn probe_results_appear_in_healthz_and_a_hanging_probe_fails_within_its_timeout() -> Result<()> {
     let env = TestEnv::start().await?;

@@ -142,7 +142,7 @@ fn message() -> impl Strategy<Value = In> {
         1 => (any::<u64>(), any::<u32>()).prop_map(|(nonce, in_flight)| In::Pong(pb::Pong { nonce, in_flight })),
         1 => (text(), any::<u32>())
             .prop_map(|(handler_id, max_in_flight)| In::FlowControl(pb::FlowControl { handler_id, max_in_flight })),
-        1 => text().prop_map(|reason| In::Goodbye(pb::Goodbye { reason })),
+        1 => (text(), any::<bool>()).prop_map(|(reason, cleanup)| In::Goodbye(pb::Goodbye { reason, cleanup })),
     ]
 }
 

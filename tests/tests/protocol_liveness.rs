@@ -99,6 +99,7 @@ async fn goodbye_stops_new_dispatch_but_finishes_running_work() -> anyhow::Resul
     client
         .send(In::Goodbye(pb::Goodbye {
             reason: "SIGTERM".into(),
+            cleanup: false,
         }))
         .await?;
     tokio::time::sleep(Duration::from_millis(100)).await;

@@ -202,6 +202,52 @@ async fn python_operator_handles_changes_subhandlers_a_daemon_a_timer_retries_an
     Ok(())
 }
 
+/// In the chart's pod the controller is a native sidecar: kubelet sends SIGTERM to the handler
+/// container first and stops the controller only after it exited. The process's cleanup
+/// handler must still run then — through the controller, which is still up — and the process
+/// must wait for it before it closes its stream.
+#[tokio::test]
+async fn a_python_operator_stopped_before_the_controller_still_runs_its_cleanup_handler() -> Result<()> {
+    let mut s = start().await?;
+    s.create("one", json!({"field": "x"})).await?;
+    s.wait("one", T, "created", |o| o.pointer("/status/create_fn").is_some())
+        .await?;
+
+    let status = s.handler.terminate().await?;
+    let output = s.handler.output();
+    assert!(
+        status.success(),
+        "the Python operator exited with {status}:\n{output}"
+    );
+    assert!(
+        output.contains("example operator cleanup done"),
+        "the cleanup handler did not run when the handler process stopped first:\n{output}"
+    );
+    assert!(
+        output.contains("the controller ran this process's cleanup"),
+        "the process did not wait for the controller's farewell:\n{output}"
+    );
+    assert!(
+        !output.contains("Traceback"),
+        "a traceback in the operator's log:\n{output}"
+    );
+    s.controller
+        .process
+        .wait_for("cleanup handler succeeded", T)
+        .await?;
+
+    // The controller's own stop does not run it again (nor wait for the process that left).
+    let status = s.controller.process.terminate().await?;
+    assert!(status.success(), "the controller exited with {status}");
+    let log = s.controller.process.output();
+    assert_eq!(
+        log.matches("cleanup handler succeeded").count(),
+        1,
+        "the cleanup handler ran more than once:\n{log}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn python_operator_names_handlers_with_problems_and_exits_when_none_is_accepted() -> Result<()> {
     let python = sdk_python().await?;

@@ -52,7 +52,11 @@
 //!   the probes with a bounded timeout (a hanging probe becomes a failing check, never a hung
 //!   endpoint).
 //! - **cleanup** handlers run at shutdown, after resource work drained and before the gRPC
-//!   server stops, bounded by the shutdown grace; their outcomes are logged.
+//!   server stops, bounded by the shutdown grace; their outcomes are logged. A process that
+//!   stops first — in a pod whose controller is a native sidecar, kubelet sends SIGTERM to the
+//!   handler container and stops the controller only after it exited — asks for its cleanup
+//!   handlers in its goodbye: they run then, on its stream, and it is told with `Farewell`
+//!   when they are done. Each cleanup handler runs once, whichever stops first.
 
 use std::{
     collections::{BTreeMap, HashSet},
@@ -111,6 +115,9 @@ pub struct Settings {
     pub probe_cache: Duration,
     /// How long one login attempt may take. Default 30 s.
     pub login_timeout: Duration,
+    /// How long the cleanup handlers of a process leaving before the controller may take
+    /// (its goodbye asked for them): the controller's shutdown grace. Default 20 s.
+    pub cleanup_grace: Duration,
 }
 
 impl Default for Settings {
@@ -119,6 +126,7 @@ impl Default for Settings {
             probe_timeout: Duration::from_secs(5),
             probe_cache: Duration::from_secs(10),
             login_timeout: Duration::from_secs(30),
+            cleanup_grace: Duration::from_secs(20),
         }
     }
 }
@@ -157,6 +165,9 @@ struct State {
     expires_at: Option<SystemTime>,
     /// Counts the rounds of login calls: a later answer of an earlier round installs nothing.
     login_round: u64,
+    /// Cleanup handlers run (or running) already: each runs once, whether its process left
+    /// first or the controller stops first.
+    cleaned: HashSet<HandlerId>,
 }
 
 /// The shortest time between two logins for credentials that expire (however short-lived the
@@ -277,6 +288,11 @@ impl Activities {
             self.clone()
                 .probes(cancel.clone())
                 .instrument(info_span!("activities", activity = "probe")),
+        );
+        tasks.spawn(
+            self.clone()
+                .leavers(cancel.clone())
+                .instrument(info_span!("activities", activity = "cleanup")),
         );
         cancel.cancelled().await;
         if let Some(upgrade) = self.inner.upgrade.lock().take() {
@@ -742,13 +758,61 @@ impl Activities {
         state.probes_run_at = Some(Instant::now());
     }
 
-    /// Runs the cleanup handlers of the connected handler processes, within `within`.
+    /// Runs the cleanup handlers of the connected handler processes, within `within` (those
+    /// not run already because their process left first).
     pub async fn cleanup(&self, within: Duration) {
-        let cleanups = self.of_kind(HandlerKind::Cleanup);
+        let cleanups = self.claim_cleanups(self.of_kind(HandlerKind::Cleanup));
         if cleanups.is_empty() {
             return;
         }
-        let deadline = Instant::now() + within;
+        self.run_cleanups(&cleanups, within)
+            .instrument(info_span!("activities", activity = "cleanup"))
+            .await;
+    }
+
+    /// Those of `cleanups` not run yet, now marked as run.
+    fn claim_cleanups(&self, cleanups: Vec<Registration>) -> Vec<Registration> {
+        let mut state = self.inner.state.lock();
+        cleanups
+            .into_iter()
+            .filter(|reg| state.cleaned.insert(reg.id.clone()))
+            .collect()
+    }
+
+    /// Runs the cleanup handlers of processes that leave before the controller (their
+    /// goodbye asked for them; see the protocol's `CAPABILITY_CLEANUP_ON_GOODBYE`), then tells
+    /// each process with `Farewell`. Several leave at once in a pod's shutdown: each runs on
+    /// its own, bounded by [`Settings::cleanup_grace`]; a stop waits for those running (within
+    /// that bound), since the controller's own cleanup skips them.
+    async fn leavers(self, cancel: CancellationToken) {
+        let grace = self.inner.settings.cleanup_grace;
+        let mut running = JoinSet::new();
+        loop {
+            let (conn, cleanups) = tokio::select! {
+                leaving = self.inner.hub.next_leaving() => leaving,
+                () = cancel.cancelled() => break,
+                Some(_) = running.join_next(), if !running.is_empty() => continue,
+            };
+            let this = self.clone();
+            running.spawn(
+                async move {
+                    let cleanups = this.claim_cleanups(cleanups);
+                    let ids: Vec<&str> = cleanups.iter().map(|r| r.id.0.as_str()).collect();
+                    info!(connection.id = conn, handlers = ?ids, "running the cleanup handlers of a process that is leaving");
+                    let reason = format!("cleanup handlers run: {}", ids.join(", "));
+                    this.run_cleanups(&cleanups, grace).await;
+                    this.inner.hub.farewell(conn, reason, Duration::from_secs(5)).await;
+                }
+                .in_current_span(),
+            );
+        }
+        while running.join_next().await.is_some() {}
+    }
+
+    /// Runs `cleanups` together, each until it succeeds, fails for good or `within` passed.
+    async fn run_cleanups(&self, cleanups: &[Registration], within: Duration) {
+        const YEAR: Duration = Duration::from_secs(365 * 86_400);
+        let deadline = Instant::now() + within.min(YEAR);
         let runs = cleanups.iter().map(|reg| async move {
             let started = SystemTime::now();
             let mut record = ProgressRecord::started(started, "cleanup");
@@ -785,9 +849,7 @@ impl Activities {
                 }
             }
         });
-        join_all(runs)
-            .instrument(info_span!("activities", activity = "cleanup"))
-            .await;
+        join_all(runs).await;
     }
 }
 

@@ -97,13 +97,14 @@ impl Default for Settings {
 }
 
 /// The capabilities this controller supports.
-const SUPPORTED: [pb::Capability; 6] = [
+const SUPPORTED: [pb::Capability; 7] = [
     pb::Capability::ResultAck,
     pb::Capability::InvocationUpdates,
     pb::Capability::SdkFilters,
     pb::Capability::Subhandlers,
     pb::Capability::ObjectUpdates,
     pb::Capability::ObjectGone,
+    pb::Capability::CleanupOnGoodbye,
 ];
 
 /// The response stream of one connection.
@@ -257,6 +258,7 @@ pub async fn accept(
         conn,
         settings,
         acks: capabilities.contains(&pb::Capability::ResultAck),
+        cleanup_on_goodbye: capabilities.contains(&pb::Capability::CleanupOnGoodbye),
         resp_tx,
         shutdown,
     };
@@ -430,6 +432,8 @@ struct Connection {
     conn: ConnectionId,
     settings: Settings,
     acks: bool,
+    /// `CAPABILITY_CLEANUP_ON_GOODBYE`: a goodbye may ask for the process's cleanup handlers.
+    cleanup_on_goodbye: bool,
     resp_tx: mpsc::Sender<Result<pb::ConnectResponse, Status>>,
     shutdown: CancellationToken,
 }
@@ -566,6 +570,15 @@ impl Connection {
                 debug!(handler = ?handler, max_in_flight = fc.max_in_flight, "flow control");
                 self.hub
                     .flow_control(self.conn, handler.as_ref(), fc.max_in_flight);
+            }
+            Some(In::Goodbye(goodbye)) if goodbye.cleanup && self.cleanup_on_goodbye => {
+                info!(reason = %goodbye.reason, "handler process says goodbye; its cleanup handlers run, nothing else");
+                if !self.hub.leave_with_cleanup(self.conn) {
+                    let farewell = pb::Farewell {
+                        reason: "the process has no cleanup handlers".into(),
+                    };
+                    return self.emit(Out::Farewell(farewell)).await.err();
+                }
             }
             Some(In::Goodbye(goodbye)) => {
                 info!(reason = %goodbye.reason, "handler process says goodbye; no new invocations");

@@ -81,6 +81,9 @@ struct Inner {
     registrations: watch::Sender<Arc<Vec<Registration>>>,
     paused: watch::Sender<bool>,
     postings: tokio::sync::broadcast::Sender<Posting>,
+    /// Rings when a process that is leaving asks for its cleanup handlers
+    /// ([`Hub::leave_with_cleanup`]).
+    leaving: Notify,
 }
 
 #[derive(Default)]
@@ -91,11 +94,17 @@ struct State {
     waiters: HashMap<HandlerId, VecDeque<(u64, Arc<Notify>)>>,
     granted: HashMap<u64, Grant>,
     paused: bool,
+    /// Processes that said goodbye asking for their cleanup handlers, not yet taken by
+    /// [`Hub::next_leaving`]; each connection at most once, so bounded by the connections.
+    leaving: VecDeque<ConnectionId>,
 }
 
 struct Conn {
     tx: mpsc::Sender<pb::ConnectResponse>,
     open: bool,
+    /// The process said goodbye asking for its cleanup handlers: only those are dispatched
+    /// to it now (it is no longer `open`).
+    cleaning_up: bool,
     /// The process accepts `ObjectUpdate` messages.
     object_updates: bool,
     /// The process wants `ObjectGone` messages.
@@ -170,6 +179,7 @@ impl Hub {
                 registrations: watch::channel(Arc::new(Vec::new())).0,
                 paused: watch::channel(false).0,
                 postings: tokio::sync::broadcast::channel(1024).0,
+                leaving: Notify::new(),
             }),
         }
     }
@@ -263,6 +273,7 @@ impl Hub {
             Conn {
                 tx,
                 open: false,
+                cleaning_up: false,
                 object_updates,
                 object_gone: false,
                 max_in_flight,
@@ -289,6 +300,72 @@ impl Hub {
     pub(crate) fn close_for_dispatch(&self, conn: ConnectionId) {
         if let Some(c) = self.inner.state.lock().connections.get_mut(&conn) {
             c.open = false;
+        }
+    }
+
+    /// A process leaving before the controller asks for its cleanup handlers (its `Goodbye`
+    /// with `cleanup`): nothing else is dispatched to it, and [`Hub::next_leaving`] hands its
+    /// cleanup registrations to whoever runs them. Returns false when it has none (nothing to
+    /// wait for: answer with `Farewell` at once).
+    pub(crate) fn leave_with_cleanup(&self, conn: ConnectionId) -> bool {
+        let mut state = self.inner.state.lock();
+        let Some(c) = state.connections.get_mut(&conn) else {
+            return false;
+        };
+        c.open = false;
+        let any = c
+            .handlers
+            .values()
+            .any(|s| s.registration.kind == crate::model::HandlerKind::Cleanup);
+        if any && !c.cleaning_up {
+            c.cleaning_up = true;
+            state.leaving.push_back(conn);
+            self.inner.leaving.notify_one();
+        }
+        any
+    }
+
+    /// The next process that asked for its cleanup handlers as it leaves, with those
+    /// registrations (the ones it still owns). Connections gone meanwhile are skipped.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: a request is taken only when this resolves.
+    pub async fn next_leaving(&self) -> (ConnectionId, Vec<Registration>) {
+        loop {
+            let notified = self.inner.leaving.notified();
+            {
+                let mut state = self.inner.state.lock();
+                while let Some(conn) = state.leaving.pop_front() {
+                    let Some(c) = state.connections.get(&conn) else {
+                        continue;
+                    };
+                    let cleanups = c
+                        .order
+                        .iter()
+                        .filter_map(|id| c.handlers.get(id))
+                        .filter(|s| s.registration.kind == crate::model::HandlerKind::Cleanup)
+                        .filter(|s| state.owners.get(&s.registration.id) == Some(&conn))
+                        .map(|s| s.registration.clone())
+                        .collect();
+                    return (conn, cleanups);
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// Tells a leaving process that its cleanup is done (`Farewell`); it may close its stream.
+    /// Waits at most `within` for room in its outgoing queue.
+    pub async fn farewell(&self, conn: ConnectionId, reason: String, within: Duration) {
+        let tx = {
+            let state = self.inner.state.lock();
+            state.connections.get(&conn).map(|c| c.tx.clone())
+        };
+        if let Some(tx) = tx {
+            let message = pb::ConnectResponse {
+                message: Some(pb::connect_response::Message::Farewell(pb::Farewell { reason })),
+            };
+            let _ = tokio::time::timeout(within, tx.send(message)).await;
         }
     }
 
@@ -856,16 +933,19 @@ impl State {
         let Some(c) = self.connections.get(&conn) else {
             return;
         };
-        if !c.open {
+        if !c.open && !c.cleaning_up {
             return;
         }
         // While paused, only admission handlers are served: the API server waits for them,
-        // and admission is never frozen (kopf serves webhooks on paused operators).
+        // and admission is never frozen (kopf serves webhooks on paused operators). A process
+        // leaving with cleanup gets its cleanup handlers only, paused or not.
         let admitted = |h: &HandlerId| {
-            !self.paused
-                || c.handlers
-                    .get(h)
-                    .is_some_and(|s| s.registration.kind.is_admission())
+            let kind = c.handlers.get(h).map(|s| s.registration.kind);
+            if c.open {
+                !self.paused || kind.is_some_and(crate::model::HandlerKind::is_admission)
+            } else {
+                kind == Some(crate::model::HandlerKind::Cleanup)
+            }
         };
         // Only the handlers that have waiting work: linear in what waits, not in what is
         // registered.
@@ -1050,6 +1130,56 @@ mod tests {
         );
         assert_eq!(task.await.unwrap(), Outcome::success(None));
         assert_eq!(hub.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_process_leaving_with_cleanup_gets_its_cleanup_handlers_only() {
+        let hub = Hub::default();
+        let regs = vec![
+            Registration::new("create_fn", HandlerKind::Create, None),
+            Registration::new("cleanup_fn", HandlerKind::Cleanup, None),
+        ];
+        let (conn, mut rx) = attach(&hub, regs, 8);
+        let (bare, _bare_rx) = attach(&hub, vec![reg("probe_fn", None)], 8);
+        assert!(
+            !hub.leave_with_cleanup(bare),
+            "a process without cleanup handlers waits for nothing"
+        );
+        assert!(hub.leave_with_cleanup(conn));
+        assert!(hub.leave_with_cleanup(conn), "asking twice is harmless");
+        let (leaving, cleanups) = hub.next_leaving().await;
+        assert_eq!(leaving, conn);
+        let ids: Vec<&str> = cleanups.iter().map(|r| r.id.0.as_str()).collect();
+        assert_eq!(ids, ["cleanup_fn"]);
+        let change = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.invoke(Work::new("create_fn", "c", Payload::Probe)).await }
+        });
+        let cleanup = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.invoke(Work::new("cleanup_fn", "x", Payload::Probe)).await }
+        });
+        let inv = invocation_of(rx.recv().await.unwrap());
+        assert_eq!(inv.handler_id, "cleanup_fn");
+        hub.complete(conn, &success(&inv.invocation_id)).unwrap();
+        assert_eq!(cleanup.await.unwrap(), Outcome::success(None));
+        hub.farewell(conn, "done".into(), Duration::from_secs(1)).await;
+        match rx.recv().await.unwrap().message {
+            Some(pb::connect_response::Message::Farewell(f)) => assert_eq!(f.reason, "done"),
+            other => panic!("expected a farewell, got {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            rx.try_recv().is_err(),
+            "a change handler was sent to a leaving process"
+        );
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), hub.next_leaving())
+                .await
+                .is_err(),
+            "each leaving process is handed out once"
+        );
+        change.abort();
     }
 
     #[tokio::test]

@@ -46,6 +46,11 @@ const (
 	// is deleted, so that the handler process can drop what it keeps per object (kopf's
 	// per-object memo).
 	Capability_CAPABILITY_OBJECT_GONE Capability = 10
+	// A process that stops before the controller asks in its Goodbye (`cleanup`) for its cleanup
+	// handlers: the controller invokes them on the same stream, then sends Farewell. In a pod
+	// whose controller is a native sidecar, kubelet stops the handler container first, so this is
+	// how cleanup handlers run there.
+	Capability_CAPABILITY_CLEANUP_ON_GOODBYE Capability = 11
 )
 
 // Enum value maps for Capability.
@@ -58,6 +63,7 @@ var (
 		4:  "CAPABILITY_SUBHANDLERS",
 		5:  "CAPABILITY_OBJECT_UPDATES",
 		10: "CAPABILITY_OBJECT_GONE",
+		11: "CAPABILITY_CLEANUP_ON_GOODBYE",
 	}
 	Capability_value = map[string]int32{
 		"CAPABILITY_UNSPECIFIED":        0,
@@ -67,6 +73,7 @@ var (
 		"CAPABILITY_SUBHANDLERS":        4,
 		"CAPABILITY_OBJECT_UPDATES":     5,
 		"CAPABILITY_OBJECT_GONE":        10,
+		"CAPABILITY_CLEANUP_ON_GOODBYE": 11,
 	}
 )
 
@@ -399,6 +406,7 @@ type ConnectResponse struct {
 	//	*ConnectResponse_Notice
 	//	*ConnectResponse_ObjectUpdate
 	//	*ConnectResponse_ObjectGone
+	//	*ConnectResponse_Farewell
 	Message       isConnectResponse_Message `protobuf_oneof:"message"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -522,6 +530,15 @@ func (x *ConnectResponse) GetObjectGone() *ObjectGone {
 	return nil
 }
 
+func (x *ConnectResponse) GetFarewell() *Farewell {
+	if x != nil {
+		if x, ok := x.Message.(*ConnectResponse_Farewell); ok {
+			return x.Farewell
+		}
+	}
+	return nil
+}
+
 type isConnectResponse_Message interface {
 	isConnectResponse_Message()
 }
@@ -573,6 +590,12 @@ type ConnectResponse_ObjectGone struct {
 	ObjectGone *ObjectGone `protobuf:"bytes,20,opt,name=object_gone,json=objectGone,proto3,oneof"`
 }
 
+type ConnectResponse_Farewell struct {
+	// The cleanup a Goodbye asked for is done: no invocation follows; sent only with
+	// CAPABILITY_CLEANUP_ON_GOODBYE.
+	Farewell *Farewell `protobuf:"bytes,21,opt,name=farewell,proto3,oneof"`
+}
+
 func (*ConnectResponse_Welcome) isConnectResponse_Message() {}
 
 func (*ConnectResponse_Invocation) isConnectResponse_Message() {}
@@ -590,6 +613,8 @@ func (*ConnectResponse_Notice) isConnectResponse_Message() {}
 func (*ConnectResponse_ObjectUpdate) isConnectResponse_Message() {}
 
 func (*ConnectResponse_ObjectGone) isConnectResponse_Message() {}
+
+func (*ConnectResponse_Farewell) isConnectResponse_Message() {}
 
 // Describes the software on one side of the stream, for diagnostics only.
 type SoftwareInfo struct {
@@ -1183,7 +1208,11 @@ func (x *FlowControl) GetMaxInFlight() uint32 {
 type Goodbye struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Why, for logs.
-	Reason        string `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
+	Reason string `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
+	// Run this process's cleanup handlers before it goes (only with
+	// CAPABILITY_CLEANUP_ON_GOODBYE): no other invocation is sent any more, the cleanup handlers
+	// are invoked on this stream within the controller's shutdown grace, then Farewell comes.
+	Cleanup       bool `protobuf:"varint,2,opt,name=cleanup,proto3" json:"cleanup,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1225,6 +1254,60 @@ func (x *Goodbye) GetReason() string {
 	return ""
 }
 
+func (x *Goodbye) GetCleanup() bool {
+	if x != nil {
+		return x.Cleanup
+	}
+	return false
+}
+
+// The answer to a Goodbye that asked for cleanup: the process's cleanup handlers have run
+// (their outcomes are in the controller's log); the process may close the stream.
+type Farewell struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// What ran, for logs.
+	Reason        string `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Farewell) Reset() {
+	*x = Farewell{}
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Farewell) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Farewell) ProtoMessage() {}
+
+func (x *Farewell) ProtoReflect() protoreflect.Message {
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Farewell.ProtoReflect.Descriptor instead.
+func (*Farewell) Descriptor() ([]byte, []int) {
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *Farewell) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
 // The controller is stopping, pausing or handing over leadership.
 type Drain struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1240,7 +1323,7 @@ type Drain struct {
 
 func (x *Drain) Reset() {
 	*x = Drain{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[11]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1252,7 +1335,7 @@ func (x *Drain) String() string {
 func (*Drain) ProtoMessage() {}
 
 func (x *Drain) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[11]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1265,7 +1348,7 @@ func (x *Drain) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Drain.ProtoReflect.Descriptor instead.
 func (*Drain) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{11}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Drain) GetGracePeriod() *durationpb.Duration {
@@ -1304,7 +1387,7 @@ type ResultAck struct {
 
 func (x *ResultAck) Reset() {
 	*x = ResultAck{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[12]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1316,7 +1399,7 @@ func (x *ResultAck) String() string {
 func (*ResultAck) ProtoMessage() {}
 
 func (x *ResultAck) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[12]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1329,7 +1412,7 @@ func (x *ResultAck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResultAck.ProtoReflect.Descriptor instead.
 func (*ResultAck) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{12}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ResultAck) GetInvocationId() string {
@@ -1367,7 +1450,7 @@ type Notice struct {
 
 func (x *Notice) Reset() {
 	*x = Notice{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[13]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1379,7 +1462,7 @@ func (x *Notice) String() string {
 func (*Notice) ProtoMessage() {}
 
 func (x *Notice) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[13]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1392,7 +1475,7 @@ func (x *Notice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Notice.ProtoReflect.Descriptor instead.
 func (*Notice) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{13}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Notice) GetInvocationId() string {
@@ -1425,7 +1508,7 @@ type ObjectUpdate struct {
 
 func (x *ObjectUpdate) Reset() {
 	*x = ObjectUpdate{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[14]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1437,7 +1520,7 @@ func (x *ObjectUpdate) String() string {
 func (*ObjectUpdate) ProtoMessage() {}
 
 func (x *ObjectUpdate) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[14]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1450,7 +1533,7 @@ func (x *ObjectUpdate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectUpdate.ProtoReflect.Descriptor instead.
 func (*ObjectUpdate) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{14}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ObjectUpdate) GetInvocationId() string {
@@ -1481,7 +1564,7 @@ type ObjectGone struct {
 
 func (x *ObjectGone) Reset() {
 	*x = ObjectGone{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1493,7 +1576,7 @@ func (x *ObjectGone) String() string {
 func (*ObjectGone) ProtoMessage() {}
 
 func (x *ObjectGone) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1506,7 +1589,7 @@ func (x *ObjectGone) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectGone.ProtoReflect.Descriptor instead.
 func (*ObjectGone) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{15}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ObjectGone) GetObject() *ResourceRef {
@@ -1530,7 +1613,7 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x04pong\x18\x05 \x01(\v2\x10.capstan.v1.PongH\x00R\x04pong\x12<\n" +
 	"\fflow_control\x18\x06 \x01(\v2\x17.capstan.v1.FlowControlH\x00R\vflowControl\x12/\n" +
 	"\agoodbye\x18\a \x01(\v2\x13.capstan.v1.GoodbyeH\x00R\agoodbyeB\t\n" +
-	"\amessage\"\xea\x03\n" +
+	"\amessage\"\x9e\x04\n" +
 	"\x0fConnectResponse\x12/\n" +
 	"\awelcome\x18\x01 \x01(\v2\x13.capstan.v1.WelcomeH\x00R\awelcome\x128\n" +
 	"\n" +
@@ -1544,7 +1627,8 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x06notice\x18\a \x01(\v2\x12.capstan.v1.NoticeH\x00R\x06notice\x12?\n" +
 	"\robject_update\x18\b \x01(\v2\x18.capstan.v1.ObjectUpdateH\x00R\fobjectUpdate\x129\n" +
 	"\vobject_gone\x18\x14 \x01(\v2\x16.capstan.v1.ObjectGoneH\x00R\n" +
-	"objectGoneB\t\n" +
+	"objectGone\x122\n" +
+	"\bfarewell\x18\x15 \x01(\v2\x14.capstan.v1.FarewellH\x00R\bfarewellB\t\n" +
 	"\amessage\"X\n" +
 	"\fSoftwareInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
@@ -1590,8 +1674,11 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\vFlowControl\x12\x1d\n" +
 	"\n" +
 	"handler_id\x18\x01 \x01(\tR\thandlerId\x12\"\n" +
-	"\rmax_in_flight\x18\x02 \x01(\rR\vmaxInFlight\"!\n" +
+	"\rmax_in_flight\x18\x02 \x01(\rR\vmaxInFlight\";\n" +
 	"\aGoodbye\x12\x16\n" +
+	"\x06reason\x18\x01 \x01(\tR\x06reason\x12\x18\n" +
+	"\acleanup\x18\x02 \x01(\bR\acleanup\"\"\n" +
+	"\bFarewell\x12\x16\n" +
 	"\x06reason\x18\x01 \x01(\tR\x06reason\"\x98\x01\n" +
 	"\x05Drain\x12<\n" +
 	"\fgrace_period\x18\x01 \x01(\v2\x19.google.protobuf.DurationR\vgracePeriod\x12\x16\n" +
@@ -1610,7 +1697,7 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x04body\x18\x02 \x01(\v2\x10.capstan.v1.JsonR\x04body\"=\n" +
 	"\n" +
 	"ObjectGone\x12/\n" +
-	"\x06object\x18\x01 \x01(\v2\x17.capstan.v1.ResourceRefR\x06object*\xd9\x01\n" +
+	"\x06object\x18\x01 \x01(\v2\x17.capstan.v1.ResourceRefR\x06object*\xfc\x01\n" +
 	"\n" +
 	"Capability\x12\x1a\n" +
 	"\x16CAPABILITY_UNSPECIFIED\x10\x00\x12\x19\n" +
@@ -1620,7 +1707,8 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x16CAPABILITY_SUBHANDLERS\x10\x04\x12\x1d\n" +
 	"\x19CAPABILITY_OBJECT_UPDATES\x10\x05\x12\x1a\n" +
 	"\x16CAPABILITY_OBJECT_GONE\x10\n" +
-	"*z\n" +
+	"\x12!\n" +
+	"\x1dCAPABILITY_CLEANUP_ON_GOODBYE\x10\v*z\n" +
 	"\bLogLevel\x12\x19\n" +
 	"\x15LOG_LEVEL_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fLOG_LEVEL_DEBUG\x10\x01\x12\x12\n" +
@@ -1650,7 +1738,7 @@ func file_capstan_v1_runtime_service_proto_rawDescGZIP() []byte {
 }
 
 var file_capstan_v1_runtime_service_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_capstan_v1_runtime_service_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
+var file_capstan_v1_runtime_service_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
 var file_capstan_v1_runtime_service_proto_goTypes = []any{
 	(Capability)(0),               // 0: capstan.v1.Capability
 	(LogLevel)(0),                 // 1: capstan.v1.LogLevel
@@ -1666,70 +1754,72 @@ var file_capstan_v1_runtime_service_proto_goTypes = []any{
 	(*Pong)(nil),                  // 11: capstan.v1.Pong
 	(*FlowControl)(nil),           // 12: capstan.v1.FlowControl
 	(*Goodbye)(nil),               // 13: capstan.v1.Goodbye
-	(*Drain)(nil),                 // 14: capstan.v1.Drain
-	(*ResultAck)(nil),             // 15: capstan.v1.ResultAck
-	(*Notice)(nil),                // 16: capstan.v1.Notice
-	(*ObjectUpdate)(nil),          // 17: capstan.v1.ObjectUpdate
-	(*ObjectGone)(nil),            // 18: capstan.v1.ObjectGone
-	nil,                           // 19: capstan.v1.LogRecord.FieldsEntry
-	(*InvocationResult)(nil),      // 20: capstan.v1.InvocationResult
-	(*InvocationUpdate)(nil),      // 21: capstan.v1.InvocationUpdate
-	(*Invocation)(nil),            // 22: capstan.v1.Invocation
-	(*Cancel)(nil),                // 23: capstan.v1.Cancel
-	(*HandlerRegistration)(nil),   // 24: capstan.v1.HandlerRegistration
-	(*durationpb.Duration)(nil),   // 25: google.protobuf.Duration
-	(*RegistrationStatus)(nil),    // 26: capstan.v1.RegistrationStatus
-	(*timestamppb.Timestamp)(nil), // 27: google.protobuf.Timestamp
-	(*ResourceRef)(nil),           // 28: capstan.v1.ResourceRef
-	(*Diagnostic)(nil),            // 29: capstan.v1.Diagnostic
-	(*Json)(nil),                  // 30: capstan.v1.Json
+	(*Farewell)(nil),              // 14: capstan.v1.Farewell
+	(*Drain)(nil),                 // 15: capstan.v1.Drain
+	(*ResultAck)(nil),             // 16: capstan.v1.ResultAck
+	(*Notice)(nil),                // 17: capstan.v1.Notice
+	(*ObjectUpdate)(nil),          // 18: capstan.v1.ObjectUpdate
+	(*ObjectGone)(nil),            // 19: capstan.v1.ObjectGone
+	nil,                           // 20: capstan.v1.LogRecord.FieldsEntry
+	(*InvocationResult)(nil),      // 21: capstan.v1.InvocationResult
+	(*InvocationUpdate)(nil),      // 22: capstan.v1.InvocationUpdate
+	(*Invocation)(nil),            // 23: capstan.v1.Invocation
+	(*Cancel)(nil),                // 24: capstan.v1.Cancel
+	(*HandlerRegistration)(nil),   // 25: capstan.v1.HandlerRegistration
+	(*durationpb.Duration)(nil),   // 26: google.protobuf.Duration
+	(*RegistrationStatus)(nil),    // 27: capstan.v1.RegistrationStatus
+	(*timestamppb.Timestamp)(nil), // 28: google.protobuf.Timestamp
+	(*ResourceRef)(nil),           // 29: capstan.v1.ResourceRef
+	(*Diagnostic)(nil),            // 30: capstan.v1.Diagnostic
+	(*Json)(nil),                  // 31: capstan.v1.Json
 }
 var file_capstan_v1_runtime_service_proto_depIdxs = []int32{
 	6,  // 0: capstan.v1.ConnectRequest.hello:type_name -> capstan.v1.Hello
-	20, // 1: capstan.v1.ConnectRequest.result:type_name -> capstan.v1.InvocationResult
-	21, // 2: capstan.v1.ConnectRequest.update:type_name -> capstan.v1.InvocationUpdate
+	21, // 1: capstan.v1.ConnectRequest.result:type_name -> capstan.v1.InvocationResult
+	22, // 2: capstan.v1.ConnectRequest.update:type_name -> capstan.v1.InvocationUpdate
 	9,  // 3: capstan.v1.ConnectRequest.log:type_name -> capstan.v1.LogRecord
 	11, // 4: capstan.v1.ConnectRequest.pong:type_name -> capstan.v1.Pong
 	12, // 5: capstan.v1.ConnectRequest.flow_control:type_name -> capstan.v1.FlowControl
 	13, // 6: capstan.v1.ConnectRequest.goodbye:type_name -> capstan.v1.Goodbye
 	8,  // 7: capstan.v1.ConnectResponse.welcome:type_name -> capstan.v1.Welcome
-	22, // 8: capstan.v1.ConnectResponse.invocation:type_name -> capstan.v1.Invocation
-	23, // 9: capstan.v1.ConnectResponse.cancel:type_name -> capstan.v1.Cancel
+	23, // 8: capstan.v1.ConnectResponse.invocation:type_name -> capstan.v1.Invocation
+	24, // 9: capstan.v1.ConnectResponse.cancel:type_name -> capstan.v1.Cancel
 	10, // 10: capstan.v1.ConnectResponse.ping:type_name -> capstan.v1.Ping
-	14, // 11: capstan.v1.ConnectResponse.drain:type_name -> capstan.v1.Drain
-	15, // 12: capstan.v1.ConnectResponse.result_ack:type_name -> capstan.v1.ResultAck
-	16, // 13: capstan.v1.ConnectResponse.notice:type_name -> capstan.v1.Notice
-	17, // 14: capstan.v1.ConnectResponse.object_update:type_name -> capstan.v1.ObjectUpdate
-	18, // 15: capstan.v1.ConnectResponse.object_gone:type_name -> capstan.v1.ObjectGone
-	0,  // 16: capstan.v1.Hello.capabilities:type_name -> capstan.v1.Capability
-	5,  // 17: capstan.v1.Hello.sdk:type_name -> capstan.v1.SoftwareInfo
-	24, // 18: capstan.v1.Hello.handlers:type_name -> capstan.v1.HandlerRegistration
-	25, // 19: capstan.v1.Limits.ping_interval:type_name -> google.protobuf.Duration
-	25, // 20: capstan.v1.Limits.ping_timeout:type_name -> google.protobuf.Duration
-	25, // 21: capstan.v1.Limits.cancel_grace_period:type_name -> google.protobuf.Duration
-	0,  // 22: capstan.v1.Welcome.capabilities:type_name -> capstan.v1.Capability
-	5,  // 23: capstan.v1.Welcome.runtime:type_name -> capstan.v1.SoftwareInfo
-	7,  // 24: capstan.v1.Welcome.limits:type_name -> capstan.v1.Limits
-	26, // 25: capstan.v1.Welcome.registrations:type_name -> capstan.v1.RegistrationStatus
-	1,  // 26: capstan.v1.LogRecord.level:type_name -> capstan.v1.LogLevel
-	27, // 27: capstan.v1.LogRecord.time:type_name -> google.protobuf.Timestamp
-	19, // 28: capstan.v1.LogRecord.fields:type_name -> capstan.v1.LogRecord.FieldsEntry
-	2,  // 29: capstan.v1.LogRecord.posting:type_name -> capstan.v1.EventPosting
-	28, // 30: capstan.v1.LogRecord.object:type_name -> capstan.v1.ResourceRef
-	27, // 31: capstan.v1.Ping.sent_time:type_name -> google.protobuf.Timestamp
-	25, // 32: capstan.v1.Drain.grace_period:type_name -> google.protobuf.Duration
-	27, // 33: capstan.v1.Drain.start_time:type_name -> google.protobuf.Timestamp
-	29, // 34: capstan.v1.ResultAck.diagnostics:type_name -> capstan.v1.Diagnostic
-	29, // 35: capstan.v1.Notice.diagnostics:type_name -> capstan.v1.Diagnostic
-	30, // 36: capstan.v1.ObjectUpdate.body:type_name -> capstan.v1.Json
-	28, // 37: capstan.v1.ObjectGone.object:type_name -> capstan.v1.ResourceRef
-	3,  // 38: capstan.v1.RuntimeService.Connect:input_type -> capstan.v1.ConnectRequest
-	4,  // 39: capstan.v1.RuntimeService.Connect:output_type -> capstan.v1.ConnectResponse
-	39, // [39:40] is the sub-list for method output_type
-	38, // [38:39] is the sub-list for method input_type
-	38, // [38:38] is the sub-list for extension type_name
-	38, // [38:38] is the sub-list for extension extendee
-	0,  // [0:38] is the sub-list for field type_name
+	15, // 11: capstan.v1.ConnectResponse.drain:type_name -> capstan.v1.Drain
+	16, // 12: capstan.v1.ConnectResponse.result_ack:type_name -> capstan.v1.ResultAck
+	17, // 13: capstan.v1.ConnectResponse.notice:type_name -> capstan.v1.Notice
+	18, // 14: capstan.v1.ConnectResponse.object_update:type_name -> capstan.v1.ObjectUpdate
+	19, // 15: capstan.v1.ConnectResponse.object_gone:type_name -> capstan.v1.ObjectGone
+	14, // 16: capstan.v1.ConnectResponse.farewell:type_name -> capstan.v1.Farewell
+	0,  // 17: capstan.v1.Hello.capabilities:type_name -> capstan.v1.Capability
+	5,  // 18: capstan.v1.Hello.sdk:type_name -> capstan.v1.SoftwareInfo
+	25, // 19: capstan.v1.Hello.handlers:type_name -> capstan.v1.HandlerRegistration
+	26, // 20: capstan.v1.Limits.ping_interval:type_name -> google.protobuf.Duration
+	26, // 21: capstan.v1.Limits.ping_timeout:type_name -> google.protobuf.Duration
+	26, // 22: capstan.v1.Limits.cancel_grace_period:type_name -> google.protobuf.Duration
+	0,  // 23: capstan.v1.Welcome.capabilities:type_name -> capstan.v1.Capability
+	5,  // 24: capstan.v1.Welcome.runtime:type_name -> capstan.v1.SoftwareInfo
+	7,  // 25: capstan.v1.Welcome.limits:type_name -> capstan.v1.Limits
+	27, // 26: capstan.v1.Welcome.registrations:type_name -> capstan.v1.RegistrationStatus
+	1,  // 27: capstan.v1.LogRecord.level:type_name -> capstan.v1.LogLevel
+	28, // 28: capstan.v1.LogRecord.time:type_name -> google.protobuf.Timestamp
+	20, // 29: capstan.v1.LogRecord.fields:type_name -> capstan.v1.LogRecord.FieldsEntry
+	2,  // 30: capstan.v1.LogRecord.posting:type_name -> capstan.v1.EventPosting
+	29, // 31: capstan.v1.LogRecord.object:type_name -> capstan.v1.ResourceRef
+	28, // 32: capstan.v1.Ping.sent_time:type_name -> google.protobuf.Timestamp
+	26, // 33: capstan.v1.Drain.grace_period:type_name -> google.protobuf.Duration
+	28, // 34: capstan.v1.Drain.start_time:type_name -> google.protobuf.Timestamp
+	30, // 35: capstan.v1.ResultAck.diagnostics:type_name -> capstan.v1.Diagnostic
+	30, // 36: capstan.v1.Notice.diagnostics:type_name -> capstan.v1.Diagnostic
+	31, // 37: capstan.v1.ObjectUpdate.body:type_name -> capstan.v1.Json
+	29, // 38: capstan.v1.ObjectGone.object:type_name -> capstan.v1.ResourceRef
+	3,  // 39: capstan.v1.RuntimeService.Connect:input_type -> capstan.v1.ConnectRequest
+	4,  // 40: capstan.v1.RuntimeService.Connect:output_type -> capstan.v1.ConnectResponse
+	40, // [40:41] is the sub-list for method output_type
+	39, // [39:40] is the sub-list for method input_type
+	39, // [39:39] is the sub-list for extension type_name
+	39, // [39:39] is the sub-list for extension extendee
+	0,  // [0:39] is the sub-list for field type_name
 }
 
 func init() { file_capstan_v1_runtime_service_proto_init() }
@@ -1759,6 +1849,7 @@ func file_capstan_v1_runtime_service_proto_init() {
 		(*ConnectResponse_Notice)(nil),
 		(*ConnectResponse_ObjectUpdate)(nil),
 		(*ConnectResponse_ObjectGone)(nil),
+		(*ConnectResponse_Farewell)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1766,7 +1857,7 @@ func file_capstan_v1_runtime_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_capstan_v1_runtime_service_proto_rawDesc), len(file_capstan_v1_runtime_service_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   17,
+			NumMessages:   18,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
