@@ -110,10 +110,26 @@ class Session:
         self.capabilities = frozenset()
         #: Set by the controller's farewell: the cleanup a goodbye asked for is done.
         self.farewell = asyncio.Event()
+        #: The `ProcessSettings` last sent on this stream.
+        self.sent_settings = None
         self.dropped_logs = 0
         self.loop = asyncio.get_running_loop()
         #: Fails with `StreamStalled` once a message waited `STALL_TIMEOUT` for room.
         self.stalled = self.loop.create_future()
+
+    async def send_settings(self):
+        """Sends what kopf's `settings` say about the controller's work for this process (its
+        handlers' outcome Events: kopf 1.45 posts them only with `posting.loggers`), when the
+        controller takes it and it changed since the last time."""
+        if rs.CAPABILITY_PROCESS_SETTINGS not in self.capabilities:
+            return
+        posting = self.operator.settings.posting
+        wanted = rs.ProcessSettings(
+            outcome_events=rs.EVENT_POSTING_ALWAYS if posting.enabled and posting.loggers else rs.EVENT_POSTING_NEVER,
+            outcome_level=_level(posting.level))
+        if wanted != self.sent_settings:
+            self.sent_settings = wanted
+            await self.send(rs.ConnectRequest(settings=wanted))
 
     async def send(self, message):
         """Queues a message that must not be dropped (a result, a pong, the goodbye): waits for
@@ -136,16 +152,16 @@ class Session:
             self.dropped_logs += 1
 
     def event_sink(self, invocation_id):
-        # The wire has no Event type: Normal is posted as Normal, any other type (kopf's
-        # Error included) as Warning.
-        levels = {"Normal": rs.LOG_LEVEL_INFO, "Warning": rs.LOG_LEVEL_WARNING}
+        # The Event keeps its type (kopf.event's any name, kopf.exception's Error); the level
+        # is for the controller's log.
+        levels = {"Warning": rs.LOG_LEVEL_WARNING, "Error": rs.LOG_LEVEL_ERROR}
 
         def sink(record):
             ref = record["object"]
             message = rs.ConnectRequest(log=rs.LogRecord(
-                invocation_id=invocation_id, level=levels.get(record["type"], rs.LOG_LEVEL_ERROR),
+                invocation_id=invocation_id, level=levels.get(record["type"], rs.LOG_LEVEL_INFO),
                 message=record["message"], posting=rs.EVENT_POSTING_ALWAYS, reason=record["reason"],
-                object=wire.common.ResourceRef(**ref)))
+                object=wire.common.ResourceRef(**ref), event_type=str(record["type"] or ""),))
             self.loop.call_soon_threadsafe(self.send_nowait, message)
 
         return sink
@@ -207,7 +223,7 @@ class Operator:
         return rs.ConnectRequest(hello=rs.Hello(
             capabilities=[rs.CAPABILITY_RESULT_ACK, rs.CAPABILITY_SDK_FILTERS, rs.CAPABILITY_SUBHANDLERS,
                           rs.CAPABILITY_OBJECT_UPDATES, rs.CAPABILITY_OBJECT_GONE, rs.CAPABILITY_INVOCATION_UPDATES,
-                          rs.CAPABILITY_CLEANUP_ON_GOODBYE],
+                          rs.CAPABILITY_CLEANUP_ON_GOODBYE, rs.CAPABILITY_PROCESS_SETTINGS],
             sdk=rs.SoftwareInfo(name="capstan-python", version=__version__, language="python"),
             instance_id=self.instance_id,
             handlers=[wire.registration(h) for h in self.registry.handlers],
@@ -350,6 +366,7 @@ class Operator:
             elif which == "welcome":
                 session.capabilities = frozenset(message.welcome.capabilities)
                 self._welcome(message.welcome)
+                await session.send_settings()
             elif which == "farewell":
                 log.info("the controller ran this process's cleanup (%s)", message.farewell.reason)
                 session.farewell.set()
@@ -441,6 +458,10 @@ class Operator:
                 # before its result (results carry the patches of successes only).
                 await session.send(rs.ConnectRequest(update=inv.InvocationUpdate(
                     invocation_id=call.invocation_id, patches=wire.patches(outcome))))
+            if call.handler.kind == "startup":
+                # What the startup handler set in `settings` holds before watching starts
+                # (the controller waits for this result, which comes after on the stream).
+                await session.send_settings()
             await session.send(rs.ConnectRequest(result=result))
         except StreamStalled as error:  # the session ends with it (see `Session.stalled`)
             log.warning("result of %s not sent: %s", call.invocation_id, error)

@@ -190,7 +190,7 @@ _EVENTS = "the controller posts and retries Events itself"
 PLACES: Dict[str, Tuple[str, str]] = {
     "process.ultimate_exiting_timeout": ("none", "the pod's terminationGracePeriodSeconds ends the process"),
     "posting.enabled": ("sdk", "this process posts explicit Events (kopf.event/info/warn/exception) only if set"),
-    "posting.loggers": ("sdk", "this process asks the controller to post its handlers' log records as Events"),
+    "posting.loggers": ("sdk", "this process asks the controller to post its handlers' log records and their outcome messages as Events"),
     "posting.level": ("sdk", "the lowest level of explicit Events and log records this process posts"),
     "posting.default_backoffs": ("none", _EVENTS),
     "posting.logging_backoffs": ("none", _EVENTS),

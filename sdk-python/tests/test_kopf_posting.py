@@ -76,14 +76,16 @@ def _posted(records):
     return [(r.level, r.reason, r.message) for r in records if r.posting == rs.EVENT_POSTING_ALWAYS]
 
 
-def test_only_explicit_events_are_posted_by_default():
+def test_only_explicit_events_are_posted_by_default_with_their_own_types():
     records = _records(kopf.OperatorSettings())
     assert _posted(records) == [
-        (rs.LOG_LEVEL_ERROR, "SomeReason", "some message"),  # another type: posted as Warning
+        (rs.LOG_LEVEL_INFO, "SomeReason", "some message"),
         (rs.LOG_LEVEL_INFO, "Info", "an info"),
         (rs.LOG_LEVEL_WARNING, "Warn", "a warning"),
-        (rs.LOG_LEVEL_ERROR, "ValueError", "failed: boom"),  # kopf's Error, posted as Warning
+        (rs.LOG_LEVEL_ERROR, "ValueError", "failed: boom"),
     ]
+    types = [r.event_type for r in records if r.posting == rs.EVENT_POSTING_ALWAYS]
+    assert types == ["SomeType", "Normal", "Warning", "Error"]
     logged = {r.message: r.posting for r in records if not r.reason}
     assert logged == {"info record": rs.EVENT_POSTING_NEVER, "warning record": rs.EVENT_POSTING_NEVER}
 
@@ -119,3 +121,51 @@ def test_exception_events_are_kopfs():
     error = [e for e in out.events if e["type"] == "Error"]
     assert [(e["reason"], e["message"]) for e in error] == [("ValueError", "failed: boom")]
     assert error[0]["object"]["name"] == "one"
+
+
+def test_the_controller_is_told_to_post_outcomes_as_settings_posting_says_before_watching_starts():
+    """kopf's messages about the handling ("Handler 'x' failed temporarily", "Creation is
+    processed") are the controller's: the process sends `ProcessSettings` after the welcome
+    (never posted: kopf 1.45's default) and again, before the startup handler's result, when
+    the handler changed `settings.posting`."""
+    registry = Registry()
+
+    @kopf.on.startup(registry=registry, id="configure")
+    def configure(settings, **_):
+        settings.posting.loggers = True
+        settings.posting.level = logging.WARNING
+
+    async def scenario(socket_path):
+        server, fake = await _serve(socket_path)
+        stop = asyncio.Event()
+        op = Operator(registry, endpoint=f"unix://{socket_path}", stop=stop, settings=kopf.OperatorSettings())
+        runner = asyncio.create_task(op.run())
+        try:
+            incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
+            hello = await _next(incoming, "hello")
+            assert rs.CAPABILITY_PROCESS_SETTINGS in hello.capabilities
+            await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(
+                connection_id="c1", capabilities=list(hello.capabilities),
+                registrations=_registration_status(hello))))
+            first = await _next(incoming, "settings")
+            assert first.outcome_events == rs.EVENT_POSTING_NEVER
+            await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
+                invocation_id="s1", handler_id="configure", attempt=1,
+                activity=inv.ActivityRequest(activity=inv.ACTIVITY_STARTUP))))
+            order = []
+            while "result" not in order:
+                message = await asyncio.wait_for(incoming.get(), T)
+                order.append(message.WhichOneof("message"))
+                if order[-1] == "settings":
+                    changed = message.settings
+            assert order.index("settings") < order.index("result"), order
+            assert (changed.outcome_events, changed.outcome_level) == (rs.EVENT_POSTING_ALWAYS, rs.LOG_LEVEL_WARNING)
+            stop.set()
+            await asyncio.wait_for(runner, T)
+        finally:
+            runner.cancel()
+            await server.stop(0)
+
+    import tempfile, os
+    with tempfile.TemporaryDirectory() as d:
+        asyncio.run(scenario(os.path.join(d, "capstan.sock")))

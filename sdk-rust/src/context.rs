@@ -646,6 +646,7 @@ impl Context {
             posting: pb::EventPosting::Unspecified as i32,
             reason: String::new(),
             object: None,
+            event_type: String::new(),
         }
     }
 }

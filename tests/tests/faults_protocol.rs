@@ -133,16 +133,21 @@ fn message() -> impl Strategy<Value = In> {
         }),
         2 => (text(), prop::collection::vec(patch(), 0..4))
             .prop_map(|(invocation_id, patches)| In::Update(pb::InvocationUpdate { invocation_id, patches })),
-        2 => (text(), -1i32..8, text()).prop_map(|(invocation_id, level, message)| In::Log(pb::LogRecord {
+        2 => (text(), -1i32..8, text(), text()).prop_map(|(invocation_id, level, message, event_type)| In::Log(pb::LogRecord {
             invocation_id,
             level,
             message,
+            event_type,
             ..Default::default()
         })),
         1 => (any::<u64>(), any::<u32>()).prop_map(|(nonce, in_flight)| In::Pong(pb::Pong { nonce, in_flight })),
         1 => (text(), any::<u32>())
             .prop_map(|(handler_id, max_in_flight)| In::FlowControl(pb::FlowControl { handler_id, max_in_flight })),
         1 => (text(), any::<bool>()).prop_map(|(reason, cleanup)| In::Goodbye(pb::Goodbye { reason, cleanup })),
+        1 => (-1i32..5, -1i32..6).prop_map(|(outcome_events, outcome_level)| In::Settings(pb::ProcessSettings {
+            outcome_events,
+            outcome_level,
+        })),
     ]
 }
 

@@ -4,7 +4,9 @@
 //! of object changes on a real API server. The handler calls, the kwargs each call saw
 //! (retry, old, new, diff, reason) and the final object (handler results in status, the
 //! finalizer, no leftover progress) must be the same; so must what a daemon, a timer and an
-//! event handler saw (compared as sets: their timing is their own).
+//! event handler saw (compared as sets: their timing is their own), and the Kubernetes Events
+//! posted about the object (their types, reasons and messages: the explicit `kopf.event`,
+//! `info`, `warn` and `exception` ones, and nothing about the handling itself).
 
 use std::{
     collections::HashMap,
@@ -17,9 +19,10 @@ use capstan_tests::{
     process::{Controller, Process, sdk_python},
     testenv::{TestEnv, repo_root},
 };
+use k8s_openapi::api::core::v1::Event;
 use kube::{
     Api,
-    api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams},
+    api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams},
 };
 use serde_json::{Value, json};
 
@@ -63,6 +66,50 @@ fn side_calls(log: &Path) -> Vec<Value> {
     calls.sort_by_key(Value::to_string);
     calls.dedup();
     calls
+}
+
+/// The distinct (type, reason, message) of the Events about the object `name`, once the four
+/// explicit ones of `create_fn` are there and a little longer (Events are posted in the
+/// background by both).
+async fn events_about(env: &TestEnv, name: &str) -> Result<Vec<(String, String, String)>> {
+    let api: Api<Event> = Api::namespaced(env.client().await?, "default");
+    let list = || async {
+        let mut seen: Vec<(String, String, String)> = api
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .filter(|e| e.involved_object.name.as_deref() == Some(name))
+            .map(|e| {
+                (
+                    e.type_.unwrap_or_default(),
+                    e.reason.unwrap_or_default(),
+                    e.message.unwrap_or_default(),
+                )
+            })
+            .collect();
+        seen.sort();
+        seen.dedup();
+        anyhow::Ok(seen)
+    };
+    let deadline = tokio::time::Instant::now() + T;
+    while list()
+        .await?
+        .iter()
+        .filter(|(_, r, _)| ["Custom", "Same", "Caught"].contains(&r.as_str()))
+        .count()
+        < 4
+    {
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "the explicit Events did not come within {T:?}: {:?}",
+                list().await?
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    list().await
 }
 
 /// Runs the sequence of changes against whichever operator is running and returns the
@@ -195,6 +242,7 @@ async fn capstan_kopf_calls_handlers_as_kopf_does() -> Result<()> {
     let (kopf_calls, kopf_side, kopf_object) = sequence(&env, &kopf_log)
         .await
         .with_context(|| format!("kopf's log:\n{}", kopf_process.output()))?;
+    let kopf_events = events_about(&env, "diff").await?;
     kopf_process.terminate().await?;
     drop(env);
 
@@ -227,6 +275,7 @@ async fn capstan_kopf_calls_handlers_as_kopf_does() -> Result<()> {
     let (capstan_calls, capstan_side, capstan_object) = sequence(&env, &capstan_log)
         .await
         .with_context(|| format!("the operator's log:\n{}", operator.output()))?;
+    let capstan_events = events_about(&env, "diff").await?;
     operator.terminate().await?;
 
     // The sequence compared is the one intended: a retried create, field handlers on creation
@@ -279,6 +328,19 @@ async fn capstan_kopf_calls_handlers_as_kopf_does() -> Result<()> {
         comparable(&capstan_object),
         comparable(&kopf_object),
         "the final objects differ (left: capstan.kopf, right: kopf)"
+    );
+    // Events: kopf's types (SomeType, Normal and Warning apart, Error with the exception's
+    // text cut as kopf cuts it), and none about the handling.
+    let types: Vec<&str> = kopf_events.iter().map(|(t, _, _)| t.as_str()).collect();
+    for expected in ["SomeType", "Normal", "Warning", "Error"] {
+        assert!(
+            types.contains(&expected),
+            "kopf posted no {expected} Event: {kopf_events:?}"
+        );
+    }
+    assert_eq!(
+        capstan_events, kopf_events,
+        "the Events differ (left: capstan.kopf, right: kopf)"
     );
     Ok(())
 }

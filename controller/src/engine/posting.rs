@@ -138,7 +138,8 @@ struct State {
     settings: Settings,
     objects: HashMap<String, Bucket>,
     global: Bucket,
-    recent: HashMap<(String, String, String), Recent>,
+    /// Recently posted Events by object uid, type, reason and message.
+    recent: HashMap<(String, String, String, String), Recent>,
     dropped: u64,
     last_report: Instant,
 }
@@ -174,6 +175,7 @@ impl State {
         }
         let key = (
             posting.object.uid.clone(),
+            posting.type_name().to_owned(),
             posting.reason.clone(),
             posting.message.clone(),
         );

@@ -55,6 +55,11 @@ pub trait Invoker: Send + Sync {
 
     /// Tells the handler processes that an object is gone (they drop its memo).
     fn object_gone(&self, _object: &ResourceRef) {}
+
+    /// How the process of `handler` wants its outcomes posted as Events.
+    fn outcome_events(&self, _handler: &HandlerId) -> crate::model::posting::OutcomeEvents {
+        crate::model::posting::OutcomeEvents::Default
+    }
 }
 
 impl Invoker for crate::grpc::Hub {
@@ -65,6 +70,10 @@ impl Invoker for crate::grpc::Hub {
 
     fn object_gone(&self, object: &ResourceRef) {
         crate::grpc::Hub::object_gone(self, object);
+    }
+
+    fn outcome_events(&self, handler: &HandlerId) -> crate::model::posting::OutcomeEvents {
+        crate::grpc::Hub::outcome_events(self, handler)
     }
 }
 
@@ -208,7 +217,7 @@ pub struct Plan {
     /// finished before is still in `desired`.
     pub interrupted: bool,
     /// What to report as Kubernetes Events: handler outcomes and the cause's completion.
-    pub notes: Vec<(Level, String)>,
+    pub notes: Vec<Note>,
     /// Events with a reason of their own, always posted (a consumed retry request).
     pub announcements: Vec<(Level, &'static str, String)>,
     /// A handler failed in this cycle (to be retried, or for good).
@@ -330,6 +339,30 @@ fn reconciled(plan: &Plan) -> Reconciled {
         Reconciled::RequeueAfter
     } else {
         Reconciled::Success
+    }
+}
+
+/// A cycle's message about its handlers (kopf's "Handler 'x' failed temporarily: …",
+/// "Creation is processed: …"), posted as an Event where their processes want it.
+#[derive(Clone, Debug)]
+pub struct Note {
+    /// Its level.
+    pub level: Level,
+    /// Its text.
+    pub message: String,
+    /// The handlers it is about: their processes' `ProcessSettings` decide whether it is
+    /// posted ([`crate::model::posting::OutcomeEvents`]). Empty: the controller's settings.
+    pub handlers: Vec<HandlerId>,
+}
+
+impl Note {
+    /// A note about handlers.
+    pub fn new(level: Level, message: String, handlers: Vec<HandlerId>) -> Self {
+        Self {
+            level,
+            message,
+            handlers,
+        }
     }
 }
 

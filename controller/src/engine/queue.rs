@@ -1014,9 +1014,10 @@ impl Queue {
         let mut notes = plan.notes.clone();
         if let Written::Refused(message) = &written {
             error!(%message, cause = %plan.cause, "the API server refused the cycle's write for good; its changes are dropped, later changes of the object are handled");
-            notes.push((
+            notes.push(processing::Note::new(
                 crate::model::Level::Error,
                 format!("The API server refused Capstan's write: {message}"),
+                Vec::new(),
             ));
         }
         // Announcements (a consumed retry request) tell what the write did: posted only once
@@ -1030,18 +1031,29 @@ impl Queue {
                     reason: (*reason).into(),
                     message: message.clone(),
                     policy: crate::model::Policy::Always,
+                    event_type: None,
                 });
             }
         }
         if !notes.is_empty() {
             let object = processing::object_ref(&self.ctx.resource, body);
-            for (level, message) in &notes {
+            for note in notes {
+                // Posted as the processes of its handlers want (kopf's operators post none).
+                let wants: Vec<_> = note
+                    .handlers
+                    .iter()
+                    .map(|h| self.ctx.invoker.outcome_events(h))
+                    .collect();
+                let Some(policy) = crate::model::posting::OutcomeEvents::policy(&wants, note.level) else {
+                    continue;
+                };
                 self.ctx.poster.post(crate::model::Posting {
                     object: object.clone(),
-                    level: *level,
+                    level: note.level,
                     reason: "Logging".into(),
-                    message: message.clone(),
-                    policy: crate::model::Policy::ByLevel,
+                    message: note.message,
+                    policy,
+                    event_type: None,
                 });
             }
         }

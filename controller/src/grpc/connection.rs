@@ -97,7 +97,7 @@ impl Default for Settings {
 }
 
 /// The capabilities this controller supports.
-const SUPPORTED: [pb::Capability; 7] = [
+const SUPPORTED: [pb::Capability; 8] = [
     pb::Capability::ResultAck,
     pb::Capability::InvocationUpdates,
     pb::Capability::SdkFilters,
@@ -105,6 +105,7 @@ const SUPPORTED: [pb::Capability; 7] = [
     pb::Capability::ObjectUpdates,
     pb::Capability::ObjectGone,
     pb::Capability::CleanupOnGoodbye,
+    pb::Capability::ProcessSettings,
 ];
 
 /// The response stream of one connection.
@@ -423,6 +424,7 @@ fn message_name(m: &In) -> &'static str {
         In::Pong(_) => "pong",
         In::FlowControl(_) => "flow_control",
         In::Goodbye(_) => "goodbye",
+        In::Settings(_) => "settings",
     }
 }
 
@@ -570,6 +572,11 @@ impl Connection {
                 debug!(handler = ?handler, max_in_flight = fc.max_in_flight, "flow control");
                 self.hub
                     .flow_control(self.conn, handler.as_ref(), fc.max_in_flight);
+            }
+            Some(In::Settings(settings)) => {
+                let wants = convert::outcome_events(&settings);
+                debug!(?wants, "process settings");
+                self.hub.set_outcome_events(self.conn, wants);
             }
             Some(In::Goodbye(goodbye)) if goodbye.cleanup && self.cleanup_on_goodbye => {
                 info!(reason = %goodbye.reason, "handler process says goodbye; its cleanup handlers run, nothing else");

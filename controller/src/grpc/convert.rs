@@ -535,6 +535,23 @@ pub fn resource_ref_to_pb(o: &ResourceRef) -> pb::ResourceRef {
     }
 }
 
+/// What a process's `ProcessSettings` say about posting its handlers' outcomes.
+pub fn outcome_events(settings: &pb::ProcessSettings) -> crate::model::posting::OutcomeEvents {
+    use crate::model::posting::OutcomeEvents;
+    match pb::EventPosting::try_from(settings.outcome_events) {
+        Ok(pb::EventPosting::Never) => OutcomeEvents::Never,
+        Ok(pb::EventPosting::Always) => {
+            OutcomeEvents::From(match pb::LogLevel::try_from(settings.outcome_level) {
+                Ok(pb::LogLevel::Debug) => Level::Debug,
+                Ok(pb::LogLevel::Warning) => Level::Warning,
+                Ok(pb::LogLevel::Error) => Level::Error,
+                _ => Level::Info,
+            })
+        }
+        _ => OutcomeEvents::Default,
+    }
+}
+
 /// A log record as a posting about `object`.
 pub fn posting(record: &pb::LogRecord, object: ResourceRef) -> Posting {
     Posting {
@@ -556,6 +573,7 @@ pub fn posting(record: &pb::LogRecord, object: ResourceRef) -> Posting {
             Ok(pb::EventPosting::Never) => Policy::Never,
             _ => Policy::ByLevel,
         },
+        event_type: crate::model::posting::event_type(&record.event_type),
     }
 }
 

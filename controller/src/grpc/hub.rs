@@ -105,6 +105,8 @@ struct Conn {
     /// The process said goodbye asking for its cleanup handlers: only those are dispatched
     /// to it now (it is no longer `open`).
     cleaning_up: bool,
+    /// How the process wants its handlers' outcomes posted (its `ProcessSettings`).
+    outcome_events: crate::model::posting::OutcomeEvents,
     /// The process accepts `ObjectUpdate` messages.
     object_updates: bool,
     /// The process wants `ObjectGone` messages.
@@ -274,6 +276,7 @@ impl Hub {
                 tx,
                 open: false,
                 cleaning_up: false,
+                outcome_events: crate::model::posting::OutcomeEvents::Default,
                 object_updates,
                 object_gone: false,
                 max_in_flight,
@@ -367,6 +370,25 @@ impl Hub {
             };
             let _ = tokio::time::timeout(within, tx.send(message)).await;
         }
+    }
+
+    /// Takes a process's `ProcessSettings` (the latest replaces the earlier ones).
+    pub(crate) fn set_outcome_events(&self, conn: ConnectionId, wants: crate::model::posting::OutcomeEvents) {
+        if let Some(c) = self.inner.state.lock().connections.get_mut(&conn) {
+            c.outcome_events = wants;
+        }
+    }
+
+    /// How the process that owns `handler` wants its outcomes posted as Events; as the
+    /// controller's settings say when no process owns it.
+    pub fn outcome_events(&self, handler: &HandlerId) -> crate::model::posting::OutcomeEvents {
+        let state = self.inner.state.lock();
+        state
+            .owners
+            .get(handler)
+            .and_then(|conn| state.connections.get(conn))
+            .map(|c| c.outcome_events)
+            .unwrap_or_default()
     }
 
     /// Removes a connection: its handlers become unowned and its in-flight work is re-queued

@@ -38,7 +38,7 @@ use tracing::{Instrument as _, debug, info, info_span, warn};
 
 use crate::{
     k8s::reachability,
-    model::{Level, Posting, ResourceRef},
+    model::{Posting, ResourceRef},
     persistence::time,
 };
 
@@ -134,7 +134,7 @@ impl Events {
             },
             "reason": posting.reason,
             "message": cut(&posting.message),
-            "type": event_type(posting.level),
+            "type": posting.type_name(),
             "source": {"component": "capstan"},
             "reportingComponent": "capstan",
             "reportingInstance": self.instance,
@@ -297,24 +297,17 @@ fn same_event(a: &Event, b: &Event) -> bool {
         && a.type_ == b.type_
 }
 
-fn event_type(level: Level) -> &'static str {
-    match level {
-        Level::Debug | Level::Info => "Normal",
-        Level::Warning | Level::Error => "Warning",
-    }
-}
-
-/// Cuts a message longer than the limit in the middle, keeping both ends.
+/// Cuts a message longer than the limit in the middle, keeping both ends, to exactly the
+/// limit as kopf cuts it (511 characters, `...`, the last 510).
 pub fn cut(message: &str) -> String {
     if message.chars().count() <= MAX_MESSAGE {
         return message.to_owned();
     }
-    let keep = (MAX_MESSAGE - 3) / 2;
-    let head: String = message.chars().take(keep).collect();
+    let head: String = message.chars().take(MAX_MESSAGE / 2 - 1).collect();
     let tail: String = message
         .chars()
         .rev()
-        .take(keep)
+        .take(MAX_MESSAGE / 2 - 2)
         .collect::<Vec<_>>()
         .into_iter()
         .rev()
@@ -330,7 +323,7 @@ mod tests {
     use kube::client::Body;
 
     use super::*;
-    use crate::model::{Policy, ResolvedResource};
+    use crate::model::{Level, Policy, ResolvedResource};
 
     /// An API that answers `503` to the first `failing` Event posts, then takes them.
     fn flaky(failing: u32) -> (Client, Arc<AtomicU32>, Arc<AtomicU32>) {
@@ -380,6 +373,7 @@ mod tests {
             reason: "Logging".into(),
             message: message.into(),
             policy: Policy::ByLevel,
+            event_type: None,
         }
     }
 
@@ -429,7 +423,8 @@ mod tests {
     fn long_messages_are_cut_in_the_middle() {
         let long = format!("{}{}", "a".repeat(2000), "z".repeat(10));
         let cut = cut(&long);
-        assert_eq!(cut.chars().count(), MAX_MESSAGE - 1);
+        assert_eq!(cut.chars().count(), MAX_MESSAGE);
+        assert_eq!(cut.find("..."), Some(511));
         assert!(cut.starts_with("aaa") && cut.ends_with("zzz") && cut.contains("..."));
         assert_eq!(super::cut("short"), "short");
     }

@@ -21,8 +21,18 @@ def record(handler, name, **seen):
 
 
 @kopf.on.create(*RESOURCE)
-def create_fn(name, spec, retry, patch, **_):
+def create_fn(name, spec, retry, patch, body, logger, **_):
     record("create_fn", name, retry=retry, field=spec.get("field"))
+    # Events as kopf posts them: the explicit ones only (the logger's records and kopf's own
+    # messages about the handling are not posted by default), each with its own type.
+    logger.info(f"a log line about {name}, not posted")
+    kopf.event(body, type="SomeType", reason="Custom", message=f"a type of its own for {name}")
+    kopf.info(body, reason="Same", message="the same reason and message")
+    kopf.warn(body, reason="Same", message="the same reason and message")
+    try:
+        raise ValueError(f"{name} failed " + "x" * 1500)
+    except ValueError:
+        kopf.exception(body, reason="Caught", message="while creating:")
     if retry < spec.get("fail_times", 0):
         raise kopf.TemporaryError(f"{name} is not ready yet", delay=1)
     patch.status["created"] = spec.get("field")

@@ -106,7 +106,7 @@ struct Cycle<'i, 'a> {
     base: Value,
     steps: Vec<Step>,
     interrupted: bool,
-    notes: Vec<(Level, String)>,
+    notes: Vec<Note>,
     /// A retry request on the object (`persistence::retry`), if it decodes.
     retry: Option<crate::persistence::retry::Request>,
     /// The handlers run again because of it.
@@ -495,8 +495,11 @@ impl<'i, 'a> Cycle<'i, 'a> {
                         } else {
                             info!(handler.id = %reg.id, "handler succeeded");
                             // Debug: logged, not posted — one Event per handled change is the summary below.
-                            self.notes
-                                .push((Level::Debug, format!("Handler '{}' succeeded.", reg.id)));
+                            self.notes.push(Note::new(
+                                Level::Debug,
+                                format!("Handler '{}' succeeded.", reg.id),
+                                vec![reg.id.clone()],
+                            ));
                         }
                     }
                     Err(d) => {
@@ -515,18 +518,20 @@ impl<'i, 'a> Cycle<'i, 'a> {
                 crate::observability::metrics::global().retry(reg.id.0.as_str());
                 self.failed = true;
                 self.retrying = true;
-                self.notes.push((
+                self.notes.push(Note::new(
                     Level::Error,
                     format!("Handler '{}' failed temporarily: {error}", reg.id),
+                    vec![reg.id.clone()],
                 ));
             }
             Verdict::Failure => {
                 let error = record.message.as_deref().unwrap_or_default();
                 warn!(handler.id = %reg.id, error, "handler failed permanently");
                 self.failed = true;
-                self.notes.push((
+                self.notes.push(Note::new(
                     Level::Error,
                     format!("Handler '{}' failed permanently: {error}", reg.id),
+                    vec![reg.id.clone()],
                 ));
             }
             Verdict::Unrecorded => {}
@@ -557,9 +562,11 @@ impl<'i, 'a> Cycle<'i, 'a> {
                 Cause::Delete => "Deletion",
                 _ => "Resuming",
             };
-            self.notes.push((
+            let handlers = self.steps.iter().map(|s| s.registration.id.clone()).collect();
+            self.notes.push(Note::new(
                 Level::Info,
                 format!("{what} is processed: {succeeded} succeeded; {failed} failed."),
+                handlers,
             ));
         }
         plan.notes = std::mem::take(&mut self.notes);

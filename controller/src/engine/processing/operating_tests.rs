@@ -444,7 +444,9 @@ async fn a_named_handler_runs_again_after_its_change_was_completed() {
         "{message}"
     );
     assert!(
-        plan.notes.iter().any(|(_, n)| n.contains("failed permanently")),
+        plan.notes
+            .iter()
+            .any(|n| n.message.contains("failed permanently")),
         "{:?}",
         plan.notes
     );

@@ -51,6 +51,9 @@ const (
 	// whose controller is a native sidecar, kubelet stops the handler container first, so this is
 	// how cleanup handlers run there.
 	Capability_CAPABILITY_CLEANUP_ON_GOODBYE Capability = 11
+	// The handler process sends ProcessSettings (kopf's `settings` that concern the controller's
+	// work for its handlers), and the controller applies them.
+	Capability_CAPABILITY_PROCESS_SETTINGS Capability = 12
 )
 
 // Enum value maps for Capability.
@@ -64,6 +67,7 @@ var (
 		5:  "CAPABILITY_OBJECT_UPDATES",
 		10: "CAPABILITY_OBJECT_GONE",
 		11: "CAPABILITY_CLEANUP_ON_GOODBYE",
+		12: "CAPABILITY_PROCESS_SETTINGS",
 	}
 	Capability_value = map[string]int32{
 		"CAPABILITY_UNSPECIFIED":        0,
@@ -74,6 +78,7 @@ var (
 		"CAPABILITY_OBJECT_UPDATES":     5,
 		"CAPABILITY_OBJECT_GONE":        10,
 		"CAPABILITY_CLEANUP_ON_GOODBYE": 11,
+		"CAPABILITY_PROCESS_SETTINGS":   12,
 	}
 )
 
@@ -232,6 +237,7 @@ type ConnectRequest struct {
 	//	*ConnectRequest_Pong
 	//	*ConnectRequest_FlowControl
 	//	*ConnectRequest_Goodbye
+	//	*ConnectRequest_Settings
 	Message       isConnectRequest_Message `protobuf_oneof:"message"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -337,6 +343,15 @@ func (x *ConnectRequest) GetGoodbye() *Goodbye {
 	return nil
 }
 
+func (x *ConnectRequest) GetSettings() *ProcessSettings {
+	if x != nil {
+		if x, ok := x.Message.(*ConnectRequest_Settings); ok {
+			return x.Settings
+		}
+	}
+	return nil
+}
+
 type isConnectRequest_Message interface {
 	isConnectRequest_Message()
 }
@@ -376,6 +391,12 @@ type ConnectRequest_Goodbye struct {
 	Goodbye *Goodbye `protobuf:"bytes,7,opt,name=goodbye,proto3,oneof"`
 }
 
+type ConnectRequest_Settings struct {
+	// Settings the controller applies to this process's handlers; only with
+	// CAPABILITY_PROCESS_SETTINGS.
+	Settings *ProcessSettings `protobuf:"bytes,8,opt,name=settings,proto3,oneof"`
+}
+
 func (*ConnectRequest_Hello) isConnectRequest_Message() {}
 
 func (*ConnectRequest_Result) isConnectRequest_Message() {}
@@ -389,6 +410,8 @@ func (*ConnectRequest_Pong) isConnectRequest_Message() {}
 func (*ConnectRequest_FlowControl) isConnectRequest_Message() {}
 
 func (*ConnectRequest_Goodbye) isConnectRequest_Message() {}
+
+func (*ConnectRequest_Settings) isConnectRequest_Message() {}
 
 // A message from the controller to the handler process.
 type ConnectResponse struct {
@@ -948,7 +971,11 @@ type LogRecord struct {
 	Reason string `protobuf:"bytes,7,opt,name=reason,proto3" json:"reason,omitempty"`
 	// Post the Event on this object instead of the invocation's object (kopf.info/warn on any
 	// object). Only `group`, `version`, `kind`, `namespace`, `name` and `uid` are used.
-	Object        *ResourceRef `protobuf:"bytes,8,opt,name=object,proto3" json:"object,omitempty"`
+	Object *ResourceRef `protobuf:"bytes,8,opt,name=object,proto3" json:"object,omitempty"`
+	// The Event's type (kopf.event's `type`: Normal, Warning, kopf.exception's Error, or any
+	// other name of 1 to 64 letters and digits). Empty, or not such a name: from the level
+	// (Normal for debug and info, Warning above). Events of different types are never merged.
+	EventType     string `protobuf:"bytes,9,opt,name=event_type,json=eventType,proto3" json:"event_type,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1039,6 +1066,76 @@ func (x *LogRecord) GetObject() *ResourceRef {
 	return nil
 }
 
+func (x *LogRecord) GetEventType() string {
+	if x != nil {
+		return x.EventType
+	}
+	return ""
+}
+
+// What the controller does for this process's handlers, as kopf's `settings` say. Sent after
+// the welcome and again whenever it changes (a startup handler changed kopf's `settings`); each
+// replaces the previous one. Sent before a startup handler's result, it is in effect before any
+// object is handled (watching waits for the startup handlers).
+type ProcessSettings struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Whether the controller posts Events about the outcomes of this process's handlers
+	// ("Handler 'x' failed temporarily: ...", "Creation is processed: 1 succeeded; 0 failed.").
+	// UNSPECIFIED: as the controller's own flags say (--events, --event-level). NEVER: they are
+	// only logged (kopf 1.45's default: `settings.posting.loggers` is false). ALWAYS: posted when
+	// at least `outcome_level`. A cycle's summary is posted when one of its handlers' processes
+	// wants it.
+	OutcomeEvents EventPosting `protobuf:"varint,1,opt,name=outcome_events,json=outcomeEvents,proto3,enum=capstan.v1.EventPosting" json:"outcome_events,omitempty"`
+	// The lowest level posted with ALWAYS (kopf's `settings.posting.level`); UNSPECIFIED is info.
+	OutcomeLevel  LogLevel `protobuf:"varint,2,opt,name=outcome_level,json=outcomeLevel,proto3,enum=capstan.v1.LogLevel" json:"outcome_level,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ProcessSettings) Reset() {
+	*x = ProcessSettings{}
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ProcessSettings) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ProcessSettings) ProtoMessage() {}
+
+func (x *ProcessSettings) ProtoReflect() protoreflect.Message {
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ProcessSettings.ProtoReflect.Descriptor instead.
+func (*ProcessSettings) Descriptor() ([]byte, []int) {
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *ProcessSettings) GetOutcomeEvents() EventPosting {
+	if x != nil {
+		return x.OutcomeEvents
+	}
+	return EventPosting_EVENT_POSTING_UNSPECIFIED
+}
+
+func (x *ProcessSettings) GetOutcomeLevel() LogLevel {
+	if x != nil {
+		return x.OutcomeLevel
+	}
+	return LogLevel_LOG_LEVEL_UNSPECIFIED
+}
+
 // A liveness check from the controller.
 type Ping struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1052,7 +1149,7 @@ type Ping struct {
 
 func (x *Ping) Reset() {
 	*x = Ping{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[7]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1064,7 +1161,7 @@ func (x *Ping) String() string {
 func (*Ping) ProtoMessage() {}
 
 func (x *Ping) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[7]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1077,7 +1174,7 @@ func (x *Ping) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Ping.ProtoReflect.Descriptor instead.
 func (*Ping) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{7}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Ping) GetNonce() uint64 {
@@ -1107,7 +1204,7 @@ type Pong struct {
 
 func (x *Pong) Reset() {
 	*x = Pong{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[8]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1119,7 +1216,7 @@ func (x *Pong) String() string {
 func (*Pong) ProtoMessage() {}
 
 func (x *Pong) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[8]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1132,7 +1229,7 @@ func (x *Pong) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pong.ProtoReflect.Descriptor instead.
 func (*Pong) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{8}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Pong) GetNonce() uint64 {
@@ -1162,7 +1259,7 @@ type FlowControl struct {
 
 func (x *FlowControl) Reset() {
 	*x = FlowControl{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[9]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1174,7 +1271,7 @@ func (x *FlowControl) String() string {
 func (*FlowControl) ProtoMessage() {}
 
 func (x *FlowControl) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[9]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1187,7 +1284,7 @@ func (x *FlowControl) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FlowControl.ProtoReflect.Descriptor instead.
 func (*FlowControl) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{9}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *FlowControl) GetHandlerId() string {
@@ -1219,7 +1316,7 @@ type Goodbye struct {
 
 func (x *Goodbye) Reset() {
 	*x = Goodbye{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[10]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1231,7 +1328,7 @@ func (x *Goodbye) String() string {
 func (*Goodbye) ProtoMessage() {}
 
 func (x *Goodbye) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[10]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1244,7 +1341,7 @@ func (x *Goodbye) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Goodbye.ProtoReflect.Descriptor instead.
 func (*Goodbye) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{10}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Goodbye) GetReason() string {
@@ -1273,7 +1370,7 @@ type Farewell struct {
 
 func (x *Farewell) Reset() {
 	*x = Farewell{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[11]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1285,7 +1382,7 @@ func (x *Farewell) String() string {
 func (*Farewell) ProtoMessage() {}
 
 func (x *Farewell) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[11]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1298,7 +1395,7 @@ func (x *Farewell) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Farewell.ProtoReflect.Descriptor instead.
 func (*Farewell) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{11}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Farewell) GetReason() string {
@@ -1323,7 +1420,7 @@ type Drain struct {
 
 func (x *Drain) Reset() {
 	*x = Drain{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[12]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1335,7 +1432,7 @@ func (x *Drain) String() string {
 func (*Drain) ProtoMessage() {}
 
 func (x *Drain) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[12]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1348,7 +1445,7 @@ func (x *Drain) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Drain.ProtoReflect.Descriptor instead.
 func (*Drain) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{12}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Drain) GetGracePeriod() *durationpb.Duration {
@@ -1387,7 +1484,7 @@ type ResultAck struct {
 
 func (x *ResultAck) Reset() {
 	*x = ResultAck{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[13]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1399,7 +1496,7 @@ func (x *ResultAck) String() string {
 func (*ResultAck) ProtoMessage() {}
 
 func (x *ResultAck) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[13]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1412,7 +1509,7 @@ func (x *ResultAck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResultAck.ProtoReflect.Descriptor instead.
 func (*ResultAck) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{13}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ResultAck) GetInvocationId() string {
@@ -1450,7 +1547,7 @@ type Notice struct {
 
 func (x *Notice) Reset() {
 	*x = Notice{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[14]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1462,7 +1559,7 @@ func (x *Notice) String() string {
 func (*Notice) ProtoMessage() {}
 
 func (x *Notice) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[14]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1475,7 +1572,7 @@ func (x *Notice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Notice.ProtoReflect.Descriptor instead.
 func (*Notice) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{14}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Notice) GetInvocationId() string {
@@ -1508,7 +1605,7 @@ type ObjectUpdate struct {
 
 func (x *ObjectUpdate) Reset() {
 	*x = ObjectUpdate{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1520,7 +1617,7 @@ func (x *ObjectUpdate) String() string {
 func (*ObjectUpdate) ProtoMessage() {}
 
 func (x *ObjectUpdate) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1533,7 +1630,7 @@ func (x *ObjectUpdate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectUpdate.ProtoReflect.Descriptor instead.
 func (*ObjectUpdate) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{15}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ObjectUpdate) GetInvocationId() string {
@@ -1564,7 +1661,7 @@ type ObjectGone struct {
 
 func (x *ObjectGone) Reset() {
 	*x = ObjectGone{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[16]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1576,7 +1673,7 @@ func (x *ObjectGone) String() string {
 func (*ObjectGone) ProtoMessage() {}
 
 func (x *ObjectGone) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[16]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1589,7 +1686,7 @@ func (x *ObjectGone) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectGone.ProtoReflect.Descriptor instead.
 func (*ObjectGone) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{16}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ObjectGone) GetObject() *ResourceRef {
@@ -1604,7 +1701,7 @@ var File_capstan_v1_runtime_service_proto protoreflect.FileDescriptor
 const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\n" +
 	" capstan/v1/runtime_service.proto\x12\n" +
-	"capstan.v1\x1a\x17capstan/v1/common.proto\x1a\x1bcapstan/v1/invocation.proto\x1a\x1dcapstan/v1/registration.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf8\x02\n" +
+	"capstan.v1\x1a\x17capstan/v1/common.proto\x1a\x1bcapstan/v1/invocation.proto\x1a\x1dcapstan/v1/registration.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb3\x03\n" +
 	"\x0eConnectRequest\x12)\n" +
 	"\x05hello\x18\x01 \x01(\v2\x11.capstan.v1.HelloH\x00R\x05hello\x126\n" +
 	"\x06result\x18\x02 \x01(\v2\x1c.capstan.v1.InvocationResultH\x00R\x06result\x126\n" +
@@ -1612,7 +1709,8 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x03log\x18\x04 \x01(\v2\x15.capstan.v1.LogRecordH\x00R\x03log\x12&\n" +
 	"\x04pong\x18\x05 \x01(\v2\x10.capstan.v1.PongH\x00R\x04pong\x12<\n" +
 	"\fflow_control\x18\x06 \x01(\v2\x17.capstan.v1.FlowControlH\x00R\vflowControl\x12/\n" +
-	"\agoodbye\x18\a \x01(\v2\x13.capstan.v1.GoodbyeH\x00R\agoodbyeB\t\n" +
+	"\agoodbye\x18\a \x01(\v2\x13.capstan.v1.GoodbyeH\x00R\agoodbye\x129\n" +
+	"\bsettings\x18\b \x01(\v2\x1b.capstan.v1.ProcessSettingsH\x00R\bsettingsB\t\n" +
 	"\amessage\"\x9e\x04\n" +
 	"\x0fConnectResponse\x12/\n" +
 	"\awelcome\x18\x01 \x01(\v2\x13.capstan.v1.WelcomeH\x00R\awelcome\x128\n" +
@@ -1652,7 +1750,7 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\fcapabilities\x18\x02 \x03(\x0e2\x16.capstan.v1.CapabilityR\fcapabilities\x122\n" +
 	"\aruntime\x18\x03 \x01(\v2\x18.capstan.v1.SoftwareInfoR\aruntime\x12*\n" +
 	"\x06limits\x18\x04 \x01(\v2\x12.capstan.v1.LimitsR\x06limits\x12D\n" +
-	"\rregistrations\x18\x05 \x03(\v2\x1e.capstan.v1.RegistrationStatusR\rregistrations\"\x99\x03\n" +
+	"\rregistrations\x18\x05 \x03(\v2\x1e.capstan.v1.RegistrationStatusR\rregistrations\"\xb8\x03\n" +
 	"\tLogRecord\x12#\n" +
 	"\rinvocation_id\x18\x01 \x01(\tR\finvocationId\x12*\n" +
 	"\x05level\x18\x02 \x01(\x0e2\x14.capstan.v1.LogLevelR\x05level\x12\x18\n" +
@@ -1661,10 +1759,15 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x06fields\x18\x05 \x03(\v2!.capstan.v1.LogRecord.FieldsEntryR\x06fields\x122\n" +
 	"\aposting\x18\x06 \x01(\x0e2\x18.capstan.v1.EventPostingR\aposting\x12\x16\n" +
 	"\x06reason\x18\a \x01(\tR\x06reason\x12/\n" +
-	"\x06object\x18\b \x01(\v2\x17.capstan.v1.ResourceRefR\x06object\x1a9\n" +
+	"\x06object\x18\b \x01(\v2\x17.capstan.v1.ResourceRefR\x06object\x12\x1d\n" +
+	"\n" +
+	"event_type\x18\t \x01(\tR\teventType\x1a9\n" +
 	"\vFieldsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"U\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x8d\x01\n" +
+	"\x0fProcessSettings\x12?\n" +
+	"\x0eoutcome_events\x18\x01 \x01(\x0e2\x18.capstan.v1.EventPostingR\routcomeEvents\x129\n" +
+	"\routcome_level\x18\x02 \x01(\x0e2\x14.capstan.v1.LogLevelR\foutcomeLevel\"U\n" +
 	"\x04Ping\x12\x14\n" +
 	"\x05nonce\x18\x01 \x01(\x04R\x05nonce\x127\n" +
 	"\tsent_time\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\bsentTime\"9\n" +
@@ -1697,7 +1800,7 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x04body\x18\x02 \x01(\v2\x10.capstan.v1.JsonR\x04body\"=\n" +
 	"\n" +
 	"ObjectGone\x12/\n" +
-	"\x06object\x18\x01 \x01(\v2\x17.capstan.v1.ResourceRefR\x06object*\xfc\x01\n" +
+	"\x06object\x18\x01 \x01(\v2\x17.capstan.v1.ResourceRefR\x06object*\x9d\x02\n" +
 	"\n" +
 	"Capability\x12\x1a\n" +
 	"\x16CAPABILITY_UNSPECIFIED\x10\x00\x12\x19\n" +
@@ -1708,7 +1811,8 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x19CAPABILITY_OBJECT_UPDATES\x10\x05\x12\x1a\n" +
 	"\x16CAPABILITY_OBJECT_GONE\x10\n" +
 	"\x12!\n" +
-	"\x1dCAPABILITY_CLEANUP_ON_GOODBYE\x10\v*z\n" +
+	"\x1dCAPABILITY_CLEANUP_ON_GOODBYE\x10\v\x12\x1f\n" +
+	"\x1bCAPABILITY_PROCESS_SETTINGS\x10\f*z\n" +
 	"\bLogLevel\x12\x19\n" +
 	"\x15LOG_LEVEL_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fLOG_LEVEL_DEBUG\x10\x01\x12\x12\n" +
@@ -1738,7 +1842,7 @@ func file_capstan_v1_runtime_service_proto_rawDescGZIP() []byte {
 }
 
 var file_capstan_v1_runtime_service_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_capstan_v1_runtime_service_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
+var file_capstan_v1_runtime_service_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_capstan_v1_runtime_service_proto_goTypes = []any{
 	(Capability)(0),               // 0: capstan.v1.Capability
 	(LogLevel)(0),                 // 1: capstan.v1.LogLevel
@@ -1750,76 +1854,80 @@ var file_capstan_v1_runtime_service_proto_goTypes = []any{
 	(*Limits)(nil),                // 7: capstan.v1.Limits
 	(*Welcome)(nil),               // 8: capstan.v1.Welcome
 	(*LogRecord)(nil),             // 9: capstan.v1.LogRecord
-	(*Ping)(nil),                  // 10: capstan.v1.Ping
-	(*Pong)(nil),                  // 11: capstan.v1.Pong
-	(*FlowControl)(nil),           // 12: capstan.v1.FlowControl
-	(*Goodbye)(nil),               // 13: capstan.v1.Goodbye
-	(*Farewell)(nil),              // 14: capstan.v1.Farewell
-	(*Drain)(nil),                 // 15: capstan.v1.Drain
-	(*ResultAck)(nil),             // 16: capstan.v1.ResultAck
-	(*Notice)(nil),                // 17: capstan.v1.Notice
-	(*ObjectUpdate)(nil),          // 18: capstan.v1.ObjectUpdate
-	(*ObjectGone)(nil),            // 19: capstan.v1.ObjectGone
-	nil,                           // 20: capstan.v1.LogRecord.FieldsEntry
-	(*InvocationResult)(nil),      // 21: capstan.v1.InvocationResult
-	(*InvocationUpdate)(nil),      // 22: capstan.v1.InvocationUpdate
-	(*Invocation)(nil),            // 23: capstan.v1.Invocation
-	(*Cancel)(nil),                // 24: capstan.v1.Cancel
-	(*HandlerRegistration)(nil),   // 25: capstan.v1.HandlerRegistration
-	(*durationpb.Duration)(nil),   // 26: google.protobuf.Duration
-	(*RegistrationStatus)(nil),    // 27: capstan.v1.RegistrationStatus
-	(*timestamppb.Timestamp)(nil), // 28: google.protobuf.Timestamp
-	(*ResourceRef)(nil),           // 29: capstan.v1.ResourceRef
-	(*Diagnostic)(nil),            // 30: capstan.v1.Diagnostic
-	(*Json)(nil),                  // 31: capstan.v1.Json
+	(*ProcessSettings)(nil),       // 10: capstan.v1.ProcessSettings
+	(*Ping)(nil),                  // 11: capstan.v1.Ping
+	(*Pong)(nil),                  // 12: capstan.v1.Pong
+	(*FlowControl)(nil),           // 13: capstan.v1.FlowControl
+	(*Goodbye)(nil),               // 14: capstan.v1.Goodbye
+	(*Farewell)(nil),              // 15: capstan.v1.Farewell
+	(*Drain)(nil),                 // 16: capstan.v1.Drain
+	(*ResultAck)(nil),             // 17: capstan.v1.ResultAck
+	(*Notice)(nil),                // 18: capstan.v1.Notice
+	(*ObjectUpdate)(nil),          // 19: capstan.v1.ObjectUpdate
+	(*ObjectGone)(nil),            // 20: capstan.v1.ObjectGone
+	nil,                           // 21: capstan.v1.LogRecord.FieldsEntry
+	(*InvocationResult)(nil),      // 22: capstan.v1.InvocationResult
+	(*InvocationUpdate)(nil),      // 23: capstan.v1.InvocationUpdate
+	(*Invocation)(nil),            // 24: capstan.v1.Invocation
+	(*Cancel)(nil),                // 25: capstan.v1.Cancel
+	(*HandlerRegistration)(nil),   // 26: capstan.v1.HandlerRegistration
+	(*durationpb.Duration)(nil),   // 27: google.protobuf.Duration
+	(*RegistrationStatus)(nil),    // 28: capstan.v1.RegistrationStatus
+	(*timestamppb.Timestamp)(nil), // 29: google.protobuf.Timestamp
+	(*ResourceRef)(nil),           // 30: capstan.v1.ResourceRef
+	(*Diagnostic)(nil),            // 31: capstan.v1.Diagnostic
+	(*Json)(nil),                  // 32: capstan.v1.Json
 }
 var file_capstan_v1_runtime_service_proto_depIdxs = []int32{
 	6,  // 0: capstan.v1.ConnectRequest.hello:type_name -> capstan.v1.Hello
-	21, // 1: capstan.v1.ConnectRequest.result:type_name -> capstan.v1.InvocationResult
-	22, // 2: capstan.v1.ConnectRequest.update:type_name -> capstan.v1.InvocationUpdate
+	22, // 1: capstan.v1.ConnectRequest.result:type_name -> capstan.v1.InvocationResult
+	23, // 2: capstan.v1.ConnectRequest.update:type_name -> capstan.v1.InvocationUpdate
 	9,  // 3: capstan.v1.ConnectRequest.log:type_name -> capstan.v1.LogRecord
-	11, // 4: capstan.v1.ConnectRequest.pong:type_name -> capstan.v1.Pong
-	12, // 5: capstan.v1.ConnectRequest.flow_control:type_name -> capstan.v1.FlowControl
-	13, // 6: capstan.v1.ConnectRequest.goodbye:type_name -> capstan.v1.Goodbye
-	8,  // 7: capstan.v1.ConnectResponse.welcome:type_name -> capstan.v1.Welcome
-	23, // 8: capstan.v1.ConnectResponse.invocation:type_name -> capstan.v1.Invocation
-	24, // 9: capstan.v1.ConnectResponse.cancel:type_name -> capstan.v1.Cancel
-	10, // 10: capstan.v1.ConnectResponse.ping:type_name -> capstan.v1.Ping
-	15, // 11: capstan.v1.ConnectResponse.drain:type_name -> capstan.v1.Drain
-	16, // 12: capstan.v1.ConnectResponse.result_ack:type_name -> capstan.v1.ResultAck
-	17, // 13: capstan.v1.ConnectResponse.notice:type_name -> capstan.v1.Notice
-	18, // 14: capstan.v1.ConnectResponse.object_update:type_name -> capstan.v1.ObjectUpdate
-	19, // 15: capstan.v1.ConnectResponse.object_gone:type_name -> capstan.v1.ObjectGone
-	14, // 16: capstan.v1.ConnectResponse.farewell:type_name -> capstan.v1.Farewell
-	0,  // 17: capstan.v1.Hello.capabilities:type_name -> capstan.v1.Capability
-	5,  // 18: capstan.v1.Hello.sdk:type_name -> capstan.v1.SoftwareInfo
-	25, // 19: capstan.v1.Hello.handlers:type_name -> capstan.v1.HandlerRegistration
-	26, // 20: capstan.v1.Limits.ping_interval:type_name -> google.protobuf.Duration
-	26, // 21: capstan.v1.Limits.ping_timeout:type_name -> google.protobuf.Duration
-	26, // 22: capstan.v1.Limits.cancel_grace_period:type_name -> google.protobuf.Duration
-	0,  // 23: capstan.v1.Welcome.capabilities:type_name -> capstan.v1.Capability
-	5,  // 24: capstan.v1.Welcome.runtime:type_name -> capstan.v1.SoftwareInfo
-	7,  // 25: capstan.v1.Welcome.limits:type_name -> capstan.v1.Limits
-	27, // 26: capstan.v1.Welcome.registrations:type_name -> capstan.v1.RegistrationStatus
-	1,  // 27: capstan.v1.LogRecord.level:type_name -> capstan.v1.LogLevel
-	28, // 28: capstan.v1.LogRecord.time:type_name -> google.protobuf.Timestamp
-	20, // 29: capstan.v1.LogRecord.fields:type_name -> capstan.v1.LogRecord.FieldsEntry
-	2,  // 30: capstan.v1.LogRecord.posting:type_name -> capstan.v1.EventPosting
-	29, // 31: capstan.v1.LogRecord.object:type_name -> capstan.v1.ResourceRef
-	28, // 32: capstan.v1.Ping.sent_time:type_name -> google.protobuf.Timestamp
-	26, // 33: capstan.v1.Drain.grace_period:type_name -> google.protobuf.Duration
-	28, // 34: capstan.v1.Drain.start_time:type_name -> google.protobuf.Timestamp
-	30, // 35: capstan.v1.ResultAck.diagnostics:type_name -> capstan.v1.Diagnostic
-	30, // 36: capstan.v1.Notice.diagnostics:type_name -> capstan.v1.Diagnostic
-	31, // 37: capstan.v1.ObjectUpdate.body:type_name -> capstan.v1.Json
-	29, // 38: capstan.v1.ObjectGone.object:type_name -> capstan.v1.ResourceRef
-	3,  // 39: capstan.v1.RuntimeService.Connect:input_type -> capstan.v1.ConnectRequest
-	4,  // 40: capstan.v1.RuntimeService.Connect:output_type -> capstan.v1.ConnectResponse
-	40, // [40:41] is the sub-list for method output_type
-	39, // [39:40] is the sub-list for method input_type
-	39, // [39:39] is the sub-list for extension type_name
-	39, // [39:39] is the sub-list for extension extendee
-	0,  // [0:39] is the sub-list for field type_name
+	12, // 4: capstan.v1.ConnectRequest.pong:type_name -> capstan.v1.Pong
+	13, // 5: capstan.v1.ConnectRequest.flow_control:type_name -> capstan.v1.FlowControl
+	14, // 6: capstan.v1.ConnectRequest.goodbye:type_name -> capstan.v1.Goodbye
+	10, // 7: capstan.v1.ConnectRequest.settings:type_name -> capstan.v1.ProcessSettings
+	8,  // 8: capstan.v1.ConnectResponse.welcome:type_name -> capstan.v1.Welcome
+	24, // 9: capstan.v1.ConnectResponse.invocation:type_name -> capstan.v1.Invocation
+	25, // 10: capstan.v1.ConnectResponse.cancel:type_name -> capstan.v1.Cancel
+	11, // 11: capstan.v1.ConnectResponse.ping:type_name -> capstan.v1.Ping
+	16, // 12: capstan.v1.ConnectResponse.drain:type_name -> capstan.v1.Drain
+	17, // 13: capstan.v1.ConnectResponse.result_ack:type_name -> capstan.v1.ResultAck
+	18, // 14: capstan.v1.ConnectResponse.notice:type_name -> capstan.v1.Notice
+	19, // 15: capstan.v1.ConnectResponse.object_update:type_name -> capstan.v1.ObjectUpdate
+	20, // 16: capstan.v1.ConnectResponse.object_gone:type_name -> capstan.v1.ObjectGone
+	15, // 17: capstan.v1.ConnectResponse.farewell:type_name -> capstan.v1.Farewell
+	0,  // 18: capstan.v1.Hello.capabilities:type_name -> capstan.v1.Capability
+	5,  // 19: capstan.v1.Hello.sdk:type_name -> capstan.v1.SoftwareInfo
+	26, // 20: capstan.v1.Hello.handlers:type_name -> capstan.v1.HandlerRegistration
+	27, // 21: capstan.v1.Limits.ping_interval:type_name -> google.protobuf.Duration
+	27, // 22: capstan.v1.Limits.ping_timeout:type_name -> google.protobuf.Duration
+	27, // 23: capstan.v1.Limits.cancel_grace_period:type_name -> google.protobuf.Duration
+	0,  // 24: capstan.v1.Welcome.capabilities:type_name -> capstan.v1.Capability
+	5,  // 25: capstan.v1.Welcome.runtime:type_name -> capstan.v1.SoftwareInfo
+	7,  // 26: capstan.v1.Welcome.limits:type_name -> capstan.v1.Limits
+	28, // 27: capstan.v1.Welcome.registrations:type_name -> capstan.v1.RegistrationStatus
+	1,  // 28: capstan.v1.LogRecord.level:type_name -> capstan.v1.LogLevel
+	29, // 29: capstan.v1.LogRecord.time:type_name -> google.protobuf.Timestamp
+	21, // 30: capstan.v1.LogRecord.fields:type_name -> capstan.v1.LogRecord.FieldsEntry
+	2,  // 31: capstan.v1.LogRecord.posting:type_name -> capstan.v1.EventPosting
+	30, // 32: capstan.v1.LogRecord.object:type_name -> capstan.v1.ResourceRef
+	2,  // 33: capstan.v1.ProcessSettings.outcome_events:type_name -> capstan.v1.EventPosting
+	1,  // 34: capstan.v1.ProcessSettings.outcome_level:type_name -> capstan.v1.LogLevel
+	29, // 35: capstan.v1.Ping.sent_time:type_name -> google.protobuf.Timestamp
+	27, // 36: capstan.v1.Drain.grace_period:type_name -> google.protobuf.Duration
+	29, // 37: capstan.v1.Drain.start_time:type_name -> google.protobuf.Timestamp
+	31, // 38: capstan.v1.ResultAck.diagnostics:type_name -> capstan.v1.Diagnostic
+	31, // 39: capstan.v1.Notice.diagnostics:type_name -> capstan.v1.Diagnostic
+	32, // 40: capstan.v1.ObjectUpdate.body:type_name -> capstan.v1.Json
+	30, // 41: capstan.v1.ObjectGone.object:type_name -> capstan.v1.ResourceRef
+	3,  // 42: capstan.v1.RuntimeService.Connect:input_type -> capstan.v1.ConnectRequest
+	4,  // 43: capstan.v1.RuntimeService.Connect:output_type -> capstan.v1.ConnectResponse
+	43, // [43:44] is the sub-list for method output_type
+	42, // [42:43] is the sub-list for method input_type
+	42, // [42:42] is the sub-list for extension type_name
+	42, // [42:42] is the sub-list for extension extendee
+	0,  // [0:42] is the sub-list for field type_name
 }
 
 func init() { file_capstan_v1_runtime_service_proto_init() }
@@ -1838,6 +1946,7 @@ func file_capstan_v1_runtime_service_proto_init() {
 		(*ConnectRequest_Pong)(nil),
 		(*ConnectRequest_FlowControl)(nil),
 		(*ConnectRequest_Goodbye)(nil),
+		(*ConnectRequest_Settings)(nil),
 	}
 	file_capstan_v1_runtime_service_proto_msgTypes[1].OneofWrappers = []any{
 		(*ConnectResponse_Welcome)(nil),
@@ -1857,7 +1966,7 @@ func file_capstan_v1_runtime_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_capstan_v1_runtime_service_proto_rawDesc), len(file_capstan_v1_runtime_service_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   18,
+			NumMessages:   19,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
