@@ -146,6 +146,8 @@ struct Inner {
     changed: watch::Sender<u64>,
     failed: watch::Sender<Option<String>>,
     probe_wanted: Notify,
+    /// Counts the probe runs, so that a stale `/healthz` can wait for the next one.
+    probes_ran: watch::Sender<u64>,
     login_lock: tokio::sync::Mutex<()>,
     /// The background task collecting a login round's later answers ([`upgrade_from`]).
     upgrade: Mutex<Option<AbortHandle>>,
@@ -203,6 +205,7 @@ impl Activities {
             changed,
             failed,
             probe_wanted: Notify::new(),
+            probes_ran: watch::channel(0).0,
             login_lock: tokio::sync::Mutex::new(()),
             upgrade: Mutex::new(None),
         });
@@ -216,6 +219,29 @@ impl Activities {
                 Ok(()) => Check::pass("operator activities done"),
                 Err(why) => Check::fail(why),
             }
+        });
+        let weak = Arc::downgrade(&inner);
+        health.probe_refresh(move || {
+            let weak = weak.clone();
+            Box::pin(async move {
+                let mut ran = {
+                    let Some(inner) = weak.upgrade() else {
+                        return;
+                    };
+                    let state = inner.state.lock();
+                    let stale = state
+                        .probes_run_at
+                        .is_none_or(|t| t.elapsed() >= inner.settings.probe_cache);
+                    if state.probes.is_empty() || !stale {
+                        return;
+                    }
+                    let ran = inner.probes_ran.subscribe();
+                    inner.probe_wanted.notify_one();
+                    ran
+                };
+                ran.borrow_and_update();
+                let _ = ran.changed().await;
+            })
         });
         let weak = Arc::downgrade(&inner);
         health.probe_values(move || {
@@ -756,6 +782,8 @@ impl Activities {
             state.probes.insert(id, (check, value));
         }
         state.probes_run_at = Some(Instant::now());
+        drop(state);
+        self.inner.probes_ran.send_modify(|n| *n += 1);
     }
 
     /// Runs the cleanup handlers of the connected handler processes, within `within` (those
@@ -982,6 +1010,7 @@ fn probe_result(outcome: Outcome, timeout: Duration) -> (Check, Option<Value>) {
 mod tests {
     use super::*;
     use crate::grpc::hub;
+    use capstan_proto::pb;
 
     fn reg(id: &str, kind: HandlerKind) -> Registration {
         Registration::new(id, kind, None)
@@ -1091,6 +1120,74 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(1), activities.inner.probe_wanted.notified())
             .await
             .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_stale_healthz_waits_for_the_probes_that_answer_in_time() {
+        let health = Health::default();
+        let hub = Hub::new(hub::Settings::default());
+        let activities = Activities::new(hub.clone(), health.clone(), None, Settings::default());
+        let cancel = CancellationToken::new();
+        let running = tokio::spawn(activities.clone().run(cancel.clone()));
+        // A process with a probe handler answering 7, then 8: the value at start is stale
+        // later, and /healthz shows the new one, not the cached one.
+        let (tx, mut rx) = tokio::sync::mpsc::channel(8);
+        let (conn, _) = hub.attach(
+            tx,
+            8,
+            false,
+            vec![Registration::new("p", HandlerKind::Probe, None)],
+        );
+        hub.open(conn);
+        let answer = |rx: &mut tokio::sync::mpsc::Receiver<pb::ConnectResponse>, value: i64| {
+            let message = rx.try_recv();
+            let Ok(pb::ConnectResponse {
+                message: Some(pb::connect_response::Message::Invocation(inv)),
+            }) = message
+            else {
+                return false;
+            };
+            let result = pb::InvocationResult {
+                invocation_id: inv.invocation_id,
+                outcome: Some(pb::invocation_result::Outcome::Success(pb::Success {
+                    result: Some(pb::Json {
+                        json: value.to_string().into_bytes(),
+                    }),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            };
+            hub.complete(conn, &result).is_ok()
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !answer(&mut rx, 7) {
+            assert!(Instant::now() < deadline, "the probe was not run at start");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        while health.live().probes.get("p") != Some(&serde_json::json!(7)) {
+            assert!(Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        activities.inner.state.lock().probes_run_at = Some(Instant::now() - Duration::from_secs(60));
+        let fresh = tokio::spawn({
+            let health = health.clone();
+            async move { health.live_fresh().await }
+        });
+        while !answer(&mut rx, 8) {
+            assert!(
+                Instant::now() < deadline,
+                "a stale /healthz did not run the probe"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(fresh.await.unwrap().probes["p"], 8);
+        // A probe that does not answer leaves the cached value, within the bound.
+        activities.inner.state.lock().probes_run_at = Some(Instant::now() - Duration::from_secs(60));
+        let started = Instant::now();
+        assert_eq!(health.live_fresh().await.probes["p"], 8);
+        assert!(started.elapsed() < crate::observability::health::FRESH_WAIT + Duration::from_millis(500));
+        cancel.cancel();
+        running.await.unwrap();
     }
 
     #[tokio::test]

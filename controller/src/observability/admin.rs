@@ -198,8 +198,8 @@ async fn connection(
     let service = ServiceBuilder::new()
         .layer(RequestBodyLimitLayer::new(0))
         .service_fn(move |req: Request<_>| {
-            let response = route(&health, &req);
-            async move { Ok::<_, Infallible>(response) }
+            let health = health.clone();
+            async move { Ok::<_, Infallible>(route(&health, &req).await) }
         });
     let service = hyper::service::service_fn(move |req| service.clone().oneshot(req));
     let conn = http1::Builder::new()
@@ -240,12 +240,12 @@ fn has_arrived(stream: &TcpStream) -> bool {
         .is_ok_and(|n| n > 0)
 }
 
-fn route<B>(health: &Health, req: &Request<B>) -> Response<Full<Bytes>> {
+async fn route<B>(health: &Health, req: &Request<B>) -> Response<Full<Bytes>> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "only GET is served here\n");
     }
     match req.uri().path() {
-        "/healthz" | "/livez" => report(&health.live()),
+        "/healthz" | "/livez" => report(&health.live_fresh().await),
         "/metrics" => {
             let mut response = Response::new(Full::new(Bytes::from(super::metrics::global().render())));
             response.headers_mut().insert(
@@ -288,16 +288,19 @@ mod tests {
     use super::*;
     use crate::observability::health::Check;
 
-    #[test]
-    fn routes_probes_with_status_codes() {
+    #[tokio::test]
+    async fn routes_probes_with_status_codes() {
         let health = Health::default();
         health.readiness("handlers", || Check::fail("none connected"));
         let get = |path: &str| Request::get(path).body(()).unwrap();
-        assert_eq!(route(&health, &get("/healthz")).status(), StatusCode::OK);
+        assert_eq!(route(&health, &get("/healthz")).await.status(), StatusCode::OK);
         assert_eq!(
-            route(&health, &get("/readyz")).status(),
+            route(&health, &get("/readyz")).await.status(),
             StatusCode::SERVICE_UNAVAILABLE
         );
-        assert_eq!(route(&health, &get("/nope")).status(), StatusCode::NOT_FOUND);
+        assert_eq!(
+            route(&health, &get("/nope")).await.status(),
+            StatusCode::NOT_FOUND
+        );
     }
 }

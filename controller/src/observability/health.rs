@@ -23,10 +23,14 @@
 //!
 //! Probe handlers (kopf `on.probe`) add values rather than checks: `/healthz` shows each
 //! probe id with its last result, as kopf's liveness endpoint does. The provider of those
-//! values must answer from a cache — an HTTP probe never waits for a handler.
+//! values answers from a cache; when the cache is older than its time, `/healthz` asks for a
+//! new run and waits for it at most [`FRESH_WAIT`] (as kopf runs stale probes before it
+//! answers), then answers with what it has — within the kubelet's probe timeout, whatever the
+//! probe handlers do.
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
+use futures::future::BoxFuture;
 use parking_lot::RwLock;
 use serde::Serialize;
 
@@ -59,6 +63,11 @@ impl Check {
 
 type Probe = Arc<dyn Fn() -> Check + Send + Sync>;
 type Values = Arc<dyn Fn() -> BTreeMap<String, serde_json::Value> + Send + Sync>;
+type Refresh = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
+
+/// How long `/healthz` waits for probe handlers whose results are stale (below the chart's
+/// and the kubelet's probe timeouts).
+pub const FRESH_WAIT: Duration = Duration::from_secs(1);
 
 /// The registry of checks. Cheap to clone.
 #[derive(Clone, Default)]
@@ -66,6 +75,7 @@ pub struct Health {
     liveness: Arc<RwLock<BTreeMap<String, Probe>>>,
     readiness: Arc<RwLock<BTreeMap<String, Probe>>>,
     probes: Arc<RwLock<Option<Values>>>,
+    refresh: Arc<RwLock<Option<Refresh>>>,
 }
 
 /// A probe's answer: overall status and each check.
@@ -103,6 +113,22 @@ impl Health {
         values: impl Fn() -> BTreeMap<String, serde_json::Value> + Send + Sync + 'static,
     ) {
         *self.probes.write() = Some(Arc::new(values));
+    }
+
+    /// Sets what brings stale probe results up to date: it resolves once they are (or at
+    /// once when they are not stale).
+    pub fn probe_refresh(&self, refresh: impl Fn() -> BoxFuture<'static, ()> + Send + Sync + 'static) {
+        *self.refresh.write() = Some(Arc::new(refresh));
+    }
+
+    /// Evaluates the liveness checks, with probe results brought up to date first when they
+    /// are stale and the probes answer within [`FRESH_WAIT`].
+    pub async fn live_fresh(&self) -> Report {
+        let refresh = self.refresh.read().clone();
+        if let Some(refresh) = refresh {
+            let _ = tokio::time::timeout(FRESH_WAIT, refresh()).await;
+        }
+        self.live()
     }
 
     /// Evaluates the liveness checks.
