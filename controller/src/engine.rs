@@ -448,6 +448,7 @@ impl Engine {
             max_losses: self.hub.settings().max_losses,
             finished: self.finished_daemons.clone(),
         });
+        let event_handlers = handlers_rx.clone();
         let queue = Queue::new(queue::Context {
             resource: resource.clone(),
             handlers: handlers_rx,
@@ -563,7 +564,8 @@ impl Engine {
                 field_selector.clone(),
                 self.settings.watch.clone(),
                 status,
-            );
+            )
+            .with_event_handlers(event_handlers.clone());
             let (tx, mut rx) = mpsc::channel::<k8s_watch::Event>(WATCH_BACKLOG);
             let span = info_span!("watch", resource = %resource, namespace = scope.as_deref().unwrap_or("*"));
             let run = w.run(tx, cancel.clone());

@@ -313,7 +313,7 @@ async fn capstan_kopf_calls_handlers_as_kopf_does() -> Result<()> {
         json!({"handler": "daemon_fn", "name": "diff", "event": "start", "field": "a"}),
         json!({"handler": "daemon_fn", "name": "diff", "event": "stop", "reason": "RESOURCE_DELETED"}),
         json!({"handler": "timer_fn", "name": "diff", "event": "tick"}),
-        json!({"handler": "event_fn", "name": "diff", "type": "DELETED", "field": "b"}),
+        json!({"handler": "event_fn", "name": "diff", "type": "DELETED", "field": "b", "managed": true}),
     ] {
         assert!(
             kopf_side.contains(&expected),

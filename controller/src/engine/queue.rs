@@ -505,8 +505,15 @@ impl Queue {
     ///
     /// `listed`: for an object of the watch's listing, when that listing started (a listing
     /// that started after a write's answer reflects the write).
-    pub async fn observe(&self, event_type: EventType, body: Value, listed: Option<tokio::time::Instant>) {
+    pub async fn observe(
+        &self,
+        event_type: EventType,
+        mut body: Value,
+        listed: Option<tokio::time::Instant>,
+    ) {
         self.dispatch_event_handlers(event_type, &body).await;
+        // Kept for the event handlers only (kopf's raw events have them); never stored.
+        crate::k8s::objects::drop_managed_fields(&mut body);
         self.queue_body(event_type, body, Source::Watch { listed });
     }
 

@@ -175,7 +175,22 @@ pub fn api_resource(resource: &ResolvedResource) -> ApiResource {
 }
 
 /// An object as JSON, without `managedFields` (never needed, often the bulk of the body).
-pub fn to_value(mut obj: DynamicObject) -> Value {
-    obj.metadata.managed_fields = None;
+pub fn to_value(obj: DynamicObject) -> Value {
+    to_body(obj, false)
+}
+
+/// An object as JSON, with its `managedFields` only when `managed` (a watch event on its way
+/// to event handlers, which see the raw event as kopf passes it).
+pub fn to_body(mut obj: DynamicObject, managed: bool) -> Value {
+    if !managed {
+        obj.metadata.managed_fields = None;
+    }
     serde_json::to_value(obj).unwrap_or(Value::Null)
+}
+
+/// Drops `metadata.managedFields` from a body that kept them for its event handlers.
+pub fn drop_managed_fields(body: &mut Value) {
+    if let Some(meta) = body.get_mut("metadata").and_then(Value::as_object_mut) {
+        meta.remove("managedFields");
+    }
 }

@@ -57,7 +57,7 @@ use tracing::{debug, info, warn};
 use self::lines::{Line, Read};
 use super::{
     listing::{list_page, list_params},
-    objects::to_value,
+    objects::to_body,
     quarantine::{Unparsed, quarantine},
     reachability::{self, Reachability},
 };
@@ -91,7 +91,8 @@ impl Default for Settings {
 pub struct Event {
     /// What happened; `Listing` for objects seen in a (re)list.
     pub event_type: EventType,
-    /// The object, without managed fields.
+    /// The object; with its managed fields only where the watch keeps them for event
+    /// handlers ([`Watch::with_event_handlers`]).
     pub body: Value,
     /// For an object of a listing: when that listing started (it reflects every write
     /// answered before).
@@ -187,6 +188,9 @@ pub struct Watch {
     known: HashMap<Box<str>, Known>,
     /// The resource's plural, for the metrics of quarantined objects.
     plural: String,
+    /// The resource's handlers, when event handlers may be among them: their events keep
+    /// `managedFields` then (kopf passes them in raw events), dropped by the queue after.
+    handlers: Option<tokio::sync::watch::Receiver<Arc<Vec<crate::model::Registration>>>>,
 }
 
 enum Restart {
@@ -217,6 +221,7 @@ impl Watch {
             reachability: Reachability::global(),
             backoff: DefaultBackoff::default(),
             known: HashMap::new(),
+            handlers: None,
             plural: api
                 .resource_url()
                 .rsplit('/')
@@ -225,6 +230,25 @@ impl Watch {
                 .to_owned(),
             api,
         }
+    }
+
+    /// Keeps `managedFields` in the events while `handlers` include event handlers.
+    #[must_use]
+    pub fn with_event_handlers(
+        mut self,
+        handlers: tokio::sync::watch::Receiver<Arc<Vec<crate::model::Registration>>>,
+    ) -> Self {
+        self.handlers = Some(handlers);
+        self
+    }
+
+    /// Whether events keep their `managedFields` now.
+    fn keeps_managed_fields(&self) -> bool {
+        self.handlers.as_ref().is_some_and(|h| {
+            h.borrow()
+                .iter()
+                .any(|r| r.kind == crate::model::HandlerKind::Event)
+        })
     }
 
     /// Marks the watch down for `e` and returns how long to wait before the next try.
@@ -332,10 +356,11 @@ impl Watch {
                 if let Some(uid) = obj.metadata.uid.as_deref() {
                     seen.insert(uid.into(), Known::of(&obj));
                 }
+                let managed = self.keeps_managed_fields();
                 if tx
                     .send(Event {
                         event_type: EventType::Listing,
-                        body: to_value(obj),
+                        body: to_body(obj, managed),
                         listed: Some(started),
                     })
                     .await
@@ -501,10 +526,11 @@ impl Watch {
                     self.known.insert(uid.into(), Known::of(&obj));
                 }
             }
+            let managed = self.keeps_managed_fields();
             if tx
                 .send(Event {
                     event_type,
-                    body: to_value(obj),
+                    body: to_body(obj, managed),
                     listed: None,
                 })
                 .await

@@ -88,5 +88,7 @@ def timer_fn(name, **_):
 
 
 @kopf.on.event(*RESOURCE)
-def event_fn(name, type, body, **_):
-    side("event_fn", name, type=type, field=body.get("spec", {}).get("field"))
+def event_fn(name, type, body, event, **_):
+    # The raw event as the API server sent it: with the object's managedFields.
+    managed = bool(event.get("object", {}).get("metadata", {}).get("managedFields"))
+    side("event_fn", name, type=type, field=body.get("spec", {}).get("field"), managed=managed)
