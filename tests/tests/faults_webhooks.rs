@@ -17,7 +17,7 @@
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -267,9 +267,16 @@ enum Hostile {
 
 /// Opens one hostile connection and holds it until the server closes it; returns how long that
 /// took (or `None`: not closed within the bound).
-async fn hostile(port: u16, connector: TlsConnector, kind: Hostile) -> Result<Option<Duration>> {
+async fn hostile(
+    port: u16,
+    connector: TlsConnector,
+    kind: Hostile,
+    counted: &AtomicUsize,
+) -> Result<Option<Duration>> {
     if kind == Hostile::NoHandshake {
-        let mut tcp = TcpStream::connect(("127.0.0.1", port)).await?;
+        let connected = TcpStream::connect(("127.0.0.1", port)).await;
+        counted.fetch_add(1, Ordering::Relaxed);
+        let mut tcp = connected?;
         let opened = Instant::now();
         let mut buf = [0u8; 256];
         let closed = tokio::time::timeout(CLOSE_BOUND + Duration::from_secs(5), async {
@@ -286,7 +293,9 @@ async fn hostile(port: u16, connector: TlsConnector, kind: Hostile) -> Result<Op
     let connecting = Instant::now();
     // A connection still in its handshake may be the longest idle one when the slots are
     // full: closed by the server, as it should be.
-    let Ok(stream) = tls(port, &connector).await else {
+    let handshake = tls(port, &connector).await;
+    counted.fetch_add(1, Ordering::Relaxed);
+    let Ok(stream) = handshake else {
         return Ok(Some(connecting.elapsed()));
     };
     let opened = Instant::now();
@@ -347,16 +356,24 @@ async fn hostile_connections_are_closed_and_a_legitimate_review_is_answered_thro
     let slots = if long { "1024" } else { "128" };
     let (s, port, connector) = start(&dir, &["--webhook-max-connections", slots]).await?;
 
-    // Legitimate reviews every 200 ms while the hostile connections are opened and held, from
-    // a thread of their own so that the attackers' handshakes do not delay them on this side.
+    // Legitimate reviews every 200 ms while the hostile connections are held and shed, from a
+    // thread of their own so that the attackers' handshakes do not delay them on this side.
+    // They start once the burst of hostile connections is open: a connection made in the very
+    // instant of a burst beyond the slots is as old as the attackers' and may give way with
+    // them before its request arrives (the server cannot tell them apart yet).
     let done = Arc::new(AtomicBool::new(false));
+    let counted = Arc::new(AtomicUsize::new(0));
     let probe = {
-        let (done, connector) = (done.clone(), connector.clone());
+        let (done, connector, counted) = (done.clone(), connector.clone(), counted.clone());
         std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             runtime.block_on(async move {
+                let burst = Instant::now();
+                while counted.load(Ordering::Relaxed) < n && burst.elapsed() < Duration::from_secs(5) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
                 let mut kept_alive = KeptAlive::open(port, &connector).await?;
                 let one_each = async {
                     let mut slowest = Duration::ZERO;
@@ -398,8 +415,8 @@ async fn hostile_connections_are_closed_and_a_legitimate_review_is_answered_thro
     let results: Vec<(Hostile, Result<Option<Duration>>)> = stream::iter(0..n)
         .map(|i| {
             let kind = kinds[i % kinds.len()];
-            let connector = connector.clone();
-            async move { (kind, hostile(port, connector, kind).await) }
+            let (connector, counted) = (connector.clone(), counted.clone());
+            async move { (kind, hostile(port, connector, kind, &counted).await) }
         })
         .buffer_unordered(n)
         .collect()
@@ -447,7 +464,13 @@ async fn hostile_connections_are_closed_and_a_legitimate_review_is_answered_thro
         "a legitimate review took {slowest:?} while the port was under attack\n{}",
         log()
     );
-    legit(port, &connector).await?;
+    if let Err(e) = legit(port, &connector).await {
+        eprintln!(
+            "FINAL LEGIT FAILED: {e:?}\n{}",
+            tail(&s.controller.process.output(), 60)
+        );
+        return Err(e);
+    }
     Ok(())
 }
 
