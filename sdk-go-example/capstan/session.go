@@ -314,7 +314,7 @@ func (s *session) cancelAll(cause *CancelledError) {
 // cleanupTimeout bounds how long a stopping process waits for the controller to run its
 // cleanup handlers (counted from its goodbye; the controller's own bound is its shutdown grace,
 // 20 s by default).
-const cleanupTimeout = 25 * time.Second
+const cleanupTimeout = 20 * time.Second
 
 // shutdown says goodbye, lets the running invocations finish within the grace period, cancels
 // the rest, sends their results, and closes our side of the stream.
@@ -330,7 +330,8 @@ func (s *session) shutdown(lost <-chan error) {
 	deadline := time.Now().Add(grace)
 	if s.cleanupOnGoodbye {
 		// The cleanup handlers come now, on this stream; cancelling what runs would cancel
-		// them too, so the grace counts only once the controller said they are done.
+		// them too, so nothing is cancelled before the controller said they are done (the
+		// grace, counted from the goodbye, may have passed by then).
 		select {
 		case <-s.farewell:
 		case <-lost:

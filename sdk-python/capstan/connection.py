@@ -46,8 +46,10 @@ STOP_GRACE = 10.0
 #: How long the controller has to end the stream after the handler process closed its side.
 CLOSE_TIMEOUT = 5.0
 #: How long a stopping process waits for the controller to run its cleanup handlers (counted
-#: from its goodbye; the controller's own bound is its shutdown grace, 20 s by default).
-CLEANUP_TIMEOUT = 25.0
+#: from its goodbye; the controller's own bound is its shutdown grace, 20 s by default). With
+#: the stream's close (`CLOSE_TIMEOUT`) it stays within a pod's default 30 s grace period and
+#: leaves the controller, stopped after this container, time to stop too.
+CLEANUP_TIMEOUT = 20.0
 _LEVELS = {
     logging.DEBUG: rs.LOG_LEVEL_DEBUG, logging.INFO: rs.LOG_LEVEL_INFO,
     logging.WARNING: rs.LOG_LEVEL_WARNING, logging.ERROR: rs.LOG_LEVEL_ERROR,
@@ -344,12 +346,10 @@ class Operator:
         if cleanup:
             left = max(0.0, CLEANUP_TIMEOUT - (time.monotonic() - said))
             try:
+                # The farewell comes after the cleanup handlers' results: nothing is left then.
                 await asyncio.wait_for(session.farewell.wait(), left)
             except asyncio.TimeoutError:
                 log.warning("the controller did not finish this process's cleanup handlers within %gs", CLEANUP_TIMEOUT)
-            cleanups = [task for _, task in session.running.values()]
-            if cleanups:
-                await asyncio.wait(cleanups, timeout=CLOSE_TIMEOUT)
         await session.send(None)
 
     async def _reader(self, session):

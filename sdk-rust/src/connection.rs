@@ -40,7 +40,7 @@ const ABANDON_AFTER: Duration = Duration::from_secs(1);
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a stopping process waits for the controller to run its cleanup handlers (counted
 /// from its goodbye; the controller's own bound is its shutdown grace, 20 s by default).
-const CLEANUP_TIMEOUT: Duration = Duration::from_secs(25);
+const CLEANUP_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Where the controller listens.
 #[derive(Debug, Clone)]

@@ -59,7 +59,7 @@
 //!   when they are done. Each cleanup handler runs once, whichever stops first.
 
 use std::{
-    collections::{BTreeMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     future::Future,
     sync::{Arc, Weak},
     time::{Duration, SystemTime},
@@ -83,7 +83,7 @@ use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
 use super::execution::{self, Verdict};
 use crate::{
-    grpc::Hub,
+    grpc::{Hub, hub::ConnectionId},
     k8s::switch::Switchable,
     model::{
         Activity, Credentials, Diagnostic, HandlerId, HandlerKind, KindResult, Outcome, Payload,
@@ -148,6 +148,9 @@ struct Inner {
     probe_wanted: Notify,
     /// Counts the probe runs, so that a stale `/healthz` can wait for the next one.
     probes_ran: watch::Sender<u64>,
+    /// Counts the cleanup runs that finished, so that a leaving process whose cleanup the
+    /// controller's own stop runs waits for it before its `Farewell`.
+    cleanups_ran: watch::Sender<u64>,
     login_lock: tokio::sync::Mutex<()>,
     /// The background task collecting a login round's later answers ([`upgrade_from`]).
     upgrade: Mutex<Option<AbortHandle>>,
@@ -167,9 +170,11 @@ struct State {
     expires_at: Option<SystemTime>,
     /// Counts the rounds of login calls: a later answer of an earlier round installs nothing.
     login_round: u64,
-    /// Cleanup handlers run (or running) already: each runs once, whether its process left
-    /// first or the controller stops first.
-    cleaned: HashSet<HandlerId>,
+    /// Cleanup handlers run (true) or running (false), by the connection of the process they
+    /// ran for: each runs once per process, whether it left first or the controller stops
+    /// first. One entry per cleanup handler of a process that left or was cleaned up, so
+    /// bounded by those.
+    cleaned: HashMap<(ConnectionId, HandlerId), bool>,
 }
 
 /// The shortest time between two logins for credentials that expire (however short-lived the
@@ -206,6 +211,7 @@ impl Activities {
             failed,
             probe_wanted: Notify::new(),
             probes_ran: watch::channel(0).0,
+            cleanups_ran: watch::channel(0).0,
             login_lock: tokio::sync::Mutex::new(()),
             upgrade: Mutex::new(None),
         });
@@ -789,7 +795,12 @@ impl Activities {
     /// Runs the cleanup handlers of the connected handler processes, within `within` (those
     /// not run already because their process left first).
     pub async fn cleanup(&self, within: Duration) {
-        let cleanups = self.claim_cleanups(self.of_kind(HandlerKind::Cleanup));
+        let owned: Vec<(ConnectionId, Registration)> = self
+            .of_kind(HandlerKind::Cleanup)
+            .into_iter()
+            .filter_map(|reg| Some((self.inner.hub.owner(&reg.id)?, reg)))
+            .collect();
+        let cleanups = self.claim_cleanups(owned);
         if cleanups.is_empty() {
             return;
         }
@@ -798,13 +809,44 @@ impl Activities {
             .await;
     }
 
-    /// Those of `cleanups` not run yet, now marked as run.
-    fn claim_cleanups(&self, cleanups: Vec<Registration>) -> Vec<Registration> {
+    /// Those of `cleanups` not run yet for their process, now marked as running.
+    fn claim_cleanups(
+        &self,
+        cleanups: Vec<(ConnectionId, Registration)>,
+    ) -> Vec<(ConnectionId, Registration)> {
         let mut state = self.inner.state.lock();
         cleanups
             .into_iter()
-            .filter(|reg| state.cleaned.insert(reg.id.clone()))
+            .filter(|(conn, reg)| {
+                let key = (*conn, reg.id.clone());
+                if state.cleaned.contains_key(&key) {
+                    return false;
+                }
+                state.cleaned.insert(key, false);
+                true
+            })
             .collect()
+    }
+
+    /// Waits (until `deadline`) for the cleanup handlers of `conn` that are running to finish
+    /// (the controller's own stop may have claimed them first).
+    async fn cleaned_up(&self, conn: ConnectionId, deadline: Instant) {
+        let mut ran = self.inner.cleanups_ran.subscribe();
+        loop {
+            let running = self
+                .inner
+                .state
+                .lock()
+                .cleaned
+                .iter()
+                .any(|((c, _), done)| *c == conn && !done);
+            if !running {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, ran.changed()).await.is_err() {
+                return;
+            }
+        }
     }
 
     /// Runs the cleanup handlers of processes that leave before the controller (their
@@ -824,11 +866,13 @@ impl Activities {
             let this = self.clone();
             running.spawn(
                 async move {
-                    let cleanups = this.claim_cleanups(cleanups);
-                    let ids: Vec<&str> = cleanups.iter().map(|r| r.id.0.as_str()).collect();
+                    let ids: Vec<String> = cleanups.iter().map(|r| r.id.0.clone()).collect();
+                    let cleanups = this.claim_cleanups(cleanups.into_iter().map(|r| (conn, r)).collect());
                     info!(connection.id = conn, handlers = ?ids, "running the cleanup handlers of a process that is leaving");
                     let reason = format!("cleanup handlers run: {}", ids.join(", "));
                     this.run_cleanups(&cleanups, grace).await;
+                    // Those the controller's own stop claimed first are still its: waited for.
+                    this.cleaned_up(conn, Instant::now() + grace.min(Duration::from_secs(3600))).await;
                     this.inner.hub.farewell(conn, reason, Duration::from_secs(5)).await;
                 }
                 .in_current_span(),
@@ -837,19 +881,43 @@ impl Activities {
         while running.join_next().await.is_some() {}
     }
 
-    /// Runs `cleanups` together, each until it succeeds, fails for good or `within` passed.
-    async fn run_cleanups(&self, cleanups: &[Registration], within: Duration) {
+    /// Runs `cleanups` together, each until it succeeds, fails for good, its process is gone
+    /// or `within` passed; each is marked as run when it ends.
+    async fn run_cleanups(&self, cleanups: &[(ConnectionId, Registration)], within: Duration) {
         const YEAR: Duration = Duration::from_secs(365 * 86_400);
         let deadline = Instant::now() + within.min(YEAR);
-        let runs = cleanups.iter().map(|reg| async move {
+        let runs = cleanups.iter().map(|(conn, reg)| async move {
+            self.run_cleanup(reg, deadline).await;
+            if let Some(done) = self.inner.state.lock().cleaned.get_mut(&(*conn, reg.id.clone())) {
+                *done = true;
+            }
+            self.inner.cleanups_ran.send_modify(|n| *n += 1);
+        });
+        join_all(runs).await;
+    }
+
+    /// Runs one cleanup handler until it succeeds, fails for good, its process is gone or
+    /// `deadline` comes.
+    async fn run_cleanup(&self, reg: &Registration, deadline: Instant) {
+        {
             let started = SystemTime::now();
             let mut record = ProgressRecord::started(started, "cleanup");
             loop {
-                let mut work = Work::new(reg.id.0.clone(), format!("cleanup/{}", reg.id), Payload::Activity(Activity::Cleanup));
+                let mut work = Work::new(
+                    reg.id.0.clone(),
+                    format!("cleanup/{}", reg.id),
+                    Payload::Activity(Activity::Cleanup),
+                );
                 work.attempt = record.retries + 1;
                 work.started = started;
                 work.param.clone_from(&reg.param);
+                // A process that is gone is not waited for: its cleanup cannot run elsewhere.
+                work.report_losses = true;
                 let outcome = match tokio::time::timeout_at(deadline, self.inner.hub.invoke(work)).await {
+                    Ok(Outcome::Lost) => {
+                        warn!(handler.id = %reg.id, "the cleanup handler's process left before it finished");
+                        return;
+                    }
                     Ok(o) => o,
                     Err(_) => {
                         warn!(handler.id = %reg.id, "cleanup handler did not finish within the shutdown grace");
@@ -876,8 +944,7 @@ impl Activities {
                     }
                 }
             }
-        });
-        join_all(runs).await;
+        }
     }
 }
 
@@ -1168,7 +1235,7 @@ mod tests {
             assert!(Instant::now() < deadline);
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        activities.inner.state.lock().probes_run_at = Some(Instant::now() - Duration::from_secs(60));
+        activities.inner.state.lock().probes_run_at = Instant::now().checked_sub(Duration::from_secs(60));
         let fresh = tokio::spawn({
             let health = health.clone();
             async move { health.live_fresh().await }
@@ -1182,12 +1249,53 @@ mod tests {
         }
         assert_eq!(fresh.await.unwrap().probes["p"], 8);
         // A probe that does not answer leaves the cached value, within the bound.
-        activities.inner.state.lock().probes_run_at = Some(Instant::now() - Duration::from_secs(60));
+        activities.inner.state.lock().probes_run_at = Instant::now().checked_sub(Duration::from_secs(60));
         let started = Instant::now();
         assert_eq!(health.live_fresh().await.probes["p"], 8);
         assert!(started.elapsed() < crate::observability::health::FRESH_WAIT + Duration::from_millis(500));
         cancel.cancel();
         running.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_cleanup_handler_runs_once_per_process_and_a_leaver_waits_for_one_claimed_first() {
+        let activities = Activities::new(
+            Hub::new(hub::Settings::default()),
+            Health::default(),
+            None,
+            Settings::default(),
+        );
+        let c = || Registration::new("cleanup_fn", HandlerKind::Cleanup, None);
+        assert_eq!(activities.claim_cleanups(vec![(1, c())]).len(), 1);
+        assert!(
+            activities.claim_cleanups(vec![(1, c())]).is_empty(),
+            "twice for one process"
+        );
+        // The same handler of the process that replaced it (a restarted container) runs again.
+        assert_eq!(activities.claim_cleanups(vec![(2, c())]).len(), 1);
+        // Process 2's cleanup is running (the controller's stop claimed it): a leaver waits.
+        let waiting = tokio::spawn({
+            let activities = activities.clone();
+            async move {
+                activities
+                    .cleaned_up(2, Instant::now() + Duration::from_secs(5))
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished());
+        *activities
+            .inner
+            .state
+            .lock()
+            .cleaned
+            .get_mut(&(2, HandlerId::from("cleanup_fn")))
+            .unwrap() = true;
+        activities.inner.cleanups_ran.send_modify(|n| *n += 1);
+        tokio::time::timeout(Duration::from_secs(1), waiting)
+            .await
+            .unwrap()
+            .unwrap();
     }
 
     #[tokio::test]

@@ -218,6 +218,11 @@ impl Hub {
             .count()
     }
 
+    /// The connection that owns `handler`, if one does.
+    pub fn owner(&self, handler: &HandlerId) -> Option<ConnectionId> {
+        self.inner.state.lock().owners.get(handler).copied()
+    }
+
     /// Which of `ids` are owned by a live connection already.
     pub(crate) fn owned(&self, ids: &[HandlerId]) -> HashSet<HandlerId> {
         let state = self.inner.state.lock();
@@ -989,7 +994,8 @@ impl State {
                 if indexing && held_while_indexing(slot.registration.kind) {
                     break;
                 }
-                if !slot.uncapped && c.in_flight >= c.max_in_flight {
+                // A leaving process's cleanup handlers are not held behind its running work.
+                if !slot.uncapped && c.open && c.in_flight >= c.max_in_flight {
                     break;
                 }
                 if slot.max_in_flight.is_some_and(|cap| slot.in_flight >= cap) {

@@ -76,7 +76,7 @@ pub enum OutcomeEvents {
     Default,
     /// Only logged.
     Never,
-    /// Posted from this level up.
+    /// Posted from this level up (and from the controller's `--event-level`).
     From(Level),
 }
 
@@ -89,8 +89,8 @@ impl OutcomeEvents {
         }
         wants
             .iter()
-            .any(|w| matches!(w, Self::From(from) if level >= *from && level > Level::Debug))
-            .then_some(Policy::Always)
+            .any(|w| matches!(w, Self::From(from) if level >= *from))
+            .then_some(Policy::ByLevel)
     }
 }
 
@@ -115,7 +115,7 @@ mod tests {
         assert_eq!(O::policy(&[O::From(Level::Warning)], Level::Info), None);
         assert_eq!(
             O::policy(&[O::Never, O::From(Level::Info)], Level::Error),
-            Some(Policy::Always)
+            Some(Policy::ByLevel)
         );
         assert_eq!(O::policy(&[O::From(Level::Info)], Level::Debug), None);
     }

@@ -1083,8 +1083,8 @@ type ProcessSettings struct {
 	// ("Handler 'x' failed temporarily: ...", "Creation is processed: 1 succeeded; 0 failed.").
 	// UNSPECIFIED: as the controller's own flags say (--events, --event-level). NEVER: they are
 	// only logged (kopf 1.45's default: `settings.posting.loggers` is false). ALWAYS: posted when
-	// at least `outcome_level`. A cycle's summary is posted when one of its handlers' processes
-	// wants it.
+	// at least `outcome_level` (and the controller's --event-level). A cycle's summary is posted
+	// when one of its handlers' processes wants it.
 	OutcomeEvents EventPosting `protobuf:"varint,1,opt,name=outcome_events,json=outcomeEvents,proto3,enum=capstan.v1.EventPosting" json:"outcome_events,omitempty"`
 	// The lowest level posted with ALWAYS (kopf's `settings.posting.level`); UNSPECIFIED is info.
 	OutcomeLevel  LogLevel `protobuf:"varint,2,opt,name=outcome_level,json=outcomeLevel,proto3,enum=capstan.v1.LogLevel" json:"outcome_level,omitempty"`
