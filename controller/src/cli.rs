@@ -517,6 +517,13 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_WATCH_INACTIVITY_TIMEOUT", value_parser = parse_duration, default_value = "5m")]
     pub watch_inactivity_timeout: Duration,
 
+    /// Objects per page of a watch's listing. The watch itself starts once the first page
+    /// came, so a change made while the rest is listed is not held behind it; smaller pages
+    /// lower the listing's peak memory, larger ones cost the API server fewer requests.
+    #[arg(long, env = "CAPSTAN_WATCH_PAGE_SIZE", default_value_t = 500,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub watch_page_size: u32,
+
     /// Run without peering: no peering entry, never paused by `--dev` operators or
     /// `capstan freeze`.
     #[arg(long, env = "CAPSTAN_STANDALONE", conflicts_with_all = ["peering", "priority", "dev"])]
@@ -795,6 +802,7 @@ impl RunArgs {
         };
         settings.engine.worker_limit = self.worker_limit.max(1);
         settings.engine.watch.inactivity_timeout = self.watch_inactivity_timeout;
+        settings.engine.watch.page_size = self.watch_page_size;
         settings.engine.checkpoint_after = self.checkpoint_after;
         settings.engine.events.enabled = self.events;
         settings.engine.events.level = match self.event_level {

@@ -6,6 +6,8 @@
 //!
 //! An object created while that backlog drains is a change: it goes before the listed objects
 //! still waiting (see the queue's ready lines), so it is handled long before the backlog ends.
+//! So is one created while the initial listing is still read: the watch runs from the
+//! listing's first page on, and the object is handled before the listing's last page.
 
 use std::{collections::HashMap, time::Duration};
 
@@ -21,6 +23,15 @@ use serde_json::json;
 
 /// The object created while the backlog drains.
 const FRESH: &str = "zz-fresh";
+
+/// The object created while the initial listing is read.
+const EARLY: &str = "zz-early";
+
+/// Objects per page of the listing: small, so that reading the backlog takes a while.
+const PAGE_SIZE: &str = "5";
+
+/// What the controller logs when a watch's listing has ended.
+const LISTED: &str = "listed objects=";
 
 /// The worker limit the controller is started with: far below the object count.
 const LIMIT: u64 = 8;
@@ -52,29 +63,7 @@ async fn a_start_with_thousands_of_unhandled_objects_handles_each_once_within_th
     env.apply_example_crd().await?;
     let client = env.client().await?;
     let api = examples(&client, "default");
-    let items: Vec<String> = (0..4)
-        .map(|i| format!("item-{i:02}-{}", "x".repeat(52)))
-        .collect();
-    let created: Vec<Result<DynamicObject, kube::Error>> = stream::iter(0..n)
-        .map(|i| {
-            let api = api.clone();
-            let items = items.clone();
-            async move {
-                let obj: DynamicObject = serde_json::from_value(json!({
-                    "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
-                    "metadata": {"name": format!("pre-{i}"), "namespace": "default"},
-                    "spec": {"field": "initial", "size": 1, "items": items},
-                }))
-                .map_err(kube::Error::SerdeError)?;
-                api.create(&PostParams::default(), &obj).await
-            }
-        })
-        .buffer_unordered(32)
-        .collect()
-        .await;
-    for c in created {
-        c?;
-    }
+    create_unhandled(&api, n).await?;
 
     let kubeconfig = env.kubeconfig.clone();
     let limit = LIMIT.to_string();
@@ -197,6 +186,122 @@ async fn a_start_with_thousands_of_unhandled_objects_handles_each_once_within_th
         hwm * 2 <= rss * 3,
         "the controller peaked at {hwm} KiB while starting, against {rss} KiB with everything handled"
     );
+    Ok(())
+}
+
+/// Creates `n` objects in `default`, each with a spec of about 300 bytes.
+async fn create_unhandled(api: &kube::Api<DynamicObject>, n: usize) -> Result<()> {
+    let items: Vec<String> = (0..4)
+        .map(|i| format!("item-{i:02}-{}", "x".repeat(52)))
+        .collect();
+    let created: Vec<Result<DynamicObject, kube::Error>> = stream::iter(0..n)
+        .map(|i| {
+            let api = api.clone();
+            let items = items.clone();
+            async move {
+                let obj: DynamicObject = serde_json::from_value(json!({
+                    "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+                    "metadata": {"name": format!("pre-{i}"), "namespace": "default"},
+                    "spec": {"field": "initial", "size": 1, "items": items},
+                }))
+                .map_err(kube::Error::SerdeError)?;
+                api.create(&PostParams::default(), &obj).await
+            }
+        })
+        .buffer_unordered(32)
+        .collect()
+        .await;
+    for c in created {
+        c?;
+    }
+    Ok(())
+}
+
+/// The watch runs from the listing's first page on: an object created once it is up, while
+/// the other pages of a listing of thousands are read (small pages make that take a while),
+/// is handled before the listing ends.
+#[tokio::test]
+async fn an_object_created_while_the_initial_listing_is_read_is_handled_before_it_ends() -> Result<()> {
+    let n = faults::size(1000, 10_000);
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let client = env.client().await?;
+    let api = examples(&client, "default");
+    create_unhandled(&api, n).await?;
+    let kubeconfig = env.kubeconfig.clone();
+    let s = Scenario::attach(
+        env,
+        &kubeconfig,
+        "create",
+        &["--watch-page-size", PAGE_SIZE],
+        "default",
+    )
+    .await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        ensure!(
+            !s.controller.process.output().contains(LISTED),
+            "the listing of {n} objects ended before the test saw the watch up: too few objects to tell"
+        );
+        let (_, page) = s.controller.admin_get("/metrics").await?;
+        if page
+            .lines()
+            .any(|l| l.starts_with("capstan_watch_up{") && l.ends_with(" 1"))
+        {
+            break;
+        }
+        ensure!(tokio::time::Instant::now() < deadline, "the watch never came up");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let obj: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "demo.capstan.dev/v1", "kind": "Example",
+        "metadata": {"name": EARLY, "namespace": "default"},
+        "spec": {"field": "initial", "size": 1},
+    }))?;
+    api.create(&PostParams::default(), &obj).await?;
+    let created = tokio::time::Instant::now();
+    let after = loop {
+        // Read in this order, a call seen before the listing's end is seen to have come first.
+        let handled = s.calls().iter().any(|(_, name, _)| name == EARLY);
+        let listed = s.controller.process.output().contains(LISTED);
+        ensure!(
+            !listed,
+            "the object created while the listing of {n} objects was read was handled only after it \
+             ended (or at that very moment)"
+        );
+        if handled {
+            break created.elapsed();
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the object created while the listing was read was not handled"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    println!(
+        "an object created while the listing of {n} objects was read was handled {:.0} ms later, before it ended",
+        after.as_secs_f64() * 1000.0
+    );
+    // Everything else is still handled, each object once.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(if faults::long() { 900 } else { 180 });
+    loop {
+        let mut per_object: HashMap<String, usize> = HashMap::new();
+        for (_, name, _) in s.calls() {
+            *per_object.entry(name).or_default() += 1;
+        }
+        if per_object.len() == n + 1 {
+            let twice: Vec<_> = per_object.iter().filter(|(_, c)| **c != 1).collect();
+            ensure!(twice.is_empty(), "objects not handled exactly once: {twice:?}");
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "{} of {} objects handled in time",
+            per_object.len(),
+            n + 1
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     Ok(())
 }
 

@@ -1,4 +1,5 @@
-//! Watching one resource (in one namespace or cluster-wide): list, then watch with bookmarks,
+//! Watching one resource (in one namespace or cluster-wide): list, and watch with bookmarks
+//! from the listing's first page on while the other pages are read (see [`catching_up`]),
 //! relist on `410 Gone`, and restart any watch that fails or goes silent.
 //!
 //! kopf's most reported failure is a watch that silently hangs or dies and is never restarted.
@@ -54,15 +55,19 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use self::lines::{Line, Read};
+use self::{
+    catching_up::Listing,
+    lines::{Line, Read},
+};
 use super::{
-    listing::{list_page, list_params},
+    listing::{Page, list_params},
     objects::to_body,
     quarantine::{Unparsed, quarantine},
     reachability::{self, Reachability},
 };
 use crate::model::EventType;
 
+mod catching_up;
 mod lines;
 
 /// Tunables of a watch.
@@ -286,36 +291,56 @@ impl Watch {
     /// Runs until `cancel` fires or the receiver goes away.
     pub async fn run(mut self, tx: mpsc::Sender<Event>, cancel: CancellationToken) {
         'relist: loop {
-            let rv = tokio::select! {
+            let mut listing = Listing::new(
+                self.api.clone(),
+                list_params(
+                    self.settings.page_size,
+                    self.label_selector.as_deref(),
+                    self.field_selector.as_deref(),
+                ),
+                self.settings.inactivity_timeout,
+            );
+            let first = tokio::select! {
                 () = cancel.cancelled() => return,
-                listed = self.list(&tx) => match listed {
-                    Ok(Some(rv)) => rv,
-                    Ok(None) => return,
-                    Err(e) if is_bad_request(&e) && self.field_selector.is_some() => {
-                        // Custom resources accept field selectors only on metadata.name,
-                        // metadata.namespace and the CRD's selectableFields; the handlers'
-                        // selectors are checked in the controller as well, so nothing is lost.
-                        warn!(
-                            field_selector = self.field_selector.as_deref().unwrap_or_default(),
-                            error = %e,
-                            "the API server refuses this field selector for the resource (declare the field in \
-                             the CRD's selectableFields to filter on the server); filtering in the controller"
-                        );
-                        self.field_selector = None;
-                        continue 'relist;
-                    }
-                    Err(e) => {
-                        let delay = self.failed("listing failed", &e);
-                        warn!(error = %e, retry_in = ?delay, "listing failed");
-                        if sleep_or_cancel(delay, &cancel).await { return }
-                        continue 'relist;
-                    }
-                },
+                page = listing.next_page() => page,
             };
-            self.established(true);
-            let mut rv = rv;
+            let page = match first {
+                Ok(Some(page)) => page,
+                Ok(None) => continue 'relist,
+                Err(e) if is_bad_request(&e) && self.field_selector.is_some() => {
+                    // Custom resources accept field selectors only on metadata.name,
+                    // metadata.namespace and the CRD's selectableFields; the handlers'
+                    // selectors are checked in the controller as well, so nothing is lost.
+                    warn!(
+                        field_selector = self.field_selector.as_deref().unwrap_or_default(),
+                        error = %e,
+                        "the API server refuses this field selector for the resource (declare the field in \
+                         the CRD's selectableFields to filter on the server); filtering in the controller"
+                    );
+                    self.field_selector = None;
+                    continue 'relist;
+                }
+                Err(e) => {
+                    let delay = self.failed("listing failed", &e);
+                    warn!(error = %e, retry_in = ?delay, "listing failed");
+                    if sleep_or_cancel(delay, &cancel).await {
+                        return;
+                    }
+                    continue 'relist;
+                }
+            };
+            self.status.moved();
+            if !self.report_page(&mut listing, page, &tx).await {
+                return;
+            }
+            // The watch starts from the snapshot's version while the other pages are read.
+            let mut rv = listing.version().to_owned();
+            let mut listing = Some(listing);
+            if !self.catch_up(&mut listing, &tx).await {
+                return;
+            }
             loop {
-                match self.watch(&tx, &mut rv, &cancel).await {
+                match self.watch(&tx, &mut rv, &cancel, &mut listing).await {
                     None => return,
                     Some(Restart::Relist) => continue 'relist,
                     Some(Restart::Rewatch) => {}
@@ -324,62 +349,50 @@ impl Watch {
         }
     }
 
-    /// Lists all objects page by page; returns the list's resourceVersion, or `None` when the
-    /// receiver is gone.
-    async fn list(&mut self, tx: &mpsc::Sender<Event>) -> Result<Option<String>, kube::Error> {
-        let mut params = list_params(
-            self.settings.page_size,
-            self.label_selector.as_deref(),
-            self.field_selector.as_deref(),
-        );
-        let mut seen: HashMap<Box<str>, Known> = HashMap::new();
-        let mut rv = String::new();
-        let started = tokio::time::Instant::now();
-        loop {
-            let page = list_page(&self.api, &params, self.settings.inactivity_timeout).await?;
-            self.status.moved();
-            rv = page.resource_version.clone().unwrap_or(rv);
-            let next = page.continue_token.clone();
-            for obj in page.objects() {
-                let obj = match obj {
-                    Ok(obj) => obj,
-                    Err(unparsed) => {
-                        quarantine(&self.plural, &unparsed);
-                        // Still there: not reported as vanished.
-                        let id = &unparsed.identity;
-                        if !id.uid.is_empty() {
-                            seen.insert(id.uid.as_str().into(), Known::new(&id.namespace, &id.name));
-                        }
-                        continue;
+    /// Reports a page's objects (see [`catching_up`]); false when the receiver is gone.
+    async fn report_page(&mut self, listing: &mut Listing, page: Page, tx: &mpsc::Sender<Event>) -> bool {
+        for obj in page.objects() {
+            let obj = match obj {
+                Ok(obj) => obj,
+                Err(unparsed) => {
+                    quarantine(&self.plural, &unparsed);
+                    // Still there: not reported as vanished.
+                    let id = &unparsed.identity;
+                    if !id.uid.is_empty() {
+                        listing.listed(&id.uid, Known::new(&id.namespace, &id.name));
                     }
-                };
-                if let Some(uid) = obj.metadata.uid.as_deref() {
-                    seen.insert(uid.into(), Known::of(&obj));
+                    continue;
                 }
-                let managed = self.keeps_managed_fields();
-                if tx
-                    .send(Event {
-                        event_type: EventType::Listing,
-                        body: to_body(obj, managed),
-                        listed: Some(started),
-                    })
-                    .await
-                    .is_err()
-                {
-                    return Ok(None);
-                }
+            };
+            if let Some(uid) = obj.metadata.uid.as_deref()
+                && !listing.listed(uid, Known::of(&obj))
+            {
+                debug!(%uid, "a listed body older than the watch's event skipped");
+                continue;
             }
-            match next {
-                Some(token) => params.continue_token = Some(token),
-                None => break,
+            let managed = self.keeps_managed_fields();
+            if tx
+                .send(Event {
+                    event_type: EventType::Listing,
+                    body: to_body(obj, managed),
+                    listed: Some(listing.started()),
+                })
+                .await
+                .is_err()
+            {
+                return false;
             }
         }
-        let vanished: Vec<(Box<str>, Known)> = self
-            .known
-            .drain()
-            .filter(|(uid, _)| !seen.contains_key(uid))
-            .collect();
-        for (uid, known) in vanished {
+        true
+    }
+
+    /// Ends `listing` if its last page came: reports the objects that vanished while the
+    /// watch was down, and marks the watch synced. False when the receiver is gone.
+    async fn catch_up(&mut self, listing: &mut Option<Listing>, tx: &mpsc::Sender<Event>) -> bool {
+        let Some(done) = listing.take_if(|l| l.is_done()) else {
+            return true;
+        };
+        for (uid, known) in done.finish(&mut self.known) {
             let (namespace, name) = known.split();
             debug!(%uid, %name, "object vanished while the watch was down");
             let body = json!({"metadata": {"uid": uid, "name": name, "namespace": namespace}});
@@ -392,12 +405,46 @@ impl Watch {
                 .await
                 .is_err()
             {
-                return Ok(None);
+                return false;
             }
         }
-        self.known = seen;
+        self.established(true);
         info!(objects = self.known.len(), "listed");
-        Ok(Some(rv))
+        true
+    }
+
+    /// Takes a page read while the watch runs: reports its objects, and ends the listing
+    /// after its last page. An error is how the watch ends: `None` when the receiver is gone
+    /// or the watch cancelled; a page that failed starts everything again with a new listing,
+    /// after the backoff.
+    async fn listed_page(
+        &mut self,
+        page: Result<Option<Page>, kube::Error>,
+        listing: &mut Option<Listing>,
+        tx: &mpsc::Sender<Event>,
+        cancel: &CancellationToken,
+    ) -> Result<(), Option<Restart>> {
+        match page {
+            Ok(Some(page)) => {
+                self.status.moved();
+                let Some(l) = listing.as_mut() else {
+                    return Ok(());
+                };
+                if !self.report_page(l, page, tx).await || !self.catch_up(listing, tx).await {
+                    return Err(None);
+                }
+                Ok(())
+            }
+            Ok(None) => Ok(()),
+            Err(e) => {
+                let delay = self.failed("listing failed", &e);
+                warn!(error = %e, retry_in = ?delay, "listing failed");
+                if sleep_or_cancel(delay, cancel).await {
+                    return Err(None);
+                }
+                Err(Some(Restart::Relist))
+            }
+        }
     }
 
     async fn watch(
@@ -405,6 +452,7 @@ impl Watch {
         tx: &mpsc::Sender<Event>,
         rv: &mut String,
         cancel: &CancellationToken,
+        listing: &mut Option<Listing>,
     ) -> Option<Restart> {
         let mut params = WatchParams::default().timeout(self.settings.server_timeout);
         if let Some(l) = &self.label_selector {
@@ -442,11 +490,24 @@ impl Watch {
             }
         };
         self.status.set_up(false);
+        let silence = tokio::time::sleep(self.settings.inactivity_timeout);
+        tokio::pin!(silence);
         loop {
+            let reading = listing.as_ref().is_some_and(|l| !l.is_done());
             let next = tokio::select! {
                 () = cancel.cancelled() => return None,
-                n = tokio::time::timeout(self.settings.inactivity_timeout, stream.next()) => n,
+                n = stream.next() => Ok(n),
+                () = &mut silence => Err(()),
+                page = next_page(listing), if reading => {
+                    if let Err(end) = self.listed_page(page, listing, tx, cancel).await {
+                        return end;
+                    }
+                    continue;
+                }
             };
+            silence
+                .as_mut()
+                .reset(tokio::time::Instant::now() + self.settings.inactivity_timeout);
             let event = match next {
                 Err(_) => {
                     // Whether the server answers decides the restart: a new watch that starts
@@ -482,6 +543,11 @@ impl Watch {
                 Line::Event(event_type, o) => (event_type, *o),
                 Line::Unparsable(event_type, unparsed) => {
                     self.established(false);
+                    if let Some(l) = listing.as_mut()
+                        && !unparsed.identity.uid.is_empty()
+                    {
+                        l.touch(&unparsed.identity.uid, event_type == EventType::Deleted);
+                    }
                     if let Some(body) = self.skip(event_type, &unparsed, rv)
                         && tx
                             .send(Event {
@@ -520,6 +586,9 @@ impl Watch {
                 rv.clone_from(v);
             }
             if let Some(uid) = obj.metadata.uid.as_deref() {
+                if let Some(l) = listing.as_mut() {
+                    l.touch(uid, event_type == EventType::Deleted);
+                }
                 if event_type == EventType::Deleted {
                     self.known.remove(uid);
                 } else if self.known.get(uid).is_none_or(|k| !k.is(&obj)) {
@@ -610,6 +679,14 @@ impl Known {
     /// The namespace and the name.
     fn split(&self) -> (&str, &str) {
         self.0.split_once('/').unwrap_or(("", &self.0))
+    }
+}
+
+/// The next page of `listing`, if one is under way.
+async fn next_page(listing: &mut Option<Listing>) -> Result<Option<Page>, kube::Error> {
+    match listing {
+        Some(l) => l.next_page().await,
+        None => Ok(None),
     }
 }
 

@@ -497,6 +497,23 @@ func (b *bencher) runB1B2(c controller, short string, cr *controllerResult) {
 	if m, err := readMemory(r.main.pid()); err == nil {
 		cr.B2.Restart = &memAt{Objects: total + 1, Memory: m, Seconds: time.Since(r.started).Seconds() - (b.o.steady / 2).Seconds(), ProbeS: d.Seconds()}
 	}
+	// Again, with the new object created 1 s after the start: every controller is listing
+	// then, and an object created before its LIST would be among those listed.
+	r.stop()
+	r, err = c.start(b.work, "create", b.callLog(c, "restart-after"))
+	if err != nil {
+		b.fail("%s: restarting again: %v", c.Name, err)
+		return
+	}
+	time.Sleep(time.Second)
+	d, err = b.probe(c, r, "bench-"+short+"-probe3")
+	if err != nil {
+		b.fail("%s: probe 1 s after another restart: %v", c.Name, err)
+		return
+	}
+	if cr.B2.Restart != nil {
+		cr.B2.Restart.ProbeAfterS = d.Seconds()
+	}
 }
 
 func (b *bencher) runB5(c controller, short string, cr *controllerResult) {
@@ -528,13 +545,22 @@ func (b *bencher) runB5(c controller, short string, cr *controllerResult) {
 			r.stop()
 			return
 		}
+		// A new object while the backlog drains: is it held behind it?
+		var fresh time.Duration
+		if m > 1 {
+			if fresh, err = b.probe(c, r, fmt.Sprintf("b5-%s-m%d-fresh", short, m)); err != nil {
+				b.fail("%s: B5 M=%d: a new object during the backlog: %v", c.Name, m, err)
+				r.stop()
+				return
+			}
+		}
 		if err := b.obs.waitCount(b.ctx, c.Marker, ns, m, b.waitTimeout(m)); err != nil {
 			b.fail("%s: B5 M=%d: %v\n%s", c.Name, m, err, r.tails())
 			r.stop()
 			return
 		}
 		_, last := b.obs.firstAndLast(c.Marker, ns)
-		res := b5Result{M: m, ListFirstMs: listFirst, ListAllMs: listAll, FirstCallMs: first.Sub(r.started).Seconds() * 1000, AllHandledS: last.Sub(r.started).Seconds()}
+		res := b5Result{M: m, ListFirstMs: listFirst, ListAllMs: listAll, FirstCallMs: first.Sub(r.started).Seconds() * 1000, AllHandledS: last.Sub(r.started).Seconds(), FreshMs: fresh.Seconds() * 1000}
 		res.CPUS, res.APIServerCPUS = cpuSeconds(r.main.pid()), cpuSeconds(b.api.pid())-api0
 		if mem, err := readMemory(r.main.pid()); err == nil {
 			res.Memory = &mem

@@ -46,7 +46,11 @@ type memAt struct {
 	// part of a cluster's memory the objects themselves cost.
 	APIServer *memory `json:"apiserver,omitempty"`
 	Seconds   float64 `json:"seconds,omitempty"`
-	ProbeS    float64 `json:"probe_s,omitempty"`
+	// ProbeS: a new object created as the restarted process starts, create → handled.
+	ProbeS float64 `json:"probe_s,omitempty"`
+	// ProbeAfterS: the same with the object created 1 s after another restart, while the
+	// controller lists the objects (one created before its LIST is among those listed).
+	ProbeAfterS float64 `json:"probe_after_s,omitempty"`
 }
 
 type b2Result struct {
@@ -71,6 +75,9 @@ type b5Result struct {
 	CPUS          float64 `json:"controller_cpu_s"`
 	APIServerCPUS float64 `json:"apiserver_cpu_s"`
 	APIServer     *memory `json:"apiserver,omitempty"`
+	// FreshMs: an object created once the first of the M was handled, while the rest
+	// drain, create → handled.
+	FreshMs float64 `json:"fresh_ms,omitempty"`
 }
 
 type b4Result struct {
@@ -299,7 +306,7 @@ func writeReport(dir string, r *results) error {
 	// B2
 	p("## B2 — controller memory (VmRSS of the controller process, not the handler)")
 	p("")
-	p("| controller | idle RSS (MiB) | RSS at objects (MiB) | per object above idle (KiB) | API server RSS at objects (MiB) | restart with all objects: RSS / peak HWM (MiB) | restart → new object handled (s) |")
+	p("| controller | idle RSS (MiB) | RSS at objects (MiB) | per object above idle (KiB) | API server RSS at objects (MiB) | restart with all objects: RSS / peak HWM (MiB) | restart → new object handled (s): created at the start / 1 s after |")
 	p("|---|---|---|---|---|---|---|")
 	for _, c := range r.Controllers {
 		idle := "–"
@@ -317,10 +324,12 @@ func writeReport(dir string, r *results) error {
 		restart, probe := "–", "–"
 		if c.B2.Restart != nil {
 			restart = fmt.Sprintf("%.1f / %.1f @ %d", mib(c.B2.Restart.Memory.RSSKiB), mib(c.B2.Restart.Memory.HWMKiB), c.B2.Restart.Objects)
-			probe = fmt.Sprintf("%.2f", c.B2.Restart.ProbeS)
+			probe = fmt.Sprintf("%.2f / %s", c.B2.Restart.ProbeS, orDash(c.B2.Restart.ProbeAfterS, "%.2f"))
 		}
 		p("| %s | %s | %s | %s | %s | %s | %s |", c.Name, idle, strings.Join(steady, ", "), strings.Join(perObject, ", "), strings.Join(api, ", "), restart, probe)
 	}
+	p("")
+	p("Restart → new object: the controller restarted with all the objects, one new object created (create acknowledged → handled); at the start, it is usually created before the controller's LIST and so is among the objects listed; 1 s after (another restart), the controller is listing and the object is a change.")
 	p("")
 	p("The pod's total at objects (controller + handler process, VmRSS, MiB), next to kopf's single process:")
 	p("")
@@ -411,8 +420,8 @@ func writeReport(dir string, r *results) error {
 	// B5
 	p("## B5 — process start → first handler call, with M pre-existing unhandled objects")
 	p("")
-	p("| controller | M | first handler call (ms) | all M handled (s) | RSS / HWM after (MiB) | steady RSS, restarted with them handled (MiB) | peak vs steady | CPU s: controller / API server | API server RSS (MiB) | raw LIST by a plain client: first page / all (ms) |")
-	p("|---|---|---|---|---|---|---|---|---|---|")
+	p("| controller | M | first handler call (ms) | all M handled (s) | RSS / HWM after (MiB) | steady RSS, restarted with them handled (MiB) | peak vs steady | CPU s: controller / API server | API server RSS (MiB) | raw LIST by a plain client: first page / all (ms) | new object during the backlog: handled (ms) |")
+	p("|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, c := range r.Controllers {
 		for _, x := range c.B5 {
 			mem := "–"
@@ -423,7 +432,7 @@ func writeReport(dir string, r *results) error {
 			if x.Memory != nil && x.Steady != nil && x.Steady.RSSKiB > 0 {
 				vs = fmt.Sprintf("%.2f×", float64(x.Memory.HWMKiB)/float64(x.Steady.RSSKiB))
 			}
-			p("| %s | %d | %.0f | %.2f | %s | %s | %s | %.1f / %.1f | %s | %.0f / %.0f |", c.Name, x.M, x.FirstCallMs, x.AllHandledS, mem, memMiB(x.Steady), vs, x.CPUS, x.APIServerCPUS, memMiB(x.APIServer), x.ListFirstMs, x.ListAllMs)
+			p("| %s | %d | %.0f | %.2f | %s | %s | %s | %.1f / %.1f | %s | %.0f / %.0f | %s |", c.Name, x.M, x.FirstCallMs, x.AllHandledS, mem, memMiB(x.Steady), vs, x.CPUS, x.APIServerCPUS, memMiB(x.APIServer), x.ListFirstMs, x.ListAllMs, orDash(x.FreshMs, "%.0f"))
 		}
 	}
 	p("")
@@ -477,6 +486,13 @@ func writeReport(dir string, r *results) error {
 		if capstan.B2.Restart != nil {
 			peak := mib(capstan.B2.Restart.Memory.HWMKiB)
 			p("| B2 peak during the initial list ≤ 1.5 × steady | %.1f MiB vs %.1f MiB | %s |", peak, mib(last.Memory.RSSKiB), verdict(peak <= 1.5*mib(last.Memory.RSSKiB)))
+			if after := capstan.B2.Restart.ProbeAfterS; after > 0 {
+				limit := 0.5
+				if last.Objects >= 50000 {
+					limit = 1
+				}
+				p("| B2 restart with %d objects → a new object (created 1 s after) handled ≤ %.1f s | %.2f s | %s |", capstan.B2.Restart.Objects-1, limit, after, verdict(after <= limit))
+			}
 		}
 		if kopf != nil && len(kopf.B2.Steady) > 0 {
 			kl := kopf.B2.Steady[len(kopf.B2.Steady)-1]
@@ -514,6 +530,9 @@ func writeReport(dir string, r *results) error {
 			p("| B5 M=%d: start-up peak ≤ 1.5 × steady RSS with the same objects | %.1f MiB vs %.1f MiB (%.2f×) | %s |", x.M, mib(x.Memory.HWMKiB), mib(x.Steady.RSSKiB), float64(x.Memory.HWMKiB)/float64(x.Steady.RSSKiB), verdict(2*x.Memory.HWMKiB <= 3*x.Steady.RSSKiB))
 		}
 		p("| B5 M=%d: first call ≤ raw LIST first page + 100 ms (or ≤ 1.2 × full LIST) | %.0f ms vs %.0f / %.0f ms | %s |", x.M, x.FirstCallMs, x.ListFirstMs, x.ListAllMs, verdict(x.FirstCallMs <= x.ListFirstMs+100 || x.FirstCallMs <= 1.2*x.ListAllMs))
+		if x.FreshMs > 0 {
+			p("| B5 M=%d: a new object created while the backlog drains handled ≤ 1 s | %.0f ms | %s |", x.M, x.FreshMs, verdict(x.FreshMs <= 1000))
+		}
 	}
 	p("")
 	var notes []string
@@ -623,4 +642,12 @@ func b4Target(scenario string) string {
 		return fmt.Sprintf("%d; Events ≤ 1", n)
 	}
 	return ""
+}
+
+// orDash formats v, or a dash when it was not measured (zero).
+func orDash(v float64, format string) string {
+	if v <= 0 {
+		return "–"
+	}
+	return fmt.Sprintf(format, v)
 }
