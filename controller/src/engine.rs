@@ -594,7 +594,7 @@ impl Engine {
                                 Some(e) => {
                                     let ns = e.body.pointer("/metadata/namespace").and_then(serde_json::Value::as_str).unwrap_or_default();
                                     if served.serves(ns) {
-                                        q.observe(e.event_type, e.body, e.listed).await;
+                                        q.observe(e.event_type, e.body, e.listed, e.in_listing).await;
                                     }
                                 }
                                 None => break,

@@ -28,7 +28,7 @@ const FRESH: &str = "zz-fresh";
 const EARLY: &str = "zz-early";
 
 /// Objects per page of the listing: small, so that reading the backlog takes a while.
-const PAGE_SIZE: &str = "5";
+const PAGE_SIZE: &str = "2";
 
 /// What the controller logs when a watch's listing has ended.
 const LISTED: &str = "listed objects=";

@@ -483,7 +483,7 @@ impl FeedTask {
                     Some(e) => {
                         let uid = e.body.pointer("/metadata/uid").and_then(Value::as_str).map(str::to_owned);
                         if let Some(uid) = &uid {
-                            building.received(e.event_type, uid);
+                            building.received(e.event_type == EventType::Listing || e.in_listing, uid);
                         }
                         let ns = e.body.pointer("/metadata/namespace").and_then(Value::as_str).unwrap_or_default();
                         if self.namespaces.serves(ns) {

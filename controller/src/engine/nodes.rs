@@ -85,66 +85,77 @@ pub fn rank(live: &BTreeSet<String>, me: &str) -> usize {
 /// Watches Nodes and cleans up after each deleted one when this operator is a candidate.
 pub async fn run(settings: Settings, objects: Objects, queues: Queues, cancel: CancellationToken) {
     let (tx, mut rx) = mpsc::channel(256);
+    let status = k8s_watch::Status::default();
     let watch = Watch::new(
         objects.api(&nodes_resource(), None),
         None,
         None,
         k8s_watch::Settings::default(),
-        k8s_watch::Status::default(),
+        status.clone(),
     );
     let mut tasks = JoinSet::new();
     tasks.spawn(watch.run(tx, cancel.clone()));
     let live: Arc<Mutex<BTreeSet<String>>> = Arc::default();
+    // Nodes deleted while the Nodes are still listed (the watch runs meanwhile): ranked once
+    // every live node is known.
+    let mut deferred: Vec<String> = Vec::new();
+    let mut synced_check = tokio::time::interval(SYNCED_CHECK);
     loop {
         let event = tokio::select! {
             () = cancel.cancelled() => break,
-            e = rx.recv() => match e { Some(e) => e, None => break },
+            e = rx.recv() => match e { Some(e) => Some(e), None => break },
             Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
+            _ = synced_check.tick(), if !deferred.is_empty() => None,
         };
-        let Some(name) = event
-            .body
-            .pointer("/metadata/name")
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-        else {
-            continue;
-        };
-        if event.event_type != EventType::Deleted {
-            live.lock().insert(name);
-            continue;
-        }
-        live.lock().remove(&name);
-        if name == settings.name {
-            warn!(node = %name, "this operator's own Node was deleted");
-            continue;
-        }
-        let rank = rank(&live.lock(), &settings.name);
-        if rank >= CANDIDATES {
-            debug!(node = %name, rank, "operators on lower node names clean up after the deleted node");
-            continue;
-        }
-        let sweep = Sweep {
-            node: name.clone(),
-            prefix: node::prefix_with(&settings.prefix_template, &name, &settings.base_prefix),
-            stanza: format!("{}-{}", settings.status_field, node::label(&name)),
-            delay: settings.fallback_delay * u32::try_from(rank).unwrap_or(u32::MAX),
-            objects: objects.clone(),
-            queues: queues.clone(),
-            live: live.clone(),
-        };
-        let stop = cancel.clone();
-        tasks.spawn(
-            async move {
-                tokio::select! {
-                    () = stop.cancelled() => {}
-                    () = sweep.run() => {}
-                }
+        if let Some(e) = &event
+            && let Some(name) = e.body.pointer("/metadata/name").and_then(Value::as_str)
+        {
+            if e.event_type != EventType::Deleted {
+                live.lock().insert(name.to_owned());
+                continue;
             }
-            .instrument(info_span!("node-cleanup", node = %name, rank)),
-        );
+            live.lock().remove(name);
+            deferred.push(name.to_owned());
+        }
+        if !status.is_synced() {
+            continue;
+        }
+        for name in std::mem::take(&mut deferred) {
+            if name == settings.name {
+                warn!(node = %name, "this operator's own Node was deleted");
+                continue;
+            }
+            let rank = rank(&live.lock(), &settings.name);
+            if rank >= CANDIDATES {
+                debug!(node = %name, rank, "operators on lower node names clean up after the deleted node");
+                continue;
+            }
+            let sweep = Sweep {
+                node: name.clone(),
+                prefix: node::prefix_with(&settings.prefix_template, &name, &settings.base_prefix),
+                stanza: format!("{}-{}", settings.status_field, node::label(&name)),
+                delay: settings.fallback_delay * u32::try_from(rank).unwrap_or(u32::MAX),
+                objects: objects.clone(),
+                queues: queues.clone(),
+                live: live.clone(),
+            };
+            let stop = cancel.clone();
+            tasks.spawn(
+                async move {
+                    tokio::select! {
+                        () = stop.cancelled() => {}
+                        () = sweep.run() => {}
+                    }
+                }
+                .instrument(info_span!("node-cleanup", node = %name, rank)),
+            );
+        }
     }
     tasks.shutdown().await;
 }
+
+/// How often Node deletions that came during the Nodes' listing are checked for its end.
+const SYNCED_CHECK: Duration = Duration::from_millis(250);
 
 /// Listings of a departed node's objects tried before the sweep falls back to the bodies in
 /// memory, and the pause after the first failure (doubled after each).

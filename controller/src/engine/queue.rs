@@ -193,8 +193,11 @@ struct Next {
 #[derive(Clone, Copy, Debug)]
 enum Source {
     /// A watch event, or an object of the watch's listing (`listed`: when that listing
-    /// started).
-    Watch { listed: Option<tokio::time::Instant> },
+    /// started; `in_listing`: an event standing in for the object's listed body).
+    Watch {
+        listed: Option<tokio::time::Instant>,
+        in_listing: bool,
+    },
     /// A body kept in memory: a retry, timer or daemon that is due (a change), or a resync
     /// (a confirmation).
     Memory(Priority),
@@ -504,22 +507,32 @@ impl Queue {
     /// never a stalled watch when one handler's process is slow or away.
     ///
     /// `listed`: for an object of the watch's listing, when that listing started (a listing
-    /// that started after a write's answer reflects the write).
+    /// that started after a write's answer reflects the write). `in_listing`: a watch event
+    /// standing in for the listed body of an object of the listing under way (see
+    /// [`crate::k8s::watch::Event::in_listing`]).
     pub async fn observe(
         &self,
         event_type: EventType,
         mut body: Value,
         listed: Option<tokio::time::Instant>,
+        in_listing: bool,
     ) {
         self.dispatch_event_handlers(event_type, &body).await;
         // Kept for the event handlers only (kopf's raw events have them); never stored.
         crate::k8s::objects::drop_managed_fields(&mut body);
-        self.queue_body(event_type, body, Source::Watch { listed });
+        self.queue_body(event_type, body, Source::Watch { listed, in_listing });
     }
 
     /// Queues a watch event; starts the object's worker if it is idle.
     pub fn push(&self, event_type: EventType, body: Value) {
-        self.queue_body(event_type, body, Source::Watch { listed: None });
+        self.queue_body(
+            event_type,
+            body,
+            Source::Watch {
+                listed: None,
+                in_listing: false,
+            },
+        );
     }
 
     /// Queues an event (of the watch, or a body kept in memory); starts the object's worker
@@ -542,7 +555,8 @@ impl Queue {
         }
         let slot = slots.entry(uid.as_str().into()).or_insert_with(|| Slot {
             memory: Memory {
-                noticed_by_listing: event_type == EventType::Listing,
+                noticed_by_listing: event_type == EventType::Listing
+                    || matches!(source, Source::Watch { in_listing: true, .. }),
                 fully_handled_once: false,
             },
             ..Slot::default()
@@ -554,7 +568,7 @@ impl Queue {
         let version = version_of(&body);
         let mut news = true;
         match source {
-            Source::Watch { listed } => {
+            Source::Watch { listed, .. } => {
                 if slot.running
                     && let Some(version) = version
                 {

@@ -102,6 +102,10 @@ pub struct Event {
     /// For an object of a listing: when that listing started (it reflects every write
     /// answered before).
     pub listed: Option<tokio::time::Instant>,
+    /// A watch event that is the first sight of an object of the listing under way, which
+    /// its page has not brought yet (see [`catching_up`]): it stands in for the listed
+    /// body, so the object counts as found by the listing (resumed, and awaited by indexes).
+    pub in_listing: bool,
 }
 
 /// The health of one watch, shared with the health endpoint (see the module docs).
@@ -306,7 +310,6 @@ impl Watch {
             };
             let page = match first {
                 Ok(Some(page)) => page,
-                Ok(None) => continue 'relist,
                 Err(e) if is_bad_request(&e) && self.field_selector.is_some() => {
                     // Custom resources accept field selectors only on metadata.name,
                     // metadata.namespace and the CRD's selectableFields; the handlers'
@@ -320,7 +323,11 @@ impl Watch {
                     self.field_selector = None;
                     continue 'relist;
                 }
-                Err(e) => {
+                // (`Ok(None)`, no page at all, cannot come first.)
+                failed => {
+                    let e = failed.err().unwrap_or_else(|| {
+                        kube::Error::Service(Box::new(std::io::Error::other("the listing brought no page")))
+                    });
                     let delay = self.failed("listing failed", &e);
                     warn!(error = %e, retry_in = ?delay, "listing failed");
                     if sleep_or_cancel(delay, &cancel).await {
@@ -330,7 +337,11 @@ impl Watch {
                 }
             };
             self.status.moved();
-            if !self.report_page(&mut listing, page, &tx).await {
+            let reported = tokio::select! {
+                () = cancel.cancelled() => return,
+                reported = self.report_page(&mut listing, page, &tx) => reported,
+            };
+            if !reported {
                 return;
             }
             // The watch starts from the snapshot's version while the other pages are read.
@@ -342,7 +353,12 @@ impl Watch {
             loop {
                 match self.watch(&tx, &mut rv, &cancel, &mut listing).await {
                     None => return,
-                    Some(Restart::Relist) => continue 'relist,
+                    Some(Restart::Relist) => {
+                        if let Some(unfinished) = listing.take() {
+                            unfinished.abandon(&mut self.known);
+                        }
+                        continue 'relist;
+                    }
                     Some(Restart::Rewatch) => {}
                 }
             }
@@ -376,6 +392,7 @@ impl Watch {
                     event_type: EventType::Listing,
                     body: to_body(obj, managed),
                     listed: Some(listing.started()),
+                    in_listing: false,
                 })
                 .await
                 .is_err()
@@ -401,6 +418,7 @@ impl Watch {
                     event_type: EventType::Deleted,
                     body,
                     listed: None,
+                    in_listing: false,
                 })
                 .await
                 .is_err()
@@ -436,6 +454,10 @@ impl Watch {
                 Ok(())
             }
             Ok(None) => Ok(()),
+            Err(e) if is_gone(&e) => {
+                debug!("the listing's continue token expired (410 Gone); listing again");
+                Err(Some(Restart::Relist))
+            }
             Err(e) => {
                 let delay = self.failed("listing failed", &e);
                 warn!(error = %e, retry_in = ?delay, "listing failed");
@@ -469,10 +491,7 @@ impl Watch {
         let Ok(stream) = stream else {
             let delay = self.hung("starting the watch hung", sent);
             warn!(timeout = ?self.settings.inactivity_timeout, retry_in = ?delay, "starting the watch hung; retrying");
-            if sleep_or_cancel(delay, cancel).await {
-                return None;
-            }
-            return Some(Restart::Rewatch);
+            return self.wait_out(delay, listing, tx, cancel).await;
         };
         let mut stream = match stream {
             Ok(s) => s.boxed(),
@@ -483,10 +502,7 @@ impl Watch {
             Err(e) => {
                 let delay = self.failed("watch failed to start", &e);
                 warn!(error = %e, retry_in = ?delay, "starting the watch failed");
-                if sleep_or_cancel(delay, cancel).await {
-                    return None;
-                }
-                return Some(Restart::Rewatch);
+                return self.wait_out(delay, listing, tx, cancel).await;
             }
         };
         self.status.set_up(false);
@@ -495,16 +511,18 @@ impl Watch {
         loop {
             let reading = listing.as_ref().is_some_and(|l| !l.is_done());
             let next = tokio::select! {
+                biased;
                 () = cancel.cancelled() => return None,
                 n = stream.next() => Ok(n),
-                () = &mut silence => Err(()),
                 page = next_page(listing), if reading => {
                     if let Err(end) = self.listed_page(page, listing, tx, cancel).await {
                         return end;
                     }
                     continue;
                 }
+                () = &mut silence => Err(()),
             };
+            // Silence is counted from the last event handled: not the time spent handing events over.
             silence
                 .as_mut()
                 .reset(tokio::time::Instant::now() + self.settings.inactivity_timeout);
@@ -523,43 +541,42 @@ impl Watch {
                     let e = kube::Error::Service(Box::new(e));
                     let delay = self.failed("watch stream failed", &e);
                     warn!(error = %e, retry_in = ?delay, "watch stream failed; restarting it");
-                    if sleep_or_cancel(delay, cancel).await {
-                        return None;
-                    }
-                    return Some(Restart::Rewatch);
+                    return self.wait_out(delay, listing, tx, cancel).await;
                 }
                 Ok(Some(Read::Failed(e))) => {
                     // The connection broke mid-answer: the server or the way to it.
                     let e = kube::Error::Service(Box::new(e));
                     let delay = self.failed("watch stream failed", &e);
                     warn!(error = %e, retry_in = ?delay, "watch stream failed; restarting it");
-                    if sleep_or_cancel(delay, cancel).await {
-                        return None;
-                    }
-                    return Some(Restart::Rewatch);
+                    return self.wait_out(delay, listing, tx, cancel).await;
                 }
             };
             let (event_type, obj) = match event {
                 Line::Event(event_type, o) => (event_type, *o),
                 Line::Unparsable(event_type, unparsed) => {
                     self.established(false);
-                    if let Some(l) = listing.as_mut()
-                        && !unparsed.identity.uid.is_empty()
-                    {
-                        l.touch(&unparsed.identity.uid, event_type == EventType::Deleted);
-                    }
+                    let in_listing = match listing.as_mut() {
+                        Some(l) if !unparsed.identity.uid.is_empty() => {
+                            l.touch(&unparsed.identity.uid, event_type)
+                        }
+                        _ => false,
+                    };
                     if let Some(body) = self.skip(event_type, &unparsed, rv)
                         && tx
                             .send(Event {
                                 event_type,
                                 body,
                                 listed: None,
+                                in_listing,
                             })
                             .await
                             .is_err()
                     {
                         return None;
                     }
+                    silence
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + self.settings.inactivity_timeout);
                     continue;
                 }
                 Line::Bookmark(version) => {
@@ -575,19 +592,17 @@ impl Watch {
                     let e = kube::Error::Api(e);
                     let delay = self.failed("watch error", &e);
                     warn!(error = %e, retry_in = ?delay, "watch error; restarting it");
-                    if sleep_or_cancel(delay, cancel).await {
-                        return None;
-                    }
-                    return Some(Restart::Rewatch);
+                    return self.wait_out(delay, listing, tx, cancel).await;
                 }
             };
             self.established(false);
             if let Some(v) = &obj.metadata.resource_version {
                 rv.clone_from(v);
             }
+            let mut in_listing = false;
             if let Some(uid) = obj.metadata.uid.as_deref() {
                 if let Some(l) = listing.as_mut() {
-                    l.touch(uid, event_type == EventType::Deleted);
+                    in_listing = l.touch(uid, event_type);
                 }
                 if event_type == EventType::Deleted {
                     self.known.remove(uid);
@@ -601,12 +616,42 @@ impl Watch {
                     event_type,
                     body: to_body(obj, managed),
                     listed: None,
+                    in_listing,
                 })
                 .await
                 .is_err()
             {
                 return None;
             }
+            silence
+                .as_mut()
+                .reset(tokio::time::Instant::now() + self.settings.inactivity_timeout);
+        }
+    }
+
+    /// Waits `delay` before the watch is tried again. A listing under way is read to its end
+    /// meanwhile, as a list-then-watch would: a watch that cannot start does not hold it up.
+    /// What the caller returns: `None` to stop, the restart otherwise.
+    async fn wait_out(
+        &mut self,
+        delay: Duration,
+        listing: &mut Option<Listing>,
+        tx: &mpsc::Sender<Event>,
+        cancel: &CancellationToken,
+    ) -> Option<Restart> {
+        let until = tokio::time::Instant::now() + delay;
+        while listing.as_ref().is_some_and(|l| !l.is_done()) {
+            let page = tokio::select! {
+                () = cancel.cancelled() => return None,
+                page = next_page(listing) => page,
+            };
+            if let Err(end) = self.listed_page(page, listing, tx, cancel).await {
+                return end;
+            }
+        }
+        tokio::select! {
+            () = cancel.cancelled() => None,
+            () = tokio::time::sleep_until(until) => Some(Restart::Rewatch),
         }
     }
 }

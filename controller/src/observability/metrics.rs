@@ -203,7 +203,7 @@ impl Collector for Samplers {
         if !up.is_empty() {
             let mut family = encoder.encode_descriptor(
                 "capstan_watch_up",
-                "1 while every watch of the resource is established and moving; 0 while one is down or stuck (restarted with backoff).",
+                "1 while every watch of the resource is established and moving (from its listing's first page on, while the rest is read); 0 while one is down or stuck (restarted with backoff).",
                 None,
                 MetricType::Gauge,
             )?;

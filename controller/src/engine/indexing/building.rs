@@ -19,8 +19,6 @@ use std::{collections::HashSet, time::Duration};
 
 use tokio::time::Instant;
 
-use crate::model::EventType;
-
 /// How long a feed's watches may take to list before the gate opens without the index.
 pub const LISTING_DEADLINE: Duration = Duration::from_secs(120);
 
@@ -58,12 +56,13 @@ impl Building {
         }
     }
 
-    /// An event of object `uid` was received from the watches.
-    pub(super) fn received(&mut self, event_type: EventType, uid: &str) {
+    /// An event of object `uid` was received from the watches; `listing`: one of the initial
+    /// listing (a listed body, or a watch event standing in for one).
+    pub(super) fn received(&mut self, listing: bool, uid: &str) {
         if self.listed() {
             return;
         }
-        if event_type == EventType::Listing && !self.opened {
+        if listing && !self.opened {
             self.pending.insert(uid.into());
         }
         if let Some(left) = self.listing_left.as_mut() {
@@ -135,8 +134,8 @@ mod tests {
     #[test]
     fn built_once_every_listed_object_went_through_whatever_else_happens() {
         let mut b = Building::new(Instant::now() + LISTING_DEADLINE);
-        b.received(EventType::Listing, "a");
-        b.received(EventType::Listing, "b");
+        b.received(true, "a");
+        b.received(true, "b");
         assert_eq!(b.poll(false, None, 0, Instant::now()), None);
         assert!(b.polling() && !b.built());
         b.indexed("a");
@@ -144,11 +143,11 @@ mod tests {
         assert!(!b.built(), "not listed yet");
         // Listed once the watch says so: two events are still queued (one of the listing).
         assert_eq!(b.poll(true, None, 2, Instant::now()), None);
-        b.received(EventType::Listing, "c");
+        b.received(true, "c");
         assert!(!b.listed());
-        b.received(EventType::Modified, "a");
+        b.received(false, "a");
         assert!(b.listed() && !b.built(), "c has not been through");
-        b.received(EventType::Modified, "a");
+        b.received(false, "a");
         b.indexed("a");
         assert!(!b.built());
         b.indexed("c");
@@ -160,7 +159,7 @@ mod tests {
     fn a_listing_that_never_completes_opens_the_gate_at_the_deadline() {
         let start = Instant::now();
         let mut b = Building::new(start + LISTING_DEADLINE);
-        b.received(EventType::Listing, "a");
+        b.received(true, "a");
         assert_eq!(b.poll(false, None, 0, start), None);
         assert_eq!(
             b.poll(false, None, 0, start + LISTING_DEADLINE),

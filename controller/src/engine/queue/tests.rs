@@ -359,7 +359,7 @@ async fn event_handler_dispatch_is_bounded_and_never_stalls_the_watch() {
         tokio::spawn(async move {
             for n in 0..EVENT_DISPATCH_LIMIT + 5 {
                 queue
-                    .observe(EventType::Modified, example(&n.to_string()), None)
+                    .observe(EventType::Modified, example(&n.to_string()), None, false)
                     .await;
             }
         })
@@ -1839,4 +1839,33 @@ async fn an_echo_that_never_comes_is_awaited_for_a_bounded_number_of_events() {
         2,
         "the event after the patience is processed, once"
     );
+}
+
+/// A watch event standing in for the listed body of an object the listing under way has not
+/// reached yet counts as the object's listing: its first cycle is the initial one (resume
+/// handlers), as if the listed body had come first; any other first event does not.
+#[tokio::test(start_paused = true)]
+async fn a_watch_event_standing_in_for_a_listed_body_counts_as_the_listing() {
+    let (_pause, paused) = watch::channel(true);
+    let q = queue_pausable(
+        Arc::new(PanicsOnce::default()),
+        vec![create_fn()],
+        Arc::new(Semaphore::new(4)),
+        objects(),
+        relisting::Settings::default(),
+        paused,
+    );
+    q.observe(EventType::Modified, numbered(1), None, true).await;
+    q.observe(EventType::Modified, numbered(2), None, false).await;
+    q.observe(
+        EventType::Listing,
+        numbered(3),
+        Some(tokio::time::Instant::now()),
+        false,
+    )
+    .await;
+    let noticed = |uid: &str| q.slots.lock().get(uid).map(|s| s.memory.noticed_by_listing);
+    assert_eq!(noticed("u1"), Some(true));
+    assert_eq!(noticed("u2"), Some(false));
+    assert_eq!(noticed("u3"), Some(true));
 }

@@ -14,10 +14,13 @@
 //!   older body never follows a newer one, nor resurrects an object the watch saw deleted.
 //! - Objects that vanished while the watch was down are found when the listing ends: known
 //!   before, neither listed nor reported by the watch meanwhile.
+//!
+//! The pages are read by a task of their own, one page ahead of the one being reported, so
+//! that a page's answer is read as it comes whatever the watch does meanwhile (a page left
+//! half-read while events are handled would run into its timeout).
 
 use std::{
     collections::{HashMap, HashSet},
-    pin::Pin,
     time::Duration,
 };
 
@@ -25,19 +28,22 @@ use kube::{
     Api,
     api::{DynamicObject, ListParams},
 };
+use tokio::sync::mpsc;
+use tokio_util::task::AbortOnDropHandle;
+use tracing::Instrument as _;
 
 use super::Known;
-use crate::k8s::listing::{Page, list_page};
-
-/// A page being read.
-type PageFuture = Pin<Box<dyn Future<Output = Result<Page, kube::Error>> + Send>>;
+use crate::{
+    k8s::listing::{Page, list_page},
+    model::EventType,
+};
 
 /// A listing under way (see the module docs).
 pub(super) struct Listing {
-    api: Api<DynamicObject>,
-    params: ListParams,
-    /// The longest one page may take.
-    timeout: Duration,
+    /// The pages, as the reader reads them.
+    pages: mpsc::Receiver<Result<Page, kube::Error>>,
+    /// The reader: stopped with the listing.
+    _reader: AbortOnDropHandle<()>,
     /// When the listing started: its objects reflect every write answered before.
     started: tokio::time::Instant,
     /// The snapshot's resourceVersion, from the first page.
@@ -48,24 +54,34 @@ pub(super) struct Listing {
     /// (An echo of the controller's own write comes after the page that brought the object:
     /// a start with 100,000 unhandled objects keeps no entry for them here.)
     touched: HashSet<Box<str>>,
-    /// The page being read; kept across the watch's events, so that none of them cancels it.
-    reading: Option<PageFuture>,
     /// Whether the last page came.
     done: bool,
 }
 
 impl Listing {
-    /// A listing of `api` with `params`, not started yet.
-    pub(super) fn new(api: Api<DynamicObject>, params: ListParams, timeout: Duration) -> Self {
+    /// Starts listing `api` with `params`, each page within `timeout`.
+    pub(super) fn new(api: Api<DynamicObject>, mut params: ListParams, timeout: Duration) -> Self {
+        let (tx, pages) = mpsc::channel(1);
+        let reader = async move {
+            loop {
+                let page = list_page(&api, &params, timeout).await;
+                let next = page.as_ref().ok().and_then(|p| p.continue_token.clone());
+                if tx.send(page).await.is_err() {
+                    return;
+                }
+                match next {
+                    Some(token) => params.continue_token = Some(token),
+                    None => return,
+                }
+            }
+        };
         Self {
-            api,
-            params,
-            timeout,
+            pages,
+            _reader: AbortOnDropHandle::new(tokio::spawn(reader.in_current_span())),
             started: tokio::time::Instant::now(),
             version: None,
             seen: HashMap::new(),
             touched: HashSet::new(),
-            reading: None,
             done: false,
         }
     }
@@ -86,26 +102,24 @@ impl Listing {
         self.done
     }
 
-    /// The next page; `None` once the last came. Cancel-safe: a page whose reading was
-    /// interrupted goes on at the next call.
+    /// The next page; `None` once the last came. Cancel-safe (the reader keeps reading).
+    ///
+    /// # Errors
+    /// The page's error (after which the listing has ended and fails again when asked).
     pub(super) async fn next_page(&mut self) -> Result<Option<Page>, kube::Error> {
         if self.done {
             return Ok(None);
         }
-        let reading = self.reading.get_or_insert_with(|| {
-            let (api, params, timeout) = (self.api.clone(), self.params.clone(), self.timeout);
-            Box::pin(async move { list_page(&api, &params, timeout).await })
-        });
-        let page = reading.await;
-        self.reading = None;
+        let Some(page) = self.pages.recv().await else {
+            return Err(kube::Error::Service(Box::new(std::io::Error::other(
+                "the listing's reader stopped",
+            ))));
+        };
         let page = page?;
         if self.version.is_none() {
             self.version = Some(page.resource_version.clone().unwrap_or_default());
         }
-        match &page.continue_token {
-            Some(token) => self.params.continue_token = Some(token.clone()),
-            None => self.done = true,
-        }
+        self.done = page.continue_token.is_none();
         Ok(Some(page))
     }
 
@@ -116,16 +130,33 @@ impl Listing {
         !self.touched.contains(uid)
     }
 
-    /// The watch reported the object `uid` while the listing goes on (`deleted`: as
-    /// deleted).
-    pub(super) fn touch(&mut self, uid: &str, deleted: bool) {
+    /// The watch reported an event of `event_type` of the object `uid` while the listing
+    /// goes on. Whether this is the first sight of an object of the listing's snapshot that
+    /// its page has not brought yet (a modification or deletion of an object the watch had
+    /// not reported as added): the event stands in for the listed body, which is skipped.
+    pub(super) fn touch(&mut self, uid: &str, event_type: EventType) -> bool {
         if self.seen.contains_key(uid) {
             // Listed already: its events come in order; only a deletion changes what exists.
-            if deleted {
+            if event_type == EventType::Deleted {
                 self.seen.remove(uid);
             }
-        } else if !self.touched.contains(uid) {
+            false
+        } else if self.touched.contains(uid) {
+            false
+        } else {
             self.touched.insert(uid.into());
+            event_type != EventType::Added
+        }
+    }
+
+    /// Gives the listing up before its end (it starts again): what it saw so far is known
+    /// (and so reported when a later listing finds it gone), but what the watch saw deleted.
+    pub(super) fn abandon(self, known: &mut HashMap<Box<str>, Known>) {
+        let Self { seen, touched, .. } = self;
+        for (uid, k) in seen {
+            if !touched.contains(&uid) && !known.contains_key(&uid) {
+                known.insert(uid, k);
+            }
         }
     }
 
@@ -192,13 +223,16 @@ mod tests {
     async fn a_listed_body_older_than_a_watch_event_is_not_reported() {
         let mut l = listing();
         assert!(l.listed("u1", Known::new("default", "a")));
-        l.touch("u2", false);
-        l.touch("u2", false);
-        // The watch reported u2 before its page came: its listed body is older.
+        // The watch reported u2 before its page came: the first sight of an object of the
+        // snapshot, and its listed body is older.
+        assert!(l.touch("u2", EventType::Modified));
+        assert!(!l.touch("u2", EventType::Modified));
         assert!(!l.listed("u2", Known::new("default", "b")));
         // An object listed before the watch reported it was reported in order: no entry.
-        l.touch("u1", false);
+        assert!(!l.touch("u1", EventType::Modified));
         assert_eq!(l.touched.len(), 1);
+        // One added after the snapshot is no object of it.
+        assert!(!l.touch("u4", EventType::Added));
         assert!(l.listed("u3", Known::new("default", "c")));
     }
 
@@ -212,14 +246,14 @@ mod tests {
         assert!(l.listed("ub", Known::new("default", "b")));
         // The watch: b deleted, c modified before its page came (known as the watch last
         // told), d created after the snapshot, e created and deleted during the listing.
-        l.touch("ub", true);
+        l.touch("ub", EventType::Deleted);
         k.remove("ub");
-        l.touch("uc", false);
+        l.touch("uc", EventType::Modified);
         k.insert("uc".into(), Known::new("default", "c2"));
-        l.touch("ud", false);
+        l.touch("ud", EventType::Added);
         k.insert("ud".into(), Known::new("default", "d"));
-        l.touch("ue", false);
-        l.touch("ue", true);
+        l.touch("ue", EventType::Added);
+        l.touch("ue", EventType::Deleted);
         // c's page comes after the watch's event: skipped, but listed.
         assert!(!l.listed("uc", Known::new("default", "c")));
         let vanished = l.finish(&mut k);
@@ -229,7 +263,20 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_listing_without_a_server_fails_and_can_be_asked_again() {
+    async fn a_listing_given_up_keeps_what_it_saw_but_what_the_watch_saw_deleted() {
+        let mut l = listing();
+        let mut k = known(&[("uold", "old")]);
+        assert!(l.listed("ua", Known::new("default", "a")));
+        l.touch("ub", EventType::Modified);
+        k.remove("ub");
+        l.touch("ub", EventType::Deleted);
+        assert!(!l.listed("ub", Known::new("default", "b")));
+        l.abandon(&mut k);
+        assert_eq!(names(&k), ["a", "old"]);
+    }
+
+    #[tokio::test]
+    async fn a_listing_without_a_server_fails_and_fails_again_when_asked() {
         let mut l = listing();
         assert!(l.next_page().await.is_err());
         assert!(!l.is_done() && l.version().is_empty());

@@ -361,12 +361,17 @@ func (b *bencher) runController(c controller) {
 
 // probe creates one object in a fresh namespace and waits for its marker: the controller is up.
 func (b *bencher) probe(c controller, r *running, ns string) (time.Duration, error) {
+	return b.probeWithin(c, r, ns, 120*time.Second)
+}
+
+// probeWithin is probe, waiting up to timeout for the marker.
+func (b *bencher) probeWithin(c controller, r *running, ns string, timeout time.Duration) (time.Duration, error) {
 	ns = b.namespace(ns)
 	t0 := time.Now()
 	if _, _, err := createMany(b.ctx, b.dyn, ns, "probe", 1, 1, func(int) map[string]any { return spec1KiB() }); err != nil {
 		return 0, err
 	}
-	if err := b.obs.waitCount(b.ctx, c.Marker, ns, 1, 120*time.Second); err != nil {
+	if err := b.obs.waitCount(b.ctx, c.Marker, ns, 1, timeout); err != nil {
 		return 0, fmt.Errorf("%w\n%s", err, r.tails())
 	}
 	return time.Since(t0), nil
@@ -505,7 +510,11 @@ func (b *bencher) runB1B2(c controller, short string, cr *controllerResult) {
 		b.fail("%s: restarting again: %v", c.Name, err)
 		return
 	}
-	time.Sleep(time.Second)
+	select {
+	case <-b.ctx.Done():
+		return
+	case <-time.After(time.Second):
+	}
 	d, err = b.probe(c, r, "bench-"+short+"-probe3")
 	if err != nil {
 		b.fail("%s: probe 1 s after another restart: %v", c.Name, err)
@@ -545,10 +554,11 @@ func (b *bencher) runB5(c controller, short string, cr *controllerResult) {
 			r.stop()
 			return
 		}
-		// A new object while the backlog drains: is it held behind it?
+		// A new object while the backlog drains: is it held behind it? (A controller that
+		// lists everything before it watches handles it only near the end.)
 		var fresh time.Duration
 		if m > 1 {
-			if fresh, err = b.probe(c, r, fmt.Sprintf("b5-%s-m%d-fresh", short, m)); err != nil {
+			if fresh, err = b.probeWithin(c, r, fmt.Sprintf("b5-%s-m%d-fresh", short, m), b.waitTimeout(m)); err != nil {
 				b.fail("%s: B5 M=%d: a new object during the backlog: %v", c.Name, m, err)
 				r.stop()
 				return

@@ -491,7 +491,7 @@ func writeReport(dir string, r *results) error {
 				if last.Objects >= 50000 {
 					limit = 1
 				}
-				p("| B2 restart with %d objects → a new object (created 1 s after) handled ≤ %.1f s | %.2f s | %s |", capstan.B2.Restart.Objects-1, limit, after, verdict(after <= limit))
+				p("| B2 restart with %d objects → a new object (created 1 s after) handled ≤ %.1f s | %.2f s | %s |", capstan.B2.Restart.Objects, limit, after, verdict(after <= limit))
 			}
 		}
 		if kopf != nil && len(kopf.B2.Steady) > 0 {
