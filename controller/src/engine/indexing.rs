@@ -511,7 +511,7 @@ impl FeedTask {
                 }
                 _ = poll.tick(), if building.polling() => {
                     let listed = statuses.iter().all(k8s_watch::Status::is_synced);
-                    let refused = statuses.iter().filter(|s| !s.is_synced()).find_map(k8s_watch::Status::problem);
+                    let refused = statuses.iter().find_map(k8s_watch::Status::listing_refused);
                     match building.poll(listed, refused, rx.len(), tokio::time::Instant::now()) {
                         Some(building::Unlisted::Refused(problem)) => {
                             warn!(%problem, "the API server refuses to list the indexed resource; the handler process's \

@@ -97,9 +97,12 @@ pub async fn run(settings: Settings, objects: Objects, queues: Queues, cancel: C
     tasks.spawn(watch.run(tx, cancel.clone()));
     let live: Arc<Mutex<BTreeSet<String>>> = Arc::default();
     // Nodes deleted while the Nodes are still listed (the watch runs meanwhile): ranked once
-    // every live node is known.
+    // every live node is known — the listing has ended, and the events it left queued then
+    // (`left`) are taken.
     let mut deferred: Vec<String> = Vec::new();
+    let mut left: Option<usize> = None;
     let mut synced_check = tokio::time::interval(SYNCED_CHECK);
+    synced_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let event = tokio::select! {
             () = cancel.cancelled() => break,
@@ -107,17 +110,27 @@ pub async fn run(settings: Settings, objects: Objects, queues: Queues, cancel: C
             Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
             _ = synced_check.tick(), if !deferred.is_empty() => None,
         };
+        if event.is_some()
+            && let Some(n) = left.as_mut()
+        {
+            *n = n.saturating_sub(1);
+        }
         if let Some(e) = &event
             && let Some(name) = e.body.pointer("/metadata/name").and_then(Value::as_str)
         {
-            if e.event_type != EventType::Deleted {
+            if e.event_type == EventType::Deleted {
+                live.lock().remove(name);
+                if !deferred.iter().any(|d| d == name) {
+                    deferred.push(name.to_owned());
+                }
+            } else {
                 live.lock().insert(name.to_owned());
-                continue;
             }
-            live.lock().remove(name);
-            deferred.push(name.to_owned());
         }
-        if !status.is_synced() {
+        if left.is_none() && status.is_synced() {
+            left = Some(rx.len());
+        }
+        if left != Some(0) {
             continue;
         }
         for name in std::mem::take(&mut deferred) {

@@ -119,6 +119,8 @@ struct StatusInner {
     up: bool,
     synced: bool,
     problem: Option<String>,
+    /// Why the API server refuses the listing, while it does (see [`Status::listing_refused`]).
+    listing_refused: Option<String>,
     outage: Option<String>,
     /// When the watch loop last moved (an event, a bookmark, a retry).
     progress: Option<tokio::time::Instant>,
@@ -155,6 +157,22 @@ impl Status {
         self.inner.lock().outage.clone()
     }
 
+    /// Why the API server refuses to list the resource, while the initial listing has not
+    /// completed: a problem of the listing itself (the watch runs during the listing, and a
+    /// watch refused while the list is allowed still completes the listing).
+    pub fn listing_refused(&self) -> Option<String> {
+        let s = self.inner.lock();
+        if s.synced { None } else { s.listing_refused.clone() }
+    }
+
+    /// The listing completed; the watch's own state is left as it is.
+    fn set_synced(&self) {
+        let mut s = self.inner.lock();
+        s.synced = true;
+        s.listing_refused = None;
+        s.progress = Some(tokio::time::Instant::now());
+    }
+
     fn moved(&self) {
         self.inner.lock().progress = Some(tokio::time::Instant::now());
     }
@@ -163,6 +181,9 @@ impl Status {
         let mut s = self.inner.lock();
         s.up = true;
         s.synced |= synced;
+        if synced {
+            s.listing_refused = None;
+        }
         s.problem = None;
         s.outage = None;
         s.progress = Some(tokio::time::Instant::now());
@@ -260,6 +281,15 @@ impl Watch {
         })
     }
 
+    /// Marks the watch down because its listing failed with `e` (see
+    /// [`Status::listing_refused`]); returns how long to wait before the next try.
+    fn listing_failed(&mut self, e: &kube::Error) -> Duration {
+        if !reachability::is_unanswered(e) {
+            self.status.inner.lock().listing_refused = Some(format!("listing failed: {e}"));
+        }
+        self.failed("listing failed", e)
+    }
+
     /// Marks the watch down for `e` and returns how long to wait before the next try.
     fn failed(&mut self, what: &str, e: &kube::Error) -> Duration {
         let unanswered = reachability::is_unanswered(e);
@@ -325,10 +355,10 @@ impl Watch {
                 }
                 // (`Ok(None)`, no page at all, cannot come first.)
                 failed => {
-                    let e = failed.err().unwrap_or_else(|| {
-                        kube::Error::Service(Box::new(std::io::Error::other("the listing brought no page")))
-                    });
-                    let delay = self.failed("listing failed", &e);
+                    let e = failed
+                        .err()
+                        .unwrap_or_else(|| internal("the listing brought no page"));
+                    let delay = self.listing_failed(&e);
                     warn!(error = %e, retry_in = ?delay, "listing failed");
                     if sleep_or_cancel(delay, &cancel).await {
                         return;
@@ -344,10 +374,23 @@ impl Watch {
             if !reported {
                 return;
             }
-            // The watch starts from the snapshot's version while the other pages are read.
+            // The watch starts from the snapshot's version while the other pages are read
+            // (without a version, a watch would bring every object again: then after them).
             let mut rv = listing.version().to_owned();
             let mut listing = Some(listing);
-            if !self.catch_up(&mut listing, &tx).await {
+            if rv.is_empty() {
+                match self.read_rest(&mut listing, &tx, &cancel).await {
+                    Ok(()) => {}
+                    Err(None) => return,
+                    Err(Some(_)) => {
+                        if let Some(unfinished) = listing.take() {
+                            unfinished.abandon(&mut self.known);
+                        }
+                        continue 'relist;
+                    }
+                }
+            }
+            if !self.catch_up(&mut listing, &tx, true).await {
                 return;
             }
             loop {
@@ -404,8 +447,15 @@ impl Watch {
     }
 
     /// Ends `listing` if its last page came: reports the objects that vanished while the
-    /// watch was down, and marks the watch synced. False when the receiver is gone.
-    async fn catch_up(&mut self, listing: &mut Option<Listing>, tx: &mpsc::Sender<Event>) -> bool {
+    /// watch was down, and marks the watch synced (and up, when `watching`: the watch is
+    /// established or about to start, not waiting out a failure). False when the receiver is
+    /// gone.
+    async fn catch_up(
+        &mut self,
+        listing: &mut Option<Listing>,
+        tx: &mpsc::Sender<Event>,
+        watching: bool,
+    ) -> bool {
         let Some(done) = listing.take_if(|l| l.is_done()) else {
             return true;
         };
@@ -426,7 +476,11 @@ impl Watch {
                 return false;
             }
         }
-        self.established(true);
+        if watching {
+            self.established(true);
+        } else {
+            self.status.set_synced();
+        }
         info!(objects = self.known.len(), "listed");
         true
     }
@@ -441,6 +495,7 @@ impl Watch {
         listing: &mut Option<Listing>,
         tx: &mpsc::Sender<Event>,
         cancel: &CancellationToken,
+        watching: bool,
     ) -> Result<(), Option<Restart>> {
         match page {
             Ok(Some(page)) => {
@@ -448,7 +503,7 @@ impl Watch {
                 let Some(l) = listing.as_mut() else {
                     return Ok(());
                 };
-                if !self.report_page(l, page, tx).await || !self.catch_up(listing, tx).await {
+                if !self.report_page(l, page, tx).await || !self.catch_up(listing, tx, watching).await {
                     return Err(None);
                 }
                 Ok(())
@@ -459,7 +514,7 @@ impl Watch {
                 Err(Some(Restart::Relist))
             }
             Err(e) => {
-                let delay = self.failed("listing failed", &e);
+                let delay = self.listing_failed(&e);
                 warn!(error = %e, retry_in = ?delay, "listing failed");
                 if sleep_or_cancel(delay, cancel).await {
                     return Err(None);
@@ -510,16 +565,19 @@ impl Watch {
         tokio::pin!(silence);
         loop {
             let reading = listing.as_ref().is_some_and(|l| !l.is_done());
+            // Pages first: they come no faster than the reader fetches them, so they cannot
+            // starve the watch, while a watch whose events are always ready (its consumer
+            // slower than the events come) would starve the listing.
             let next = tokio::select! {
                 biased;
                 () = cancel.cancelled() => return None,
-                n = stream.next() => Ok(n),
                 page = next_page(listing), if reading => {
-                    if let Err(end) = self.listed_page(page, listing, tx, cancel).await {
+                    if let Err(end) = self.listed_page(page, listing, tx, cancel, true).await {
                         return end;
                     }
                     continue;
                 }
+                n = stream.next() => Ok(n),
                 () = &mut silence => Err(()),
             };
             // Silence is counted from the last event handled: not the time spent handing events over.
@@ -640,19 +698,50 @@ impl Watch {
         cancel: &CancellationToken,
     ) -> Option<Restart> {
         let until = tokio::time::Instant::now() + delay;
-        while listing.as_ref().is_some_and(|l| !l.is_done()) {
+        let restart = loop {
+            if listing.as_ref().is_none_or(|l| l.is_done()) {
+                break Restart::Rewatch;
+            }
             let page = tokio::select! {
                 () = cancel.cancelled() => return None,
                 page = next_page(listing) => page,
             };
-            if let Err(end) = self.listed_page(page, listing, tx, cancel).await {
-                return end;
+            match page {
+                // Listed again after the watch's own wait (the watch's failure is what the
+                // status tells, and its backoff what is waited).
+                Err(e) => {
+                    warn!(error = %e, "listing failed while the watch waits to start again; listing again after");
+                    break Restart::Relist;
+                }
+                page => {
+                    if let Err(end) = self.listed_page(page, listing, tx, cancel, false).await {
+                        return end;
+                    }
+                }
             }
-        }
+        };
         tokio::select! {
             () = cancel.cancelled() => None,
-            () = tokio::time::sleep_until(until) => Some(Restart::Rewatch),
+            () = tokio::time::sleep_until(until) => Some(restart),
         }
+    }
+
+    /// Reads the listing to its end before any watch starts (a first page without a
+    /// resourceVersion). An error is how it ends: `None` to stop, a restart otherwise.
+    async fn read_rest(
+        &mut self,
+        listing: &mut Option<Listing>,
+        tx: &mpsc::Sender<Event>,
+        cancel: &CancellationToken,
+    ) -> Result<(), Option<Restart>> {
+        while listing.as_ref().is_some_and(|l| !l.is_done()) {
+            let page = tokio::select! {
+                () = cancel.cancelled() => return Err(None),
+                page = next_page(listing) => page,
+            };
+            self.listed_page(page, listing, tx, cancel, false).await?;
+        }
+        Ok(())
     }
 }
 
@@ -725,6 +814,11 @@ impl Known {
     fn split(&self) -> (&str, &str) {
         self.0.split_once('/').unwrap_or(("", &self.0))
     }
+}
+
+/// An error of the controller's own making (not the API server's, nor its unreachability).
+fn internal(why: &str) -> kube::Error {
+    kube::Error::SerdeError(<serde_json::Error as serde::de::Error>::custom(why))
 }
 
 /// The next page of `listing`, if one is under way.
@@ -839,6 +933,28 @@ mod tests {
         assert!(retry_delay(&mut backoff, &status(429, 0)) < Duration::from_secs(10));
         assert_eq!(retry_delay(&mut backoff, &status(429, 100_000)), MAX_RETRY_AFTER);
         assert!(retry_delay(&mut backoff, &status(500, 45)) < Duration::from_secs(45));
+    }
+
+    #[test]
+    fn a_refused_listing_is_told_until_the_listing_completes_whatever_the_watch_does() {
+        let status = Status::default();
+        status.inner.lock().listing_refused = Some("listing failed: 403".into());
+        // The watch runs meanwhile; its state does not clear the listing's.
+        status.set_up(false);
+        assert_eq!(status.listing_refused().as_deref(), Some("listing failed: 403"));
+        status.set_synced();
+        assert!(status.is_synced() && status.listing_refused().is_none());
+        // Completing the listing while the watch waits out a failure leaves the watch down.
+        status.set_down("watch failed to start: 403".into(), false);
+        status.set_synced();
+        assert!(!status.is_up() && status.problem().is_some());
+    }
+
+    #[test]
+    fn the_controllers_own_errors_are_no_outage_of_the_api_server() {
+        assert!(!reachability::is_unanswered(&internal(
+            "the listing's reader stopped"
+        )));
     }
 
     #[tokio::test]

@@ -111,9 +111,7 @@ impl Listing {
             return Ok(None);
         }
         let Some(page) = self.pages.recv().await else {
-            return Err(kube::Error::Service(Box::new(std::io::Error::other(
-                "the listing's reader stopped",
-            ))));
+            return Err(super::internal("the listing's reader stopped"));
         };
         let page = page?;
         if self.version.is_none() {
