@@ -1119,6 +1119,19 @@ mod tests {
     }
 
     #[test]
+    fn the_watch_page_size_is_bounded() {
+        assert_eq!(run(&[]).engine.watch.page_size, 500);
+        assert_eq!(run(&["--watch-page-size", "1"]).engine.watch.page_size, 1);
+        assert_eq!(
+            run(&["--watch-page-size", "10000"]).engine.watch.page_size,
+            10_000
+        );
+        for refused in ["0", "10001", "-1", "4294967296"] {
+            assert!(Cli::try_parse_from(["capstan", "run", "--watch-page-size", refused]).is_err());
+        }
+    }
+
+    #[test]
     fn the_diff_base_keeps_watched_fields_unless_full_or_kopf() {
         assert_eq!(run(&[]).engine.storage.diffbase_extent, Extent::Fields);
         let full = run(&["--diff-base", "full"]).engine.storage;

@@ -59,11 +59,7 @@ fn family_sum(page: &str, name: &str) -> f64 {
 async fn a_start_with_thousands_of_unhandled_objects_handles_each_once_within_the_worker_limit() -> Result<()>
 {
     let n = faults::size(2000, 10_000);
-    let env = TestEnv::start().await?;
-    env.apply_example_crd().await?;
-    let client = env.client().await?;
-    let api = examples(&client, "default");
-    create_unhandled(&api, n).await?;
+    let (env, api) = with_unhandled(n).await?;
 
     let kubeconfig = env.kubeconfig.clone();
     let limit = LIMIT.to_string();
@@ -189,6 +185,17 @@ async fn a_start_with_thousands_of_unhandled_objects_handles_each_once_within_th
     Ok(())
 }
 
+/// A real API server with the example resource and `n` unhandled objects of it in `default`,
+/// and the API of those objects.
+async fn with_unhandled(n: usize) -> Result<(TestEnv, kube::Api<DynamicObject>)> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let client = env.client().await?;
+    let api = examples(&client, "default");
+    create_unhandled(&api, n).await?;
+    Ok((env, api))
+}
+
 /// Creates `n` objects in `default`, each with a spec of about 300 bytes.
 async fn create_unhandled(api: &kube::Api<DynamicObject>, n: usize) -> Result<()> {
     let items: Vec<String> = (0..4)
@@ -223,11 +230,7 @@ async fn create_unhandled(api: &kube::Api<DynamicObject>, n: usize) -> Result<()
 #[tokio::test]
 async fn an_object_created_while_the_initial_listing_is_read_is_handled_before_it_ends() -> Result<()> {
     let n = faults::size(1000, 10_000);
-    let env = TestEnv::start().await?;
-    env.apply_example_crd().await?;
-    let client = env.client().await?;
-    let api = examples(&client, "default");
-    create_unhandled(&api, n).await?;
+    let (env, api) = with_unhandled(n).await?;
     let kubeconfig = env.kubeconfig.clone();
     let s = Scenario::attach(
         env,
