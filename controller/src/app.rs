@@ -140,6 +140,8 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
         gate_stop.clone(),
     ));
     engines.start().await;
+    let following = CancellationToken::new();
+    let follow_task = tokio::spawn(engines.clone().follow_operator_settings(following.clone()));
     serve(&mut tasks, server, &background.activities, &serving);
 
     let failed = tokio::select! {
@@ -148,6 +150,8 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
     };
     gate_stop.cancel();
     let _ = gate_task.await;
+    following.cancel();
+    let _ = follow_task.await;
     if failed.is_none() {
         drain(&core.hub, settings.shutdown_grace).await;
     }
@@ -274,6 +278,8 @@ impl Core {
                 .crds
                 .as_ref()
                 .map(|(rx, _)| (self.discovery.clone(), rx.clone())),
+            operator: settings.operator.clone(),
+            configured_with: parking_lot::Mutex::default(),
             current: tokio::sync::Mutex::new(None),
             index_memory: engine::indexing::Carried::default(),
             finished_daemons: engine::daemons::Finished::default(),
@@ -525,6 +531,11 @@ struct Engines {
         Arc<k8s::discovery::Discovery>,
         tokio::sync::watch::Receiver<k8s::crds::Snapshot>,
     )>,
+    /// The flags, to apply the operator-wide settings of handler processes; `None`: they are
+    /// not followed.
+    operator: Option<crate::config::OperatorFlags>,
+    /// The processes' operator-wide settings the running engine was configured with.
+    configured_with: parking_lot::Mutex<crate::model::operator_settings::OperatorSettings>,
     current: tokio::sync::Mutex<Option<(CancellationToken, JoinHandle<()>)>>,
     /// Index feeds' state handed from each engine to the next.
     index_memory: engine::indexing::Carried,
@@ -556,20 +567,80 @@ impl Engines {
     async fn start(&self) {
         let mut current = self.current.lock().await;
         if current.is_none() {
-            let stop = CancellationToken::new();
-            let mut engine = Engine::new(
-                self.hub.clone(),
-                self.objects.clone(),
-                self.settings.clone(),
-                self.health.clone(),
-            )
-            .with_activities(self.activities.clone())
-            .with_index_memory(self.index_memory.clone())
-            .with_finished_daemons(self.finished_daemons.clone());
-            if let Some((discovery, crds)) = &self.discovery {
-                engine = engine.with_discovery(discovery.clone(), crds.clone());
+            *current = Some(self.spawn());
+        }
+    }
+
+    /// A new engine, configured with the operator-wide settings in effect now.
+    fn spawn(&self) -> (CancellationToken, JoinHandle<()>) {
+        let stop = CancellationToken::new();
+        let mut engine = Engine::new(
+            self.hub.clone(),
+            self.objects.clone(),
+            self.configured(),
+            self.health.clone(),
+        )
+        .with_activities(self.activities.clone())
+        .with_index_memory(self.index_memory.clone())
+        .with_finished_daemons(self.finished_daemons.clone());
+        if let Some((discovery, crds)) = &self.discovery {
+            engine = engine.with_discovery(discovery.clone(), crds.clone());
+        }
+        (stop.clone(), tokio::spawn(engine.run(stop)))
+    }
+
+    /// The engine's settings: the flags', with the handler processes' operator-wide settings
+    /// applied where their flags were not given.
+    fn configured(&self) -> engine::Settings {
+        let Some(flags) = &self.operator else {
+            return self.settings.clone();
+        };
+        let wanted = self.hub.operator_settings().borrow().clone();
+        let mut settings = match flags.engine(&wanted) {
+            Ok(configured) => self.settings.reconfigured(&configured),
+            Err(why) => {
+                warn!(%why, "the handler processes' operator settings cannot be applied; the flags' are used");
+                self.settings.clone()
             }
-            *current = Some((stop.clone(), tokio::spawn(engine.run(stop))));
+        };
+        if wanted != crate::model::operator_settings::OperatorSettings::default() {
+            info!(settings = ?wanted, "the handler processes' operator settings are applied");
+        }
+        self.configured_with.lock().clone_from(&wanted);
+        settings.operator = Some(wanted);
+        settings
+    }
+
+    /// Follows the operator-wide settings handler processes send: a change replaces the
+    /// running engine with one configured with them (before the first watch when a startup
+    /// handler sent them: the engine waits for startup handlers). Ends with `stop`.
+    async fn follow_operator_settings(self: Arc<Self>, stop: CancellationToken) {
+        if self.operator.is_none() {
+            return;
+        }
+        let mut changes = self.hub.operator_settings();
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                changed = changes.changed() => if changed.is_err() { return },
+            }
+            changes.borrow_and_update();
+            let mut current = self.current.lock().await;
+            // An engine started meanwhile may have been configured with these already.
+            if *self.configured_with.lock() == *changes.borrow() {
+                continue;
+            }
+            let Some((running, task)) = current.take() else {
+                continue;
+            };
+            info!("the handler processes' operator settings changed; the engine restarts with them");
+            running.cancel();
+            let _ = task.await;
+            if stop.is_cancelled() {
+                return;
+            }
+            tokio::time::sleep(WITHDRAW_SETTLE).await;
+            *current = Some(self.spawn());
         }
     }
 

@@ -13,7 +13,12 @@ use crate::{
     engine::processing::Storage,
     grpc::Listen,
     k8s::peering::Target,
-    model::Level,
+    model::{
+        Level,
+        operator_settings::{
+            DiffBaseKind as OperatorDiffBase, Field, OperatorSettings, ProgressKind as OperatorProgress,
+        },
+    },
     observability::logging,
     peering,
     persistence::{DiffBaseStorage, Keys, ProgressStorage, diffbase::Extent},
@@ -218,7 +223,7 @@ pub struct CheckArgs {
 }
 
 /// Flags of `capstan run`.
-#[derive(Debug, Args)]
+#[derive(Clone, Debug, Args)]
 pub struct RunArgs {
     /// Where handler processes connect: unix:///path/to.sock or a loopback 127.0.0.1:PORT
     /// (other TCP addresses need --listen-insecure-non-loopback).
@@ -517,6 +522,11 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_WATCH_INACTIVITY_TIMEOUT", value_parser = parse_duration, default_value = "5m")]
     pub watch_inactivity_timeout: Duration,
 
+    /// How long the API server keeps each watch request open before it ends it (the watch
+    /// then continues from where it was, without listing again); whole seconds.
+    #[arg(long, env = "CAPSTAN_WATCH_SERVER_TIMEOUT", value_parser = parse_duration, default_value = "290s")]
+    pub watch_server_timeout: Duration,
+
     /// Objects per page of a watch's listing. The watch itself starts once the first page
     /// came, so a change made while the rest is listed is not held behind it; smaller pages
     /// lower the listing's peak memory, larger ones cost the API server fewer requests.
@@ -803,6 +813,8 @@ impl RunArgs {
         settings.engine.worker_limit = self.worker_limit.max(1);
         settings.engine.watch.inactivity_timeout = self.watch_inactivity_timeout;
         settings.engine.watch.page_size = self.watch_page_size;
+        settings.engine.watch.server_timeout =
+            u32::try_from(self.watch_server_timeout.as_secs().clamp(1, 24 * 3600)).unwrap_or(290);
         settings.engine.checkpoint_after = self.checkpoint_after;
         settings.engine.events.enabled = self.events;
         settings.engine.events.level = match self.event_level {
@@ -836,6 +848,120 @@ impl RunArgs {
             retry_period: self.retry_period,
         };
         settings
+    }
+
+    /// The settings of `capstan run` with these flags, `given` being the operator-wide
+    /// settings' flags that were given (see [`RunArgs::given_operator_flags`]): handler
+    /// processes' values for the others are applied as if given as flags.
+    pub fn settings_following_processes(&self, given: Vec<Field>) -> Settings {
+        let mut settings = self.settings();
+        settings.hub.operator_flags = self.given_operator_settings(&given);
+        settings.operator = Some(crate::config::OperatorFlags::new(self.clone(), given));
+        settings
+    }
+
+    /// The operator-wide settings whose flags were given on the command line or in the
+    /// environment (not left at their defaults): they win over handler processes' values.
+    pub fn given_operator_flags(matches: &clap::ArgMatches) -> Vec<Field> {
+        Field::ALL
+            .into_iter()
+            .filter(|field| {
+                matches!(
+                    matches.value_source(field.name()),
+                    Some(clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable)
+                )
+            })
+            .collect()
+    }
+
+    /// The values of the `given` operator-wide settings' flags.
+    pub fn given_operator_settings(&self, given: &[Field]) -> OperatorSettings {
+        let mut out = OperatorSettings::default();
+        for field in given {
+            match field {
+                Field::Finalizer => out.finalizer.clone_from(&self.finalizer),
+                Field::PersistencePrefix => out.persistence_prefix = Some(self.persistence_prefix.clone()),
+                Field::ProgressStorage => {
+                    out.progress_storage = Some(match self.progress_storage {
+                        ProgressKind::Annotations => OperatorProgress::Annotations,
+                        ProgressKind::Status => OperatorProgress::Status,
+                        ProgressKind::Smart => OperatorProgress::Smart,
+                    });
+                }
+                Field::DiffBaseStorage => {
+                    out.diffbase_storage = Some(match self.diffbase_storage {
+                        DiffBaseKind::Annotations => OperatorDiffBase::Annotations,
+                        DiffBaseKind::Status => OperatorDiffBase::Status,
+                    });
+                }
+                Field::DiffBaseKey => out.diffbase_key.clone_from(&self.diffbase_key),
+                Field::StatusField => out.status_field = Some(self.status_field.clone()),
+                Field::WatchInactivityTimeout => {
+                    out.watch_inactivity_timeout = Some(self.watch_inactivity_timeout)
+                }
+                Field::WatchServerTimeout => {
+                    out.watch_server_timeout =
+                        Some(Duration::from_secs(self.watch_server_timeout.as_secs().max(1)));
+                }
+                Field::WorkerLimit => out.worker_limit = u32::try_from(self.worker_limit).ok(),
+            }
+        }
+        out
+    }
+
+    /// These flags with the values of `wanted` for the fields whose flags are not `given`, as
+    /// if they had been given.
+    ///
+    /// # Errors
+    /// When the combination cannot work (as [`RunArgs::check`] says).
+    pub fn with_operator_settings(&self, wanted: &OperatorSettings, given: &[Field]) -> Result<Self, String> {
+        let mut args = self.clone();
+        for field in wanted.set_fields().filter(|f| !given.contains(f)) {
+            match field {
+                Field::Finalizer => args.finalizer.clone_from(&wanted.finalizer),
+                Field::PersistencePrefix => {
+                    if let Some(prefix) = &wanted.persistence_prefix {
+                        args.persistence_prefix.clone_from(prefix);
+                    }
+                }
+                Field::ProgressStorage => {
+                    args.progress_storage = match wanted.progress_storage {
+                        Some(OperatorProgress::Status) => ProgressKind::Status,
+                        Some(OperatorProgress::Smart) => ProgressKind::Smart,
+                        _ => ProgressKind::Annotations,
+                    };
+                }
+                Field::DiffBaseStorage => {
+                    args.diffbase_storage = match wanted.diffbase_storage {
+                        Some(OperatorDiffBase::Status) => DiffBaseKind::Status,
+                        _ => DiffBaseKind::Annotations,
+                    };
+                }
+                Field::DiffBaseKey => args.diffbase_key.clone_from(&wanted.diffbase_key),
+                Field::StatusField => {
+                    if let Some(field) = &wanted.status_field {
+                        args.status_field.clone_from(field);
+                    }
+                }
+                Field::WatchInactivityTimeout => {
+                    if let Some(d) = wanted.watch_inactivity_timeout {
+                        args.watch_inactivity_timeout = d;
+                    }
+                }
+                Field::WatchServerTimeout => {
+                    if let Some(d) = wanted.watch_server_timeout {
+                        args.watch_server_timeout = d;
+                    }
+                }
+                Field::WorkerLimit => {
+                    if let Some(n) = wanted.worker_limit {
+                        args.worker_limit = usize::try_from(n).unwrap_or(args.worker_limit);
+                    }
+                }
+            }
+        }
+        args.check()?;
+        Ok(args)
     }
 
     /// Whether a kopf operator may read the diff-base Capstan writes: kopf's persistence, or
@@ -1004,6 +1130,64 @@ mod tests {
     }
 
     #[test]
+    fn operator_settings_apply_as_flags_unless_their_flag_was_given() {
+        use clap::{CommandFactory, FromArgMatches};
+        let matches = Cli::command()
+            .try_get_matches_from([
+                "capstan",
+                "run",
+                "--finalizer",
+                "flag.example/f",
+                "--worker-limit",
+                "9",
+            ])
+            .unwrap();
+        let Command::Run(args) = Cli::from_arg_matches(&matches).unwrap().command else {
+            panic!("not run")
+        };
+        let given = RunArgs::given_operator_flags(matches.subcommand_matches("run").unwrap());
+        assert_eq!(given, [Field::Finalizer, Field::WorkerLimit]);
+        let flags = args.given_operator_settings(&given);
+        assert_eq!(
+            (flags.finalizer.as_deref(), flags.worker_limit, flags.status_field),
+            (Some("flag.example/f"), Some(9), None)
+        );
+        let wanted = OperatorSettings {
+            finalizer: Some("setting.example/f".into()),
+            persistence_prefix: Some("setting.example".into()),
+            progress_storage: Some(OperatorProgress::Status),
+            status_field: Some("mine".into()),
+            watch_server_timeout: Some(Duration::from_secs(60)),
+            worker_limit: Some(2),
+            ..OperatorSettings::default()
+        };
+        let engine = args
+            .with_operator_settings(&wanted, &given)
+            .unwrap()
+            .settings()
+            .engine;
+        assert_eq!(engine.storage.keys.finalizer, "flag.example/f");
+        assert_eq!(engine.worker_limit, 9);
+        assert!(
+            engine.storage.keys.diffbase.starts_with("setting.example/"),
+            "{:?}",
+            engine.storage.keys
+        );
+        assert_eq!(
+            engine.storage.progress,
+            ProgressStorage::Status { name: "mine".into() }
+        );
+        assert_eq!(engine.watch.server_timeout, 60);
+        // A combination the flags refuse is refused for settings too.
+        let kopf_fields = OperatorSettings {
+            persistence_prefix: Some(crate::persistence::keys::KOPF_PREFIX.into()),
+            ..OperatorSettings::default()
+        };
+        let fields = run_args(&["--diff-base", "fields"]);
+        assert!(fields.with_operator_settings(&kopf_fields, &[]).is_err());
+    }
+
+    #[test]
     fn the_transport_flags_map_onto_settings() {
         let s = run(&[
             "--listen",
@@ -1047,11 +1231,15 @@ mod tests {
     }
 
     fn run(args: &[&str]) -> Settings {
+        run_args(args).settings()
+    }
+
+    fn run_args(args: &[&str]) -> RunArgs {
         let cli = Cli::parse_from(["capstan", "run"].iter().chain(args));
         let Command::Run(args) = cli.command else {
             panic!("not run")
         };
-        args.settings()
+        args
     }
 
     #[test]

@@ -48,6 +48,42 @@ pub struct Settings {
     pub handler_identity: Option<crate::k8s::handler_identity::Spec>,
     /// Admission webhooks.
     pub webhooks: crate::webhooks::Settings,
+    /// The flags the controller was started with, to apply the operator-wide settings handler
+    /// processes send as if given as flags; `None`: they are not applied (settings built
+    /// directly, as in tests).
+    pub operator: Option<OperatorFlags>,
+}
+
+/// The flags of `capstan run`, and which operator-wide settings' flags were given.
+#[derive(Clone, Debug)]
+pub struct OperatorFlags {
+    args: std::sync::Arc<crate::cli::RunArgs>,
+    given: Vec<crate::model::operator_settings::Field>,
+}
+
+impl OperatorFlags {
+    /// `args` as parsed; `given` the fields whose flags were given.
+    pub fn new(args: crate::cli::RunArgs, given: Vec<crate::model::operator_settings::Field>) -> Self {
+        Self {
+            args: std::sync::Arc::new(args),
+            given,
+        }
+    }
+
+    /// The engine's settings with `wanted` applied where the flags were not given.
+    ///
+    /// # Errors
+    /// When the combination cannot work; the flags' own settings apply then.
+    pub fn engine(
+        &self,
+        wanted: &crate::model::operator_settings::OperatorSettings,
+    ) -> Result<engine::Settings, String> {
+        Ok(self
+            .args
+            .with_operator_settings(wanted, &self.given)?
+            .settings()
+            .engine)
+    }
 }
 
 impl Default for Settings {
@@ -68,6 +104,7 @@ impl Default for Settings {
             node_store: None,
             handler_identity: None,
             webhooks: crate::webhooks::Settings::default(),
+            operator: None,
         }
     }
 }

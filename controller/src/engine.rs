@@ -93,6 +93,10 @@ pub struct Settings {
     pub activities: activities::Settings,
     /// Watch CRDs so that resources appearing or disappearing at run time are picked up.
     pub watch_crds: bool,
+    /// The operator-wide settings of handler processes this engine was configured with, when
+    /// it follows them: while the hub's differ, it starts no watch (it is about to be replaced
+    /// by one configured with them).
+    pub operator: Option<crate::model::operator_settings::OperatorSettings>,
 }
 
 impl Default for Settings {
@@ -107,7 +111,26 @@ impl Default for Settings {
             node: None,
             activities: activities::Settings::default(),
             watch_crds: true,
+            operator: None,
         }
+    }
+}
+
+impl Settings {
+    /// These settings with what the operator-wide settings decide taken from `configured`
+    /// (the flags' settings with the processes' values applied): the storage's names and
+    /// kinds, the watch timeouts, the worker limit. What was set up at the start (the
+    /// node-local store, namespaces) stays.
+    pub fn reconfigured(&self, configured: &Self) -> Self {
+        let mut out = self.clone();
+        out.storage.keys.clone_from(&configured.storage.keys);
+        out.storage.progress.clone_from(&configured.storage.progress);
+        out.storage.diffbase.clone_from(&configured.storage.diffbase);
+        out.storage.diffbase_extent = configured.storage.diffbase_extent;
+        out.watch.inactivity_timeout = configured.watch.inactivity_timeout;
+        out.watch.server_timeout = configured.watch.server_timeout;
+        out.worker_limit = configured.worker_limit;
+        out
     }
 }
 
@@ -278,6 +301,7 @@ impl Engine {
         let mut follow_ups = 0u32;
         let mut last_pending = Vec::new();
         let mut last_gate: Option<String> = None;
+        let mut operator_changes = self.hub.operator_settings();
         let mut indexer = indexing::Indexer::new(
             self.hub.clone(),
             self.objects.clone(),
@@ -301,10 +325,18 @@ impl Engine {
                 rescan_at.get_or_insert_with(tokio::time::Instant::now);
             }
             last_pending = pending;
-            let gate = self
-                .activities
+            let stale = self
+                .settings
+                .operator
                 .as_ref()
-                .map_or(Ok(()), |a| a.ready(registry.all()));
+                .is_some_and(|mine| *operator_changes.borrow_and_update() != *mine);
+            let gate = if stale {
+                Err("the operator's settings changed; the engine restarts with them".to_owned())
+            } else {
+                self.activities
+                    .as_ref()
+                    .map_or(Ok(()), |a| a.ready(registry.all()))
+            };
             match (&gate, &last_gate) {
                 (Err(why), last) if last.as_deref() != Some(why.as_str()) => {
                     info!(%why, "resource watching waits")
@@ -378,6 +410,7 @@ impl Engine {
             tokio::select! {
                 changed = registrations.changed() => if changed.is_err() { break },
                 changed = activity_changes.changed() => if changed.is_err() { activity_changes = never.clone() },
+                changed = operator_changes.changed(), if self.settings.operator.is_some() => if changed.is_err() { break },
                 changed = crd_changes.changed(), if self.discovery.is_some() => {
                     if changed.is_ok() {
                         crd_changes.borrow_and_update();

@@ -7,11 +7,12 @@ use capstan::{
     observability::logging,
     peering::commands,
 };
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     match cli.command {
         Command::Version => {
             println!(
@@ -95,7 +96,11 @@ fn main() -> ExitCode {
             let result = runtime.block_on(async {
                 let shutdown = CancellationToken::new();
                 capstan::signal::install(shutdown.clone()).map_err(capstan::Error::Signal)?;
-                capstan::app::run(args.settings(), shutdown).await
+                let given = matches
+                    .subcommand_matches("run")
+                    .map(capstan::cli::RunArgs::given_operator_flags)
+                    .unwrap_or_default();
+                capstan::app::run(args.settings_following_processes(given), shutdown).await
             });
             match result {
                 Ok(()) => ExitCode::SUCCESS,

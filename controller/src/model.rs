@@ -9,6 +9,7 @@ pub mod diagnostic;
 pub mod field_path;
 pub mod handler;
 pub mod invocation;
+pub mod operator_settings;
 pub mod posting;
 pub mod resource;
 pub mod selector;

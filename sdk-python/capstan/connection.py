@@ -120,15 +120,21 @@ class Session:
         self.stalled = self.loop.create_future()
 
     async def send_settings(self):
-        """Sends what kopf's `settings` say about the controller's work for this process (its
-        handlers' outcome Events: kopf 1.45 posts them only with `posting.loggers`), when the
-        controller takes it and it changed since the last time."""
+        """Sends what kopf's `settings` say about the controller's work, when the controller
+        takes it and it changed since the last time: for this process's handlers (their
+        outcome Events: kopf 1.45 posts them only with `posting.loggers`), and for the whole
+        operator (`settings_module.operator_settings`: the finalizer, the storages, the
+        watches, the worker limit). A controller that takes no settings is given none; the
+        flags that would do their job are named instead (once)."""
+        settings = self.operator.settings
         if rs.CAPABILITY_PROCESS_SETTINGS not in self.capabilities:
+            settings_module.review(settings, carried=False)
             return
-        posting = self.operator.settings.posting
+        posting = settings.posting
         wanted = rs.ProcessSettings(
             outcome_events=rs.EVENT_POSTING_ALWAYS if posting.enabled and posting.loggers else rs.EVENT_POSTING_NEVER,
-            outcome_level=_level(posting.level))
+            outcome_level=_level(posting.level),
+            operator=settings_module.operator_settings(settings))
         if wanted != self.sent_settings:
             self.sent_settings = wanted
             await self.send(rs.ConnectRequest(settings=wanted))
@@ -225,7 +231,8 @@ class Operator:
         return rs.ConnectRequest(hello=rs.Hello(
             capabilities=[rs.CAPABILITY_RESULT_ACK, rs.CAPABILITY_SDK_FILTERS, rs.CAPABILITY_SUBHANDLERS,
                           rs.CAPABILITY_OBJECT_UPDATES, rs.CAPABILITY_OBJECT_GONE, rs.CAPABILITY_INVOCATION_UPDATES,
-                          rs.CAPABILITY_CLEANUP_ON_GOODBYE, rs.CAPABILITY_PROCESS_SETTINGS],
+                          rs.CAPABILITY_CLEANUP_ON_GOODBYE, rs.CAPABILITY_PROCESS_SETTINGS,
+                          rs.CAPABILITY_DEFERRED_SUBHANDLERS],
             sdk=rs.SoftwareInfo(name="capstan-python", version=__version__, language="python"),
             instance_id=self.instance_id,
             handlers=[wire.registration(h) for h in self.registry.handlers],
@@ -426,6 +433,7 @@ class Operator:
         # Index calls get no memo (and removals must not make one for an object just gone).
         call.memo = self.memos.of(uid) if handler.kind != "index" else None
         call.settings = self.settings
+        call.defers = rs.CAPABILITY_DEFERRED_SUBHANDLERS in session.capabilities
         call.indexes = session.indexes
         running = Running(call)
         task = asyncio.create_task(self._invoke(session, running, uid))

@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
+from capstan import lifecycles
 from capstan import settings as settings_module
 from capstan import threads
 from capstan.errors import AdmissionError, PermanentError, RegistrationError, TemporaryError
@@ -73,13 +74,16 @@ class Call:
     # The operator's settings (kopf's `settings` kwarg of activity handlers); None: the
     # process's (`capstan.settings.active()`).
     settings: Any = None
+    # The controller takes sub-handlers left for a later call (CAPABILITY_DEFERRED_SUBHANDLERS):
+    # kopf's lifecycle then picks which of a parent's sub-handlers run in this call.
+    defers: bool = False
 
 
 @dataclasses.dataclass
 class Outcome:
     """What happened to one call or sub-handler call."""
 
-    status: str  # success, temporary, permanent, unclassified, cancelled, skipped
+    status: str  # success, temporary, permanent, unclassified, cancelled, skipped, deferred
     result: Any = None
     # An admission handler's answer: allowed, message, code, warnings.
     verdict: Optional[Dict[str, Any]] = None
@@ -117,6 +121,9 @@ class Running:
         self.body = Body(call.body)
         self.cancelled = False
         self.declared: List[Handler] = []
+        # The lifecycle `kopf.execute(lifecycle=...)` asked for its sub-handlers; None: the
+        # default (`lifecycles.get_default_lifecycle()`, kopf's `asap`).
+        self.lifecycle = None
         # An admission handler's `warnings` (kopf's kwarg), returned to the client.
         self.warnings: List[str] = []
 
@@ -390,8 +397,9 @@ async def run(running: Running, executor=None) -> Outcome:
         else:
             outcome = Outcome("success", result=_encode(value, "result", handler.id))
         if handler.kind == "startup":
-            # What a startup handler set in `settings`: applied here, or named once (the
-            # controller's flags, or no meaning with Capstan).
+            # What a startup handler set in `settings`: applied here, sent to the controller
+            # (before this result, `connection`), or named once (the controller's flags, or no
+            # meaning with Capstan).
             settings_module.review(call.settings if call.settings is not None else settings_module.active())
         obj, status = patch.as_documents()
         outcome.object_patch = _encode(obj, "patch", handler.id)
@@ -516,18 +524,43 @@ async def _run_index(running: Running, handler: Handler, logger, retry, executor
     return outcome
 
 
+def _chosen(parent: Running, runnable: List[Handler], prefix: str) -> List[Handler]:
+    """The sub-handlers that run in this call, as the lifecycle picks them among the runnable
+    ones (kopf's `asap`: the one with the fewest retries); the others are deferred to the next
+    call of the parent. Every runnable one when the controller cannot defer, and the first
+    when a lifecycle picks none or fails (kopf would call the parent again for ever)."""
+    if not parent.call.defers or len(runnable) < 2:
+        return runnable
+    lifecycle = parent.lifecycle or lifecycles.get_default_lifecycle()
+    state = {sub.id: parent.call.subhandlers.get(prefix + sub.id, SubState()) for sub in runnable}
+    try:
+        picked = list(lifecycle(list(runnable), state=state))
+    except Exception as error:  # a user's lifecycle must not lose the sub-handlers
+        logging.getLogger("capstan").warning("lifecycle %r failed (%s); the sub-handlers run one by one", lifecycle, error)
+        picked = []
+    picked = [sub for sub in picked if any(sub is r for r in runnable)]
+    return picked or runnable[:1]
+
+
 async def _run_subhandlers(parent: Running, outcome: Outcome, logger, executor, prefix):
-    """Runs the unfinished sub-handlers that `parent` declared; appends their outcomes and
-    patches to `outcome`."""
+    """Runs the unfinished sub-handlers that `parent` declared, those the lifecycle picks;
+    appends their outcomes (and `deferred` for the others) and patches to `outcome`."""
     call = parent.call
     now = datetime.datetime.now(datetime.timezone.utc)
-    for sub in list(parent.declared):
+
+    def runnable(sub):
+        state = call.subhandlers.get(prefix + sub.id, SubState())
+        waiting = state.delayed_until is not None and state.delayed_until > now
+        return not (state.success or state.failure or waiting)
+
+    ready = [sub for sub in parent.declared if runnable(sub)]
+    chosen = _chosen(parent, ready, prefix)
+    for sub in ready:
+        if not any(sub is c for c in chosen):
+            outcome.subhandlers.append(SubOutcome(prefix + sub.id, Outcome("deferred")))
+    for sub in chosen:
         sub_id = prefix + sub.id
         state = call.subhandlers.get(sub_id, SubState())
-        if state.success or state.failure:
-            continue
-        if state.delayed_until is not None and state.delayed_until > now:
-            continue
         if sub.timeout is not None and state.started is not None and (now - state.started).total_seconds() > sub.timeout:
             outcome.subhandlers.append(SubOutcome(sub_id, Outcome("permanent", message=f"timed out after {sub.timeout}s", error_type="HandlerTimeoutError")))
             continue
@@ -611,6 +644,9 @@ async def execute(*, fns=None, handlers=None, registry=None, lifecycle=None, cau
         raise RegistrationError("kopf.execute takes fns= only with Capstan (handlers=, registry= and cause= are kopf's internals)")
     if fns is None:
         return
+    running = _current.get()
+    if lifecycle is not None and running is not None:
+        running.lifecycle = lifecycle
     items = fns.items() if isinstance(fns, dict) else [(None, fn) for fn in fns]
     for handler_id, fn in items:
         _declare(fn, {"id": handler_id} if handler_id else {})

@@ -1,9 +1,11 @@
-"""kopf's lifecycles (`kopf.lifecycles`, `kopf.set_default_lifecycle`): which of an object's
-pending handlers run in one cycle. kopf's default, `asap`, runs one per cycle (the fewest
-retries first). With Capstan every pending handler of a cycle runs — the controller's
-top-level handlers, and a parent's sub-handlers in the handler process (the protocol has no
-outcome for a sub-handler left for a later cycle) — so the functions are kopf's own, for code
-that calls them, and setting one says once that it is not applied."""
+"""kopf's lifecycles (`kopf.lifecycles`, `kopf.set_default_lifecycle`): which of a parent
+handler's pending sub-handlers run in one call of the parent. kopf's default, `asap`, runs one
+per call (the fewest retries first), so the parent is called once more for each further
+sub-handler; the others are reported to the controller as deferred
+(CAPABILITY_DEFERRED_SUBHANDLERS), and it calls the parent again at once. An older controller
+that cannot take them gets every pending sub-handler in one call. Top-level handlers are the
+controller's: it runs every pending handler of a cycle, so for them a lifecycle has no effect
+(the handlers called are the same, in fewer cycles)."""
 
 import logging
 import random
@@ -58,5 +60,5 @@ def set_default_lifecycle(lifecycle: Optional[LifeCycleFn]) -> None:
     _default = lifecycle
     if lifecycle is not None and not _said:
         _said = True
-        log.info("kopf.set_default_lifecycle(%s) has no effect with Capstan: the controller orders the handlers",
-                 getattr(lifecycle, "__name__", lifecycle))
+        log.info("kopf.set_default_lifecycle(%s) picks the sub-handlers of each call; the controller runs "
+                 "every pending top-level handler of a cycle", getattr(lifecycle, "__name__", lifecycle))

@@ -6,12 +6,24 @@ admission. Each field has a place (`PLACES`, the table below and in the README):
 
 - `sdk`: this process applies it (what it asks the controller to post as Events, the executor
   of sync handlers);
-- `flag`: the controller's flag does this job; a value a handler sets is not carried to the
+- `controller`: the controller's work for the whole operator that kopf operators configure in
+  their startup handlers (the finalizer, the storages, the watches' timeouts, the worker limit).
+  An operator that kept kopf's finalizer or storages but had Capstan's differ would lose track
+  of its objects' state, so these are sent to the controller (`ProcessSettings.operator`,
+  `operator_settings()`) and applied as their flags would be, unless the flag was given to the
+  controller (the flag wins; its Notice is logged as a WARNING). A value that no flag says
+  (a `MultiProgressStorage`, a status field of another shape) or that is out of the
+  controller's bounds is not sent, and the first time a WARNING says so;
+- `flag`: the controller's flag does this job and the controller takes it only as a flag
+  (peering, admission, the API's timeouts); a value a handler sets is not carried to the
   controller, so the first time it differs from kopf's default a WARNING names the flag to set;
 - `none`: it has no meaning with a controller in the pod (aiohttp sessions, kopf's own queues
   and backoffs); a changed value is accepted with one INFO line.
 
-Nothing a handler sets here fails. `review()` runs after each startup handler.
+The flags are the one mapping: `controller` values go into `OperatorSettings` fields named
+after their flags, and a controller this process starts itself (KopfRunner) is given the
+`flag` and `controller` values as flags (`controller_flags()`). Nothing a handler sets here
+fails. `review()` runs after each startup handler.
 """
 
 import concurrent.futures
@@ -21,10 +33,13 @@ import threading
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
+from google.protobuf import duration_pb2
+
 from capstan.storages import (
     AnnotationsDiffBaseStorage, DiffBaseStorage, ProgressStorage, SmartProgressStorage,
 )
 from capstan.threads import HandlerThreads
+from capstan.v1 import runtime_service_pb2 as rs
 
 log = logging.getLogger("capstan")
 
@@ -185,8 +200,9 @@ _AIOHTTP = "the controller makes every API request"
 _QUEUES = "the controller queues and processes objects itself"
 _EVENTS = "the controller posts and retries Events itself"
 
-#: Where each setting's job is done with Capstan: (`sdk` | `flag` | `none`, what does it). For
-#: `flag`, the flags; the storages' and webhook servers' flags follow from their parameters.
+#: Where each setting's job is done with Capstan: (`sdk` | `controller` | `flag` | `none`, what
+#: does it). For `controller` and `flag`, the flags; the storages' and webhook servers' flags
+#: follow from their parameters.
 PLACES: Dict[str, Tuple[str, str]] = {
     "process.ultimate_exiting_timeout": ("none", "the pod's terminationGracePeriodSeconds ends the process"),
     "posting.enabled": ("sdk", "this process posts explicit Events (kopf.event/info/warn/exception) only if set"),
@@ -206,17 +222,17 @@ PLACES: Dict[str, Tuple[str, str]] = {
     "peering.mandatory": ("flag", "--peering (given, peering is required)"),
     "peering.standalone": ("flag", "--standalone"),
     "peering.clusterwide": ("none", "the controller's peering follows its namespaces (-n/-A)"),
-    "watching.server_timeout": ("flag", "--api-timeout"),
+    "watching.server_timeout": ("controller", "--watch-server-timeout"),
     "watching.client_timeout": ("flag", "--api-timeout"),
     "watching.connect_timeout": ("flag", "--api-timeout"),
     "watching.reconnect_backoff": ("none", "the controller's watches back off with jitter"),
-    "watching.inactivity_timeout": ("flag", "--watch-inactivity-timeout"),
+    "watching.inactivity_timeout": ("controller", "--watch-inactivity-timeout"),
     "watching.chunk_size": ("none", "the controller lists in pages of its own"),
     "watching.initial_streaming": ("none", "the controller lists, then watches"),
     "watching.label_selectors": ("none", "filter with the handlers' labels="),
     "watching.field_selectors": ("none", "filter with the handlers' when= or field="),
     "watching.shard_selectors": ("none", "shard with -n patterns or per-node mode (--node-name)"),
-    "queueing.worker_limit": ("flag", "--worker-limit"),
+    "queueing.worker_limit": ("controller", "--worker-limit"),
     "queueing.idle_timeout": ("none", _QUEUES),
     "queueing.exit_timeout": ("flag", "--shutdown-grace"),
     "queueing.error_delays": ("none", _QUEUES),
@@ -235,9 +251,9 @@ PLACES: Dict[str, Tuple[str, str]] = {
     "networking.error_backoffs": ("none", _AIOHTTP),
     "networking.enforce_retry_after": ("none", _AIOHTTP),
     "networking.trust_env": ("none", _AIOHTTP),
-    "persistence.finalizer": ("flag", "--finalizer"),
-    "persistence.progress_storage": ("flag", "--progress-storage, --persistence-prefix, --status-field"),
-    "persistence.diffbase_storage": ("flag", "--diffbase-storage, --diffbase-key, --status-field"),
+    "persistence.finalizer": ("controller", "--finalizer"),
+    "persistence.progress_storage": ("controller", "--progress-storage, --persistence-prefix, --status-field"),
+    "persistence.diffbase_storage": ("controller", "--diffbase-storage, --diffbase-key, --status-field"),
     "persistence.consistency_timeout": ("none", "the controller waits for its own writes' echoes"),
 }
 
@@ -250,22 +266,54 @@ def fields(settings: OperatorSettings):
             yield f"{section.name}.{field.name}", getattr(group, field.name)
 
 
+def _changed(settings: OperatorSettings, places):
+    """(path, value) of the fields in `places` that differ from kopf's default."""
+    defaults = dict(fields(OperatorSettings()))
+    for path, value in fields(settings):
+        if PLACES.get(path, ("none",))[0] in places and value != defaults.get(path):
+            yield path, value
+
+
+def _pairs(args) -> List[Tuple[str, Any]]:
+    """Flag arguments (`["--a", "x", "--b"]`) as (flag, its value or None) pairs."""
+    pairs, i = [], 0
+    while i < len(args):
+        if i + 1 < len(args) and not str(args[i + 1]).startswith("--"):
+            pairs.append((args[i], args[i + 1]))
+            i += 2
+        else:
+            pairs.append((args[i], None))
+            i += 1
+    return pairs
+
+
+def _flag_values(path, value) -> List[Tuple[str, Any]]:
+    """The controller flags that do what `value` of `path` asks, each with its value (None for
+    a switch) not yet formatted; empty when no flag says it exactly. Both ways of carrying a
+    setting start here: as command-line flags (`flag_args`) and as `OperatorSettings`
+    (`_operator_fields`)."""
+    to_flags = getattr(value, "flags", None)
+    if callable(to_flags):
+        return _pairs(list(to_flags()))
+    flag = PLACES[path][1]
+    if " " in flag or "," in flag or not flag.startswith("--") or value is None or value is False:
+        return []
+    if value is True:
+        return [(flag, None)]
+    if path in _WHOLE_SECONDS and isinstance(value, (int, float)) and 0 < value < float("inf"):
+        value = max(1, round(value))
+    return [(flag, value)]
+
+
 def flag_args(path, value) -> Optional[List[str]]:
     """The controller's command-line arguments that do what `value` of `path` asks; None when
     no flag says it exactly."""
-    to_flags = getattr(value, "flags", None)
-    if callable(to_flags):
-        return list(to_flags()) or None
-    flag = PLACES[path][1]
-    if " " in flag or "," in flag or not flag.startswith("--"):
-        return None
-    if isinstance(value, bool):
-        return [flag] if value else None
-    if value is None:
-        return None
-    if path in _DURATIONS and isinstance(value, (int, float)):
-        value = f"{value:g}s"
-    return [flag, str(value)]
+    args = []
+    for flag, arg in _flag_values(path, value):
+        args.append(flag)
+        if arg is not None:
+            args.append(f"{arg:g}s" if path in _DURATIONS and isinstance(arg, (int, float)) else str(arg))
+    return args or None
 
 
 def _flags(path, value):
@@ -280,27 +328,19 @@ def _flags(path, value):
 
 
 def controller_flags(settings: OperatorSettings) -> Tuple[List[str], List[str]]:
-    """The controller flags for every setting that is the controller's and differs from kopf's
-    default, for a controller this process starts (KopfRunner): the arguments (a flag given by
-    several settings once, the last one winning), and the settings' paths they carry."""
-    defaults = dict(fields(OperatorSettings()))
+    """The controller flags for every setting that is the controller's (`flag` and
+    `controller`) and differs from kopf's default, for a controller this process starts
+    (KopfRunner): the arguments (a flag given by several settings once, the last one winning),
+    and the settings' paths they carry."""
     chosen: Dict[str, List[str]] = {}
     paths = []
-    for path, value in fields(settings):
-        if PLACES.get(path, ("none",))[0] != "flag" or value == defaults.get(path):
-            continue
+    for path, value in _changed(settings, ("flag", "controller")):
         args = flag_args(path, value)
         if not args:
             continue
         paths.append(path)
-        i = 0
-        while i < len(args):
-            if i + 1 < len(args) and not args[i + 1].startswith("--"):
-                chosen[args[i]] = args[i:i + 2]
-                i += 2
-            else:
-                chosen[args[i]] = args[i:i + 1]
-                i += 1
+        for flag, arg in _pairs(args):
+            chosen[flag] = [flag] if arg is None else [flag, arg]
     return [arg for pair in chosen.values() for arg in pair], paths
 
 
@@ -315,29 +355,97 @@ _DURATIONS = {
     "peering.lifetime", "watching.server_timeout", "watching.client_timeout", "watching.connect_timeout",
     "watching.inactivity_timeout", "queueing.exit_timeout", "networking.request_timeout", "networking.connect_timeout",
 }
+#: Durations in whole seconds, at least one: the API server takes a watch's timeout so.
+_WHOLE_SECONDS = {"watching.server_timeout"}
+#: The numbers the controller takes in `OperatorSettings` (the proto's comments): it refuses
+#: others with a Notice, so they are not sent.
+_BOUNDS = {"watch_inactivity_timeout": (1, 24 * 3600), "watch_server_timeout": (1, 24 * 3600),
+           "worker_limit": (1, 100_000)}
+
+
+def _operator_value(name, arg):
+    """A flag's value as the `OperatorSettings` field `name` takes it; ValueError saying the
+    bounds when it is out of them."""
+    field = rs.OperatorSettings.DESCRIPTOR.fields_by_name[name]
+    if field.enum_type is not None:
+        # The kinds are named as the flag's values: PROGRESS_STORAGE_KIND_SMART is `smart`.
+        kinds = {v.name.rsplit("_KIND_", 1)[-1].lower(): v.number for v in field.enum_type.values}
+        return kinds[arg]
+    if name not in _BOUNDS:
+        return str(arg)
+    low, high = _BOUNDS[name]
+    duration = field.message_type is not None
+    kind = (int, float) if duration else int
+    if isinstance(arg, bool) or not isinstance(arg, kind) or not low <= arg <= high:
+        raise ValueError(f"{low} to {high}" + (" seconds" if duration else ""))
+    if not duration:
+        return arg
+    value = duration_pb2.Duration()
+    value.FromNanoseconds(round(arg * 1e9))
+    return value
+
+
+def _operator_fields(path, value) -> rs.OperatorSettings:
+    """What `value` of the `controller` setting `path` sets in `OperatorSettings`, whose fields
+    are named after the flags (`--diffbase-key` is `diffbase_key`); empty when no flag says the
+    same; ValueError when a value is out of the controller's bounds."""
+    wanted = {}
+    for flag, arg in _flag_values(path, value):
+        name = flag[2:].replace("-", "_")
+        wanted[name] = _operator_value(name, arg)
+    return rs.OperatorSettings(**wanted)
+
+
+def operator_settings(settings: OperatorSettings) -> rs.OperatorSettings:
+    """The `controller` settings that differ from kopf's default, as `ProcessSettings.operator`
+    (kopf's defaults: an empty message, the controller's flags apply). The same values as
+    `controller_flags` gives, decided the same way: when both storages name a status field,
+    the last one (the diff-base storage's) wins, as a flag given twice does. A value the
+    controller would refuse is left out (`review` says so once)."""
+    message = rs.OperatorSettings()
+    for path, value in _changed(settings, ("controller",)):
+        try:
+            message.MergeFrom(_operator_fields(path, value))
+        except ValueError:
+            continue
+    return message
 
 
 _reported = set()
 _reported_lock = threading.Lock()
 
 
-def review(settings: OperatorSettings, logger: logging.Logger = log):
+def review(settings: OperatorSettings, logger: logging.Logger = log, carried: bool = True):
     """Says, once per field and process, what became of each setting a handler changed from
-    kopf's default: applied here (`sdk`, nothing said), the controller's flag to set (`flag`,
-    a WARNING), or no meaning with Capstan (`none`, an INFO line). Returns the paths it
-    reported."""
+    kopf's default: applied here (`sdk`) or sent to the controller (`controller`), nothing
+    said; the controller's flag to set (`flag`, and a `controller` value that is not sent: no
+    flag says it, or the controller takes no settings, `carried=False`), a WARNING, as for a
+    value out of the controller's bounds; no meaning with Capstan (`none`), an INFO line.
+    Returns the paths it reported."""
     defaults = dict(fields(OperatorSettings()))
     reported = []
     for path, value in fields(settings):
         place, what = PLACES.get(path, ("none", "unknown to Capstan"))
         if place == "sdk" or value == defaults.get(path):
             continue
+        bounds = None
+        if place == "controller" and carried:
+            try:
+                if _operator_fields(path, value).ByteSize():
+                    # Sent. Not counted as reported: a controller that takes no settings
+                    # (`carried=False`) still gets its flag named.
+                    continue
+            except ValueError as error:
+                bounds = str(error)
         with _reported_lock:
             if path in _reported:
                 continue
             _reported.add(path)
         name = path.replace("._", ".")
-        if place == "flag":
+        if bounds:
+            logger.warning("settings.%s = %r is not sent to the controller, which takes %s; its own is used",
+                           name, value, bounds)
+        elif place in ("flag", "controller"):
             flags = _flags(path, value)
             if flags:
                 logger.warning("settings.%s = %r is the controller's to apply: start it with %s "

@@ -1,7 +1,9 @@
 """kopf's persistence storages (`settings.persistence.progress_storage`, `.diffbase_storage`):
 with Capstan the controller keeps progress records and diff-bases, so these classes hold
 kopf's parameters and say which controller flags keep the same records in the same places
-(`flags()`), for the settings review (`capstan.settings`) to name."""
+(`flags()`). `capstan.settings` sends those to the controller (`ProcessSettings.operator`)
+or, for a controller it starts itself, gives them as flags; a storage no flag says is named
+in the settings review."""
 
 from typing import Any, Dict, List, Optional
 

@@ -249,6 +249,8 @@ def _fill(target, outcome: Outcome, handler_id):
         target.cancelled.CopyFrom(inv.Cancelled())
     elif outcome.status == "skipped":
         target.skipped.CopyFrom(inv.Skipped())
+    elif outcome.status == "deferred":
+        target.deferred.CopyFrom(inv.Deferred())
 
 
 def result(invocation_id, handler_id, outcome: Outcome, seconds) -> inv.InvocationResult:

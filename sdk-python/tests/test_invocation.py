@@ -153,6 +153,91 @@ def test_subhandlers_run_after_their_parent_and_report_each(registry):
     assert out.patch == {"status": {"y": 1}}
 
 
+def _deferring_call(kit, handler_id, **call):
+    """A call as from a controller that takes deferred sub-handlers."""
+    from capstan.invoke import Running, run
+    c = kit._call(handler_id, BODY, logs=[], events=[], **call)
+    c.defers = True
+    return asyncio.run(run(Running(c)))
+
+
+def test_a_deferring_controller_gets_one_sub_handler_per_call_the_fewest_retries_first(registry):
+    ran = []
+
+    @capstan.on.create("examples", registry=registry)
+    def parent(**_):
+        for item in ("x", "y", "z"):
+            @capstan.subhandler(id=f"item-{item}")
+            def sub(item=item, **_):
+                ran.append(item)
+
+    kit = TestKit(registry)
+    out = _deferring_call(kit, "parent")
+    assert ran == ["x"]
+    assert [(s.id, s.outcome.status) for s in out.subhandlers] == [
+        ("item-y", "deferred"), ("item-z", "deferred"), ("item-x", "success")]
+    # kopf's asap: y failed once, so z (no retries) goes first.
+    ran.clear()
+    out = _deferring_call(kit, "parent", attempt=2,
+                          subhandlers={"item-x": {"success": True}, "item-y": {"retries": 1}})
+    assert ran == ["z"]
+    assert {s.id: s.outcome.status for s in out.subhandlers} == {"item-y": "deferred", "item-z": "success"}
+    # The wire carries a deferred one as `deferred`.
+    from capstan import wire
+    msg = wire.result("inv", "parent", out, 0.1)
+    assert [s.WhichOneof("outcome") for s in msg.subhandlers] == ["deferred", "success"]
+
+
+def test_a_lifecycle_picks_the_sub_handlers_and_a_failing_one_falls_back_to_the_first(registry):
+    import capstan.kopf as kopf
+    ran = []
+
+    @capstan.on.create("examples", registry=registry)
+    async def parent(**_):
+        def one(**_):
+            ran.append("one")
+
+        def two(**_):
+            ran.append("two")
+
+        await kopf.execute(fns={"one": one, "two": two}, lifecycle=kopf.lifecycles.all_at_once)
+
+    @capstan.on.create("examples", registry=registry)
+    async def broken(**_):
+        def first(**_):
+            ran.append("first")
+
+        def second(**_):
+            ran.append("second")
+
+        def lifecycle(handlers, **_):
+            raise RuntimeError("a bug")
+
+        await kopf.execute(fns={"first": first, "second": second}, lifecycle=lifecycle)
+
+    kit = TestKit(registry)
+    _deferring_call(kit, "parent")
+    assert ran == ["one", "two"]
+    ran.clear()
+    out = _deferring_call(kit, "broken")
+    assert ran == ["first"]
+    assert {s.id: s.outcome.status for s in out.subhandlers} == {"first": "success", "second": "deferred"}
+
+
+def test_without_a_deferring_controller_every_sub_handler_runs_in_one_call(registry):
+    ran = []
+
+    @capstan.on.create("examples", registry=registry)
+    def parent(**_):
+        for item in ("x", "y"):
+            @capstan.subhandler(id=f"item-{item}")
+            def sub(item=item, **_):
+                ran.append(item)
+
+    TestKit(registry).invoke("parent", BODY)
+    assert ran == ["x", "y"]
+
+
 def test_register_outside_a_handler_fails():
     with pytest.raises(capstan.RegistrationError, match="only inside a running handler"):
         capstan.register(lambda **_: None, id="x")

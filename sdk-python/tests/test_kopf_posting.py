@@ -123,49 +123,57 @@ def test_exception_events_are_kopfs():
     assert error[0]["object"]["name"] == "one"
 
 
-def test_the_controller_is_told_to_post_outcomes_as_settings_posting_says_before_watching_starts():
-    """kopf's messages about the handling ("Handler 'x' failed temporarily", "Creation is
-    processed") are the controller's: the process sends `ProcessSettings` after the welcome
-    (never posted: kopf 1.45's default) and again, before the startup handler's result, when
-    the handler changed `settings.posting`."""
+def settings_around_startup(configure, settings=None, capabilities=True):
+    """Runs the startup handler `configure` against a fake controller (one that takes process
+    settings, unless `capabilities` is false): the kinds of the messages the process sends
+    from its hello to the handler's result, in order, and the `ProcessSettings` among them."""
     registry = Registry()
-
-    @kopf.on.startup(registry=registry, id="configure")
-    def configure(settings, **_):
-        settings.posting.loggers = True
-        settings.posting.level = logging.WARNING
+    kopf.on.startup(registry=registry, id="configure")(configure)
 
     async def scenario(socket_path):
         server, fake = await _serve(socket_path)
         stop = asyncio.Event()
-        op = Operator(registry, endpoint=f"unix://{socket_path}", stop=stop, settings=kopf.OperatorSettings())
+        op = Operator(registry, endpoint=f"unix://{socket_path}", stop=stop,
+                      settings=settings if settings is not None else kopf.OperatorSettings())
         runner = asyncio.create_task(op.run())
         try:
             incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
             hello = await _next(incoming, "hello")
             assert rs.CAPABILITY_PROCESS_SETTINGS in hello.capabilities
             await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(
-                connection_id="c1", capabilities=list(hello.capabilities),
+                connection_id="c1", capabilities=list(hello.capabilities) if capabilities else [],
                 registrations=_registration_status(hello))))
-            first = await _next(incoming, "settings")
-            assert first.outcome_events == rs.EVENT_POSTING_NEVER
             await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
                 invocation_id="s1", handler_id="configure", attempt=1,
                 activity=inv.ActivityRequest(activity=inv.ACTIVITY_STARTUP))))
-            order = []
+            order, sent = [], []
             while "result" not in order:
                 message = await asyncio.wait_for(incoming.get(), T)
                 order.append(message.WhichOneof("message"))
                 if order[-1] == "settings":
-                    changed = message.settings
-            assert order.index("settings") < order.index("result"), order
-            assert (changed.outcome_events, changed.outcome_level) == (rs.EVENT_POSTING_ALWAYS, rs.LOG_LEVEL_WARNING)
+                    sent.append(message.settings)
             stop.set()
             await asyncio.wait_for(runner, T)
+            return order, sent
         finally:
             runner.cancel()
             await server.stop(0)
 
     import tempfile, os
     with tempfile.TemporaryDirectory() as d:
-        asyncio.run(scenario(os.path.join(d, "capstan.sock")))
+        return asyncio.run(scenario(os.path.join(d, "capstan.sock")))
+
+
+def test_the_controller_is_told_to_post_outcomes_as_settings_posting_says_before_watching_starts():
+    """kopf's messages about the handling ("Handler 'x' failed temporarily", "Creation is
+    processed") are the controller's: the process sends `ProcessSettings` after the welcome
+    (never posted: kopf 1.45's default) and again, before the startup handler's result, when
+    the handler changed `settings.posting`."""
+    def configure(settings, **_):
+        settings.posting.loggers = True
+        settings.posting.level = logging.WARNING
+
+    order, (first, changed) = settings_around_startup(configure)
+    assert order.index("settings") < order.index("result") and order.count("settings") == 2, order
+    assert first.outcome_events == rs.EVENT_POSTING_NEVER
+    assert (changed.outcome_events, changed.outcome_level) == (rs.EVENT_POSTING_ALWAYS, rs.LOG_LEVEL_WARNING)

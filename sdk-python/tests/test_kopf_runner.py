@@ -179,7 +179,8 @@ while True:
     monkeypatch.setenv("CAPSTAN_BINARY", str(fake))
     settings = kopf.OperatorSettings()
     settings.watching.server_timeout = 10  # kopf's example tests set this
-    settings.networking.request_timeout = 20  # the same flag: the last wins
+    settings.watching.client_timeout = 15
+    settings.networking.request_timeout = 20  # the same flag as client_timeout's: the last wins
     settings.persistence.finalizer = "example.com/finalizer"
     settings.peering.standalone = True
     settings.networking.trust_env = True  # no flag: said once, as from a startup handler
@@ -188,6 +189,7 @@ while True:
         time.sleep(0.2)
     argv = argv_file.read_text()
     assert "--api-timeout 20s" in argv and argv.count("--api-timeout") == 1
+    assert "--watch-server-timeout 10s" in argv
     assert "--finalizer example.com/finalizer" in argv and "--standalone" in argv
     assert "is the controller's to apply" not in runner.output
     assert "settings.networking.trust_env" in runner.output

@@ -167,7 +167,7 @@ impl Run<'_> {
                         level.wait(e.retry_after.as_ref().map(convert::duration_from_pb))
                     }
                     Sub::UnclassifiedError(_) => level.wait(None),
-                    Sub::PermanentError(_) => {}
+                    Sub::PermanentError(_) | Sub::Deferred(_) => {}
                 }
                 level.outcomes.push(pb::SubhandlerOutcome {
                     subhandler_id: id,

@@ -647,6 +647,10 @@ impl InvocationBuilder {
                 }
             };
             let state = &mut states[index];
+            if matches!(sub.outcome, Some(pb::subhandler_outcome::Outcome::Deferred(_))) {
+                // Left for a later call: no attempt counted.
+                continue;
+            }
             state.retries += 1;
             state.delayed_until = None;
             match &sub.outcome {
@@ -661,7 +665,7 @@ impl InvocationBuilder {
                 Some(pb::subhandler_outcome::Outcome::UnclassifiedError(e)) => {
                     state.message = summary(&e.diagnostics).unwrap_or_default();
                 }
-                None => {}
+                Some(pb::subhandler_outcome::Outcome::Deferred(_)) | None => {}
             }
         }
         for state in &mut states {
@@ -877,6 +881,7 @@ fn sub_kind_of(outcome: Option<&pb::subhandler_outcome::Outcome>) -> OutcomeKind
             retry_after: e.retry_after.as_ref().map(convert::duration_from_pb),
         },
         Some(Sub::PermanentError(_)) => OutcomeKind::PermanentError,
+        Some(Sub::Deferred(_)) => OutcomeKind::Skipped,
         Some(Sub::UnclassifiedError(_)) | None => OutcomeKind::UnclassifiedError,
     }
 }

@@ -120,6 +120,36 @@ fn outcome() -> impl Strategy<Value = Option<pb::invocation_result::Outcome>> {
     ]
 }
 
+/// Operator-wide settings with any text, enum value, duration and worker limit.
+fn operator_settings() -> impl Strategy<Value = pb::OperatorSettings> {
+    let duration = || {
+        prop::option::of(
+            (any::<i64>(), any::<i32>())
+                .prop_map(|(seconds, nanos)| prost_types::Duration { seconds, nanos }),
+        )
+    };
+    (
+        (text(), text(), -1i32..5, -1i32..4),
+        (text(), text(), duration(), duration(), any::<u32>()),
+    )
+        .prop_map(
+            |(
+                (finalizer, persistence_prefix, progress_storage, diffbase_storage),
+                (diffbase_key, status_field, watch_inactivity_timeout, watch_server_timeout, worker_limit),
+            )| pb::OperatorSettings {
+                finalizer,
+                persistence_prefix,
+                progress_storage,
+                diffbase_storage,
+                diffbase_key,
+                status_field,
+                watch_inactivity_timeout,
+                watch_server_timeout,
+                worker_limit,
+            },
+        )
+}
+
 fn message() -> impl Strategy<Value = In> {
     prop_oneof![
         2 => prop::collection::vec(handler_registration(), 0..6).prop_map(|h| In::Hello(hello(h))),
@@ -144,10 +174,13 @@ fn message() -> impl Strategy<Value = In> {
         1 => (text(), any::<u32>())
             .prop_map(|(handler_id, max_in_flight)| In::FlowControl(pb::FlowControl { handler_id, max_in_flight })),
         1 => (text(), any::<bool>()).prop_map(|(reason, cleanup)| In::Goodbye(pb::Goodbye { reason, cleanup })),
-        1 => (-1i32..5, -1i32..6).prop_map(|(outcome_events, outcome_level)| In::Settings(pb::ProcessSettings {
-            outcome_events,
-            outcome_level,
-        })),
+        1 => (-1i32..5, -1i32..6, prop::option::of(operator_settings())).prop_map(
+            |(outcome_events, outcome_level, operator)| In::Settings(pb::ProcessSettings {
+                outcome_events,
+                outcome_level,
+                operator,
+            })
+        ),
     ]
 }
 

@@ -6,7 +6,10 @@
 //! finalizer, no leftover progress) must be the same; so must what a daemon, a timer and an
 //! event handler saw (compared as sets: their timing is their own), and the Kubernetes Events
 //! posted about the object (their types, reasons and messages: the explicit `kopf.event`,
-//! `info`, `warn` and `exception` ones, and nothing about the handling itself).
+//! `info`, `warn` and `exception` ones, and nothing about the handling itself). The operator
+//! configures itself in a startup handler (`settings.persistence.finalizer`, watching and
+//! queueing settings), which the controller applies as its flags; and a parent with two
+//! sub-handlers is called once per sub-handler, its retry counted, as kopf's `asap` does.
 
 use std::{
     collections::HashMap,
@@ -127,7 +130,7 @@ async fn sequence(env: &TestEnv, log: &Path) -> Result<(Vec<Value>, Vec<Value>, 
         called(c, "create_fn") >= 2
     })
     .await?;
-    wait_object(&api, "the create results", |o| {
+    wait_object(&api, "diff", "the create results", |o| {
         o.pointer("/status/create_fn").is_some()
     })
     .await?;
@@ -146,7 +149,7 @@ async fn sequence(env: &TestEnv, log: &Path) -> Result<(Vec<Value>, Vec<Value>, 
         called(c, "daemon_fn") >= 1 && called(c, "timer_fn") >= 1
     })
     .await?;
-    let before = wait_object(&api, "the update results", |o| {
+    let before = wait_object(&api, "diff", "the update results", |o| {
         o.pointer("/status/update_fn").is_some() && !has_progress(o)
     })
     .await?;
@@ -160,7 +163,28 @@ async fn sequence(env: &TestEnv, log: &Path) -> Result<(Vec<Value>, Vec<Value>, 
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    Ok((calls(log), side_calls(&side), before))
+    let side_calls: Vec<Value> = side_calls(&side)
+        .into_iter()
+        .filter(|c| c["name"] == "diff")
+        .collect();
+    // A parent with two sub-handlers, on an object of its own (its filter), once the first is
+    // gone: kopf calls the parent once per sub-handler.
+    let object: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "demo.capstan.dev/v1",
+        "kind": "Example",
+        "metadata": {"name": "subs"},
+        "spec": {"field": "s"},
+    }))?;
+    api.create(&PostParams::default(), &object).await?;
+    wait_until("both sub-handlers", log, |c| {
+        called(c, "sub_a") >= 1 && called(c, "sub_b") >= 1
+    })
+    .await?;
+    wait_object(&api, "subs", "the parent done", |o| {
+        !has_progress(o) && o.pointer("/status/create_fn").is_some()
+    })
+    .await?;
+    Ok((calls(log), side_calls, before))
 }
 
 /// The side log beside the calls log `log`.
@@ -178,17 +202,23 @@ fn example_resource() -> kube::api::ApiResource {
     }
 }
 
-async fn wait_object(api: &Api<DynamicObject>, what: &str, done: impl Fn(&Value) -> bool) -> Result<Value> {
+async fn wait_object(
+    api: &Api<DynamicObject>,
+    name: &str,
+    what: &str,
+    done: impl Fn(&Value) -> bool,
+) -> Result<Value> {
     let deadline = tokio::time::Instant::now() + T;
     loop {
-        if let Some(obj) = api.get_opt("diff").await? {
-            let value = serde_json::to_value(&obj)?;
-            if done(&value) {
-                return Ok(value);
-            }
-            if tokio::time::Instant::now() > deadline {
-                bail!("{what} did not appear within {T:?}: {value}");
-            }
+        let object = api.get_opt(name).await?;
+        let value = object.as_ref().map(serde_json::to_value).transpose()?;
+        if let Some(value) = &value
+            && done(value)
+        {
+            return Ok(value.clone());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("{what} did not appear within {T:?}: {value:?}");
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -292,6 +322,10 @@ async fn capstan_kopf_calls_handlers_as_kopf_does() -> Result<()> {
         ("update_fn", Some(0)),
         ("update_field_fn", Some(0)),
         ("delete_fn", Some(0)),
+        ("parent_fn", Some(0)),
+        ("parent_fn", Some(1)),
+        ("sub_a", Some(0)),
+        ("sub_b", Some(0)),
     ] {
         assert!(
             handlers.contains(&expected),
@@ -328,6 +362,12 @@ async fn capstan_kopf_calls_handlers_as_kopf_does() -> Result<()> {
         comparable(&capstan_object),
         comparable(&kopf_object),
         "the final objects differ (left: capstan.kopf, right: kopf)"
+    );
+    // The finalizer is the one the startup handler set in `settings`, under both.
+    assert_eq!(
+        kopf_object.pointer("/metadata/finalizers"),
+        Some(&json!(["differential.capstan.dev/finalizer"])),
+        "kopf did not take its settings' finalizer: {kopf_object}"
     );
     // Events: kopf's types (SomeType, Normal and Warning apart, Error with the exception's
     // text cut as kopf cuts it), and none about the handling.

@@ -671,9 +671,15 @@ fn record_children(
                 purpose: record.purpose.clone(),
                 ..ProgressRecord::default()
             });
-        let result = match execution::judge(&reg, &mut child_record, child.outcome, now) {
-            Verdict::Success { result, .. } => result,
-            _ => None,
+        // A deferred sub-handler did not run: its record stays as it was (unfinished), and
+        // keeps its parent unfinished, to be called again at once.
+        let result = if matches!(child.outcome, Outcome::Skipped) {
+            None
+        } else {
+            match execution::judge(&reg, &mut child_record, child.outcome, now) {
+                Verdict::Success { result, .. } => result,
+                _ => None,
+            }
         };
         if !record.subrefs.contains(&full) {
             record.subrefs.push(full.clone());
@@ -705,13 +711,29 @@ fn children_unfinished(storage: &Storage, body: &Value, record: &ProgressRecord,
         .any(|id| storage.progress.fetch(id, body).is_some_and(|r| !r.finished()))
 }
 
-fn reopen_for_children(record: &mut ProgressRecord, children: &[Child], now: SystemTime) {
+/// Keeps the parent unfinished, due when its earliest unfinished sub-handler is: those reported
+/// now and those persisted earlier but not run this time (one waiting for its delay). A child
+/// without a delay (one left for the next call) is due at once.
+fn reopen_for_children(
+    storage: &Storage,
+    body: &Value,
+    record: &mut ProgressRecord,
+    children: &[Child],
+    now: SystemTime,
+) {
     record.success = false;
     record.stopped = None;
+    let persisted = record
+        .subrefs
+        .iter()
+        .filter(|id| !children.iter().any(|c| &c.id == *id))
+        .filter_map(|id| storage.progress.fetch(id, body));
     let next = children
         .iter()
-        .filter(|c| !c.record.finished())
-        .filter_map(|c| c.record.delayed_until())
+        .map(|c| c.record.clone())
+        .chain(persisted)
+        .filter(|r| !r.finished())
+        .map(|r| r.delayed_until().unwrap_or(now))
         .min()
         .unwrap_or(now);
     record.delayed = Some(time::format(next));

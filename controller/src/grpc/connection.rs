@@ -97,7 +97,7 @@ impl Default for Settings {
 }
 
 /// The capabilities this controller supports.
-const SUPPORTED: [pb::Capability; 8] = [
+const SUPPORTED: [pb::Capability; 9] = [
     pb::Capability::ResultAck,
     pb::Capability::InvocationUpdates,
     pb::Capability::SdkFilters,
@@ -106,6 +106,7 @@ const SUPPORTED: [pb::Capability; 8] = [
     pb::Capability::ObjectGone,
     pb::Capability::CleanupOnGoodbye,
     pb::Capability::ProcessSettings,
+    pb::Capability::DeferredSubhandlers,
 ];
 
 /// The response stream of one connection.
@@ -577,6 +578,22 @@ impl Connection {
                 let wants = convert::outcome_events(&settings);
                 debug!(?wants, "process settings");
                 self.hub.set_outcome_events(self.conn, wants);
+                let (operator, mut problems) =
+                    convert::operator_settings(&settings.operator.unwrap_or_default());
+                for (field, why) in self.hub.set_operator_settings(self.conn, operator) {
+                    warn!(%field, "{why}");
+                    problems.push(
+                        Diagnostic::warning("SETTING_OVERRULED", why)
+                            .at(format!("settings.operator.{field}")),
+                    );
+                }
+                if !problems.is_empty() {
+                    let notice = pb::Notice {
+                        invocation_id: String::new(),
+                        diagnostics: problems.iter().map(convert::diagnostic_to_pb).collect(),
+                    };
+                    return self.emit(Out::Notice(notice)).await.err();
+                }
             }
             Some(In::Goodbye(goodbye)) if goodbye.cleanup && self.cleanup_on_goodbye => {
                 info!(reason = %goodbye.reason, "handler process says goodbye; its cleanup handlers run, nothing else");

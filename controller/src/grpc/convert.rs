@@ -552,6 +552,146 @@ pub fn outcome_events(settings: &pb::ProcessSettings) -> crate::model::posting::
     }
 }
 
+/// The longest watch inactivity or server timeout a process may set: one day.
+const MAX_WATCH_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+/// The most workers a process may ask for.
+const MAX_WORKER_LIMIT: u32 = 100_000;
+
+/// The operator-wide settings of a process's `ProcessSettings`, each checked: a value out of
+/// range is left unset, with a diagnostic (a warning: the rest applies).
+pub fn operator_settings(
+    wire: &pb::OperatorSettings,
+) -> (crate::model::operator_settings::OperatorSettings, Vec<Diagnostic>) {
+    use crate::model::{
+        operator_settings::{DiffBaseKind, Field, OperatorSettings, ProgressKind},
+        selector::valid_label_key,
+    };
+    let mut problems = Vec::new();
+    let finalizer = setting_text(
+        Field::Finalizer,
+        &wire.finalizer,
+        &valid_label_key,
+        "a qualified name (prefix/name)",
+        &mut problems,
+    );
+    let persistence_prefix = setting_text(
+        Field::PersistencePrefix,
+        &wire.persistence_prefix,
+        &|p| !p.contains('/') && valid_label_key(&format!("{p}/x")),
+        "a DNS subdomain",
+        &mut problems,
+    );
+    let diffbase_key = setting_text(
+        Field::DiffBaseKey,
+        &wire.diffbase_key,
+        &valid_label_key,
+        "an annotation key ([prefix/]name)",
+        &mut problems,
+    );
+    let status_field = setting_text(
+        Field::StatusField,
+        &wire.status_field,
+        &|f| {
+            (1..=63).contains(&f.len())
+                && f.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        },
+        "a name of at most 63 letters, digits, - and _",
+        &mut problems,
+    );
+    let watch_inactivity_timeout = watch_timeout(
+        Field::WatchInactivityTimeout,
+        wire.watch_inactivity_timeout.as_ref(),
+        &mut problems,
+    );
+    // The API server takes whole seconds.
+    let watch_server_timeout = watch_timeout(
+        Field::WatchServerTimeout,
+        wire.watch_server_timeout.as_ref(),
+        &mut problems,
+    )
+    .map(|d| Duration::from_secs(d.as_secs().max(1)));
+    let worker_limit = match wire.worker_limit {
+        0 => None,
+        n if n <= MAX_WORKER_LIMIT => Some(n),
+        n => {
+            problems.push(bad_setting(
+                Field::WorkerLimit,
+                &format!("of {n} is more than {MAX_WORKER_LIMIT}"),
+            ));
+            None
+        }
+    };
+    let settings = OperatorSettings {
+        finalizer,
+        persistence_prefix,
+        progress_storage: match pb::ProgressStorageKind::try_from(wire.progress_storage) {
+            Ok(pb::ProgressStorageKind::Annotations) => Some(ProgressKind::Annotations),
+            Ok(pb::ProgressStorageKind::Status) => Some(ProgressKind::Status),
+            Ok(pb::ProgressStorageKind::Smart) => Some(ProgressKind::Smart),
+            _ => None,
+        },
+        diffbase_storage: match pb::DiffBaseStorageKind::try_from(wire.diffbase_storage) {
+            Ok(pb::DiffBaseStorageKind::Annotations) => Some(DiffBaseKind::Annotations),
+            Ok(pb::DiffBaseStorageKind::Status) => Some(DiffBaseKind::Status),
+            _ => None,
+        },
+        diffbase_key,
+        status_field,
+        watch_inactivity_timeout,
+        watch_server_timeout,
+        worker_limit,
+    };
+    (settings, problems)
+}
+
+/// A setting refused: a warning, since the rest of the settings applies.
+fn bad_setting(field: crate::model::operator_settings::Field, why: &str) -> Diagnostic {
+    Diagnostic::warning(
+        "BAD_SETTING",
+        format!("{field} {why}; the controller's own is used"),
+    )
+    .at(format!("settings.operator.{field}"))
+}
+
+/// A text setting: empty is unset, else it must be `valid`.
+fn setting_text(
+    field: crate::model::operator_settings::Field,
+    value: &str,
+    valid: &dyn Fn(&str) -> bool,
+    shape: &str,
+    problems: &mut Vec<Diagnostic>,
+) -> Option<String> {
+    if value.is_empty() {
+        return None;
+    }
+    if valid(value) {
+        return Some(value.to_owned());
+    }
+    let shown: String = value.chars().take(80).collect();
+    problems.push(bad_setting(field, &format!("{shown:?} is not {shape}")));
+    None
+}
+
+/// A watch timeout setting: 1 s to a day.
+fn watch_timeout(
+    field: crate::model::operator_settings::Field,
+    d: Option<&prost_types::Duration>,
+    problems: &mut Vec<Diagnostic>,
+) -> Option<Duration> {
+    match bounded_duration(d?) {
+        Ok(d) if (Duration::from_secs(1)..=MAX_WATCH_TIMEOUT).contains(&d) => Some(d),
+        Ok(d) => {
+            problems.push(bad_setting(field, &format!("of {d:?} is outside 1 s to 1 day")));
+            None
+        }
+        Err(diag) => {
+            problems.push(bad_setting(field, &diag.summary));
+            None
+        }
+    }
+}
+
 /// A log record as a posting about `object`.
 pub fn posting(record: &pb::LogRecord, object: ResourceRef) -> Posting {
     Posting {
@@ -900,6 +1040,8 @@ fn subhandler_outcomes(raw: &[pb::SubhandlerOutcome]) -> Result<Vec<SubhandlerOu
                     diagnostics: diags(&u.diagnostics),
                     subhandlers: Vec::new(),
                 },
+                // Left for a later call of the parent (see `SubhandlerOutcome::outcome`).
+                Some(O::Deferred(_)) => Outcome::Skipped,
                 None => {
                     return Err(Diagnostic::error(
                         "MISSING_OUTCOME",
@@ -929,6 +1071,56 @@ mod tests {
             }),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn operator_settings_out_of_range_are_refused_one_by_one() {
+        use crate::model::operator_settings::ProgressKind;
+        let d = |seconds| Some(prost_types::Duration { seconds, nanos: 0 });
+        let (settings, problems) = operator_settings(&pb::OperatorSettings {
+            finalizer: "example.com/finalizer".into(),
+            persistence_prefix: "Not A Prefix".into(),
+            progress_storage: pb::ProgressStorageKind::Smart as i32,
+            diffbase_key: "example.com/last".into(),
+            status_field: "x".repeat(64),
+            watch_inactivity_timeout: d(0),
+            watch_server_timeout: Some(prost_types::Duration {
+                seconds: 90,
+                nanos: 500,
+            }),
+            worker_limit: 100_001,
+            ..Default::default()
+        });
+        assert_eq!(settings.finalizer.as_deref(), Some("example.com/finalizer"));
+        assert_eq!(settings.progress_storage, Some(ProgressKind::Smart));
+        assert_eq!(settings.diffbase_key.as_deref(), Some("example.com/last"));
+        assert_eq!(settings.watch_server_timeout, Some(Duration::from_secs(90)));
+        assert_eq!(settings.persistence_prefix, None);
+        assert_eq!(settings.status_field, None);
+        assert_eq!(settings.watch_inactivity_timeout, None);
+        assert_eq!(settings.worker_limit, None);
+        let fields: Vec<&str> = problems.iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "settings.operator.persistence_prefix",
+                "settings.operator.status_field",
+                "settings.operator.watch_inactivity_timeout",
+                "settings.operator.worker_limit",
+            ]
+        );
+        assert!(
+            problems
+                .iter()
+                .all(|p| p.reason == "BAD_SETTING" && p.severity == Severity::Warning)
+        );
+        // Nothing set is nothing applied.
+        let (empty, problems) = operator_settings(&pb::OperatorSettings::default());
+        assert_eq!(
+            empty,
+            crate::model::operator_settings::OperatorSettings::default()
+        );
+        assert!(problems.is_empty());
     }
 
     #[test]

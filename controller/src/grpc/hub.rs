@@ -33,6 +33,7 @@ use super::{Control, convert};
 const CLOCK_SKEW: std::time::Duration = std::time::Duration::from_millis(500);
 use crate::model::{
     CancelReason, Diagnostic, HandlerId, Outcome, Patch, Posting, Registration, ResourceRef, Work,
+    operator_settings::{Field, OperatorSettings},
 };
 
 /// Identifies one connection (one `Connect` stream) for the controller's lifetime.
@@ -52,6 +53,9 @@ pub struct Settings {
     /// of growing a list here, and one handler's backlog (its process away or slow, thousands
     /// of daemons) never holds up another handler's work. Default 10,000.
     pub max_waiting: usize,
+    /// The operator-wide settings whose flags were given to the controller, with the flags'
+    /// values: a process's other value for them is not applied, and the process is told so.
+    pub operator_flags: OperatorSettings,
 }
 
 impl Default for Settings {
@@ -60,6 +64,7 @@ impl Default for Settings {
             cancel_grace: Duration::from_secs(5),
             max_losses: 3,
             max_waiting: 10_000,
+            operator_flags: OperatorSettings::default(),
         }
     }
 }
@@ -84,6 +89,8 @@ struct Inner {
     /// Rings when a process that is leaving asks for its cleanup handlers
     /// ([`Hub::leave_with_cleanup`]).
     leaving: Notify,
+    /// The operator-wide settings in effect, from the processes' `ProcessSettings`.
+    operator: watch::Sender<OperatorSettings>,
 }
 
 #[derive(Default)]
@@ -107,6 +114,8 @@ struct Conn {
     cleaning_up: bool,
     /// How the process wants its handlers' outcomes posted (its `ProcessSettings`).
     outcome_events: crate::model::posting::OutcomeEvents,
+    /// The operator-wide settings the process sent (its `ProcessSettings.operator`).
+    operator: OperatorSettings,
     /// The process accepts `ObjectUpdate` messages.
     object_updates: bool,
     /// The process wants `ObjectGone` messages.
@@ -182,6 +191,7 @@ impl Hub {
                 paused: watch::channel(false).0,
                 postings: tokio::sync::broadcast::channel(1024).0,
                 leaving: Notify::new(),
+                operator: watch::channel(OperatorSettings::default()).0,
             }),
         }
     }
@@ -282,6 +292,7 @@ impl Hub {
                 open: false,
                 cleaning_up: false,
                 outcome_events: crate::model::posting::OutcomeEvents::Default,
+                operator: OperatorSettings::default(),
                 object_updates,
                 object_gone: false,
                 max_in_flight,
@@ -384,6 +395,55 @@ impl Hub {
         }
     }
 
+    /// Takes a process's operator-wide settings (the latest replace the earlier ones) and
+    /// brings those in effect up to date. Returns, per field, why a value is not applied (a
+    /// flag given to the controller, or a process connected earlier that set another).
+    pub(crate) fn set_operator_settings(
+        &self,
+        conn: ConnectionId,
+        wanted: OperatorSettings,
+    ) -> Vec<(Field, String)> {
+        let mut state = self.inner.state.lock();
+        let mut earlier: Vec<(ConnectionId, &OperatorSettings)> = state
+            .connections
+            .iter()
+            .filter(|(id, _)| **id < conn)
+            .map(|(id, c)| (*id, &c.operator))
+            .collect();
+        earlier.sort_by_key(|(id, _)| *id);
+        let why = OperatorSettings::overruled(
+            &wanted,
+            &self.inner.settings.operator_flags,
+            earlier.iter().map(|(_, o)| *o),
+        );
+        if let Some(c) = state.connections.get_mut(&conn) {
+            c.operator = wanted;
+        }
+        self.publish_operator(&state);
+        why
+    }
+
+    /// The operator-wide settings in effect, updated when a process sends or takes away a
+    /// value that changes them.
+    pub fn operator_settings(&self) -> watch::Receiver<OperatorSettings> {
+        self.inner.operator.subscribe()
+    }
+
+    fn publish_operator(&self, state: &State) {
+        let mut conns: Vec<(&ConnectionId, &Conn)> = state.connections.iter().collect();
+        conns.sort_by_key(|(id, _)| **id);
+        let processes: Vec<&OperatorSettings> = conns.iter().map(|(_, c)| &c.operator).collect();
+        self.inner.operator.send_if_modified(|current| {
+            let next = OperatorSettings::in_effect(processes.iter().copied(), current);
+            if next == *current {
+                false
+            } else {
+                *current = next;
+                true
+            }
+        });
+    }
+
     /// How the process that owns `handler` wants its outcomes posted as Events; as the
     /// controller's settings say when no process owns it.
     pub fn outcome_events(&self, handler: &HandlerId) -> crate::model::posting::OutcomeEvents {
@@ -420,6 +480,7 @@ impl Hub {
             }
         }
         self.publish(&state);
+        self.publish_operator(&state);
     }
 
     /// Withdraws every registration of the process that owns `handler` (as [`Hub::detach`]
@@ -1138,6 +1199,53 @@ mod tests {
             outcome: Some(pb::invocation_result::Outcome::Success(pb::Success::default())),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn operator_settings_follow_the_first_process_stay_when_it_leaves_and_flags_overrule() {
+        use crate::model::operator_settings::{Field, OperatorSettings};
+        let hub = Hub::new(Settings {
+            operator_flags: OperatorSettings {
+                worker_limit: Some(16),
+                ..OperatorSettings::default()
+            },
+            ..Settings::default()
+        });
+        let changes = hub.operator_settings();
+        let (first, _rx1) = attach(&hub, vec![reg("a", None)], 8);
+        let (second, _rx2) = attach(&hub, vec![reg("b", None)], 8);
+        let wanted = |finalizer: &str| OperatorSettings {
+            finalizer: Some(finalizer.into()),
+            worker_limit: Some(4),
+            ..OperatorSettings::default()
+        };
+        let why = hub.set_operator_settings(first, wanted("a.example/f"));
+        assert_eq!(
+            why.iter().map(|(f, _)| *f).collect::<Vec<_>>(),
+            [Field::WorkerLimit]
+        );
+        assert!(changes.has_changed().unwrap());
+        let why = hub.set_operator_settings(second, wanted("b.example/f"));
+        assert_eq!(
+            why.iter().map(|(f, _)| *f).collect::<Vec<_>>(),
+            [Field::Finalizer, Field::WorkerLimit],
+            "{why:?}"
+        );
+        assert_eq!(
+            hub.operator_settings().borrow().finalizer.as_deref(),
+            Some("a.example/f")
+        );
+        // The first leaves: the second's value takes over; when both left it stays.
+        hub.detach(first);
+        assert_eq!(
+            hub.operator_settings().borrow().finalizer.as_deref(),
+            Some("b.example/f")
+        );
+        hub.detach(second);
+        assert_eq!(
+            hub.operator_settings().borrow().finalizer.as_deref(),
+            Some("b.example/f")
+        );
     }
 
     #[tokio::test]

@@ -311,7 +311,8 @@ pub enum KindResult {
 pub struct SubhandlerOutcome {
     /// The sub-handler id without the parent prefix.
     pub id: String,
-    /// What happened (never `Cancelled`/`Skipped`/`TimedOut`/`Abandoned`).
+    /// What happened (never `Cancelled`/`TimedOut`/`Abandoned`); `Skipped` is a sub-handler
+    /// the process's lifecycle left for a later call of its parent (it did not run).
     pub outcome: Outcome,
 }
 

@@ -269,7 +269,7 @@ fn parse_label(raw: &str) -> Result<LabelRequirement, SelectorError> {
 
 /// `[prefix/]name`: the prefix a DNS subdomain, the name at most 63 characters of
 /// alphanumerics, `-`, `_` and `.`, starting and ending alphanumeric.
-fn valid_label_key(key: &str) -> bool {
+pub(crate) fn valid_label_key(key: &str) -> bool {
     let (prefix, name) = match key.rsplit_once('/') {
         Some((p, n)) => (Some(p), n),
         None => (None, key),

@@ -29,7 +29,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n capstan/v1/runtime_service.proto\x12\ncapstan.v1\x1a\x17\x63\x61pstan/v1/common.proto\x1a\x1b\x63\x61pstan/v1/invocation.proto\x1a\x1d\x63\x61pstan/v1/registration.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf1\x02\n\x0e\x43onnectRequest\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.capstan.v1.HelloH\x00\x12.\n\x06result\x18\x02 \x01(\x0b\x32\x1c.capstan.v1.InvocationResultH\x00\x12.\n\x06update\x18\x03 \x01(\x0b\x32\x1c.capstan.v1.InvocationUpdateH\x00\x12$\n\x03log\x18\x04 \x01(\x0b\x32\x15.capstan.v1.LogRecordH\x00\x12 \n\x04pong\x18\x05 \x01(\x0b\x32\x10.capstan.v1.PongH\x00\x12/\n\x0c\x66low_control\x18\x06 \x01(\x0b\x32\x17.capstan.v1.FlowControlH\x00\x12&\n\x07goodbye\x18\x07 \x01(\x0b\x32\x13.capstan.v1.GoodbyeH\x00\x12/\n\x08settings\x18\x08 \x01(\x0b\x32\x1b.capstan.v1.ProcessSettingsH\x00\x42\t\n\x07message\"\xbd\x03\n\x0f\x43onnectResponse\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.capstan.v1.WelcomeH\x00\x12,\n\ninvocation\x18\x02 \x01(\x0b\x32\x16.capstan.v1.InvocationH\x00\x12$\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x12.capstan.v1.CancelH\x00\x12 \n\x04ping\x18\x04 \x01(\x0b\x32\x10.capstan.v1.PingH\x00\x12\"\n\x05\x64rain\x18\x05 \x01(\x0b\x32\x11.capstan.v1.DrainH\x00\x12+\n\nresult_ack\x18\x06 \x01(\x0b\x32\x15.capstan.v1.ResultAckH\x00\x12$\n\x06notice\x18\x07 \x01(\x0b\x32\x12.capstan.v1.NoticeH\x00\x12\x31\n\robject_update\x18\x08 \x01(\x0b\x32\x18.capstan.v1.ObjectUpdateH\x00\x12-\n\x0bobject_gone\x18\x14 \x01(\x0b\x32\x16.capstan.v1.ObjectGoneH\x00\x12(\n\x08\x66\x61rewell\x18\x15 \x01(\x0b\x32\x14.capstan.v1.FarewellH\x00\x42\t\n\x07message\"?\n\x0cSoftwareInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\"\xbb\x01\n\x05Hello\x12,\n\x0c\x63\x61pabilities\x18\x01 \x03(\x0e\x32\x16.capstan.v1.Capability\x12%\n\x03sdk\x18\x02 \x01(\x0b\x32\x18.capstan.v1.SoftwareInfo\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x31\n\x08handlers\x18\x04 \x03(\x0b\x32\x1f.capstan.v1.HandlerRegistration\x12\x15\n\rmax_in_flight\x18\x05 \x01(\r\"\xd5\x01\n\x06Limits\x12\x19\n\x11max_message_bytes\x18\x01 \x01(\x04\x12\x30\n\rping_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0cping_timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rmax_in_flight\x18\x04 \x01(\r\x12\x36\n\x13\x63\x61ncel_grace_period\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xd4\x01\n\x07Welcome\x12\x15\n\rconnection_id\x18\x01 \x01(\t\x12,\n\x0c\x63\x61pabilities\x18\x02 \x03(\x0e\x32\x16.capstan.v1.Capability\x12)\n\x07runtime\x18\x03 \x01(\x0b\x32\x18.capstan.v1.SoftwareInfo\x12\"\n\x06limits\x18\x04 \x01(\x0b\x32\x12.capstan.v1.Limits\x12\x35\n\rregistrations\x18\x05 \x03(\x0b\x32\x1e.capstan.v1.RegistrationStatus\"\xdc\x02\n\tLogRecord\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12#\n\x05level\x18\x02 \x01(\x0e\x32\x14.capstan.v1.LogLevel\x12\x0f\n\x07message\x18\x03 \x01(\t\x12(\n\x04time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\x06\x66ields\x18\x05 \x03(\x0b\x32!.capstan.v1.LogRecord.FieldsEntry\x12)\n\x07posting\x18\x06 \x01(\x0e\x32\x18.capstan.v1.EventPosting\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\'\n\x06object\x18\x08 \x01(\x0b\x32\x17.capstan.v1.ResourceRef\x12\x12\n\nevent_type\x18\t \x01(\t\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"p\n\x0fProcessSettings\x12\x30\n\x0eoutcome_events\x18\x01 \x01(\x0e\x32\x18.capstan.v1.EventPosting\x12+\n\routcome_level\x18\x02 \x01(\x0e\x32\x14.capstan.v1.LogLevel\"D\n\x04Ping\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12-\n\tsent_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"(\n\x04Pong\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x11\n\tin_flight\x18\x02 \x01(\r\"8\n\x0b\x46lowControl\x12\x12\n\nhandler_id\x18\x01 \x01(\t\x12\x15\n\rmax_in_flight\x18\x02 \x01(\r\"*\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07\x63leanup\x18\x02 \x01(\x08\"\x1a\n\x08\x46\x61rewell\x12\x0e\n\x06reason\x18\x01 \x01(\t\"x\n\x05\x44rain\x12/\n\x0cgrace_period\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12.\n\nstart_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"a\n\tResultAck\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12+\n\x0b\x64iagnostics\x18\x03 \x03(\x0b\x32\x16.capstan.v1.Diagnostic\"L\n\x06Notice\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12+\n\x0b\x64iagnostics\x18\x02 \x03(\x0b\x32\x16.capstan.v1.Diagnostic\"E\n\x0cObjectUpdate\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12\x1e\n\x04\x62ody\x18\x02 \x01(\x0b\x32\x10.capstan.v1.Json\"5\n\nObjectGone\x12\'\n\x06object\x18\x01 \x01(\x0b\x32\x17.capstan.v1.ResourceRef*\x9d\x02\n\nCapability\x12\x1a\n\x16\x43\x41PABILITY_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43\x41PABILITY_RESULT_ACK\x10\x01\x12!\n\x1d\x43\x41PABILITY_INVOCATION_UPDATES\x10\x02\x12\x1a\n\x16\x43\x41PABILITY_SDK_FILTERS\x10\x03\x12\x1a\n\x16\x43\x41PABILITY_SUBHANDLERS\x10\x04\x12\x1d\n\x19\x43\x41PABILITY_OBJECT_UPDATES\x10\x05\x12\x1a\n\x16\x43\x41PABILITY_OBJECT_GONE\x10\n\x12!\n\x1d\x43\x41PABILITY_CLEANUP_ON_GOODBYE\x10\x0b\x12\x1f\n\x1b\x43\x41PABILITY_PROCESS_SETTINGS\x10\x0c*z\n\x08LogLevel\x12\x19\n\x15LOG_LEVEL_UNSPECIFIED\x10\x00\x12\x13\n\x0fLOG_LEVEL_DEBUG\x10\x01\x12\x12\n\x0eLOG_LEVEL_INFO\x10\x02\x12\x15\n\x11LOG_LEVEL_WARNING\x10\x03\x12\x13\n\x0fLOG_LEVEL_ERROR\x10\x04*`\n\x0c\x45ventPosting\x12\x1d\n\x19\x45VENT_POSTING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45VENT_POSTING_ALWAYS\x10\x01\x12\x17\n\x13\x45VENT_POSTING_NEVER\x10\x02\x32X\n\x0eRuntimeService\x12\x46\n\x07\x43onnect\x12\x1a.capstan.v1.ConnectRequest\x1a\x1b.capstan.v1.ConnectResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n capstan/v1/runtime_service.proto\x12\ncapstan.v1\x1a\x17\x63\x61pstan/v1/common.proto\x1a\x1b\x63\x61pstan/v1/invocation.proto\x1a\x1d\x63\x61pstan/v1/registration.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf1\x02\n\x0e\x43onnectRequest\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.capstan.v1.HelloH\x00\x12.\n\x06result\x18\x02 \x01(\x0b\x32\x1c.capstan.v1.InvocationResultH\x00\x12.\n\x06update\x18\x03 \x01(\x0b\x32\x1c.capstan.v1.InvocationUpdateH\x00\x12$\n\x03log\x18\x04 \x01(\x0b\x32\x15.capstan.v1.LogRecordH\x00\x12 \n\x04pong\x18\x05 \x01(\x0b\x32\x10.capstan.v1.PongH\x00\x12/\n\x0c\x66low_control\x18\x06 \x01(\x0b\x32\x17.capstan.v1.FlowControlH\x00\x12&\n\x07goodbye\x18\x07 \x01(\x0b\x32\x13.capstan.v1.GoodbyeH\x00\x12/\n\x08settings\x18\x08 \x01(\x0b\x32\x1b.capstan.v1.ProcessSettingsH\x00\x42\t\n\x07message\"\xbd\x03\n\x0f\x43onnectResponse\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.capstan.v1.WelcomeH\x00\x12,\n\ninvocation\x18\x02 \x01(\x0b\x32\x16.capstan.v1.InvocationH\x00\x12$\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x12.capstan.v1.CancelH\x00\x12 \n\x04ping\x18\x04 \x01(\x0b\x32\x10.capstan.v1.PingH\x00\x12\"\n\x05\x64rain\x18\x05 \x01(\x0b\x32\x11.capstan.v1.DrainH\x00\x12+\n\nresult_ack\x18\x06 \x01(\x0b\x32\x15.capstan.v1.ResultAckH\x00\x12$\n\x06notice\x18\x07 \x01(\x0b\x32\x12.capstan.v1.NoticeH\x00\x12\x31\n\robject_update\x18\x08 \x01(\x0b\x32\x18.capstan.v1.ObjectUpdateH\x00\x12-\n\x0bobject_gone\x18\x14 \x01(\x0b\x32\x16.capstan.v1.ObjectGoneH\x00\x12(\n\x08\x66\x61rewell\x18\x15 \x01(\x0b\x32\x14.capstan.v1.FarewellH\x00\x42\t\n\x07message\"?\n\x0cSoftwareInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\"\xbb\x01\n\x05Hello\x12,\n\x0c\x63\x61pabilities\x18\x01 \x03(\x0e\x32\x16.capstan.v1.Capability\x12%\n\x03sdk\x18\x02 \x01(\x0b\x32\x18.capstan.v1.SoftwareInfo\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x31\n\x08handlers\x18\x04 \x03(\x0b\x32\x1f.capstan.v1.HandlerRegistration\x12\x15\n\rmax_in_flight\x18\x05 \x01(\r\"\xd5\x01\n\x06Limits\x12\x19\n\x11max_message_bytes\x18\x01 \x01(\x04\x12\x30\n\rping_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0cping_timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rmax_in_flight\x18\x04 \x01(\r\x12\x36\n\x13\x63\x61ncel_grace_period\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xd4\x01\n\x07Welcome\x12\x15\n\rconnection_id\x18\x01 \x01(\t\x12,\n\x0c\x63\x61pabilities\x18\x02 \x03(\x0e\x32\x16.capstan.v1.Capability\x12)\n\x07runtime\x18\x03 \x01(\x0b\x32\x18.capstan.v1.SoftwareInfo\x12\"\n\x06limits\x18\x04 \x01(\x0b\x32\x12.capstan.v1.Limits\x12\x35\n\rregistrations\x18\x05 \x03(\x0b\x32\x1e.capstan.v1.RegistrationStatus\"\xdc\x02\n\tLogRecord\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12#\n\x05level\x18\x02 \x01(\x0e\x32\x14.capstan.v1.LogLevel\x12\x0f\n\x07message\x18\x03 \x01(\t\x12(\n\x04time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\x06\x66ields\x18\x05 \x03(\x0b\x32!.capstan.v1.LogRecord.FieldsEntry\x12)\n\x07posting\x18\x06 \x01(\x0e\x32\x18.capstan.v1.EventPosting\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\'\n\x06object\x18\x08 \x01(\x0b\x32\x17.capstan.v1.ResourceRef\x12\x12\n\nevent_type\x18\t \x01(\t\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa0\x01\n\x0fProcessSettings\x12\x30\n\x0eoutcome_events\x18\x01 \x01(\x0e\x32\x18.capstan.v1.EventPosting\x12+\n\routcome_level\x18\x02 \x01(\x0e\x32\x14.capstan.v1.LogLevel\x12.\n\x08operator\x18\x03 \x01(\x0b\x32\x1c.capstan.v1.OperatorSettings\"\xef\x02\n\x10OperatorSettings\x12\x11\n\tfinalizer\x18\x01 \x01(\t\x12\x1a\n\x12persistence_prefix\x18\x02 \x01(\t\x12\x39\n\x10progress_storage\x18\x03 \x01(\x0e\x32\x1f.capstan.v1.ProgressStorageKind\x12\x39\n\x10\x64iffbase_storage\x18\x04 \x01(\x0e\x32\x1f.capstan.v1.DiffBaseStorageKind\x12\x14\n\x0c\x64iffbase_key\x18\x05 \x01(\t\x12\x14\n\x0cstatus_field\x18\x06 \x01(\t\x12;\n\x18watch_inactivity_timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x37\n\x14watch_server_timeout\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0cworker_limit\x18\t \x01(\r\"D\n\x04Ping\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12-\n\tsent_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"(\n\x04Pong\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x11\n\tin_flight\x18\x02 \x01(\r\"8\n\x0b\x46lowControl\x12\x12\n\nhandler_id\x18\x01 \x01(\t\x12\x15\n\rmax_in_flight\x18\x02 \x01(\r\"*\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07\x63leanup\x18\x02 \x01(\x08\"\x1a\n\x08\x46\x61rewell\x12\x0e\n\x06reason\x18\x01 \x01(\t\"x\n\x05\x44rain\x12/\n\x0cgrace_period\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12.\n\nstart_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"a\n\tResultAck\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12+\n\x0b\x64iagnostics\x18\x03 \x03(\x0b\x32\x16.capstan.v1.Diagnostic\"L\n\x06Notice\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12+\n\x0b\x64iagnostics\x18\x02 \x03(\x0b\x32\x16.capstan.v1.Diagnostic\"E\n\x0cObjectUpdate\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12\x1e\n\x04\x62ody\x18\x02 \x01(\x0b\x32\x10.capstan.v1.Json\"5\n\nObjectGone\x12\'\n\x06object\x18\x01 \x01(\x0b\x32\x17.capstan.v1.ResourceRef*\xc2\x02\n\nCapability\x12\x1a\n\x16\x43\x41PABILITY_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43\x41PABILITY_RESULT_ACK\x10\x01\x12!\n\x1d\x43\x41PABILITY_INVOCATION_UPDATES\x10\x02\x12\x1a\n\x16\x43\x41PABILITY_SDK_FILTERS\x10\x03\x12\x1a\n\x16\x43\x41PABILITY_SUBHANDLERS\x10\x04\x12\x1d\n\x19\x43\x41PABILITY_OBJECT_UPDATES\x10\x05\x12\x1a\n\x16\x43\x41PABILITY_OBJECT_GONE\x10\n\x12!\n\x1d\x43\x41PABILITY_CLEANUP_ON_GOODBYE\x10\x0b\x12\x1f\n\x1b\x43\x41PABILITY_PROCESS_SETTINGS\x10\x0c\x12#\n\x1f\x43\x41PABILITY_DEFERRED_SUBHANDLERS\x10\r*z\n\x08LogLevel\x12\x19\n\x15LOG_LEVEL_UNSPECIFIED\x10\x00\x12\x13\n\x0fLOG_LEVEL_DEBUG\x10\x01\x12\x12\n\x0eLOG_LEVEL_INFO\x10\x02\x12\x15\n\x11LOG_LEVEL_WARNING\x10\x03\x12\x13\n\x0fLOG_LEVEL_ERROR\x10\x04*`\n\x0c\x45ventPosting\x12\x1d\n\x19\x45VENT_POSTING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45VENT_POSTING_ALWAYS\x10\x01\x12\x17\n\x13\x45VENT_POSTING_NEVER\x10\x02*\xa6\x01\n\x13ProgressStorageKind\x12%\n!PROGRESS_STORAGE_KIND_UNSPECIFIED\x10\x00\x12%\n!PROGRESS_STORAGE_KIND_ANNOTATIONS\x10\x01\x12 \n\x1cPROGRESS_STORAGE_KIND_STATUS\x10\x02\x12\x1f\n\x1bPROGRESS_STORAGE_KIND_SMART\x10\x03*\x88\x01\n\x13\x44iffBaseStorageKind\x12&\n\"DIFF_BASE_STORAGE_KIND_UNSPECIFIED\x10\x00\x12&\n\"DIFF_BASE_STORAGE_KIND_ANNOTATIONS\x10\x01\x12!\n\x1d\x44IFF_BASE_STORAGE_KIND_STATUS\x10\x02\x32X\n\x0eRuntimeService\x12\x46\n\x07\x43onnect\x12\x1a.capstan.v1.ConnectRequest\x1a\x1b.capstan.v1.ConnectResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,12 +38,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOGRECORD_FIELDSENTRY']._loaded_options = None
   _globals['_LOGRECORD_FIELDSENTRY']._serialized_options = b'8\001'
-  _globals['_CAPABILITY']._serialized_start=2837
-  _globals['_CAPABILITY']._serialized_end=3122
-  _globals['_LOGLEVEL']._serialized_start=3124
-  _globals['_LOGLEVEL']._serialized_end=3246
-  _globals['_EVENTPOSTING']._serialized_start=3248
-  _globals['_EVENTPOSTING']._serialized_end=3344
+  _globals['_CAPABILITY']._serialized_start=3256
+  _globals['_CAPABILITY']._serialized_end=3578
+  _globals['_LOGLEVEL']._serialized_start=3580
+  _globals['_LOGLEVEL']._serialized_end=3702
+  _globals['_EVENTPOSTING']._serialized_start=3704
+  _globals['_EVENTPOSTING']._serialized_end=3800
+  _globals['_PROGRESSSTORAGEKIND']._serialized_start=3803
+  _globals['_PROGRESSSTORAGEKIND']._serialized_end=3969
+  _globals['_DIFFBASESTORAGEKIND']._serialized_start=3972
+  _globals['_DIFFBASESTORAGEKIND']._serialized_end=4108
   _globals['_CONNECTREQUEST']._serialized_start=199
   _globals['_CONNECTREQUEST']._serialized_end=568
   _globals['_CONNECTRESPONSE']._serialized_start=571
@@ -60,28 +64,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOGRECORD']._serialized_end=2053
   _globals['_LOGRECORD_FIELDSENTRY']._serialized_start=2008
   _globals['_LOGRECORD_FIELDSENTRY']._serialized_end=2053
-  _globals['_PROCESSSETTINGS']._serialized_start=2055
-  _globals['_PROCESSSETTINGS']._serialized_end=2167
-  _globals['_PING']._serialized_start=2169
-  _globals['_PING']._serialized_end=2237
-  _globals['_PONG']._serialized_start=2239
-  _globals['_PONG']._serialized_end=2279
-  _globals['_FLOWCONTROL']._serialized_start=2281
-  _globals['_FLOWCONTROL']._serialized_end=2337
-  _globals['_GOODBYE']._serialized_start=2339
-  _globals['_GOODBYE']._serialized_end=2381
-  _globals['_FAREWELL']._serialized_start=2383
-  _globals['_FAREWELL']._serialized_end=2409
-  _globals['_DRAIN']._serialized_start=2411
-  _globals['_DRAIN']._serialized_end=2531
-  _globals['_RESULTACK']._serialized_start=2533
-  _globals['_RESULTACK']._serialized_end=2630
-  _globals['_NOTICE']._serialized_start=2632
-  _globals['_NOTICE']._serialized_end=2708
-  _globals['_OBJECTUPDATE']._serialized_start=2710
-  _globals['_OBJECTUPDATE']._serialized_end=2779
-  _globals['_OBJECTGONE']._serialized_start=2781
-  _globals['_OBJECTGONE']._serialized_end=2834
-  _globals['_RUNTIMESERVICE']._serialized_start=3346
-  _globals['_RUNTIMESERVICE']._serialized_end=3434
+  _globals['_PROCESSSETTINGS']._serialized_start=2056
+  _globals['_PROCESSSETTINGS']._serialized_end=2216
+  _globals['_OPERATORSETTINGS']._serialized_start=2219
+  _globals['_OPERATORSETTINGS']._serialized_end=2586
+  _globals['_PING']._serialized_start=2588
+  _globals['_PING']._serialized_end=2656
+  _globals['_PONG']._serialized_start=2658
+  _globals['_PONG']._serialized_end=2698
+  _globals['_FLOWCONTROL']._serialized_start=2700
+  _globals['_FLOWCONTROL']._serialized_end=2756
+  _globals['_GOODBYE']._serialized_start=2758
+  _globals['_GOODBYE']._serialized_end=2800
+  _globals['_FAREWELL']._serialized_start=2802
+  _globals['_FAREWELL']._serialized_end=2828
+  _globals['_DRAIN']._serialized_start=2830
+  _globals['_DRAIN']._serialized_end=2950
+  _globals['_RESULTACK']._serialized_start=2952
+  _globals['_RESULTACK']._serialized_end=3049
+  _globals['_NOTICE']._serialized_start=3051
+  _globals['_NOTICE']._serialized_end=3127
+  _globals['_OBJECTUPDATE']._serialized_start=3129
+  _globals['_OBJECTUPDATE']._serialized_end=3198
+  _globals['_OBJECTGONE']._serialized_start=3200
+  _globals['_OBJECTGONE']._serialized_end=3253
+  _globals['_RUNTIMESERVICE']._serialized_start=4110
+  _globals['_RUNTIMESERVICE']._serialized_end=4198
 # @@protoc_insertion_point(module_scope)

@@ -20,6 +20,15 @@ def record(handler, name, **seen):
         log.write(json.dumps({"handler": handler, "name": name, **seen}, sort_keys=True) + "\n")
 
 
+@kopf.on.startup()
+def configure(settings, **_):
+    # An operator's own settings: under Capstan the controller applies them as if given as its
+    # flags (its finalizer is then kopf's name no more, under either).
+    settings.persistence.finalizer = "differential.capstan.dev/finalizer"
+    settings.watching.server_timeout = 120
+    settings.queueing.worker_limit = 16
+
+
 @kopf.on.create(*RESOURCE)
 def create_fn(name, spec, retry, patch, body, logger, **_):
     record("create_fn", name, retry=retry, field=spec.get("field"))
@@ -55,6 +64,17 @@ def field_fn(name, old, new, reason, **_):
 def update_field_fn(name, old, new, diff, retry, **_):
     record("update_field_fn", name, retry=retry, old=old, new=new,
            diff=[[op, list(field), o, n] for op, field, o, n in diff])
+
+
+@kopf.on.create(*RESOURCE, id="parent_fn", when=lambda name, **_: name == "subs")
+def parent_fn(name, retry, **_):
+    # kopf's default lifecycle runs one sub-handler per call of the parent: the parent is
+    # called again (its retry counted) for the second.
+    record("parent_fn", name, retry=retry)
+    for item in ("a", "b"):
+        @kopf.subhandler(id=f"sub_{item}")
+        def sub_fn(retry, item=item, **_):
+            record(f"sub_{item}", name, retry=retry)
 
 
 @kopf.on.delete(*RESOURCE)

@@ -452,6 +452,79 @@ async fn sub_handlers_keep_the_parent_open_until_they_finish() {
 }
 
 #[tokio::test]
+async fn a_deferred_sub_handler_keeps_its_parent_due_at_once_and_a_waiting_one_keeps_it_waiting() {
+    let handlers = [reg("parent", HandlerKind::Create)];
+    let script = Script::new(vec![Outcome::Success {
+        result: None,
+        kind_result: None,
+        patches: vec![],
+        subhandlers: vec![
+            SubhandlerOutcome {
+                id: "a".into(),
+                outcome: Outcome::success(None),
+            },
+            SubhandlerOutcome {
+                id: "slow".into(),
+                outcome: Outcome::Temporary {
+                    delay: Some(Duration::from_secs(600)),
+                    diagnostics: vec![],
+                    subhandlers: vec![],
+                },
+            },
+            SubhandlerOutcome {
+                id: "b".into(),
+                outcome: Outcome::Skipped,
+            },
+        ],
+    }]);
+    let plan = run(&body(), EventType::Added, &handlers, Memory::default(), &script).await;
+    assert!(!plan.done, "the deferred sub-handler has not run");
+    let desired = plan.desired.unwrap();
+    let ann = &desired["metadata"]["annotations"];
+    let parent: ProgressRecord = serde_json::from_str(ann["capstan.dev/parent"].as_str().unwrap()).unwrap();
+    assert_eq!(parent.subrefs, ["parent/a", "parent/b", "parent/slow"]);
+    assert!(!parent.finished());
+    // Due at once for the deferred one, not after the other's 600 s.
+    let due = parent.delayed_until().expect("the parent is delayed");
+    assert!(
+        due <= std::time::SystemTime::now() + Duration::from_secs(5),
+        "the parent waits for the delayed sub-handler: {parent:?}"
+    );
+    let b: ProgressRecord = serde_json::from_str(ann["capstan.dev/parent.b"].as_str().unwrap()).unwrap();
+    assert_eq!((b.retries, b.finished()), (0, false), "{b:?}");
+
+    // The next call runs only the deferred one: the parent is then due when the one still
+    // waiting is, not at once (it would be called again and again for nothing).
+    let mut later = desired.clone();
+    let mut p_ready = parent.clone();
+    p_ready.delayed = None;
+    later["metadata"]["annotations"]["capstan.dev/parent"] = json!(serde_json::to_string(&p_ready).unwrap());
+    let script = Script::new(vec![Outcome::Success {
+        result: None,
+        kind_result: None,
+        patches: vec![],
+        subhandlers: vec![SubhandlerOutcome {
+            id: "b".into(),
+            outcome: Outcome::success(None),
+        }],
+    }]);
+    let plan = run(&later, EventType::Modified, &handlers, Memory::default(), &script).await;
+    assert!(!plan.done);
+    let desired = plan.desired.unwrap();
+    let parent: ProgressRecord = serde_json::from_str(
+        desired["metadata"]["annotations"]["capstan.dev/parent"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let due = parent.delayed_until().expect("the parent is delayed");
+    assert!(
+        due >= std::time::SystemTime::now() + Duration::from_secs(500),
+        "the parent is due before its waiting sub-handler: {parent:?}"
+    );
+}
+
+#[tokio::test]
 async fn a_rejected_patch_becomes_a_failed_attempt_and_keeps_the_rest() {
     let handlers = [
         reg("patcher", HandlerKind::Create),

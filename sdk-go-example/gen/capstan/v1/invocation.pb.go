@@ -1855,6 +1855,7 @@ type SubhandlerOutcome struct {
 	//	*SubhandlerOutcome_TemporaryError
 	//	*SubhandlerOutcome_PermanentError
 	//	*SubhandlerOutcome_UnclassifiedError
+	//	*SubhandlerOutcome_Deferred
 	Outcome       isSubhandlerOutcome_Outcome `protobuf_oneof:"outcome"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1940,6 +1941,15 @@ func (x *SubhandlerOutcome) GetUnclassifiedError() *UnclassifiedError {
 	return nil
 }
 
+func (x *SubhandlerOutcome) GetDeferred() *Deferred {
+	if x != nil {
+		if x, ok := x.Outcome.(*SubhandlerOutcome_Deferred); ok {
+			return x.Deferred
+		}
+	}
+	return nil
+}
+
 type isSubhandlerOutcome_Outcome interface {
 	isSubhandlerOutcome_Outcome()
 }
@@ -1964,6 +1974,11 @@ type SubhandlerOutcome_UnclassifiedError struct {
 	UnclassifiedError *UnclassifiedError `protobuf:"bytes,5,opt,name=unclassified_error,json=unclassifiedError,proto3,oneof"`
 }
 
+type SubhandlerOutcome_Deferred struct {
+	// It did not run in this call (only with CAPABILITY_DEFERRED_SUBHANDLERS).
+	Deferred *Deferred `protobuf:"bytes,6,opt,name=deferred,proto3,oneof"`
+}
+
 func (*SubhandlerOutcome_Success) isSubhandlerOutcome_Outcome() {}
 
 func (*SubhandlerOutcome_TemporaryError) isSubhandlerOutcome_Outcome() {}
@@ -1971,6 +1986,48 @@ func (*SubhandlerOutcome_TemporaryError) isSubhandlerOutcome_Outcome() {}
 func (*SubhandlerOutcome_PermanentError) isSubhandlerOutcome_Outcome() {}
 
 func (*SubhandlerOutcome_UnclassifiedError) isSubhandlerOutcome_Outcome() {}
+
+func (*SubhandlerOutcome_Deferred) isSubhandlerOutcome_Outcome() {}
+
+// A sub-handler left for a later call of its parent: the handler process's lifecycle (kopf's
+// `asap`, its default, runs one sub-handler per call) picked others this time. The controller
+// keeps the parent unfinished and invokes it again at once (a new attempt of the parent); the
+// sub-handler's state is unchanged (no attempt counted).
+type Deferred struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Deferred) Reset() {
+	*x = Deferred{}
+	mi := &file_capstan_v1_invocation_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Deferred) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Deferred) ProtoMessage() {}
+
+func (x *Deferred) ProtoReflect() protoreflect.Message {
+	mi := &file_capstan_v1_invocation_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Deferred.ProtoReflect.Descriptor instead.
+func (*Deferred) Descriptor() ([]byte, []int) {
+	return file_capstan_v1_invocation_proto_rawDescGZIP(), []int{21}
+}
 
 // The terminal answer to one invocation: exactly one per invocation_id.
 type InvocationResult struct {
@@ -2002,7 +2059,7 @@ type InvocationResult struct {
 
 func (x *InvocationResult) Reset() {
 	*x = InvocationResult{}
-	mi := &file_capstan_v1_invocation_proto_msgTypes[21]
+	mi := &file_capstan_v1_invocation_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2014,7 +2071,7 @@ func (x *InvocationResult) String() string {
 func (*InvocationResult) ProtoMessage() {}
 
 func (x *InvocationResult) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_invocation_proto_msgTypes[21]
+	mi := &file_capstan_v1_invocation_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2027,7 +2084,7 @@ func (x *InvocationResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvocationResult.ProtoReflect.Descriptor instead.
 func (*InvocationResult) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_invocation_proto_rawDescGZIP(), []int{21}
+	return file_capstan_v1_invocation_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *InvocationResult) GetInvocationId() string {
@@ -2179,7 +2236,7 @@ type InvocationUpdate struct {
 
 func (x *InvocationUpdate) Reset() {
 	*x = InvocationUpdate{}
-	mi := &file_capstan_v1_invocation_proto_msgTypes[22]
+	mi := &file_capstan_v1_invocation_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2191,7 +2248,7 @@ func (x *InvocationUpdate) String() string {
 func (*InvocationUpdate) ProtoMessage() {}
 
 func (x *InvocationUpdate) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_invocation_proto_msgTypes[22]
+	mi := &file_capstan_v1_invocation_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2204,7 +2261,7 @@ func (x *InvocationUpdate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvocationUpdate.ProtoReflect.Descriptor instead.
 func (*InvocationUpdate) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_invocation_proto_rawDescGZIP(), []int{22}
+	return file_capstan_v1_invocation_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *InvocationUpdate) GetInvocationId() string {
@@ -2331,14 +2388,17 @@ const file_capstan_v1_invocation_proto_rawDesc = "" +
 	"\x11UnclassifiedError\x128\n" +
 	"\vdiagnostics\x18\x01 \x03(\v2\x16.capstan.v1.DiagnosticR\vdiagnostics\"\v\n" +
 	"\tCancelled\"\t\n" +
-	"\aSkipped\"\xd2\x02\n" +
+	"\aSkipped\"\x86\x03\n" +
 	"\x11SubhandlerOutcome\x12#\n" +
 	"\rsubhandler_id\x18\x01 \x01(\tR\fsubhandlerId\x12/\n" +
 	"\asuccess\x18\x02 \x01(\v2\x13.capstan.v1.SuccessH\x00R\asuccess\x12E\n" +
 	"\x0ftemporary_error\x18\x03 \x01(\v2\x1a.capstan.v1.TemporaryErrorH\x00R\x0etemporaryError\x12E\n" +
 	"\x0fpermanent_error\x18\x04 \x01(\v2\x1a.capstan.v1.PermanentErrorH\x00R\x0epermanentError\x12N\n" +
-	"\x12unclassified_error\x18\x05 \x01(\v2\x1d.capstan.v1.UnclassifiedErrorH\x00R\x11unclassifiedErrorB\t\n" +
-	"\aoutcome\"\xde\x04\n" +
+	"\x12unclassified_error\x18\x05 \x01(\v2\x1d.capstan.v1.UnclassifiedErrorH\x00R\x11unclassifiedError\x122\n" +
+	"\bdeferred\x18\x06 \x01(\v2\x14.capstan.v1.DeferredH\x00R\bdeferredB\t\n" +
+	"\aoutcome\"\n" +
+	"\n" +
+	"\bDeferred\"\xde\x04\n" +
 	"\x10InvocationResult\x12#\n" +
 	"\rinvocation_id\x18\x01 \x01(\tR\finvocationId\x12/\n" +
 	"\asuccess\x18\x02 \x01(\v2\x13.capstan.v1.SuccessH\x00R\asuccess\x12E\n" +
@@ -2402,7 +2462,7 @@ func file_capstan_v1_invocation_proto_rawDescGZIP() []byte {
 }
 
 var file_capstan_v1_invocation_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_capstan_v1_invocation_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_capstan_v1_invocation_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
 var file_capstan_v1_invocation_proto_goTypes = []any{
 	(ChangeReason)(0),             // 0: capstan.v1.ChangeReason
 	(DiffOperation)(0),            // 1: capstan.v1.DiffOperation
@@ -2430,38 +2490,39 @@ var file_capstan_v1_invocation_proto_goTypes = []any{
 	(*Cancelled)(nil),             // 23: capstan.v1.Cancelled
 	(*Skipped)(nil),               // 24: capstan.v1.Skipped
 	(*SubhandlerOutcome)(nil),     // 25: capstan.v1.SubhandlerOutcome
-	(*InvocationResult)(nil),      // 26: capstan.v1.InvocationResult
-	(*InvocationUpdate)(nil),      // 27: capstan.v1.InvocationUpdate
-	nil,                           // 28: capstan.v1.Invocation.TraceContextEntry
-	(*Json)(nil),                  // 29: capstan.v1.Json
-	(*timestamppb.Timestamp)(nil), // 30: google.protobuf.Timestamp
-	(*ResourceRef)(nil),           // 31: capstan.v1.ResourceRef
-	(*Diagnostic)(nil),            // 32: capstan.v1.Diagnostic
-	(*durationpb.Duration)(nil),   // 33: google.protobuf.Duration
-	(*Patch)(nil),                 // 34: capstan.v1.Patch
+	(*Deferred)(nil),              // 26: capstan.v1.Deferred
+	(*InvocationResult)(nil),      // 27: capstan.v1.InvocationResult
+	(*InvocationUpdate)(nil),      // 28: capstan.v1.InvocationUpdate
+	nil,                           // 29: capstan.v1.Invocation.TraceContextEntry
+	(*Json)(nil),                  // 30: capstan.v1.Json
+	(*timestamppb.Timestamp)(nil), // 31: google.protobuf.Timestamp
+	(*ResourceRef)(nil),           // 32: capstan.v1.ResourceRef
+	(*Diagnostic)(nil),            // 33: capstan.v1.Diagnostic
+	(*durationpb.Duration)(nil),   // 34: google.protobuf.Duration
+	(*Patch)(nil),                 // 35: capstan.v1.Patch
 }
 var file_capstan_v1_invocation_proto_depIdxs = []int32{
 	1,  // 0: capstan.v1.DiffItem.operation:type_name -> capstan.v1.DiffOperation
-	29, // 1: capstan.v1.DiffItem.old:type_name -> capstan.v1.Json
-	29, // 2: capstan.v1.DiffItem.new:type_name -> capstan.v1.Json
+	30, // 1: capstan.v1.DiffItem.old:type_name -> capstan.v1.Json
+	30, // 2: capstan.v1.DiffItem.new:type_name -> capstan.v1.Json
 	0,  // 3: capstan.v1.ResourceChange.reason:type_name -> capstan.v1.ChangeReason
-	29, // 4: capstan.v1.ResourceChange.old:type_name -> capstan.v1.Json
-	29, // 5: capstan.v1.ResourceChange.new:type_name -> capstan.v1.Json
+	30, // 4: capstan.v1.ResourceChange.old:type_name -> capstan.v1.Json
+	30, // 5: capstan.v1.ResourceChange.new:type_name -> capstan.v1.Json
 	5,  // 6: capstan.v1.ResourceChange.diff:type_name -> capstan.v1.DiffItem
 	2,  // 7: capstan.v1.ResourceEvent.type:type_name -> capstan.v1.EventType
-	30, // 8: capstan.v1.TimerTick.scheduled_time:type_name -> google.protobuf.Timestamp
-	29, // 9: capstan.v1.AdmissionRequest.old_object:type_name -> capstan.v1.Json
-	29, // 10: capstan.v1.AdmissionRequest.user_info:type_name -> capstan.v1.Json
+	31, // 8: capstan.v1.TimerTick.scheduled_time:type_name -> google.protobuf.Timestamp
+	30, // 9: capstan.v1.AdmissionRequest.old_object:type_name -> capstan.v1.Json
+	30, // 10: capstan.v1.AdmissionRequest.user_info:type_name -> capstan.v1.Json
 	3,  // 11: capstan.v1.ActivityRequest.activity:type_name -> capstan.v1.Activity
-	30, // 12: capstan.v1.SubhandlerState.delayed_until:type_name -> google.protobuf.Timestamp
-	30, // 13: capstan.v1.SubhandlerState.started_time:type_name -> google.protobuf.Timestamp
-	30, // 14: capstan.v1.Invocation.deadline:type_name -> google.protobuf.Timestamp
-	30, // 15: capstan.v1.Invocation.started_time:type_name -> google.protobuf.Timestamp
-	31, // 16: capstan.v1.Invocation.resource:type_name -> capstan.v1.ResourceRef
-	29, // 17: capstan.v1.Invocation.body:type_name -> capstan.v1.Json
-	28, // 18: capstan.v1.Invocation.trace_context:type_name -> capstan.v1.Invocation.TraceContextEntry
-	32, // 19: capstan.v1.Invocation.last_error:type_name -> capstan.v1.Diagnostic
-	29, // 20: capstan.v1.Invocation.param:type_name -> capstan.v1.Json
+	31, // 12: capstan.v1.SubhandlerState.delayed_until:type_name -> google.protobuf.Timestamp
+	31, // 13: capstan.v1.SubhandlerState.started_time:type_name -> google.protobuf.Timestamp
+	31, // 14: capstan.v1.Invocation.deadline:type_name -> google.protobuf.Timestamp
+	31, // 15: capstan.v1.Invocation.started_time:type_name -> google.protobuf.Timestamp
+	32, // 16: capstan.v1.Invocation.resource:type_name -> capstan.v1.ResourceRef
+	30, // 17: capstan.v1.Invocation.body:type_name -> capstan.v1.Json
+	29, // 18: capstan.v1.Invocation.trace_context:type_name -> capstan.v1.Invocation.TraceContextEntry
+	33, // 19: capstan.v1.Invocation.last_error:type_name -> capstan.v1.Diagnostic
+	30, // 20: capstan.v1.Invocation.param:type_name -> capstan.v1.Json
 	14, // 21: capstan.v1.Invocation.subhandlers:type_name -> capstan.v1.SubhandlerState
 	6,  // 22: capstan.v1.Invocation.change:type_name -> capstan.v1.ResourceChange
 	7,  // 23: capstan.v1.Invocation.event:type_name -> capstan.v1.ResourceEvent
@@ -2472,34 +2533,35 @@ var file_capstan_v1_invocation_proto_depIdxs = []int32{
 	12, // 28: capstan.v1.Invocation.probe:type_name -> capstan.v1.ProbeRequest
 	13, // 29: capstan.v1.Invocation.activity:type_name -> capstan.v1.ActivityRequest
 	4,  // 30: capstan.v1.Cancel.reason:type_name -> capstan.v1.CancelReason
-	33, // 31: capstan.v1.Cancel.grace_period:type_name -> google.protobuf.Duration
-	29, // 32: capstan.v1.Success.result:type_name -> capstan.v1.Json
+	34, // 31: capstan.v1.Cancel.grace_period:type_name -> google.protobuf.Duration
+	30, // 32: capstan.v1.Success.result:type_name -> capstan.v1.Json
 	18, // 33: capstan.v1.Success.admission:type_name -> capstan.v1.AdmissionVerdict
 	19, // 34: capstan.v1.Success.credentials:type_name -> capstan.v1.Credentials
-	30, // 35: capstan.v1.Credentials.expiration_time:type_name -> google.protobuf.Timestamp
-	33, // 36: capstan.v1.TemporaryError.retry_after:type_name -> google.protobuf.Duration
-	32, // 37: capstan.v1.TemporaryError.diagnostics:type_name -> capstan.v1.Diagnostic
-	32, // 38: capstan.v1.PermanentError.diagnostics:type_name -> capstan.v1.Diagnostic
-	32, // 39: capstan.v1.UnclassifiedError.diagnostics:type_name -> capstan.v1.Diagnostic
+	31, // 35: capstan.v1.Credentials.expiration_time:type_name -> google.protobuf.Timestamp
+	34, // 36: capstan.v1.TemporaryError.retry_after:type_name -> google.protobuf.Duration
+	33, // 37: capstan.v1.TemporaryError.diagnostics:type_name -> capstan.v1.Diagnostic
+	33, // 38: capstan.v1.PermanentError.diagnostics:type_name -> capstan.v1.Diagnostic
+	33, // 39: capstan.v1.UnclassifiedError.diagnostics:type_name -> capstan.v1.Diagnostic
 	17, // 40: capstan.v1.SubhandlerOutcome.success:type_name -> capstan.v1.Success
 	20, // 41: capstan.v1.SubhandlerOutcome.temporary_error:type_name -> capstan.v1.TemporaryError
 	21, // 42: capstan.v1.SubhandlerOutcome.permanent_error:type_name -> capstan.v1.PermanentError
 	22, // 43: capstan.v1.SubhandlerOutcome.unclassified_error:type_name -> capstan.v1.UnclassifiedError
-	17, // 44: capstan.v1.InvocationResult.success:type_name -> capstan.v1.Success
-	20, // 45: capstan.v1.InvocationResult.temporary_error:type_name -> capstan.v1.TemporaryError
-	21, // 46: capstan.v1.InvocationResult.permanent_error:type_name -> capstan.v1.PermanentError
-	23, // 47: capstan.v1.InvocationResult.cancelled:type_name -> capstan.v1.Cancelled
-	24, // 48: capstan.v1.InvocationResult.skipped:type_name -> capstan.v1.Skipped
-	22, // 49: capstan.v1.InvocationResult.unclassified_error:type_name -> capstan.v1.UnclassifiedError
-	34, // 50: capstan.v1.InvocationResult.patches:type_name -> capstan.v1.Patch
-	33, // 51: capstan.v1.InvocationResult.duration:type_name -> google.protobuf.Duration
-	25, // 52: capstan.v1.InvocationResult.subhandlers:type_name -> capstan.v1.SubhandlerOutcome
-	34, // 53: capstan.v1.InvocationUpdate.patches:type_name -> capstan.v1.Patch
-	54, // [54:54] is the sub-list for method output_type
-	54, // [54:54] is the sub-list for method input_type
-	54, // [54:54] is the sub-list for extension type_name
-	54, // [54:54] is the sub-list for extension extendee
-	0,  // [0:54] is the sub-list for field type_name
+	26, // 44: capstan.v1.SubhandlerOutcome.deferred:type_name -> capstan.v1.Deferred
+	17, // 45: capstan.v1.InvocationResult.success:type_name -> capstan.v1.Success
+	20, // 46: capstan.v1.InvocationResult.temporary_error:type_name -> capstan.v1.TemporaryError
+	21, // 47: capstan.v1.InvocationResult.permanent_error:type_name -> capstan.v1.PermanentError
+	23, // 48: capstan.v1.InvocationResult.cancelled:type_name -> capstan.v1.Cancelled
+	24, // 49: capstan.v1.InvocationResult.skipped:type_name -> capstan.v1.Skipped
+	22, // 50: capstan.v1.InvocationResult.unclassified_error:type_name -> capstan.v1.UnclassifiedError
+	35, // 51: capstan.v1.InvocationResult.patches:type_name -> capstan.v1.Patch
+	34, // 52: capstan.v1.InvocationResult.duration:type_name -> google.protobuf.Duration
+	25, // 53: capstan.v1.InvocationResult.subhandlers:type_name -> capstan.v1.SubhandlerOutcome
+	35, // 54: capstan.v1.InvocationUpdate.patches:type_name -> capstan.v1.Patch
+	55, // [55:55] is the sub-list for method output_type
+	55, // [55:55] is the sub-list for method input_type
+	55, // [55:55] is the sub-list for extension type_name
+	55, // [55:55] is the sub-list for extension extendee
+	0,  // [0:55] is the sub-list for field type_name
 }
 
 func init() { file_capstan_v1_invocation_proto_init() }
@@ -2527,8 +2589,9 @@ func file_capstan_v1_invocation_proto_init() {
 		(*SubhandlerOutcome_TemporaryError)(nil),
 		(*SubhandlerOutcome_PermanentError)(nil),
 		(*SubhandlerOutcome_UnclassifiedError)(nil),
+		(*SubhandlerOutcome_Deferred)(nil),
 	}
-	file_capstan_v1_invocation_proto_msgTypes[21].OneofWrappers = []any{
+	file_capstan_v1_invocation_proto_msgTypes[22].OneofWrappers = []any{
 		(*InvocationResult_Success)(nil),
 		(*InvocationResult_TemporaryError)(nil),
 		(*InvocationResult_PermanentError)(nil),
@@ -2542,7 +2605,7 @@ func file_capstan_v1_invocation_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_capstan_v1_invocation_proto_rawDesc), len(file_capstan_v1_invocation_proto_rawDesc)),
 			NumEnums:      5,
-			NumMessages:   24,
+			NumMessages:   25,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -54,6 +54,9 @@ const (
 	// The handler process sends ProcessSettings (kopf's `settings` that concern the controller's
 	// work for its handlers), and the controller applies them.
 	Capability_CAPABILITY_PROCESS_SETTINGS Capability = 12
+	// The handler process may leave sub-handlers for a later call of their parent
+	// (`SubhandlerOutcome.deferred`), as kopf's lifecycles choose which sub-handlers run.
+	Capability_CAPABILITY_DEFERRED_SUBHANDLERS Capability = 13
 )
 
 // Enum value maps for Capability.
@@ -68,17 +71,19 @@ var (
 		10: "CAPABILITY_OBJECT_GONE",
 		11: "CAPABILITY_CLEANUP_ON_GOODBYE",
 		12: "CAPABILITY_PROCESS_SETTINGS",
+		13: "CAPABILITY_DEFERRED_SUBHANDLERS",
 	}
 	Capability_value = map[string]int32{
-		"CAPABILITY_UNSPECIFIED":        0,
-		"CAPABILITY_RESULT_ACK":         1,
-		"CAPABILITY_INVOCATION_UPDATES": 2,
-		"CAPABILITY_SDK_FILTERS":        3,
-		"CAPABILITY_SUBHANDLERS":        4,
-		"CAPABILITY_OBJECT_UPDATES":     5,
-		"CAPABILITY_OBJECT_GONE":        10,
-		"CAPABILITY_CLEANUP_ON_GOODBYE": 11,
-		"CAPABILITY_PROCESS_SETTINGS":   12,
+		"CAPABILITY_UNSPECIFIED":          0,
+		"CAPABILITY_RESULT_ACK":           1,
+		"CAPABILITY_INVOCATION_UPDATES":   2,
+		"CAPABILITY_SDK_FILTERS":          3,
+		"CAPABILITY_SUBHANDLERS":          4,
+		"CAPABILITY_OBJECT_UPDATES":       5,
+		"CAPABILITY_OBJECT_GONE":          10,
+		"CAPABILITY_CLEANUP_ON_GOODBYE":   11,
+		"CAPABILITY_PROCESS_SETTINGS":     12,
+		"CAPABILITY_DEFERRED_SUBHANDLERS": 13,
 	}
 )
 
@@ -221,6 +226,116 @@ func (x EventPosting) Number() protoreflect.EnumNumber {
 // Deprecated: Use EventPosting.Descriptor instead.
 func (EventPosting) EnumDescriptor() ([]byte, []int) {
 	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{2}
+}
+
+// Where handler progress records are kept.
+type ProgressStorageKind int32
+
+const (
+	// Not set: the controller's flag.
+	ProgressStorageKind_PROGRESS_STORAGE_KIND_UNSPECIFIED ProgressStorageKind = 0
+	// One annotation per handler (`AnnotationsProgressStorage`).
+	ProgressStorageKind_PROGRESS_STORAGE_KIND_ANNOTATIONS ProgressStorageKind = 1
+	// Under `status.<status_field>.progress` (`StatusProgressStorage`).
+	ProgressStorageKind_PROGRESS_STORAGE_KIND_STATUS ProgressStorageKind = 2
+	// Annotations, also reading the status (`SmartProgressStorage`, kopf's default).
+	ProgressStorageKind_PROGRESS_STORAGE_KIND_SMART ProgressStorageKind = 3
+)
+
+// Enum value maps for ProgressStorageKind.
+var (
+	ProgressStorageKind_name = map[int32]string{
+		0: "PROGRESS_STORAGE_KIND_UNSPECIFIED",
+		1: "PROGRESS_STORAGE_KIND_ANNOTATIONS",
+		2: "PROGRESS_STORAGE_KIND_STATUS",
+		3: "PROGRESS_STORAGE_KIND_SMART",
+	}
+	ProgressStorageKind_value = map[string]int32{
+		"PROGRESS_STORAGE_KIND_UNSPECIFIED": 0,
+		"PROGRESS_STORAGE_KIND_ANNOTATIONS": 1,
+		"PROGRESS_STORAGE_KIND_STATUS":      2,
+		"PROGRESS_STORAGE_KIND_SMART":       3,
+	}
+)
+
+func (x ProgressStorageKind) Enum() *ProgressStorageKind {
+	p := new(ProgressStorageKind)
+	*p = x
+	return p
+}
+
+func (x ProgressStorageKind) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (ProgressStorageKind) Descriptor() protoreflect.EnumDescriptor {
+	return file_capstan_v1_runtime_service_proto_enumTypes[3].Descriptor()
+}
+
+func (ProgressStorageKind) Type() protoreflect.EnumType {
+	return &file_capstan_v1_runtime_service_proto_enumTypes[3]
+}
+
+func (x ProgressStorageKind) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use ProgressStorageKind.Descriptor instead.
+func (ProgressStorageKind) EnumDescriptor() ([]byte, []int) {
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{3}
+}
+
+// Where the diff-base (the last handled state) is kept.
+type DiffBaseStorageKind int32
+
+const (
+	// Not set: the controller's flag.
+	DiffBaseStorageKind_DIFF_BASE_STORAGE_KIND_UNSPECIFIED DiffBaseStorageKind = 0
+	// In one annotation (`AnnotationsDiffBaseStorage`).
+	DiffBaseStorageKind_DIFF_BASE_STORAGE_KIND_ANNOTATIONS DiffBaseStorageKind = 1
+	// Under `status.<status_field>.last-handled-configuration` (`StatusDiffBaseStorage`).
+	DiffBaseStorageKind_DIFF_BASE_STORAGE_KIND_STATUS DiffBaseStorageKind = 2
+)
+
+// Enum value maps for DiffBaseStorageKind.
+var (
+	DiffBaseStorageKind_name = map[int32]string{
+		0: "DIFF_BASE_STORAGE_KIND_UNSPECIFIED",
+		1: "DIFF_BASE_STORAGE_KIND_ANNOTATIONS",
+		2: "DIFF_BASE_STORAGE_KIND_STATUS",
+	}
+	DiffBaseStorageKind_value = map[string]int32{
+		"DIFF_BASE_STORAGE_KIND_UNSPECIFIED": 0,
+		"DIFF_BASE_STORAGE_KIND_ANNOTATIONS": 1,
+		"DIFF_BASE_STORAGE_KIND_STATUS":      2,
+	}
+)
+
+func (x DiffBaseStorageKind) Enum() *DiffBaseStorageKind {
+	p := new(DiffBaseStorageKind)
+	*p = x
+	return p
+}
+
+func (x DiffBaseStorageKind) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (DiffBaseStorageKind) Descriptor() protoreflect.EnumDescriptor {
+	return file_capstan_v1_runtime_service_proto_enumTypes[4].Descriptor()
+}
+
+func (DiffBaseStorageKind) Type() protoreflect.EnumType {
+	return &file_capstan_v1_runtime_service_proto_enumTypes[4]
+}
+
+func (x DiffBaseStorageKind) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use DiffBaseStorageKind.Descriptor instead.
+func (DiffBaseStorageKind) EnumDescriptor() ([]byte, []int) {
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{4}
 }
 
 // A message from the handler process to the controller.
@@ -1087,7 +1202,10 @@ type ProcessSettings struct {
 	// when one of its handlers' processes wants it.
 	OutcomeEvents EventPosting `protobuf:"varint,1,opt,name=outcome_events,json=outcomeEvents,proto3,enum=capstan.v1.EventPosting" json:"outcome_events,omitempty"`
 	// The lowest level posted with ALWAYS (kopf's `settings.posting.level`); UNSPECIFIED is info.
-	OutcomeLevel  LogLevel `protobuf:"varint,2,opt,name=outcome_level,json=outcomeLevel,proto3,enum=capstan.v1.LogLevel" json:"outcome_level,omitempty"`
+	OutcomeLevel LogLevel `protobuf:"varint,2,opt,name=outcome_level,json=outcomeLevel,proto3,enum=capstan.v1.LogLevel" json:"outcome_level,omitempty"`
+	// kopf's settings that are the controller's own work for every process (persistence,
+	// watching, queueing): applied as if given as the controller's flags. Unset: the flags'.
+	Operator      *OperatorSettings `protobuf:"bytes,3,opt,name=operator,proto3" json:"operator,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1136,6 +1254,145 @@ func (x *ProcessSettings) GetOutcomeLevel() LogLevel {
 	return LogLevel_LOG_LEVEL_UNSPECIFIED
 }
 
+func (x *ProcessSettings) GetOperator() *OperatorSettings {
+	if x != nil {
+		return x.Operator
+	}
+	return nil
+}
+
+// kopf's `settings` that the controller applies for the whole operator, each as if its flag
+// were given. A flag given to the controller (on its command line or in its environment) wins
+// over a setting, and the process gets a Notice saying so when the two differ. Between processes, for each field,
+// the value of the process connected first wins; the others get a Notice. A value stays in
+// effect when its process leaves, until a process sends another. A change that arrives once
+// resources are watched restarts the controller's engine (every resource is listed again);
+// sent before a startup handler's result, it is in effect before the first watch. A field not
+// set leaves the flag's value; a value out of range is refused with a Notice and not applied.
+type OperatorSettings struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The finalizer name (`persistence.finalizer`, `--finalizer`): a qualified name such as
+	// `example.com/finalizer`, at most 253 characters.
+	Finalizer string `protobuf:"bytes,1,opt,name=finalizer,proto3" json:"finalizer,omitempty"`
+	// The prefix of the progress and diff-base annotations (`AnnotationsProgressStorage`'s
+	// `prefix`, `--persistence-prefix`): a DNS subdomain.
+	PersistencePrefix string `protobuf:"bytes,2,opt,name=persistence_prefix,json=persistencePrefix,proto3" json:"persistence_prefix,omitempty"`
+	// Where progress records are kept (`persistence.progress_storage`, `--progress-storage`).
+	ProgressStorage ProgressStorageKind `protobuf:"varint,3,opt,name=progress_storage,json=progressStorage,proto3,enum=capstan.v1.ProgressStorageKind" json:"progress_storage,omitempty"`
+	// Where the diff-base is kept (`persistence.diffbase_storage`, `--diffbase-storage`).
+	DiffbaseStorage DiffBaseStorageKind `protobuf:"varint,4,opt,name=diffbase_storage,json=diffbaseStorage,proto3,enum=capstan.v1.DiffBaseStorageKind" json:"diffbase_storage,omitempty"`
+	// The diff-base annotation's key, `prefix/name` (`AnnotationsDiffBaseStorage`,
+	// `--diffbase-key`).
+	DiffbaseKey string `protobuf:"bytes,5,opt,name=diffbase_key,json=diffbaseKey,proto3" json:"diffbase_key,omitempty"`
+	// The stanza under `status` that the status storages use (`status.<field>.progress`,
+	// `--status-field`): a name of letters, digits, `-` and `_`, at most 63 characters.
+	StatusField string `protobuf:"bytes,6,opt,name=status_field,json=statusField,proto3" json:"status_field,omitempty"`
+	// Restart a watch that delivers nothing for this long (`watching.inactivity_timeout`,
+	// `--watch-inactivity-timeout`); 1 s to 1 day.
+	WatchInactivityTimeout *durationpb.Duration `protobuf:"bytes,7,opt,name=watch_inactivity_timeout,json=watchInactivityTimeout,proto3" json:"watch_inactivity_timeout,omitempty"`
+	// The server-side timeout of each watch request (`watching.server_timeout`,
+	// `--watch-server-timeout`); 1 s to 1 day, whole seconds.
+	WatchServerTimeout *durationpb.Duration `protobuf:"bytes,8,opt,name=watch_server_timeout,json=watchServerTimeout,proto3" json:"watch_server_timeout,omitempty"`
+	// At most this many objects processed at once (`queueing.worker_limit`, `--worker-limit`);
+	// 0 is unset, at most 100,000.
+	WorkerLimit   uint32 `protobuf:"varint,9,opt,name=worker_limit,json=workerLimit,proto3" json:"worker_limit,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OperatorSettings) Reset() {
+	*x = OperatorSettings{}
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OperatorSettings) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OperatorSettings) ProtoMessage() {}
+
+func (x *OperatorSettings) ProtoReflect() protoreflect.Message {
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OperatorSettings.ProtoReflect.Descriptor instead.
+func (*OperatorSettings) Descriptor() ([]byte, []int) {
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *OperatorSettings) GetFinalizer() string {
+	if x != nil {
+		return x.Finalizer
+	}
+	return ""
+}
+
+func (x *OperatorSettings) GetPersistencePrefix() string {
+	if x != nil {
+		return x.PersistencePrefix
+	}
+	return ""
+}
+
+func (x *OperatorSettings) GetProgressStorage() ProgressStorageKind {
+	if x != nil {
+		return x.ProgressStorage
+	}
+	return ProgressStorageKind_PROGRESS_STORAGE_KIND_UNSPECIFIED
+}
+
+func (x *OperatorSettings) GetDiffbaseStorage() DiffBaseStorageKind {
+	if x != nil {
+		return x.DiffbaseStorage
+	}
+	return DiffBaseStorageKind_DIFF_BASE_STORAGE_KIND_UNSPECIFIED
+}
+
+func (x *OperatorSettings) GetDiffbaseKey() string {
+	if x != nil {
+		return x.DiffbaseKey
+	}
+	return ""
+}
+
+func (x *OperatorSettings) GetStatusField() string {
+	if x != nil {
+		return x.StatusField
+	}
+	return ""
+}
+
+func (x *OperatorSettings) GetWatchInactivityTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.WatchInactivityTimeout
+	}
+	return nil
+}
+
+func (x *OperatorSettings) GetWatchServerTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.WatchServerTimeout
+	}
+	return nil
+}
+
+func (x *OperatorSettings) GetWorkerLimit() uint32 {
+	if x != nil {
+		return x.WorkerLimit
+	}
+	return 0
+}
+
 // A liveness check from the controller.
 type Ping struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1149,7 +1406,7 @@ type Ping struct {
 
 func (x *Ping) Reset() {
 	*x = Ping{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[8]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1161,7 +1418,7 @@ func (x *Ping) String() string {
 func (*Ping) ProtoMessage() {}
 
 func (x *Ping) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[8]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1174,7 +1431,7 @@ func (x *Ping) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Ping.ProtoReflect.Descriptor instead.
 func (*Ping) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{8}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Ping) GetNonce() uint64 {
@@ -1204,7 +1461,7 @@ type Pong struct {
 
 func (x *Pong) Reset() {
 	*x = Pong{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[9]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1216,7 +1473,7 @@ func (x *Pong) String() string {
 func (*Pong) ProtoMessage() {}
 
 func (x *Pong) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[9]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1229,7 +1486,7 @@ func (x *Pong) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pong.ProtoReflect.Descriptor instead.
 func (*Pong) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{9}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Pong) GetNonce() uint64 {
@@ -1259,7 +1516,7 @@ type FlowControl struct {
 
 func (x *FlowControl) Reset() {
 	*x = FlowControl{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[10]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1271,7 +1528,7 @@ func (x *FlowControl) String() string {
 func (*FlowControl) ProtoMessage() {}
 
 func (x *FlowControl) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[10]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1284,7 +1541,7 @@ func (x *FlowControl) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FlowControl.ProtoReflect.Descriptor instead.
 func (*FlowControl) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{10}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *FlowControl) GetHandlerId() string {
@@ -1316,7 +1573,7 @@ type Goodbye struct {
 
 func (x *Goodbye) Reset() {
 	*x = Goodbye{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[11]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1328,7 +1585,7 @@ func (x *Goodbye) String() string {
 func (*Goodbye) ProtoMessage() {}
 
 func (x *Goodbye) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[11]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1341,7 +1598,7 @@ func (x *Goodbye) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Goodbye.ProtoReflect.Descriptor instead.
 func (*Goodbye) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{11}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Goodbye) GetReason() string {
@@ -1370,7 +1627,7 @@ type Farewell struct {
 
 func (x *Farewell) Reset() {
 	*x = Farewell{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[12]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1382,7 +1639,7 @@ func (x *Farewell) String() string {
 func (*Farewell) ProtoMessage() {}
 
 func (x *Farewell) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[12]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1395,7 +1652,7 @@ func (x *Farewell) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Farewell.ProtoReflect.Descriptor instead.
 func (*Farewell) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{12}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Farewell) GetReason() string {
@@ -1420,7 +1677,7 @@ type Drain struct {
 
 func (x *Drain) Reset() {
 	*x = Drain{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[13]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1432,7 +1689,7 @@ func (x *Drain) String() string {
 func (*Drain) ProtoMessage() {}
 
 func (x *Drain) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[13]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1445,7 +1702,7 @@ func (x *Drain) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Drain.ProtoReflect.Descriptor instead.
 func (*Drain) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{13}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Drain) GetGracePeriod() *durationpb.Duration {
@@ -1484,7 +1741,7 @@ type ResultAck struct {
 
 func (x *ResultAck) Reset() {
 	*x = ResultAck{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[14]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1496,7 +1753,7 @@ func (x *ResultAck) String() string {
 func (*ResultAck) ProtoMessage() {}
 
 func (x *ResultAck) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[14]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1509,7 +1766,7 @@ func (x *ResultAck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResultAck.ProtoReflect.Descriptor instead.
 func (*ResultAck) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{14}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ResultAck) GetInvocationId() string {
@@ -1547,7 +1804,7 @@ type Notice struct {
 
 func (x *Notice) Reset() {
 	*x = Notice{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1559,7 +1816,7 @@ func (x *Notice) String() string {
 func (*Notice) ProtoMessage() {}
 
 func (x *Notice) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[15]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1572,7 +1829,7 @@ func (x *Notice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Notice.ProtoReflect.Descriptor instead.
 func (*Notice) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{15}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Notice) GetInvocationId() string {
@@ -1605,7 +1862,7 @@ type ObjectUpdate struct {
 
 func (x *ObjectUpdate) Reset() {
 	*x = ObjectUpdate{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[16]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1617,7 +1874,7 @@ func (x *ObjectUpdate) String() string {
 func (*ObjectUpdate) ProtoMessage() {}
 
 func (x *ObjectUpdate) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[16]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1630,7 +1887,7 @@ func (x *ObjectUpdate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectUpdate.ProtoReflect.Descriptor instead.
 func (*ObjectUpdate) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{16}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ObjectUpdate) GetInvocationId() string {
@@ -1661,7 +1918,7 @@ type ObjectGone struct {
 
 func (x *ObjectGone) Reset() {
 	*x = ObjectGone{}
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[17]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1673,7 +1930,7 @@ func (x *ObjectGone) String() string {
 func (*ObjectGone) ProtoMessage() {}
 
 func (x *ObjectGone) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_v1_runtime_service_proto_msgTypes[17]
+	mi := &file_capstan_v1_runtime_service_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1686,7 +1943,7 @@ func (x *ObjectGone) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectGone.ProtoReflect.Descriptor instead.
 func (*ObjectGone) Descriptor() ([]byte, []int) {
-	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{17}
+	return file_capstan_v1_runtime_service_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ObjectGone) GetObject() *ResourceRef {
@@ -1764,10 +2021,21 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"event_type\x18\t \x01(\tR\teventType\x1a9\n" +
 	"\vFieldsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x8d\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xc7\x01\n" +
 	"\x0fProcessSettings\x12?\n" +
 	"\x0eoutcome_events\x18\x01 \x01(\x0e2\x18.capstan.v1.EventPostingR\routcomeEvents\x129\n" +
-	"\routcome_level\x18\x02 \x01(\x0e2\x14.capstan.v1.LogLevelR\foutcomeLevel\"U\n" +
+	"\routcome_level\x18\x02 \x01(\x0e2\x14.capstan.v1.LogLevelR\foutcomeLevel\x128\n" +
+	"\boperator\x18\x03 \x01(\v2\x1c.capstan.v1.OperatorSettingsR\boperator\"\x82\x04\n" +
+	"\x10OperatorSettings\x12\x1c\n" +
+	"\tfinalizer\x18\x01 \x01(\tR\tfinalizer\x12-\n" +
+	"\x12persistence_prefix\x18\x02 \x01(\tR\x11persistencePrefix\x12J\n" +
+	"\x10progress_storage\x18\x03 \x01(\x0e2\x1f.capstan.v1.ProgressStorageKindR\x0fprogressStorage\x12J\n" +
+	"\x10diffbase_storage\x18\x04 \x01(\x0e2\x1f.capstan.v1.DiffBaseStorageKindR\x0fdiffbaseStorage\x12!\n" +
+	"\fdiffbase_key\x18\x05 \x01(\tR\vdiffbaseKey\x12!\n" +
+	"\fstatus_field\x18\x06 \x01(\tR\vstatusField\x12S\n" +
+	"\x18watch_inactivity_timeout\x18\a \x01(\v2\x19.google.protobuf.DurationR\x16watchInactivityTimeout\x12K\n" +
+	"\x14watch_server_timeout\x18\b \x01(\v2\x19.google.protobuf.DurationR\x12watchServerTimeout\x12!\n" +
+	"\fworker_limit\x18\t \x01(\rR\vworkerLimit\"U\n" +
 	"\x04Ping\x12\x14\n" +
 	"\x05nonce\x18\x01 \x01(\x04R\x05nonce\x127\n" +
 	"\tsent_time\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\bsentTime\"9\n" +
@@ -1800,7 +2068,7 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x04body\x18\x02 \x01(\v2\x10.capstan.v1.JsonR\x04body\"=\n" +
 	"\n" +
 	"ObjectGone\x12/\n" +
-	"\x06object\x18\x01 \x01(\v2\x17.capstan.v1.ResourceRefR\x06object*\x9d\x02\n" +
+	"\x06object\x18\x01 \x01(\v2\x17.capstan.v1.ResourceRefR\x06object*\xc2\x02\n" +
 	"\n" +
 	"Capability\x12\x1a\n" +
 	"\x16CAPABILITY_UNSPECIFIED\x10\x00\x12\x19\n" +
@@ -1812,7 +2080,8 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x16CAPABILITY_OBJECT_GONE\x10\n" +
 	"\x12!\n" +
 	"\x1dCAPABILITY_CLEANUP_ON_GOODBYE\x10\v\x12\x1f\n" +
-	"\x1bCAPABILITY_PROCESS_SETTINGS\x10\f*z\n" +
+	"\x1bCAPABILITY_PROCESS_SETTINGS\x10\f\x12#\n" +
+	"\x1fCAPABILITY_DEFERRED_SUBHANDLERS\x10\r*z\n" +
 	"\bLogLevel\x12\x19\n" +
 	"\x15LOG_LEVEL_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fLOG_LEVEL_DEBUG\x10\x01\x12\x12\n" +
@@ -1822,7 +2091,16 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\fEventPosting\x12\x1d\n" +
 	"\x19EVENT_POSTING_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14EVENT_POSTING_ALWAYS\x10\x01\x12\x17\n" +
-	"\x13EVENT_POSTING_NEVER\x10\x022X\n" +
+	"\x13EVENT_POSTING_NEVER\x10\x02*\xa6\x01\n" +
+	"\x13ProgressStorageKind\x12%\n" +
+	"!PROGRESS_STORAGE_KIND_UNSPECIFIED\x10\x00\x12%\n" +
+	"!PROGRESS_STORAGE_KIND_ANNOTATIONS\x10\x01\x12 \n" +
+	"\x1cPROGRESS_STORAGE_KIND_STATUS\x10\x02\x12\x1f\n" +
+	"\x1bPROGRESS_STORAGE_KIND_SMART\x10\x03*\x88\x01\n" +
+	"\x13DiffBaseStorageKind\x12&\n" +
+	"\"DIFF_BASE_STORAGE_KIND_UNSPECIFIED\x10\x00\x12&\n" +
+	"\"DIFF_BASE_STORAGE_KIND_ANNOTATIONS\x10\x01\x12!\n" +
+	"\x1dDIFF_BASE_STORAGE_KIND_STATUS\x10\x022X\n" +
 	"\x0eRuntimeService\x12F\n" +
 	"\aConnect\x12\x1a.capstan.v1.ConnectRequest\x1a\x1b.capstan.v1.ConnectResponse(\x010\x01B\xa3\x01\n" +
 	"\x0ecom.capstan.v1B\x13RuntimeServiceProtoP\x01Z3capstan.dev/sdk-go-example/gen/capstan/v1;capstanv1\xa2\x02\x03CXX\xaa\x02\n" +
@@ -1841,93 +2119,101 @@ func file_capstan_v1_runtime_service_proto_rawDescGZIP() []byte {
 	return file_capstan_v1_runtime_service_proto_rawDescData
 }
 
-var file_capstan_v1_runtime_service_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_capstan_v1_runtime_service_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_capstan_v1_runtime_service_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
+var file_capstan_v1_runtime_service_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
 var file_capstan_v1_runtime_service_proto_goTypes = []any{
 	(Capability)(0),               // 0: capstan.v1.Capability
 	(LogLevel)(0),                 // 1: capstan.v1.LogLevel
 	(EventPosting)(0),             // 2: capstan.v1.EventPosting
-	(*ConnectRequest)(nil),        // 3: capstan.v1.ConnectRequest
-	(*ConnectResponse)(nil),       // 4: capstan.v1.ConnectResponse
-	(*SoftwareInfo)(nil),          // 5: capstan.v1.SoftwareInfo
-	(*Hello)(nil),                 // 6: capstan.v1.Hello
-	(*Limits)(nil),                // 7: capstan.v1.Limits
-	(*Welcome)(nil),               // 8: capstan.v1.Welcome
-	(*LogRecord)(nil),             // 9: capstan.v1.LogRecord
-	(*ProcessSettings)(nil),       // 10: capstan.v1.ProcessSettings
-	(*Ping)(nil),                  // 11: capstan.v1.Ping
-	(*Pong)(nil),                  // 12: capstan.v1.Pong
-	(*FlowControl)(nil),           // 13: capstan.v1.FlowControl
-	(*Goodbye)(nil),               // 14: capstan.v1.Goodbye
-	(*Farewell)(nil),              // 15: capstan.v1.Farewell
-	(*Drain)(nil),                 // 16: capstan.v1.Drain
-	(*ResultAck)(nil),             // 17: capstan.v1.ResultAck
-	(*Notice)(nil),                // 18: capstan.v1.Notice
-	(*ObjectUpdate)(nil),          // 19: capstan.v1.ObjectUpdate
-	(*ObjectGone)(nil),            // 20: capstan.v1.ObjectGone
-	nil,                           // 21: capstan.v1.LogRecord.FieldsEntry
-	(*InvocationResult)(nil),      // 22: capstan.v1.InvocationResult
-	(*InvocationUpdate)(nil),      // 23: capstan.v1.InvocationUpdate
-	(*Invocation)(nil),            // 24: capstan.v1.Invocation
-	(*Cancel)(nil),                // 25: capstan.v1.Cancel
-	(*HandlerRegistration)(nil),   // 26: capstan.v1.HandlerRegistration
-	(*durationpb.Duration)(nil),   // 27: google.protobuf.Duration
-	(*RegistrationStatus)(nil),    // 28: capstan.v1.RegistrationStatus
-	(*timestamppb.Timestamp)(nil), // 29: google.protobuf.Timestamp
-	(*ResourceRef)(nil),           // 30: capstan.v1.ResourceRef
-	(*Diagnostic)(nil),            // 31: capstan.v1.Diagnostic
-	(*Json)(nil),                  // 32: capstan.v1.Json
+	(ProgressStorageKind)(0),      // 3: capstan.v1.ProgressStorageKind
+	(DiffBaseStorageKind)(0),      // 4: capstan.v1.DiffBaseStorageKind
+	(*ConnectRequest)(nil),        // 5: capstan.v1.ConnectRequest
+	(*ConnectResponse)(nil),       // 6: capstan.v1.ConnectResponse
+	(*SoftwareInfo)(nil),          // 7: capstan.v1.SoftwareInfo
+	(*Hello)(nil),                 // 8: capstan.v1.Hello
+	(*Limits)(nil),                // 9: capstan.v1.Limits
+	(*Welcome)(nil),               // 10: capstan.v1.Welcome
+	(*LogRecord)(nil),             // 11: capstan.v1.LogRecord
+	(*ProcessSettings)(nil),       // 12: capstan.v1.ProcessSettings
+	(*OperatorSettings)(nil),      // 13: capstan.v1.OperatorSettings
+	(*Ping)(nil),                  // 14: capstan.v1.Ping
+	(*Pong)(nil),                  // 15: capstan.v1.Pong
+	(*FlowControl)(nil),           // 16: capstan.v1.FlowControl
+	(*Goodbye)(nil),               // 17: capstan.v1.Goodbye
+	(*Farewell)(nil),              // 18: capstan.v1.Farewell
+	(*Drain)(nil),                 // 19: capstan.v1.Drain
+	(*ResultAck)(nil),             // 20: capstan.v1.ResultAck
+	(*Notice)(nil),                // 21: capstan.v1.Notice
+	(*ObjectUpdate)(nil),          // 22: capstan.v1.ObjectUpdate
+	(*ObjectGone)(nil),            // 23: capstan.v1.ObjectGone
+	nil,                           // 24: capstan.v1.LogRecord.FieldsEntry
+	(*InvocationResult)(nil),      // 25: capstan.v1.InvocationResult
+	(*InvocationUpdate)(nil),      // 26: capstan.v1.InvocationUpdate
+	(*Invocation)(nil),            // 27: capstan.v1.Invocation
+	(*Cancel)(nil),                // 28: capstan.v1.Cancel
+	(*HandlerRegistration)(nil),   // 29: capstan.v1.HandlerRegistration
+	(*durationpb.Duration)(nil),   // 30: google.protobuf.Duration
+	(*RegistrationStatus)(nil),    // 31: capstan.v1.RegistrationStatus
+	(*timestamppb.Timestamp)(nil), // 32: google.protobuf.Timestamp
+	(*ResourceRef)(nil),           // 33: capstan.v1.ResourceRef
+	(*Diagnostic)(nil),            // 34: capstan.v1.Diagnostic
+	(*Json)(nil),                  // 35: capstan.v1.Json
 }
 var file_capstan_v1_runtime_service_proto_depIdxs = []int32{
-	6,  // 0: capstan.v1.ConnectRequest.hello:type_name -> capstan.v1.Hello
-	22, // 1: capstan.v1.ConnectRequest.result:type_name -> capstan.v1.InvocationResult
-	23, // 2: capstan.v1.ConnectRequest.update:type_name -> capstan.v1.InvocationUpdate
-	9,  // 3: capstan.v1.ConnectRequest.log:type_name -> capstan.v1.LogRecord
-	12, // 4: capstan.v1.ConnectRequest.pong:type_name -> capstan.v1.Pong
-	13, // 5: capstan.v1.ConnectRequest.flow_control:type_name -> capstan.v1.FlowControl
-	14, // 6: capstan.v1.ConnectRequest.goodbye:type_name -> capstan.v1.Goodbye
-	10, // 7: capstan.v1.ConnectRequest.settings:type_name -> capstan.v1.ProcessSettings
-	8,  // 8: capstan.v1.ConnectResponse.welcome:type_name -> capstan.v1.Welcome
-	24, // 9: capstan.v1.ConnectResponse.invocation:type_name -> capstan.v1.Invocation
-	25, // 10: capstan.v1.ConnectResponse.cancel:type_name -> capstan.v1.Cancel
-	11, // 11: capstan.v1.ConnectResponse.ping:type_name -> capstan.v1.Ping
-	16, // 12: capstan.v1.ConnectResponse.drain:type_name -> capstan.v1.Drain
-	17, // 13: capstan.v1.ConnectResponse.result_ack:type_name -> capstan.v1.ResultAck
-	18, // 14: capstan.v1.ConnectResponse.notice:type_name -> capstan.v1.Notice
-	19, // 15: capstan.v1.ConnectResponse.object_update:type_name -> capstan.v1.ObjectUpdate
-	20, // 16: capstan.v1.ConnectResponse.object_gone:type_name -> capstan.v1.ObjectGone
-	15, // 17: capstan.v1.ConnectResponse.farewell:type_name -> capstan.v1.Farewell
+	8,  // 0: capstan.v1.ConnectRequest.hello:type_name -> capstan.v1.Hello
+	25, // 1: capstan.v1.ConnectRequest.result:type_name -> capstan.v1.InvocationResult
+	26, // 2: capstan.v1.ConnectRequest.update:type_name -> capstan.v1.InvocationUpdate
+	11, // 3: capstan.v1.ConnectRequest.log:type_name -> capstan.v1.LogRecord
+	15, // 4: capstan.v1.ConnectRequest.pong:type_name -> capstan.v1.Pong
+	16, // 5: capstan.v1.ConnectRequest.flow_control:type_name -> capstan.v1.FlowControl
+	17, // 6: capstan.v1.ConnectRequest.goodbye:type_name -> capstan.v1.Goodbye
+	12, // 7: capstan.v1.ConnectRequest.settings:type_name -> capstan.v1.ProcessSettings
+	10, // 8: capstan.v1.ConnectResponse.welcome:type_name -> capstan.v1.Welcome
+	27, // 9: capstan.v1.ConnectResponse.invocation:type_name -> capstan.v1.Invocation
+	28, // 10: capstan.v1.ConnectResponse.cancel:type_name -> capstan.v1.Cancel
+	14, // 11: capstan.v1.ConnectResponse.ping:type_name -> capstan.v1.Ping
+	19, // 12: capstan.v1.ConnectResponse.drain:type_name -> capstan.v1.Drain
+	20, // 13: capstan.v1.ConnectResponse.result_ack:type_name -> capstan.v1.ResultAck
+	21, // 14: capstan.v1.ConnectResponse.notice:type_name -> capstan.v1.Notice
+	22, // 15: capstan.v1.ConnectResponse.object_update:type_name -> capstan.v1.ObjectUpdate
+	23, // 16: capstan.v1.ConnectResponse.object_gone:type_name -> capstan.v1.ObjectGone
+	18, // 17: capstan.v1.ConnectResponse.farewell:type_name -> capstan.v1.Farewell
 	0,  // 18: capstan.v1.Hello.capabilities:type_name -> capstan.v1.Capability
-	5,  // 19: capstan.v1.Hello.sdk:type_name -> capstan.v1.SoftwareInfo
-	26, // 20: capstan.v1.Hello.handlers:type_name -> capstan.v1.HandlerRegistration
-	27, // 21: capstan.v1.Limits.ping_interval:type_name -> google.protobuf.Duration
-	27, // 22: capstan.v1.Limits.ping_timeout:type_name -> google.protobuf.Duration
-	27, // 23: capstan.v1.Limits.cancel_grace_period:type_name -> google.protobuf.Duration
+	7,  // 19: capstan.v1.Hello.sdk:type_name -> capstan.v1.SoftwareInfo
+	29, // 20: capstan.v1.Hello.handlers:type_name -> capstan.v1.HandlerRegistration
+	30, // 21: capstan.v1.Limits.ping_interval:type_name -> google.protobuf.Duration
+	30, // 22: capstan.v1.Limits.ping_timeout:type_name -> google.protobuf.Duration
+	30, // 23: capstan.v1.Limits.cancel_grace_period:type_name -> google.protobuf.Duration
 	0,  // 24: capstan.v1.Welcome.capabilities:type_name -> capstan.v1.Capability
-	5,  // 25: capstan.v1.Welcome.runtime:type_name -> capstan.v1.SoftwareInfo
-	7,  // 26: capstan.v1.Welcome.limits:type_name -> capstan.v1.Limits
-	28, // 27: capstan.v1.Welcome.registrations:type_name -> capstan.v1.RegistrationStatus
+	7,  // 25: capstan.v1.Welcome.runtime:type_name -> capstan.v1.SoftwareInfo
+	9,  // 26: capstan.v1.Welcome.limits:type_name -> capstan.v1.Limits
+	31, // 27: capstan.v1.Welcome.registrations:type_name -> capstan.v1.RegistrationStatus
 	1,  // 28: capstan.v1.LogRecord.level:type_name -> capstan.v1.LogLevel
-	29, // 29: capstan.v1.LogRecord.time:type_name -> google.protobuf.Timestamp
-	21, // 30: capstan.v1.LogRecord.fields:type_name -> capstan.v1.LogRecord.FieldsEntry
+	32, // 29: capstan.v1.LogRecord.time:type_name -> google.protobuf.Timestamp
+	24, // 30: capstan.v1.LogRecord.fields:type_name -> capstan.v1.LogRecord.FieldsEntry
 	2,  // 31: capstan.v1.LogRecord.posting:type_name -> capstan.v1.EventPosting
-	30, // 32: capstan.v1.LogRecord.object:type_name -> capstan.v1.ResourceRef
+	33, // 32: capstan.v1.LogRecord.object:type_name -> capstan.v1.ResourceRef
 	2,  // 33: capstan.v1.ProcessSettings.outcome_events:type_name -> capstan.v1.EventPosting
 	1,  // 34: capstan.v1.ProcessSettings.outcome_level:type_name -> capstan.v1.LogLevel
-	29, // 35: capstan.v1.Ping.sent_time:type_name -> google.protobuf.Timestamp
-	27, // 36: capstan.v1.Drain.grace_period:type_name -> google.protobuf.Duration
-	29, // 37: capstan.v1.Drain.start_time:type_name -> google.protobuf.Timestamp
-	31, // 38: capstan.v1.ResultAck.diagnostics:type_name -> capstan.v1.Diagnostic
-	31, // 39: capstan.v1.Notice.diagnostics:type_name -> capstan.v1.Diagnostic
-	32, // 40: capstan.v1.ObjectUpdate.body:type_name -> capstan.v1.Json
-	30, // 41: capstan.v1.ObjectGone.object:type_name -> capstan.v1.ResourceRef
-	3,  // 42: capstan.v1.RuntimeService.Connect:input_type -> capstan.v1.ConnectRequest
-	4,  // 43: capstan.v1.RuntimeService.Connect:output_type -> capstan.v1.ConnectResponse
-	43, // [43:44] is the sub-list for method output_type
-	42, // [42:43] is the sub-list for method input_type
-	42, // [42:42] is the sub-list for extension type_name
-	42, // [42:42] is the sub-list for extension extendee
-	0,  // [0:42] is the sub-list for field type_name
+	13, // 35: capstan.v1.ProcessSettings.operator:type_name -> capstan.v1.OperatorSettings
+	3,  // 36: capstan.v1.OperatorSettings.progress_storage:type_name -> capstan.v1.ProgressStorageKind
+	4,  // 37: capstan.v1.OperatorSettings.diffbase_storage:type_name -> capstan.v1.DiffBaseStorageKind
+	30, // 38: capstan.v1.OperatorSettings.watch_inactivity_timeout:type_name -> google.protobuf.Duration
+	30, // 39: capstan.v1.OperatorSettings.watch_server_timeout:type_name -> google.protobuf.Duration
+	32, // 40: capstan.v1.Ping.sent_time:type_name -> google.protobuf.Timestamp
+	30, // 41: capstan.v1.Drain.grace_period:type_name -> google.protobuf.Duration
+	32, // 42: capstan.v1.Drain.start_time:type_name -> google.protobuf.Timestamp
+	34, // 43: capstan.v1.ResultAck.diagnostics:type_name -> capstan.v1.Diagnostic
+	34, // 44: capstan.v1.Notice.diagnostics:type_name -> capstan.v1.Diagnostic
+	35, // 45: capstan.v1.ObjectUpdate.body:type_name -> capstan.v1.Json
+	33, // 46: capstan.v1.ObjectGone.object:type_name -> capstan.v1.ResourceRef
+	5,  // 47: capstan.v1.RuntimeService.Connect:input_type -> capstan.v1.ConnectRequest
+	6,  // 48: capstan.v1.RuntimeService.Connect:output_type -> capstan.v1.ConnectResponse
+	48, // [48:49] is the sub-list for method output_type
+	47, // [47:48] is the sub-list for method input_type
+	47, // [47:47] is the sub-list for extension type_name
+	47, // [47:47] is the sub-list for extension extendee
+	0,  // [0:47] is the sub-list for field type_name
 }
 
 func init() { file_capstan_v1_runtime_service_proto_init() }
@@ -1965,8 +2251,8 @@ func file_capstan_v1_runtime_service_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_capstan_v1_runtime_service_proto_rawDesc), len(file_capstan_v1_runtime_service_proto_rawDesc)),
-			NumEnums:      3,
-			NumMessages:   19,
+			NumEnums:      5,
+			NumMessages:   20,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

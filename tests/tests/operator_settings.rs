@@ -1,0 +1,282 @@
+//! kopf's `settings` that are the controller's work (the finalizer, where state is persisted,
+//! watch timeouts, the worker limit), sent by a handler process in `ProcessSettings.operator`
+//! as a kopf operator's startup handler sets them: the real `capstan` binary applies them as
+//! if given as flags, before its first watch; a later change restarts its engine; a flag given
+//! to the controller wins, and so does the process connected first, each said in a `Notice`.
+//! The processes are raw protocol clients, so what is tested is the wire contract every SDK
+//! relies on.
+
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use capstan_proto::pb::{self, connect_request::Message as In, connect_response::Message as Out};
+use capstan_tests::{
+    grpc::{RawClient, hello, registration, success, unix_channel},
+    process::Controller,
+    testenv::{TestEnv, create_example, examples},
+};
+use serde_json::{Value, json};
+
+/// How long each step may take.
+const T: Duration = Duration::from_secs(60);
+
+async fn env_with_crd() -> Result<TestEnv> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    Ok(env)
+}
+
+/// A process with a startup handler (`configure`) and create and delete handlers on examples
+/// (a delete handler needs the finalizer), able to send `ProcessSettings`.
+async fn connect(controller: &Controller) -> Result<RawClient> {
+    let mut handshake = hello(vec![
+        pb::HandlerRegistration {
+            handler_id: "configure".into(),
+            kind: pb::HandlerKind::Startup as i32,
+            ..Default::default()
+        },
+        registration("create", pb::HandlerKind::Create),
+        registration("delete", pb::HandlerKind::Delete),
+    ]);
+    handshake
+        .capabilities
+        .push(pb::Capability::ProcessSettings as i32);
+    let (client, welcome) =
+        RawClient::connect(unix_channel(controller.socket.clone()).await?, handshake).await?;
+    assert!(
+        welcome
+            .capabilities
+            .contains(&(pb::Capability::ProcessSettings as i32)),
+        "the controller does not take ProcessSettings: {welcome:?}"
+    );
+    Ok(client)
+}
+
+fn settings(operator: pb::OperatorSettings) -> In {
+    In::Settings(pb::ProcessSettings {
+        operator: Some(operator),
+        ..Default::default()
+    })
+}
+
+/// Answers the startup invocation after sending `first` (as an SDK sends the settings a
+/// startup handler changed before its result).
+async fn start_up(client: &mut RawClient, first: pb::OperatorSettings) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if let Out::Invocation(i) = client.recv_within(left).await?
+            && i.handler_id == "configure"
+        {
+            client.send(settings(first)).await?;
+            client.send(success(&i.invocation_id, None, vec![])).await?;
+            return Ok(());
+        }
+    }
+}
+
+/// Answers every invocation with success until the object `name` satisfies `done`; returns
+/// it and the notices received meanwhile.
+async fn handle_until(
+    env: &TestEnv,
+    client: &mut RawClient,
+    name: &str,
+    done: impl Fn(&Value) -> bool,
+) -> Result<(Value, Vec<pb::Notice>)> {
+    let api = examples(&env.client().await?, "default");
+    let deadline = tokio::time::Instant::now() + T;
+    let mut notices = Vec::new();
+    loop {
+        if let Some(object) = api.get_opt(name).await? {
+            let object = serde_json::to_value(object)?;
+            if done(&object) {
+                return Ok((object, notices));
+            }
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("{name} never got there");
+        }
+        match client.recv_within(Duration::from_millis(200)).await {
+            Ok(Out::Invocation(i)) => client.send(success(&i.invocation_id, None, vec![])).await?,
+            Ok(Out::Notice(n)) => notices.push(n),
+            Ok(_) => {}
+            Err(e) if e.to_string().contains("nothing received") => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn finalizers(object: &Value) -> Vec<String> {
+    object
+        .pointer("/metadata/finalizers")
+        .and_then(Value::as_array)
+        .map(|f| f.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
+        .unwrap_or_default()
+}
+
+fn annotation_prefixes(object: &Value) -> Vec<String> {
+    let mut prefixes: Vec<String> = object
+        .pointer("/metadata/annotations")
+        .and_then(Value::as_object)
+        .map(|a| {
+            a.keys()
+                .filter_map(|k| k.split_once('/').map(|(p, _)| p.to_owned()))
+                .collect()
+        })
+        .unwrap_or_default();
+    prefixes.dedup();
+    prefixes
+}
+
+/// What a startup handler sets is in effect for an object that was there before the process
+/// connected (its finalizer, the prefix of its progress and diff-base annotations), with no
+/// flag given: the first watch already follows it; a change sent while
+/// resources are watched restarts the engine, and objects handled after it follow it.
+#[tokio::test]
+async fn a_startup_handlers_settings_apply_before_the_first_watch_and_a_change_restarts_the_engine()
+-> Result<()> {
+    let env = env_with_crd().await?;
+    let mut controller = Controller::start(&env, "capstan", &[]).await?;
+    // There before the process: listed by the first watch, which must already follow the
+    // settings the startup handler sends.
+    create_example(&env, "first", json!({"field": "a"})).await?;
+    let mut client = connect(&controller).await?;
+    start_up(
+        &mut client,
+        pb::OperatorSettings {
+            finalizer: "settings.example.com/finalizer".into(),
+            persistence_prefix: "settings.example.com".into(),
+            watch_server_timeout: Some(prost_types::Duration {
+                seconds: 120,
+                nanos: 0,
+            }),
+            worker_limit: 16,
+            ..Default::default()
+        },
+    )
+    .await?;
+    let (first, notices) = handle_until(&env, &mut client, "first", |o| {
+        annotation_prefixes(o).contains(&"settings.example.com".to_owned())
+    })
+    .await?;
+    assert!(notices.is_empty(), "settings refused: {notices:?}");
+    assert_eq!(finalizers(&first), ["settings.example.com/finalizer"], "{first}");
+    assert_eq!(
+        annotation_prefixes(&first),
+        ["settings.example.com"],
+        "capstan.dev's annotations were written too: {first}"
+    );
+    controller
+        .process
+        .wait_for("the handler processes' operator settings are applied", T)
+        .await?;
+
+    // A change once resources are watched: the engine restarts with it.
+    client
+        .send(settings(pb::OperatorSettings {
+            finalizer: "changed.example.com/finalizer".into(),
+            persistence_prefix: "settings.example.com".into(),
+            ..Default::default()
+        }))
+        .await?;
+    controller
+        .process
+        .wait_for("operator settings changed; the engine restarts with them", T)
+        .await?;
+    create_example(&env, "second", json!({"field": "b"})).await?;
+    let (second, _) = handle_until(&env, &mut client, "second", |o| {
+        annotation_prefixes(o).contains(&"settings.example.com".to_owned())
+    })
+    .await?;
+    assert_eq!(finalizers(&second), ["changed.example.com/finalizer"], "{second}");
+    Ok(())
+}
+
+/// A flag given to the controller wins over a process's setting, a process connected later
+/// does not overrule the first, and values out of range are refused: each is said to the
+/// process in a `Notice`, and the rest of its settings (the prefix) still applies.
+#[tokio::test]
+async fn a_given_flag_and_the_first_process_win_and_the_process_is_told() -> Result<()> {
+    let env = env_with_crd().await?;
+    let controller =
+        Controller::start(&env, "capstan", &["--finalizer", "flag.example.com/finalizer"]).await?;
+    let mut client = connect(&controller).await?;
+    start_up(
+        &mut client,
+        pb::OperatorSettings {
+            finalizer: "settings.example.com/finalizer".into(),
+            persistence_prefix: "first.example.com".into(),
+            status_field: "not/a/name".into(),
+            worker_limit: 1_000_000,
+            ..Default::default()
+        },
+    )
+    .await?;
+    // A second process, connected later, wants another prefix.
+    let mut late = RawClient::connect(
+        unix_channel(controller.socket.clone()).await?,
+        pb::Hello {
+            capabilities: vec![pb::Capability::ProcessSettings as i32],
+            ..hello(vec![registration("late_create", pb::HandlerKind::Create)])
+        },
+    )
+    .await?
+    .0;
+    late.send(settings(pb::OperatorSettings {
+        persistence_prefix: "late.example.com".into(),
+        ..Default::default()
+    }))
+    .await?;
+    let late_notice = loop {
+        match late.recv_within(T).await? {
+            Out::Notice(n) => break n,
+            Out::Invocation(i) => late.send(success(&i.invocation_id, None, vec![])).await?,
+            _ => {}
+        }
+    };
+    assert!(
+        late_notice
+            .diagnostics
+            .iter()
+            .any(|d| d.reason == "SETTING_OVERRULED"
+                && d.summary.contains("connected earlier set \"first.example.com\"")),
+        "{late_notice:?}"
+    );
+    let answer_late = tokio::spawn(async move {
+        while let Ok(message) = late.recv_within(T).await {
+            if let Out::Invocation(i) = message {
+                let _ = late.send(success(&i.invocation_id, None, vec![])).await;
+            }
+        }
+    });
+
+    create_example(&env, "flagged", json!({"field": "a"})).await?;
+    let (object, notices) = handle_until(&env, &mut client, "flagged", |o| {
+        annotation_prefixes(o).contains(&"first.example.com".to_owned())
+    })
+    .await?;
+    answer_late.abort();
+    let said: Vec<(&str, &str, &str)> = notices
+        .iter()
+        .flat_map(|n| &n.diagnostics)
+        .map(|d| (d.reason.as_str(), d.field.as_str(), d.summary.as_str()))
+        .collect();
+    for (reason, field) in [
+        ("SETTING_OVERRULED", "settings.operator.finalizer"),
+        ("BAD_SETTING", "settings.operator.status_field"),
+        ("BAD_SETTING", "settings.operator.worker_limit"),
+    ] {
+        assert!(
+            said.iter().any(|(r, f, _)| *r == reason && *f == field),
+            "no {reason} about {field}: {said:?}"
+        );
+    }
+    assert!(
+        said.iter()
+            .any(|(_, _, s)| s.contains("--finalizer flag.example.com/finalizer, which wins")),
+        "{said:?}"
+    );
+    assert_eq!(finalizers(&object), ["flag.example.com/finalizer"], "{object}");
+    assert_eq!(annotation_prefixes(&object), ["first.example.com"], "{object}");
+    Ok(())
+}
