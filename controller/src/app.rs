@@ -141,7 +141,11 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
     ));
     engines.start().await;
     let following = CancellationToken::new();
-    let follow_task = tokio::spawn(engines.clone().follow_operator_settings(following.clone()));
+    let follow_task = tokio::spawn(
+        engines
+            .clone()
+            .follow_operator_settings(pausing.peering.clone(), following.clone()),
+    );
     serve(&mut tasks, server, &background.activities, &serving);
 
     let failed = tokio::select! {
@@ -355,7 +359,7 @@ struct Pausing {
     /// Whether this replica leads (always, without election): it writes the managed webhook
     /// configurations.
     leading: crate::webhooks::managed::Leading,
-    peering: Option<Peering>,
+    peering: Arc<PeeringSlot>,
     election_stop: CancellationToken,
     elector: Option<JoinHandle<Elector>>,
 }
@@ -370,15 +374,23 @@ impl Pausing {
         if election.enabled {
             election.validate().map_err(peering::Error::from)?;
         }
+        let namespaces = settings.engine.namespaces.exact().unwrap_or_default();
         let peering = Peering::start(
             &settings.peering,
             core.client.clone(),
             &gate,
-            &settings.engine.namespaces.exact().unwrap_or_default(),
+            &namespaces,
             lease.clone(),
             PEERING_FIRST_DECISION,
         )
         .await?;
+        let peering = Arc::new(PeeringSlot {
+            running: tokio::sync::Mutex::new((settings.peering.clone(), peering)),
+            client: core.client.clone(),
+            gate: gate.clone(),
+            namespaces,
+            lease: lease.clone(),
+        });
         let election_stop = CancellationToken::new();
         let mut leading: crate::webhooks::managed::Leading = Arc::new(|| true);
         let elector = election.enabled.then(|| {
@@ -432,7 +444,66 @@ impl Pausing {
 
     /// Removes the peering entry.
     async fn stop_peering(self) {
-        if let Some(peering) = self.peering {
+        self.peering.stop().await;
+    }
+}
+
+/// The operator's peering, replaced when the handler processes' peering settings change
+/// (kopf's `settings.peering` in a startup handler).
+struct PeeringSlot {
+    running: tokio::sync::Mutex<(peering::Settings, Option<Peering>)>,
+    client: kube::Client,
+    gate: Gate,
+    namespaces: Vec<String>,
+    lease: Option<String>,
+}
+
+/// The gate's reason while peering is required but cannot run.
+const PEERING_UNAVAILABLE: &str = "peering:unavailable";
+
+impl PeeringSlot {
+    /// Restarts peering with `wanted` if it differs from the running one's settings: the
+    /// old entries are removed, the new ones hold the gate until their first decision. Peering
+    /// that is required but cannot start holds the gate (the operator stays paused).
+    async fn follow(&self, wanted: peering::Settings) {
+        let mut running = self.running.lock().await;
+        if running.0 == wanted {
+            return;
+        }
+        info!(
+            peering = %wanted.name,
+            priority = wanted.priority,
+            standalone = wanted.standalone,
+            "the handler processes' peering settings changed; peering restarts with them"
+        );
+        if let Some(old) = running.1.take() {
+            old.stop().await;
+        }
+        self.gate.release(PEERING_UNAVAILABLE);
+        match Peering::start(
+            &wanted,
+            self.client.clone(),
+            &self.gate,
+            &self.namespaces,
+            self.lease.clone(),
+            PEERING_FIRST_DECISION,
+        )
+        .await
+        {
+            Ok(peering) => running.1 = peering,
+            Err(e) => {
+                warn!(error = %crate::diagnostic::chain(&e), "peering is required but cannot start: the operator stays paused");
+                self.gate.hold(
+                    PEERING_UNAVAILABLE,
+                    format!("peering is required but cannot start: {e}"),
+                );
+            }
+        }
+        running.0 = wanted;
+    }
+
+    async fn stop(&self) {
+        if let Some(peering) = self.running.lock().await.1.take() {
             peering.stop().await;
         }
     }
@@ -600,6 +671,16 @@ impl Engines {
             Ok(configured) => self.settings.reconfigured(&configured),
             Err(why) => {
                 warn!(%why, "the handler processes' operator settings cannot be applied; the flags' are used");
+                let diagnostic = crate::model::Diagnostic::warning(
+                    "BAD_SETTING",
+                    format!("the operator settings cannot be applied together ({why}); the controller's flags are used"),
+                )
+                .at("settings.operator");
+                self.hub
+                    .broadcast(pb::connect_response::Message::Notice(pb::Notice {
+                        invocation_id: String::new(),
+                        diagnostics: vec![crate::grpc::convert::diagnostic_to_pb(&diagnostic)],
+                    }));
                 self.settings.clone()
             }
         };
@@ -614,17 +695,25 @@ impl Engines {
     /// Follows the operator-wide settings handler processes send: a change replaces the
     /// running engine with one configured with them (before the first watch when a startup
     /// handler sent them: the engine waits for startup handlers). Ends with `stop`.
-    async fn follow_operator_settings(self: Arc<Self>, stop: CancellationToken) {
-        if self.operator.is_none() {
+    async fn follow_operator_settings(self: Arc<Self>, peering: Arc<PeeringSlot>, stop: CancellationToken) {
+        let Some(flags) = self.operator.clone() else {
             return;
-        }
+        };
         let mut changes = self.hub.operator_settings();
+        // Settings that came before this task subscribed are followed too.
+        changes.mark_changed();
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
                 changed = changes.changed() => if changed.is_err() { return },
             }
-            changes.borrow_and_update();
+            let wanted = changes.borrow_and_update().clone();
+            // Peering first: its new entries hold the gate before the engine that follows
+            // these settings starts (the engine's gate stays closed until then).
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = peering.follow(flags.peering(&wanted)) => {}
+            }
             let mut current = self.current.lock().await;
             // An engine started meanwhile may have been configured with these already.
             if *self.configured_with.lock() == *changes.borrow() {
@@ -636,10 +725,10 @@ impl Engines {
             info!("the handler processes' operator settings changed; the engine restarts with them");
             running.cancel();
             let _ = task.await;
-            if stop.is_cancelled() {
-                return;
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(WITHDRAW_SETTLE) => {}
             }
-            tokio::time::sleep(WITHDRAW_SETTLE).await;
             *current = Some(self.spawn());
         }
     }

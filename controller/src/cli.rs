@@ -853,7 +853,23 @@ impl RunArgs {
     /// The settings of `capstan run` with these flags, `given` being the operator-wide
     /// settings' flags that were given (see [`RunArgs::given_operator_flags`]): handler
     /// processes' values for the others are applied as if given as flags.
-    pub fn settings_following_processes(&self, given: Vec<Field>) -> Settings {
+    pub fn settings_following_processes(&self, mut given: Vec<Field>) -> Settings {
+        // Per node, the names of the stored state are the node's (its prefix, status stanza,
+        // finalizer, node-local store): fixed as if given.
+        if self.node().is_some() {
+            for field in [
+                Field::Finalizer,
+                Field::PersistencePrefix,
+                Field::ProgressStorage,
+                Field::DiffBaseStorage,
+                Field::DiffBaseKey,
+                Field::StatusField,
+            ] {
+                if !given.contains(&field) {
+                    given.push(field);
+                }
+            }
+        }
         let mut settings = self.settings();
         settings.hub.operator_flags = self.given_operator_settings(&given);
         settings.operator = Some(crate::config::OperatorFlags::new(self.clone(), given));
@@ -863,15 +879,52 @@ impl RunArgs {
     /// The operator-wide settings whose flags were given on the command line or in the
     /// environment (not left at their defaults): they win over handler processes' values.
     pub fn given_operator_flags(matches: &clap::ArgMatches) -> Vec<Field> {
+        let given = |id: &str| {
+            matches!(
+                matches.value_source(id),
+                Some(clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable)
+            )
+        };
         Field::ALL
             .into_iter()
-            .filter(|field| {
-                matches!(
-                    matches.value_source(field.name()),
-                    Some(clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable)
-                )
+            .filter(|field| match field {
+                Field::PeeringName => given("peering"),
+                Field::PeeringPriority => given("priority") || given("dev"),
+                // Any of these decides whether there is peering (they exclude each other).
+                Field::PeeringStandalone | Field::PeeringMandatory => {
+                    given("standalone") || given("peering") || given("priority") || given("dev")
+                }
+                Field::PeeringLifetime => given("peering_lifetime"),
+                other => given(other.name()),
             })
             .collect()
+    }
+
+    /// The operator's peering with `wanted`'s peering fields applied where their flags are
+    /// not `given`. Unlike `--peering` and `--priority`, a name or priority set this way does
+    /// not make peering required (kopf's `peering.mandatory` does).
+    pub fn peering_with(&self, wanted: &OperatorSettings, given: &[Field]) -> peering::Settings {
+        let mut out = self.settings().peering;
+        for field in wanted
+            .set_fields()
+            .filter(|f| f.is_peering() && !given.contains(f))
+        {
+            match field {
+                Field::PeeringName => {
+                    if let Some(name) = &wanted.peering_name {
+                        out.name.clone_from(name);
+                    }
+                }
+                Field::PeeringPriority => out.priority = wanted.peering_priority.unwrap_or(out.priority),
+                Field::PeeringStandalone => {
+                    out.standalone = wanted.peering_standalone.unwrap_or(out.standalone)
+                }
+                Field::PeeringMandatory => out.required = wanted.peering_mandatory.unwrap_or(out.required),
+                Field::PeeringLifetime => out.lifetime = wanted.peering_lifetime.unwrap_or(out.lifetime),
+                _ => {}
+            }
+        }
+        out
     }
 
     /// The values of the `given` operator-wide settings' flags.
@@ -879,7 +932,7 @@ impl RunArgs {
         let mut out = OperatorSettings::default();
         for field in given {
             match field {
-                Field::Finalizer => out.finalizer.clone_from(&self.finalizer),
+                Field::Finalizer => out.finalizer = Some(self.storage().keys.finalizer),
                 Field::PersistencePrefix => out.persistence_prefix = Some(self.persistence_prefix.clone()),
                 Field::ProgressStorage => {
                     out.progress_storage = Some(match self.progress_storage {
@@ -894,7 +947,7 @@ impl RunArgs {
                         DiffBaseKind::Status => OperatorDiffBase::Status,
                     });
                 }
-                Field::DiffBaseKey => out.diffbase_key.clone_from(&self.diffbase_key),
+                Field::DiffBaseKey => out.diffbase_key = Some(self.storage().keys.diffbase),
                 Field::StatusField => out.status_field = Some(self.status_field.clone()),
                 Field::WatchInactivityTimeout => {
                     out.watch_inactivity_timeout = Some(self.watch_inactivity_timeout)
@@ -904,6 +957,17 @@ impl RunArgs {
                         Some(Duration::from_secs(self.watch_server_timeout.as_secs().max(1)));
                 }
                 Field::WorkerLimit => out.worker_limit = u32::try_from(self.worker_limit).ok(),
+                Field::PeeringName => out.peering_name.clone_from(&self.peering),
+                Field::PeeringPriority => {
+                    out.peering_priority = if self.dev {
+                        Some(peering::DEV_PRIORITY)
+                    } else {
+                        self.priority
+                    };
+                }
+                Field::PeeringStandalone => out.peering_standalone = Some(self.standalone),
+                Field::PeeringMandatory => out.peering_mandatory = Some(!self.standalone),
+                Field::PeeringLifetime => out.peering_lifetime = Some(self.peering_lifetime),
             }
         }
         out
@@ -958,6 +1022,12 @@ impl RunArgs {
                         args.worker_limit = usize::try_from(n).unwrap_or(args.worker_limit);
                     }
                 }
+                // The operator's peering, not its engine: see `peering_with`.
+                Field::PeeringName
+                | Field::PeeringPriority
+                | Field::PeeringStandalone
+                | Field::PeeringMandatory
+                | Field::PeeringLifetime => {}
             }
         }
         args.check()?;
@@ -1185,6 +1255,78 @@ mod tests {
         };
         let fields = run_args(&["--diff-base", "fields"]);
         assert!(fields.with_operator_settings(&kopf_fields, &[]).is_err());
+    }
+
+    #[test]
+    fn peering_settings_apply_unless_given_and_do_not_make_peering_required() {
+        let wanted = OperatorSettings {
+            peering_name: Some("mine".into()),
+            peering_priority: Some(100),
+            peering_lifetime: Some(Duration::from_secs(30)),
+            ..OperatorSettings::default()
+        };
+        let plain = run_args(&[]);
+        let peering = plain.peering_with(&wanted, &[]);
+        assert_eq!(
+            (peering.name.as_str(), peering.priority, peering.required),
+            ("mine", 100, false)
+        );
+        assert_eq!(peering.lifetime, Duration::from_secs(30));
+        let mandatory = OperatorSettings {
+            peering_mandatory: Some(true),
+            ..wanted.clone()
+        };
+        assert!(plain.peering_with(&mandatory, &[]).required);
+        // --dev fixes the priority; --peering fixes the name and, with it, standalone.
+        use clap::{CommandFactory, FromArgMatches};
+        let matches = Cli::command()
+            .try_get_matches_from(["capstan", "run", "--dev", "--peering", "flags"])
+            .unwrap();
+        let Command::Run(args) = Cli::from_arg_matches(&matches).unwrap().command else {
+            panic!("not run")
+        };
+        let given = RunArgs::given_operator_flags(matches.subcommand_matches("run").unwrap());
+        for field in [
+            Field::PeeringName,
+            Field::PeeringPriority,
+            Field::PeeringStandalone,
+            Field::PeeringMandatory,
+        ] {
+            assert!(
+                given.contains(&field),
+                "{field} not fixed by the flags: {given:?}"
+            );
+        }
+        let standalone = OperatorSettings {
+            peering_standalone: Some(true),
+            ..wanted
+        };
+        let peering = args.peering_with(&standalone, &given);
+        assert_eq!(
+            (peering.name.as_str(), peering.priority, peering.standalone),
+            ("flags", 666, false)
+        );
+        assert_eq!(
+            peering.lifetime,
+            Duration::from_secs(30),
+            "the lifetime was not given"
+        );
+    }
+
+    #[test]
+    fn per_node_the_names_of_the_stored_state_are_fixed() {
+        let args = run_args(&["--node-name", "node-1"]);
+        let settings = args.settings_following_processes(Vec::new());
+        let fixed = &settings.hub.operator_flags;
+        assert!(
+            fixed.finalizer.is_some() && fixed.persistence_prefix.is_some(),
+            "{fixed:?}"
+        );
+        assert!(
+            fixed.diffbase_key.is_some() && fixed.status_field.is_some(),
+            "{fixed:?}"
+        );
+        assert_eq!(fixed.worker_limit, None, "the worker limit is not the node's");
     }
 
     #[test]

@@ -84,6 +84,11 @@ impl OperatorFlags {
             .settings()
             .engine)
     }
+
+    /// The operator's peering with `wanted` applied where the flags were not given.
+    pub fn peering(&self, wanted: &crate::model::operator_settings::OperatorSettings) -> peering::Settings {
+        self.args.peering_with(wanted, &self.given)
+    }
 }
 
 impl Default for Settings {

@@ -54,7 +54,7 @@ pub enum Error {
 }
 
 /// Priority peering settings.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Settings {
     /// No peering at all. Default off.
     pub standalone: bool,

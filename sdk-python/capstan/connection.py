@@ -127,14 +127,18 @@ class Session:
         watches, the worker limit). A controller that takes no settings is given none; the
         flags that would do their job are named instead (once)."""
         settings = self.operator.settings
-        if rs.CAPABILITY_PROCESS_SETTINGS not in self.capabilities:
+        # A controller that does not list the capability would drop the operator's settings
+        # without a word: their flags are named instead.
+        carried = rs.CAPABILITY_OPERATOR_SETTINGS in self.capabilities
+        if not carried:
             settings_module.review(settings, carried=False)
+        if rs.CAPABILITY_PROCESS_SETTINGS not in self.capabilities:
             return
         posting = settings.posting
         wanted = rs.ProcessSettings(
             outcome_events=rs.EVENT_POSTING_ALWAYS if posting.enabled and posting.loggers else rs.EVENT_POSTING_NEVER,
             outcome_level=_level(posting.level),
-            operator=settings_module.operator_settings(settings))
+            operator=settings_module.operator_settings(settings) if carried else None)
         if wanted != self.sent_settings:
             self.sent_settings = wanted
             await self.send(rs.ConnectRequest(settings=wanted))
@@ -232,7 +236,7 @@ class Operator:
             capabilities=[rs.CAPABILITY_RESULT_ACK, rs.CAPABILITY_SDK_FILTERS, rs.CAPABILITY_SUBHANDLERS,
                           rs.CAPABILITY_OBJECT_UPDATES, rs.CAPABILITY_OBJECT_GONE, rs.CAPABILITY_INVOCATION_UPDATES,
                           rs.CAPABILITY_CLEANUP_ON_GOODBYE, rs.CAPABILITY_PROCESS_SETTINGS,
-                          rs.CAPABILITY_DEFERRED_SUBHANDLERS],
+                          rs.CAPABILITY_DEFERRED_SUBHANDLERS, rs.CAPABILITY_OPERATOR_SETTINGS],
             sdk=rs.SoftwareInfo(name="capstan-python", version=__version__, language="python"),
             instance_id=self.instance_id,
             handlers=[wire.registration(h) for h in self.registry.handlers],

@@ -551,7 +551,21 @@ async def _run_subhandlers(parent: Running, outcome: Outcome, logger, executor, 
     def runnable(sub):
         state = call.subhandlers.get(prefix + sub.id, SubState())
         waiting = state.delayed_until is not None and state.delayed_until > now
-        return not (state.success or state.failure or waiting)
+        if state.success or state.failure or waiting:
+            return False
+        if not sub.sdk_filters:
+            return True
+        # A sub-handler its filters reject is no candidate for the lifecycle (as in kopf): it
+        # would be picked, skipped, and leave the others deferred for ever.
+        probe_call = dataclasses.replace(call, handler=sub, attempt=state.retries + 1, started=state.started or now)
+        probe = Running(probe_call)
+        probe.body = parent.body
+        try:
+            kwargs_all = kwargs_for(probe_call, dataclasses.replace(sub, takes=None), probe, logger, Patch(),
+                                    state.retries, probe_call.started)
+            return _sdk_filters_pass(sub, kwargs_all)
+        except Exception:  # the call below reports the filter's failure as the sub-handler's
+            return True
 
     ready = [sub for sub in parent.declared if runnable(sub)]
     chosen = _chosen(parent, ready, prefix)

@@ -215,12 +215,12 @@ PLACES: Dict[str, Tuple[str, str]] = {
     "posting.reporting_component": ("none", "the controller reports Events as itself"),
     "posting.reporting_instance": ("none", "the controller reports Events as itself"),
     "posting.event_name_prefix": ("none", "the controller names its Events"),
-    "peering.name": ("flag", "--peering"),
+    "peering.name": ("controller", "--peering"),
     "peering.stealth": ("none", "the controller logs keep-alives at debug level"),
-    "peering.priority": ("flag", "--priority"),
-    "peering.lifetime": ("flag", "--peering-lifetime"),
-    "peering.mandatory": ("flag", "--peering (given, peering is required)"),
-    "peering.standalone": ("flag", "--standalone"),
+    "peering.priority": ("controller", "--priority"),
+    "peering.lifetime": ("controller", "--peering-lifetime"),
+    "peering.mandatory": ("controller", "--peering (given, peering is required)"),
+    "peering.standalone": ("controller", "--standalone"),
     "peering.clusterwide": ("none", "the controller's peering follows its namespaces (-n/-A)"),
     "watching.server_timeout": ("controller", "--watch-server-timeout"),
     "watching.client_timeout": ("flag", "--api-timeout"),
@@ -360,13 +360,18 @@ _WHOLE_SECONDS = {"watching.server_timeout"}
 #: The numbers the controller takes in `OperatorSettings` (the proto's comments): it refuses
 #: others with a Notice, so they are not sent.
 _BOUNDS = {"watch_inactivity_timeout": (1, 24 * 3600), "watch_server_timeout": (1, 24 * 3600),
-           "worker_limit": (1, 100_000)}
+           "worker_limit": (1, 100_000), "peering_lifetime": (1, 24 * 3600),
+           "peering_priority": (-(2 ** 31), 2 ** 31)}
+#: `OperatorSettings` fields not named after their flag.
+_OPERATOR_NAMES = {"peering": "peering_name", "priority": "peering_priority", "standalone": "peering_standalone"}
 
 
 def _operator_value(name, arg):
     """A flag's value as the `OperatorSettings` field `name` takes it; ValueError saying the
     bounds when it is out of them."""
     field = rs.OperatorSettings.DESCRIPTOR.fields_by_name[name]
+    if field.type == field.TYPE_BOOL:
+        return True  # a switch (`--standalone`)
     if field.enum_type is not None:
         # The kinds are named as the flag's values: PROGRESS_STORAGE_KIND_SMART is `smart`.
         kinds = {v.name.rsplit("_KIND_", 1)[-1].lower(): v.number for v in field.enum_type.values}
@@ -389,9 +394,13 @@ def _operator_fields(path, value) -> rs.OperatorSettings:
     """What `value` of the `controller` setting `path` sets in `OperatorSettings`, whose fields
     are named after the flags (`--diffbase-key` is `diffbase_key`); empty when no flag says the
     same; ValueError when a value is out of the controller's bounds."""
+    if path == "peering.mandatory":
+        # No flag of its own (a given --peering makes peering required).
+        return rs.OperatorSettings(peering_mandatory=bool(value))
     wanted = {}
     for flag, arg in _flag_values(path, value):
         name = flag[2:].replace("-", "_")
+        name = _OPERATOR_NAMES.get(name, name)
         wanted[name] = _operator_value(name, arg)
     return rs.OperatorSettings(**wanted)
 
@@ -408,6 +417,14 @@ def operator_settings(settings: OperatorSettings) -> rs.OperatorSettings:
             message.MergeFrom(_operator_fields(path, value))
         except ValueError:
             continue
+    if message.persistence_prefix and not message.diffbase_key:
+        # kopf keeps the diff-base under its storage's own key, whatever the progress prefix;
+        # the controller would derive it from the prefix.
+        try:
+            message.diffbase_key = _operator_fields("persistence.diffbase_storage",
+                                                    settings.persistence.diffbase_storage).diffbase_key
+        except ValueError:
+            pass
     return message
 
 

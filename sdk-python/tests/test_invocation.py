@@ -224,6 +224,24 @@ def test_a_lifecycle_picks_the_sub_handlers_and_a_failing_one_falls_back_to_the_
     assert {s.id: s.outcome.status for s in out.subhandlers} == {"first": "success", "second": "deferred"}
 
 
+def test_a_sub_handler_its_filter_rejects_is_not_picked_and_holds_no_other_back(registry):
+    ran = []
+
+    @capstan.on.create("examples", registry=registry)
+    def parent(**_):
+        @capstan.subhandler(id="never", when=lambda **_: False)
+        def never(**_):
+            ran.append("never")
+
+        @capstan.subhandler(id="then")
+        def then(**_):
+            ran.append("then")
+
+    out = _deferring_call(TestKit(registry), "parent")
+    assert ran == ["then"]
+    assert {s.id: s.outcome.status for s in out.subhandlers} == {"then": "success"}
+
+
 def test_without_a_deferring_controller_every_sub_handler_runs_in_one_call(registry):
     ran = []
 

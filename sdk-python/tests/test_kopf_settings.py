@@ -100,8 +100,10 @@ def test_a_startup_handler_configures_and_is_told_once_what_is_the_controllers(c
     assert out.status == "success" and again.status == "success", out.message
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "settings." in r.getMessage()]
+    # Peering is sent to the controller (as the finalizer, the storages and the watches are):
+    # only the fields no setting carries are named.
     expected = [
-        "--api-timeout 120s", "--standalone", "--priority 100", "--webhook-listen 0.0.0.0:8443 --webhook-cert-names "
+        "--api-timeout 120s", "--webhook-listen 0.0.0.0:8443 --webhook-cert-names "
         "op.example.com --webhook-url https://op.example.com:8443", "--webhook-managed example.com",
     ]
     for flags in expected:
@@ -172,15 +174,17 @@ def test_kopfs_defaults_send_nothing_to_the_controller():
 
 
 @pytest.mark.parametrize("storage,expected", [
+    # A prefix is sent with the diff-base's key, which kopf keeps where its storage says.
     (kopf.AnnotationsProgressStorage(prefix="example.com"),
-     rs.OperatorSettings(progress_storage=rs.PROGRESS_STORAGE_KIND_ANNOTATIONS, persistence_prefix="example.com")),
+     rs.OperatorSettings(progress_storage=rs.PROGRESS_STORAGE_KIND_ANNOTATIONS, persistence_prefix="example.com",
+                         diffbase_key="kopf.zalando.org/last-handled-configuration")),
     (kopf.StatusProgressStorage(name="op"),
      rs.OperatorSettings(progress_storage=rs.PROGRESS_STORAGE_KIND_STATUS, status_field="op")),
     (kopf.StatusProgressStorage(field="status.op.progress"),
      rs.OperatorSettings(progress_storage=rs.PROGRESS_STORAGE_KIND_STATUS, status_field="op")),
     (kopf.SmartProgressStorage(name="op", prefix="example.com"),
      rs.OperatorSettings(progress_storage=rs.PROGRESS_STORAGE_KIND_SMART, persistence_prefix="example.com",
-                         status_field="op")),
+                         diffbase_key="kopf.zalando.org/last-handled-configuration", status_field="op")),
     # No flag says these: nothing is sent (review() names them).
     (kopf.StatusProgressStorage(field="status.op.records"), rs.OperatorSettings()),
     (kopf.MultiProgressStorage([kopf.AnnotationsProgressStorage(), kopf.StatusProgressStorage()]),
@@ -188,6 +192,15 @@ def test_kopfs_defaults_send_nothing_to_the_controller():
 ])
 def test_progress_storages_are_sent_as_their_flags_say(storage, expected):
     assert _operator(persistence={"progress_storage": storage}) == expected
+
+
+def test_peering_settings_are_sent_under_their_own_names():
+    lifetime = rs.OperatorSettings().peering_lifetime.__class__(seconds=30)
+    assert _operator(peering={"name": "mine", "priority": 100, "lifetime": 30, "mandatory": True}) == rs.OperatorSettings(
+        peering_name="mine", peering_priority=100, peering_lifetime=lifetime, peering_mandatory=True)
+    assert _operator(peering={"standalone": True}) == rs.OperatorSettings(peering_standalone=True)
+    # Beyond the controller's bounds: not sent.
+    assert _operator(peering={"priority": 2 ** 40}) == rs.OperatorSettings()
 
 
 @pytest.mark.parametrize("storage,expected", [

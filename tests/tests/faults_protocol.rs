@@ -131,11 +131,13 @@ fn operator_settings() -> impl Strategy<Value = pb::OperatorSettings> {
     (
         (text(), text(), -1i32..5, -1i32..4),
         (text(), text(), duration(), duration(), any::<u32>()),
+        (text(), any::<i64>(), any::<bool>(), any::<bool>(), duration()),
     )
         .prop_map(
             |(
                 (finalizer, persistence_prefix, progress_storage, diffbase_storage),
                 (diffbase_key, status_field, watch_inactivity_timeout, watch_server_timeout, worker_limit),
+                (peering_name, peering_priority, peering_standalone, peering_mandatory, peering_lifetime),
             )| pb::OperatorSettings {
                 finalizer,
                 persistence_prefix,
@@ -146,13 +148,22 @@ fn operator_settings() -> impl Strategy<Value = pb::OperatorSettings> {
                 watch_inactivity_timeout,
                 watch_server_timeout,
                 worker_limit,
+                peering_name,
+                peering_priority,
+                peering_standalone,
+                peering_mandatory,
+                peering_lifetime,
             },
         )
 }
 
 fn message() -> impl Strategy<Value = In> {
     prop_oneof![
-        2 => prop::collection::vec(handler_registration(), 0..6).prop_map(|h| In::Hello(hello(h))),
+        2 => prop::collection::vec(handler_registration(), 0..6).prop_map(|h| {
+            let mut hello = hello(h);
+            hello.capabilities.push(pb::Capability::OperatorSettings as i32);
+            In::Hello(hello)
+        }),
         3 => (text(), outcome(), prop::collection::vec(patch(), 0..4)).prop_map(|(invocation_id, outcome, patches)| {
             In::Result(pb::InvocationResult {
                 invocation_id,

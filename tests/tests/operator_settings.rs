@@ -38,17 +38,21 @@ async fn connect(controller: &Controller) -> Result<RawClient> {
         registration("create", pb::HandlerKind::Create),
         registration("delete", pb::HandlerKind::Delete),
     ]);
-    handshake
-        .capabilities
-        .push(pb::Capability::ProcessSettings as i32);
+    handshake.capabilities.extend([
+        pb::Capability::ProcessSettings as i32,
+        pb::Capability::OperatorSettings as i32,
+    ]);
     let (client, welcome) =
         RawClient::connect(unix_channel(controller.socket.clone()).await?, handshake).await?;
     assert!(
         welcome
             .capabilities
-            .contains(&(pb::Capability::ProcessSettings as i32)),
-        "the controller does not take ProcessSettings: {welcome:?}"
+            .contains(&(pb::Capability::OperatorSettings as i32)),
+        "the controller does not take operator settings: {welcome:?}"
     );
+    // As an SDK does: the settings as they are at the start, right after the welcome (the
+    // process's registrations take effect once they came).
+    client.send(settings(pb::OperatorSettings::default())).await?;
     Ok(client)
 }
 
@@ -216,7 +220,10 @@ async fn a_given_flag_and_the_first_process_win_and_the_process_is_told() -> Res
     let mut late = RawClient::connect(
         unix_channel(controller.socket.clone()).await?,
         pb::Hello {
-            capabilities: vec![pb::Capability::ProcessSettings as i32],
+            capabilities: vec![
+                pb::Capability::ProcessSettings as i32,
+                pb::Capability::OperatorSettings as i32,
+            ],
             ..hello(vec![registration("late_create", pb::HandlerKind::Create)])
         },
     )
@@ -273,10 +280,79 @@ async fn a_given_flag_and_the_first_process_win_and_the_process_is_told() -> Res
     }
     assert!(
         said.iter()
-            .any(|(_, _, s)| s.contains("--finalizer flag.example.com/finalizer, which wins")),
+            .any(|(_, _, s)| s.contains("--finalizer flag.example.com/finalizer wins")),
         "{said:?}"
     );
     assert_eq!(finalizers(&object), ["flag.example.com/finalizer"], "{object}");
     assert_eq!(annotation_prefixes(&object), ["first.example.com"], "{object}");
+    Ok(())
+}
+
+/// The entries of the cluster-wide peering `name` (its status; empty while it does not exist).
+async fn peers(env: &TestEnv, name: &str) -> Result<Value> {
+    let status = env
+        .kubectl_ok(&[
+            "get",
+            "clustercapstanpeering",
+            name,
+            "-o",
+            "jsonpath={.status}",
+            "--ignore-not-found",
+        ])
+        .await?;
+    Ok(serde_json::from_str(&status).unwrap_or(Value::Null))
+}
+
+/// kopf's `settings.peering` set by a startup handler: the operator's peering restarts under
+/// the name and priority set (its entry leaves the peering of the flags), before the first
+/// object is handled.
+#[tokio::test]
+async fn a_startup_handlers_peering_settings_move_the_operator_to_their_peering() -> Result<()> {
+    let env = env_with_crd().await?;
+    let yaml =
+        std::fs::read_to_string(capstan_tests::testenv::repo_root().join("controller/crds/peering.yaml"))?;
+    env.apply_crds(
+        &yaml,
+        &[
+            "capstanpeerings.capstan.dev",
+            "clustercapstanpeerings.capstan.dev",
+        ],
+    )
+    .await?;
+    let mut controller = Controller::start(&env, "capstan", &["--peer-id", "settings-peer"]).await?;
+    let deadline = tokio::time::Instant::now() + T;
+    while peers(&env, "default").await?.get("settings-peer").is_none() {
+        if tokio::time::Instant::now() > deadline {
+            bail!("the operator never joined the default peering");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut client = connect(&controller).await?;
+    start_up(
+        &mut client,
+        pb::OperatorSettings {
+            peering_name: "from-settings".into(),
+            peering_priority: 7,
+            ..Default::default()
+        },
+    )
+    .await?;
+    controller
+        .process
+        .wait_for("peering restarts with them", T)
+        .await?;
+    create_example(&env, "peered", json!({"field": "a"})).await?;
+    let (_, notices) = handle_until(&env, &mut client, "peered", |o| {
+        !annotation_prefixes(o).is_empty()
+    })
+    .await?;
+    assert!(notices.is_empty(), "{notices:?}");
+    let moved = peers(&env, "from-settings").await?;
+    assert_eq!(moved["settings-peer"]["priority"], json!(7), "{moved}");
+    let left = peers(&env, "default").await?;
+    assert!(
+        left.get("settings-peer").is_none(),
+        "still in the default peering: {left}"
+    );
     Ok(())
 }

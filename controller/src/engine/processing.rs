@@ -711,9 +711,14 @@ fn children_unfinished(storage: &Storage, body: &Value, record: &ProgressRecord,
         .any(|id| storage.progress.fetch(id, body).is_some_and(|r| !r.finished()))
 }
 
+/// How long a parent waits for a sub-handler that was neither run nor deferred in its last
+/// call and has no delay of its own (its filter no longer matches): kopf's default backoff,
+/// so that such a parent is not called again and again for nothing.
+const UNREPORTED_CHILD_BACKOFF: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Keeps the parent unfinished, due when its earliest unfinished sub-handler is: those reported
-/// now and those persisted earlier but not run this time (one waiting for its delay). A child
-/// without a delay (one left for the next call) is due at once.
+/// now (a deferred one, without a delay, at once) and those persisted earlier but not run this
+/// time (one waiting for its delay).
 fn reopen_for_children(
     storage: &Storage,
     body: &Value,
@@ -723,19 +728,18 @@ fn reopen_for_children(
 ) {
     record.success = false;
     record.stopped = None;
+    let reported = children
+        .iter()
+        .filter(|c| !c.record.finished())
+        .map(|c| c.record.delayed_until().unwrap_or(now));
     let persisted = record
         .subrefs
         .iter()
         .filter(|id| !children.iter().any(|c| &c.id == *id))
-        .filter_map(|id| storage.progress.fetch(id, body));
-    let next = children
-        .iter()
-        .map(|c| c.record.clone())
-        .chain(persisted)
+        .filter_map(|id| storage.progress.fetch(id, body))
         .filter(|r| !r.finished())
-        .map(|r| r.delayed_until().unwrap_or(now))
-        .min()
-        .unwrap_or(now);
+        .map(|r| r.delayed_until().unwrap_or(now + UNREPORTED_CHILD_BACKOFF));
+    let next = reported.chain(persisted).min().unwrap_or(now);
     record.delayed = Some(time::format(next));
     record.message = Some("sub-handlers are not finished yet".into());
 }

@@ -97,7 +97,7 @@ impl Default for Settings {
 }
 
 /// The capabilities this controller supports.
-const SUPPORTED: [pb::Capability; 9] = [
+const SUPPORTED: [pb::Capability; 10] = [
     pb::Capability::ResultAck,
     pb::Capability::InvocationUpdates,
     pb::Capability::SdkFilters,
@@ -107,6 +107,7 @@ const SUPPORTED: [pb::Capability; 9] = [
     pb::Capability::CleanupOnGoodbye,
     pb::Capability::ProcessSettings,
     pb::Capability::DeferredSubhandlers,
+    pb::Capability::OperatorSettings,
 ];
 
 /// The response stream of one connection.
@@ -247,7 +248,13 @@ pub async fn accept(
             message: Some(Out::Welcome(welcome)),
         }))
         .await;
-    hub.open(conn);
+    // A process that sends operator-wide settings sends them right after the welcome: its
+    // registrations wait for them (bounded by the handshake timeout), so that no watch starts
+    // with the flags' settings only to be restarted a moment later.
+    let awaits_settings = capabilities.contains(&pb::Capability::OperatorSettings);
+    if !awaits_settings {
+        hub.open(conn);
+    }
     let span = info_span!("connection", connection.id = conn, sdk = %sdk.name, sdk.version = %sdk.version, peer.instance = %hello.instance_id);
     span.in_scope(|| {
         info!(
@@ -261,6 +268,8 @@ pub async fn accept(
         settings,
         acks: capabilities.contains(&pb::Capability::ResultAck),
         cleanup_on_goodbye: capabilities.contains(&pb::Capability::CleanupOnGoodbye),
+        operator_settings: awaits_settings,
+        opening: std::sync::atomic::AtomicBool::new(awaits_settings),
         resp_tx,
         shutdown,
     };
@@ -437,11 +446,23 @@ struct Connection {
     acks: bool,
     /// `CAPABILITY_CLEANUP_ON_GOODBYE`: a goodbye may ask for the process's cleanup handlers.
     cleanup_on_goodbye: bool,
+    /// `CAPABILITY_OPERATOR_SETTINGS`: the process's `ProcessSettings.operator` is applied.
+    operator_settings: bool,
+    /// The registrations wait for the process's first settings (see [`Connection::open`]).
+    opening: std::sync::atomic::AtomicBool,
     resp_tx: mpsc::Sender<Result<pb::ConnectResponse, Status>>,
     shutdown: CancellationToken,
 }
 
 impl Connection {
+    /// Opens the connection for dispatch (its registrations take effect) if it waited for the
+    /// process's first settings.
+    fn open(&self) {
+        if self.opening.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            self.hub.open(self.conn);
+        }
+    }
+
     async fn run(
         self,
         mut inbound: Streaming<pb::ConnectRequest>,
@@ -452,6 +473,10 @@ impl Connection {
         ping.tick().await;
         let mut awaiting: Option<(u64, tokio::time::Instant)> = None;
         let mut nonce = 0u64;
+        let open_by = self
+            .opening
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .then(|| tokio::time::Instant::now() + self.settings.handshake_timeout);
         // The message the handler process has not taken yet, and since when. Sends are never
         // awaited inside the loop: a process that stops reading is noticed by the same deadline
         // as a missing pong, and shutdown is always polled.
@@ -491,6 +516,10 @@ impl Connection {
                     }
                     Err(status) => break Some(self.inbound_error(status)),
                 },
+                () = sleep_until_opt(open_by), if self.opening.load(std::sync::atomic::Ordering::Relaxed) => {
+                    warn!(timeout = ?self.settings.handshake_timeout, "no process settings after the welcome; its registrations take effect without them");
+                    self.open();
+                }
                 () = sleep_until_opt(pong_deadline) => {
                     warn!(timeout = ?self.settings.ping_timeout, "no pong in time; dropping the connection");
                     break Some(Status::unavailable(format!(
@@ -578,9 +607,14 @@ impl Connection {
                 let wants = convert::outcome_events(&settings);
                 debug!(?wants, "process settings");
                 self.hub.set_outcome_events(self.conn, wants);
-                let (operator, mut problems) =
-                    convert::operator_settings(&settings.operator.unwrap_or_default());
-                for (field, why) in self.hub.set_operator_settings(self.conn, operator) {
+                let (operator, mut problems) = if self.operator_settings {
+                    convert::operator_settings(&settings.operator.unwrap_or_default())
+                } else {
+                    Default::default()
+                };
+                let overruled = self.hub.set_operator_settings(self.conn, operator);
+                self.open();
+                for (field, why) in overruled {
                     warn!(%field, "{why}");
                     problems.push(
                         Diagnostic::warning("SETTING_OVERRULED", why)

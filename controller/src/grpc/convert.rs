@@ -622,7 +622,35 @@ pub fn operator_settings(
             None
         }
     };
+    let peering_name = setting_text(
+        Field::PeeringName,
+        &wire.peering_name,
+        &|p| !p.contains('/') && valid_label_key(&format!("{p}/x")),
+        "a DNS subdomain",
+        &mut problems,
+    );
+    let peering_priority = match wire.peering_priority {
+        0 => None,
+        n if n.unsigned_abs() <= 1 << 31 => Some(n),
+        n => {
+            problems.push(bad_setting(
+                Field::PeeringPriority,
+                &format!("of {n} is beyond 2^31 either way"),
+            ));
+            None
+        }
+    };
+    let peering_lifetime = watch_timeout(
+        Field::PeeringLifetime,
+        wire.peering_lifetime.as_ref(),
+        &mut problems,
+    );
     let settings = OperatorSettings {
+        peering_name,
+        peering_priority,
+        peering_standalone: wire.peering_standalone.then_some(true),
+        peering_mandatory: wire.peering_mandatory.then_some(true),
+        peering_lifetime,
         finalizer,
         persistence_prefix,
         progress_storage: match pb::ProgressStorageKind::try_from(wire.progress_storage) {
@@ -673,7 +701,7 @@ fn setting_text(
     None
 }
 
-/// A watch timeout setting: 1 s to a day.
+/// A timeout setting (watches, the peering lifetime): 1 s to a day.
 fn watch_timeout(
     field: crate::model::operator_settings::Field,
     d: Option<&prost_types::Duration>,
@@ -1114,6 +1142,23 @@ mod tests {
                 .iter()
                 .all(|p| p.reason == "BAD_SETTING" && p.severity == Severity::Warning)
         );
+        let (peering, problems) = operator_settings(&pb::OperatorSettings {
+            peering_name: "mine".into(),
+            peering_priority: -(1 << 40),
+            peering_standalone: true,
+            peering_lifetime: d(86_401),
+            ..Default::default()
+        });
+        assert_eq!(peering.peering_name.as_deref(), Some("mine"));
+        assert_eq!(
+            (peering.peering_priority, peering.peering_standalone),
+            (None, Some(true))
+        );
+        assert_eq!(
+            (peering.peering_mandatory, peering.peering_lifetime),
+            (None, None)
+        );
+        assert_eq!(problems.len(), 2, "{problems:?}");
         // Nothing set is nothing applied.
         let (empty, problems) = operator_settings(&pb::OperatorSettings::default());
         assert_eq!(

@@ -416,10 +416,25 @@ impl Hub {
             &self.inner.settings.operator_flags,
             earlier.iter().map(|(_, o)| *o),
         );
+        // In effect: each field this process sets, unless a flag fixes it or a process
+        // connected earlier sets it. Nothing else changes (a value stays when its process
+        // leaves, and an overruled one does not take over then).
+        let flags = &self.inner.settings.operator_flags;
+        self.inner.operator.send_if_modified(|current| {
+            let mut next = current.clone();
+            for field in wanted.set_fields() {
+                let fixed = flags.is_set(field) || earlier.iter().any(|(_, o)| o.is_set(field));
+                if !fixed {
+                    next.take(field, &wanted);
+                }
+            }
+            let changed = next != *current;
+            *current = next;
+            changed
+        });
         if let Some(c) = state.connections.get_mut(&conn) {
             c.operator = wanted;
         }
-        self.publish_operator(&state);
         why
     }
 
@@ -427,21 +442,6 @@ impl Hub {
     /// value that changes them.
     pub fn operator_settings(&self) -> watch::Receiver<OperatorSettings> {
         self.inner.operator.subscribe()
-    }
-
-    fn publish_operator(&self, state: &State) {
-        let mut conns: Vec<(&ConnectionId, &Conn)> = state.connections.iter().collect();
-        conns.sort_by_key(|(id, _)| **id);
-        let processes: Vec<&OperatorSettings> = conns.iter().map(|(_, c)| &c.operator).collect();
-        self.inner.operator.send_if_modified(|current| {
-            let next = OperatorSettings::in_effect(processes.iter().copied(), current);
-            if next == *current {
-                false
-            } else {
-                *current = next;
-                true
-            }
-        });
     }
 
     /// How the process that owns `handler` wants its outcomes posted as Events; as the
@@ -480,7 +480,6 @@ impl Hub {
             }
         }
         self.publish(&state);
-        self.publish_operator(&state);
     }
 
     /// Withdraws every registration of the process that owns `handler` (as [`Hub::detach`]
@@ -1235,8 +1234,19 @@ mod tests {
             hub.operator_settings().borrow().finalizer.as_deref(),
             Some("a.example/f")
         );
-        // The first leaves: the second's value takes over; when both left it stays.
+        // A value stays when its process leaves; the overruled one does not take over unasked.
+        assert_eq!(
+            hub.operator_settings().borrow().worker_limit,
+            None,
+            "the flag's, not published"
+        );
         hub.detach(first);
+        assert_eq!(
+            hub.operator_settings().borrow().finalizer.as_deref(),
+            Some("a.example/f")
+        );
+        // Asked again, once no process connected earlier sets it, the value is taken.
+        hub.set_operator_settings(second, wanted("b.example/f"));
         assert_eq!(
             hub.operator_settings().borrow().finalizer.as_deref(),
             Some("b.example/f")

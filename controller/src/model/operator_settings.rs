@@ -12,7 +12,8 @@
 //! - between processes, for each field, the process connected first wins: a newcomer (a
 //!   second handler container, a restarted one) cannot flip the finalizer of a running operator;
 //! - a value stays in effect when its process leaves, until a process sends another: the
-//!   restart of a handler container must not restart the engine twice.
+//!   restart of a handler container must not restart the engine twice, and a value that was
+//!   overruled does not take over unasked when the process that set the first one leaves.
 
 use std::{fmt, time::Duration};
 
@@ -57,6 +58,16 @@ pub struct OperatorSettings {
     pub watch_server_timeout: Option<Duration>,
     /// `queueing.worker_limit`.
     pub worker_limit: Option<u32>,
+    /// `peering.name`.
+    pub peering_name: Option<String>,
+    /// `peering.priority`.
+    pub peering_priority: Option<i64>,
+    /// `peering.standalone` (only `true` is a value).
+    pub peering_standalone: Option<bool>,
+    /// `peering.mandatory` (only `true` is a value).
+    pub peering_mandatory: Option<bool>,
+    /// `peering.lifetime`.
+    pub peering_lifetime: Option<Duration>,
 }
 
 /// One field of [`OperatorSettings`].
@@ -80,11 +91,21 @@ pub enum Field {
     WatchServerTimeout,
     /// `queueing.worker_limit`.
     WorkerLimit,
+    /// `peering.name`.
+    PeeringName,
+    /// `peering.priority`.
+    PeeringPriority,
+    /// `peering.standalone`.
+    PeeringStandalone,
+    /// `peering.mandatory`.
+    PeeringMandatory,
+    /// `peering.lifetime`.
+    PeeringLifetime,
 }
 
 impl Field {
     /// Every field.
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 14] = [
         Self::Finalizer,
         Self::PersistencePrefix,
         Self::ProgressStorage,
@@ -94,7 +115,24 @@ impl Field {
         Self::WatchInactivityTimeout,
         Self::WatchServerTimeout,
         Self::WorkerLimit,
+        Self::PeeringName,
+        Self::PeeringPriority,
+        Self::PeeringStandalone,
+        Self::PeeringMandatory,
+        Self::PeeringLifetime,
     ];
+
+    /// Whether the field is about peering (a change restarts the operator's peering).
+    pub fn is_peering(self) -> bool {
+        matches!(
+            self,
+            Self::PeeringName
+                | Self::PeeringPriority
+                | Self::PeeringStandalone
+                | Self::PeeringMandatory
+                | Self::PeeringLifetime
+        )
+    }
 
     /// The controller flag that does the same.
     pub fn flag(self) -> &'static str {
@@ -108,6 +146,11 @@ impl Field {
             Self::WatchInactivityTimeout => "--watch-inactivity-timeout",
             Self::WatchServerTimeout => "--watch-server-timeout",
             Self::WorkerLimit => "--worker-limit",
+            Self::PeeringName => "--peering",
+            Self::PeeringPriority => "--priority",
+            Self::PeeringStandalone => "--standalone",
+            Self::PeeringMandatory => "--peering/--priority/--dev",
+            Self::PeeringLifetime => "--peering-lifetime",
         }
     }
 
@@ -123,6 +166,11 @@ impl Field {
             Self::WatchInactivityTimeout => "watch_inactivity_timeout",
             Self::WatchServerTimeout => "watch_server_timeout",
             Self::WorkerLimit => "worker_limit",
+            Self::PeeringName => "peering_name",
+            Self::PeeringPriority => "peering_priority",
+            Self::PeeringStandalone => "peering_standalone",
+            Self::PeeringMandatory => "peering_mandatory",
+            Self::PeeringLifetime => "peering_lifetime",
         }
     }
 }
@@ -160,6 +208,11 @@ impl OperatorSettings {
             Field::WatchInactivityTimeout => self.watch_inactivity_timeout.as_ref().map(secs),
             Field::WatchServerTimeout => self.watch_server_timeout.as_ref().map(secs),
             Field::WorkerLimit => self.worker_limit.map(|n| n.to_string()),
+            Field::PeeringName => self.peering_name.clone(),
+            Field::PeeringPriority => self.peering_priority.map(|n| n.to_string()),
+            Field::PeeringStandalone => self.peering_standalone.map(|b| b.to_string()),
+            Field::PeeringMandatory => self.peering_mandatory.map(|b| b.to_string()),
+            Field::PeeringLifetime => self.peering_lifetime.as_ref().map(secs),
         }
     }
 
@@ -175,11 +228,16 @@ impl OperatorSettings {
             Field::WatchInactivityTimeout => self.watch_inactivity_timeout.is_some(),
             Field::WatchServerTimeout => self.watch_server_timeout.is_some(),
             Field::WorkerLimit => self.worker_limit.is_some(),
+            Field::PeeringName => self.peering_name.is_some(),
+            Field::PeeringPriority => self.peering_priority.is_some(),
+            Field::PeeringStandalone => self.peering_standalone.is_some(),
+            Field::PeeringMandatory => self.peering_mandatory.is_some(),
+            Field::PeeringLifetime => self.peering_lifetime.is_some(),
         }
     }
 
     /// Takes `field` from `other` (set or not).
-    fn take(&mut self, field: Field, other: &Self) {
+    pub fn take(&mut self, field: Field, other: &Self) {
         match field {
             Field::Finalizer => self.finalizer.clone_from(&other.finalizer),
             Field::PersistencePrefix => self.persistence_prefix.clone_from(&other.persistence_prefix),
@@ -190,26 +248,26 @@ impl OperatorSettings {
             Field::WatchInactivityTimeout => self.watch_inactivity_timeout = other.watch_inactivity_timeout,
             Field::WatchServerTimeout => self.watch_server_timeout = other.watch_server_timeout,
             Field::WorkerLimit => self.worker_limit = other.worker_limit,
+            Field::PeeringName => self.peering_name.clone_from(&other.peering_name),
+            Field::PeeringPriority => self.peering_priority = other.peering_priority,
+            Field::PeeringStandalone => self.peering_standalone = other.peering_standalone,
+            Field::PeeringMandatory => self.peering_mandatory = other.peering_mandatory,
+            Field::PeeringLifetime => self.peering_lifetime = other.peering_lifetime,
         }
+    }
+
+    /// The peering fields only (to tell whether the operator's peering must restart).
+    pub fn peering(&self) -> Self {
+        let mut out = Self::default();
+        for field in Field::ALL.into_iter().filter(|f| f.is_peering()) {
+            out.take(field, self);
+        }
+        out
     }
 
     /// The fields that are set.
     pub fn set_fields(&self) -> impl Iterator<Item = Field> + '_ {
         Field::ALL.into_iter().filter(|f| self.is_set(*f))
-    }
-
-    /// What is in effect: for each field, the value of the first of `processes` (oldest
-    /// connection first) that sets it; else the one in effect before (`before`), which stays
-    /// when its process left.
-    pub fn in_effect<'a>(processes: impl IntoIterator<Item = &'a Self> + Clone, before: &Self) -> Self {
-        let mut out = Self::default();
-        for field in Field::ALL {
-            match processes.clone().into_iter().find(|p| p.is_set(field)) {
-                Some(first) => out.take(field, first),
-                None => out.take(field, before),
-            }
-        }
-        out
     }
 
     /// Why a process's `wanted` settings are not all applied: the fields whose flags were
@@ -228,7 +286,7 @@ impl OperatorSettings {
                     out.push((
                         field,
                         format!(
-                            "{field} = {value:?} is not applied: the controller was given {} {flag}, which wins",
+                            "{field} = {value:?} is not applied: the controller's {} {flag} wins (given, or fixed per node)",
                             field.flag()
                         ),
                     ));
@@ -258,28 +316,6 @@ mod tests {
             finalizer: Some(name.into()),
             ..OperatorSettings::default()
         }
-    }
-
-    #[test]
-    fn the_process_connected_first_wins_field_by_field_and_a_value_stays_when_its_process_leaves() {
-        let first = OperatorSettings {
-            worker_limit: Some(4),
-            ..finalizer("a.example/f")
-        };
-        let second = OperatorSettings {
-            status_field: Some("second".into()),
-            ..finalizer("b.example/f")
-        };
-        let both = OperatorSettings::in_effect([&first, &second], &OperatorSettings::default());
-        assert_eq!(both.finalizer.as_deref(), Some("a.example/f"));
-        assert_eq!(both.worker_limit, Some(4));
-        assert_eq!(both.status_field.as_deref(), Some("second"));
-        // The first leaves: the second's finalizer takes over; the worker limit stays.
-        let after = OperatorSettings::in_effect([&second], &both);
-        assert_eq!(after.finalizer.as_deref(), Some("b.example/f"));
-        assert_eq!(after.worker_limit, Some(4));
-        // Everyone leaves: nothing changes.
-        assert_eq!(OperatorSettings::in_effect([], &after), after);
     }
 
     #[test]

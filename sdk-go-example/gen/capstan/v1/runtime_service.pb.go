@@ -57,6 +57,11 @@ const (
 	// The handler process may leave sub-handlers for a later call of their parent
 	// (`SubhandlerOutcome.deferred`), as kopf's lifecycles choose which sub-handlers run.
 	Capability_CAPABILITY_DEFERRED_SUBHANDLERS Capability = 13
+	// The handler process sends kopf's operator-wide settings (`ProcessSettings.operator`) and
+	// the controller applies them. A process that lists it sends its first ProcessSettings
+	// right after the welcome: its registrations take effect once they came (or after the
+	// handshake timeout), so that no watch starts before the operator's own settings.
+	Capability_CAPABILITY_OPERATOR_SETTINGS Capability = 14
 )
 
 // Enum value maps for Capability.
@@ -72,6 +77,7 @@ var (
 		11: "CAPABILITY_CLEANUP_ON_GOODBYE",
 		12: "CAPABILITY_PROCESS_SETTINGS",
 		13: "CAPABILITY_DEFERRED_SUBHANDLERS",
+		14: "CAPABILITY_OPERATOR_SETTINGS",
 	}
 	Capability_value = map[string]int32{
 		"CAPABILITY_UNSPECIFIED":          0,
@@ -84,6 +90,7 @@ var (
 		"CAPABILITY_CLEANUP_ON_GOODBYE":   11,
 		"CAPABILITY_PROCESS_SETTINGS":     12,
 		"CAPABILITY_DEFERRED_SUBHANDLERS": 13,
+		"CAPABILITY_OPERATOR_SETTINGS":    14,
 	}
 )
 
@@ -1204,7 +1211,8 @@ type ProcessSettings struct {
 	// The lowest level posted with ALWAYS (kopf's `settings.posting.level`); UNSPECIFIED is info.
 	OutcomeLevel LogLevel `protobuf:"varint,2,opt,name=outcome_level,json=outcomeLevel,proto3,enum=capstan.v1.LogLevel" json:"outcome_level,omitempty"`
 	// kopf's settings that are the controller's own work for every process (persistence,
-	// watching, queueing): applied as if given as the controller's flags. Unset: the flags'.
+	// watching, queueing, peering): applied as if given as the controller's flags (only with
+	// CAPABILITY_OPERATOR_SETTINGS). Unset: the flags'.
 	Operator      *OperatorSettings `protobuf:"bytes,3,opt,name=operator,proto3" json:"operator,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1267,8 +1275,10 @@ func (x *ProcessSettings) GetOperator() *OperatorSettings {
 // the value of the process connected first wins; the others get a Notice. A value stays in
 // effect when its process leaves, until a process sends another. A change that arrives once
 // resources are watched restarts the controller's engine (every resource is listed again);
-// sent before a startup handler's result, it is in effect before the first watch. A field not
-// set leaves the flag's value; a value out of range is refused with a Notice and not applied.
+// sent before a startup handler's result, it is in effect before the first watch; a change of
+// the peering fields restarts the operator's peering (its entries are replaced) before that.
+// A field not set leaves the flag's value; a value out of range is refused with a Notice and
+// not applied.
 type OperatorSettings struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The finalizer name (`persistence.finalizer`, `--finalizer`): a qualified name such as
@@ -1295,9 +1305,23 @@ type OperatorSettings struct {
 	WatchServerTimeout *durationpb.Duration `protobuf:"bytes,8,opt,name=watch_server_timeout,json=watchServerTimeout,proto3" json:"watch_server_timeout,omitempty"`
 	// At most this many objects processed at once (`queueing.worker_limit`, `--worker-limit`);
 	// 0 is unset, at most 100,000.
-	WorkerLimit   uint32 `protobuf:"varint,9,opt,name=worker_limit,json=workerLimit,proto3" json:"worker_limit,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	WorkerLimit uint32 `protobuf:"varint,9,opt,name=worker_limit,json=workerLimit,proto3" json:"worker_limit,omitempty"`
+	// The peering object's name (`peering.name`, `--peering`): a DNS subdomain. Unlike the
+	// flag, it does not make peering required (`peering_mandatory` does).
+	PeeringName string `protobuf:"bytes,10,opt,name=peering_name,json=peeringName,proto3" json:"peering_name,omitempty"`
+	// This operator's priority among its peers (`peering.priority`, `--priority`); 0 is unset
+	// (the default of both), at most 2^31 either way.
+	PeeringPriority int64 `protobuf:"varint,11,opt,name=peering_priority,json=peeringPriority,proto3" json:"peering_priority,omitempty"`
+	// Run without peering (`peering.standalone`, `--standalone`); false is unset.
+	PeeringStandalone bool `protobuf:"varint,12,opt,name=peering_standalone,json=peeringStandalone,proto3" json:"peering_standalone,omitempty"`
+	// Peering is required (`peering.mandatory`; a given `--peering`, `--priority` or `--dev`
+	// makes it so): without its CRDs the operator stays paused. False is unset.
+	PeeringMandatory bool `protobuf:"varint,13,opt,name=peering_mandatory,json=peeringMandatory,proto3" json:"peering_mandatory,omitempty"`
+	// How long this operator's peering entry lives without a keep-alive (`peering.lifetime`,
+	// `--peering-lifetime`); 1 s to 1 day.
+	PeeringLifetime *durationpb.Duration `protobuf:"bytes,14,opt,name=peering_lifetime,json=peeringLifetime,proto3" json:"peering_lifetime,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *OperatorSettings) Reset() {
@@ -1391,6 +1415,41 @@ func (x *OperatorSettings) GetWorkerLimit() uint32 {
 		return x.WorkerLimit
 	}
 	return 0
+}
+
+func (x *OperatorSettings) GetPeeringName() string {
+	if x != nil {
+		return x.PeeringName
+	}
+	return ""
+}
+
+func (x *OperatorSettings) GetPeeringPriority() int64 {
+	if x != nil {
+		return x.PeeringPriority
+	}
+	return 0
+}
+
+func (x *OperatorSettings) GetPeeringStandalone() bool {
+	if x != nil {
+		return x.PeeringStandalone
+	}
+	return false
+}
+
+func (x *OperatorSettings) GetPeeringMandatory() bool {
+	if x != nil {
+		return x.PeeringMandatory
+	}
+	return false
+}
+
+func (x *OperatorSettings) GetPeeringLifetime() *durationpb.Duration {
+	if x != nil {
+		return x.PeeringLifetime
+	}
+	return nil
 }
 
 // A liveness check from the controller.
@@ -2025,7 +2084,7 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x0fProcessSettings\x12?\n" +
 	"\x0eoutcome_events\x18\x01 \x01(\x0e2\x18.capstan.v1.EventPostingR\routcomeEvents\x129\n" +
 	"\routcome_level\x18\x02 \x01(\x0e2\x14.capstan.v1.LogLevelR\foutcomeLevel\x128\n" +
-	"\boperator\x18\x03 \x01(\v2\x1c.capstan.v1.OperatorSettingsR\boperator\"\x82\x04\n" +
+	"\boperator\x18\x03 \x01(\v2\x1c.capstan.v1.OperatorSettingsR\boperator\"\xf2\x05\n" +
 	"\x10OperatorSettings\x12\x1c\n" +
 	"\tfinalizer\x18\x01 \x01(\tR\tfinalizer\x12-\n" +
 	"\x12persistence_prefix\x18\x02 \x01(\tR\x11persistencePrefix\x12J\n" +
@@ -2035,7 +2094,13 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\fstatus_field\x18\x06 \x01(\tR\vstatusField\x12S\n" +
 	"\x18watch_inactivity_timeout\x18\a \x01(\v2\x19.google.protobuf.DurationR\x16watchInactivityTimeout\x12K\n" +
 	"\x14watch_server_timeout\x18\b \x01(\v2\x19.google.protobuf.DurationR\x12watchServerTimeout\x12!\n" +
-	"\fworker_limit\x18\t \x01(\rR\vworkerLimit\"U\n" +
+	"\fworker_limit\x18\t \x01(\rR\vworkerLimit\x12!\n" +
+	"\fpeering_name\x18\n" +
+	" \x01(\tR\vpeeringName\x12)\n" +
+	"\x10peering_priority\x18\v \x01(\x03R\x0fpeeringPriority\x12-\n" +
+	"\x12peering_standalone\x18\f \x01(\bR\x11peeringStandalone\x12+\n" +
+	"\x11peering_mandatory\x18\r \x01(\bR\x10peeringMandatory\x12D\n" +
+	"\x10peering_lifetime\x18\x0e \x01(\v2\x19.google.protobuf.DurationR\x0fpeeringLifetime\"U\n" +
 	"\x04Ping\x12\x14\n" +
 	"\x05nonce\x18\x01 \x01(\x04R\x05nonce\x127\n" +
 	"\tsent_time\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\bsentTime\"9\n" +
@@ -2068,7 +2133,7 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x04body\x18\x02 \x01(\v2\x10.capstan.v1.JsonR\x04body\"=\n" +
 	"\n" +
 	"ObjectGone\x12/\n" +
-	"\x06object\x18\x01 \x01(\v2\x17.capstan.v1.ResourceRefR\x06object*\xc2\x02\n" +
+	"\x06object\x18\x01 \x01(\v2\x17.capstan.v1.ResourceRefR\x06object*\xe4\x02\n" +
 	"\n" +
 	"Capability\x12\x1a\n" +
 	"\x16CAPABILITY_UNSPECIFIED\x10\x00\x12\x19\n" +
@@ -2081,7 +2146,8 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x12!\n" +
 	"\x1dCAPABILITY_CLEANUP_ON_GOODBYE\x10\v\x12\x1f\n" +
 	"\x1bCAPABILITY_PROCESS_SETTINGS\x10\f\x12#\n" +
-	"\x1fCAPABILITY_DEFERRED_SUBHANDLERS\x10\r*z\n" +
+	"\x1fCAPABILITY_DEFERRED_SUBHANDLERS\x10\r\x12 \n" +
+	"\x1cCAPABILITY_OPERATOR_SETTINGS\x10\x0e*z\n" +
 	"\bLogLevel\x12\x19\n" +
 	"\x15LOG_LEVEL_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fLOG_LEVEL_DEBUG\x10\x01\x12\x12\n" +
@@ -2200,20 +2266,21 @@ var file_capstan_v1_runtime_service_proto_depIdxs = []int32{
 	4,  // 37: capstan.v1.OperatorSettings.diffbase_storage:type_name -> capstan.v1.DiffBaseStorageKind
 	30, // 38: capstan.v1.OperatorSettings.watch_inactivity_timeout:type_name -> google.protobuf.Duration
 	30, // 39: capstan.v1.OperatorSettings.watch_server_timeout:type_name -> google.protobuf.Duration
-	32, // 40: capstan.v1.Ping.sent_time:type_name -> google.protobuf.Timestamp
-	30, // 41: capstan.v1.Drain.grace_period:type_name -> google.protobuf.Duration
-	32, // 42: capstan.v1.Drain.start_time:type_name -> google.protobuf.Timestamp
-	34, // 43: capstan.v1.ResultAck.diagnostics:type_name -> capstan.v1.Diagnostic
-	34, // 44: capstan.v1.Notice.diagnostics:type_name -> capstan.v1.Diagnostic
-	35, // 45: capstan.v1.ObjectUpdate.body:type_name -> capstan.v1.Json
-	33, // 46: capstan.v1.ObjectGone.object:type_name -> capstan.v1.ResourceRef
-	5,  // 47: capstan.v1.RuntimeService.Connect:input_type -> capstan.v1.ConnectRequest
-	6,  // 48: capstan.v1.RuntimeService.Connect:output_type -> capstan.v1.ConnectResponse
-	48, // [48:49] is the sub-list for method output_type
-	47, // [47:48] is the sub-list for method input_type
-	47, // [47:47] is the sub-list for extension type_name
-	47, // [47:47] is the sub-list for extension extendee
-	0,  // [0:47] is the sub-list for field type_name
+	30, // 40: capstan.v1.OperatorSettings.peering_lifetime:type_name -> google.protobuf.Duration
+	32, // 41: capstan.v1.Ping.sent_time:type_name -> google.protobuf.Timestamp
+	30, // 42: capstan.v1.Drain.grace_period:type_name -> google.protobuf.Duration
+	32, // 43: capstan.v1.Drain.start_time:type_name -> google.protobuf.Timestamp
+	34, // 44: capstan.v1.ResultAck.diagnostics:type_name -> capstan.v1.Diagnostic
+	34, // 45: capstan.v1.Notice.diagnostics:type_name -> capstan.v1.Diagnostic
+	35, // 46: capstan.v1.ObjectUpdate.body:type_name -> capstan.v1.Json
+	33, // 47: capstan.v1.ObjectGone.object:type_name -> capstan.v1.ResourceRef
+	5,  // 48: capstan.v1.RuntimeService.Connect:input_type -> capstan.v1.ConnectRequest
+	6,  // 49: capstan.v1.RuntimeService.Connect:output_type -> capstan.v1.ConnectResponse
+	49, // [49:50] is the sub-list for method output_type
+	48, // [48:49] is the sub-list for method input_type
+	48, // [48:48] is the sub-list for extension type_name
+	48, // [48:48] is the sub-list for extension extendee
+	0,  // [0:48] is the sub-list for field type_name
 }
 
 func init() { file_capstan_v1_runtime_service_proto_init() }
