@@ -386,6 +386,7 @@ impl Pausing {
         .await?;
         let peering = Arc::new(PeeringSlot {
             running: tokio::sync::Mutex::new((settings.peering.clone(), peering)),
+            failed: std::sync::atomic::AtomicBool::new(false),
             client: core.client.clone(),
             gate: gate.clone(),
             namespaces,
@@ -452,6 +453,8 @@ impl Pausing {
 /// (kopf's `settings.peering` in a startup handler).
 struct PeeringSlot {
     running: tokio::sync::Mutex<(peering::Settings, Option<Peering>)>,
+    /// The last restart failed: required peering could not start.
+    failed: std::sync::atomic::AtomicBool,
     client: kube::Client,
     gate: Gate,
     namespaces: Vec<String>,
@@ -460,6 +463,10 @@ struct PeeringSlot {
 
 /// The gate's reason while peering is required but cannot run.
 const PEERING_UNAVAILABLE: &str = "peering:unavailable";
+/// The gate's reason while peering restarts.
+const PEERING_RESTARTING: &str = "peering:restarting";
+/// How often required peering that could not start is tried again.
+const PEERING_RETRY: Duration = Duration::from_secs(30);
 
 impl PeeringSlot {
     /// Restarts peering with `wanted` if it differs from the running one's settings: the
@@ -467,7 +474,7 @@ impl PeeringSlot {
     /// that is required but cannot start holds the gate (the operator stays paused).
     async fn follow(&self, wanted: peering::Settings) {
         let mut running = self.running.lock().await;
-        if running.0 == wanted {
+        if running.0 == wanted && !self.failed() {
             return;
         }
         info!(
@@ -475,6 +482,12 @@ impl PeeringSlot {
             priority = wanted.priority,
             standalone = wanted.standalone,
             "the handler processes' peering settings changed; peering restarts with them"
+        );
+        // Held from before the old entries go until the new ones hold the gate (or peering is
+        // found unavailable): a frozen operator must not run handlers in between.
+        self.gate.hold(
+            PEERING_RESTARTING,
+            "peering restarts with the handler processes' settings",
         );
         if let Some(old) = running.1.take() {
             old.stop().await;
@@ -490,16 +503,27 @@ impl PeeringSlot {
         )
         .await
         {
-            Ok(peering) => running.1 = peering,
+            Ok(peering) => {
+                running.1 = peering;
+                self.failed.store(false, std::sync::atomic::Ordering::Relaxed);
+            }
             Err(e) => {
+                // Tried again (`failed`) until it starts or the settings change.
                 warn!(error = %crate::diagnostic::chain(&e), "peering is required but cannot start: the operator stays paused");
                 self.gate.hold(
                     PEERING_UNAVAILABLE,
                     format!("peering is required but cannot start: {e}"),
                 );
+                self.failed.store(true, std::sync::atomic::Ordering::Relaxed);
             }
         }
         running.0 = wanted;
+        self.gate.release(PEERING_RESTARTING);
+    }
+
+    /// Whether the last restart failed (required peering that cannot start yet).
+    fn failed(&self) -> bool {
+        self.failed.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     async fn stop(&self) {
@@ -706,13 +730,15 @@ impl Engines {
             tokio::select! {
                 () = stop.cancelled() => return,
                 changed = changes.changed() => if changed.is_err() { return },
+                () = tokio::time::sleep(PEERING_RETRY), if peering.failed() => {}
             }
             let wanted = changes.borrow_and_update().clone();
             // Peering first: its new entries hold the gate before the engine that follows
-            // these settings starts (the engine's gate stays closed until then).
-            tokio::select! {
-                () = stop.cancelled() => return,
-                () = peering.follow(flags.peering(&wanted)) => {}
+            // these settings starts (the engine's gate stays closed until then). Not raced
+            // against the stop: it is bounded, and a half-done restart would leave entries.
+            peering.follow(flags.peering(&wanted)).await;
+            if stop.is_cancelled() {
+                return;
             }
             let mut current = self.current.lock().await;
             // An engine started meanwhile may have been configured with these already.

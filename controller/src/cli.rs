@@ -885,14 +885,16 @@ impl RunArgs {
                 Some(clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable)
             )
         };
+        // `--dev` counts when it is on (CAPSTAN_DEV=false given is no development mode).
+        let dev = given("dev") && matches.get_flag("dev");
         Field::ALL
             .into_iter()
             .filter(|field| match field {
                 Field::PeeringName => given("peering"),
-                Field::PeeringPriority => given("priority") || given("dev"),
+                Field::PeeringPriority => given("priority") || dev,
                 // Any of these decides whether there is peering (they exclude each other).
                 Field::PeeringStandalone | Field::PeeringMandatory => {
-                    given("standalone") || given("peering") || given("priority") || given("dev")
+                    given("standalone") || given("peering") || given("priority") || dev
                 }
                 Field::PeeringLifetime => given("peering_lifetime"),
                 other => given(other.name()),

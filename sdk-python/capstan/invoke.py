@@ -548,26 +548,32 @@ async def _run_subhandlers(parent: Running, outcome: Outcome, logger, executor, 
     call = parent.call
     now = datetime.datetime.now(datetime.timezone.utc)
 
-    def runnable(sub):
+    def pending(sub):
         state = call.subhandlers.get(prefix + sub.id, SubState())
         waiting = state.delayed_until is not None and state.delayed_until > now
-        if state.success or state.failure or waiting:
-            return False
-        if not sub.sdk_filters:
-            return True
+        return not (state.success or state.failure or waiting)
+
+    def passes(sub):
         # A sub-handler its filters reject is no candidate for the lifecycle (as in kopf): it
         # would be picked, skipped, and leave the others deferred for ever.
+        state = call.subhandlers.get(prefix + sub.id, SubState())
         probe_call = dataclasses.replace(call, handler=sub, attempt=state.retries + 1, started=state.started or now)
         probe = Running(probe_call)
         probe.body = parent.body
         try:
             kwargs_all = kwargs_for(probe_call, dataclasses.replace(sub, takes=None), probe, logger, Patch(),
                                     state.retries, probe_call.started)
-            return _sdk_filters_pass(sub, kwargs_all)
-        except Exception:  # the call below reports the filter's failure as the sub-handler's
+            verdict = _sdk_filters_pass(sub, kwargs_all)
+        except Exception:  # the call below asks again and reports the failure as the sub-handler's
             return True
+        probed.add(id(sub))
+        return verdict
 
-    ready = [sub for sub in parent.declared if runnable(sub)]
+    ready = [sub for sub in parent.declared if pending(sub)]
+    # The filters are asked here only when the lifecycle chooses among several (and then once).
+    probed = set()
+    if call.defers and len(ready) > 1:
+        ready = [sub for sub in ready if not sub.sdk_filters or passes(sub)]
     chosen = _chosen(parent, ready, prefix)
     for sub in ready:
         if not any(sub is c for c in chosen):
@@ -585,7 +591,7 @@ async def _run_subhandlers(parent: Running, outcome: Outcome, logger, executor, 
         token = _current.set(child)
         patch = Patch()
         try:
-            if sub.sdk_filters:
+            if sub.sdk_filters and id(sub) not in probed:
                 kwargs_all = kwargs_for(child_call, dataclasses.replace(sub, takes=None), child, logger, patch,
                                         state.retries, child_call.started)
                 if not _sdk_filters_pass(sub, kwargs_all):

@@ -356,3 +356,38 @@ async fn a_startup_handlers_peering_settings_move_the_operator_to_their_peering(
     );
     Ok(())
 }
+
+/// A process that says it sends operator settings but sends none: its registrations wait for
+/// them only as long as the handshake timeout, then take effect without them.
+#[tokio::test]
+async fn a_process_that_sends_no_settings_is_served_after_the_handshake_timeout() -> Result<()> {
+    let env = env_with_crd().await?;
+    let controller = Controller::start(&env, "capstan", &["--handshake-timeout", "2s"]).await?;
+    let (mut client, _) = RawClient::connect(
+        unix_channel(controller.socket.clone()).await?,
+        pb::Hello {
+            capabilities: vec![
+                pb::Capability::ProcessSettings as i32,
+                pb::Capability::OperatorSettings as i32,
+            ],
+            ..hello(vec![registration("create", pb::HandlerKind::Create)])
+        },
+    )
+    .await?;
+    let connected = tokio::time::Instant::now();
+    create_example(&env, "unsettled", json!({"field": "a"})).await?;
+    let invocation = loop {
+        if let Out::Invocation(i) = client.recv_within(T).await? {
+            break i;
+        }
+    };
+    assert!(
+        connected.elapsed() >= Duration::from_millis(1500),
+        "invoked before the handshake timeout: {:?}",
+        connected.elapsed()
+    );
+    client
+        .send(success(&invocation.invocation_id, None, vec![]))
+        .await?;
+    Ok(())
+}

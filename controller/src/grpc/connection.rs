@@ -631,6 +631,8 @@ impl Connection {
             }
             Some(In::Goodbye(goodbye)) if goodbye.cleanup && self.cleanup_on_goodbye => {
                 info!(reason = %goodbye.reason, "handler process says goodbye; its cleanup handlers run, nothing else");
+                // A process leaving before its settings came is never opened.
+                self.opening.store(false, std::sync::atomic::Ordering::Relaxed);
                 if !self.hub.leave_with_cleanup(self.conn) {
                     let farewell = pb::Farewell {
                         reason: "the process has no cleanup handlers".into(),
@@ -640,6 +642,7 @@ impl Connection {
             }
             Some(In::Goodbye(goodbye)) => {
                 info!(reason = %goodbye.reason, "handler process says goodbye; no new invocations");
+                self.opening.store(false, std::sync::atomic::Ordering::Relaxed);
                 self.hub.close_for_dispatch(self.conn);
             }
             None => {

@@ -309,6 +309,9 @@ impl Hub {
     pub(crate) fn open(&self, conn: ConnectionId) {
         let mut state = self.inner.state.lock();
         if let Some(c) = state.connections.get_mut(&conn) {
+            if c.cleaning_up {
+                return;
+            }
             c.open = true;
         }
         state.pump_conn(conn);
@@ -404,6 +407,10 @@ impl Hub {
         wanted: OperatorSettings,
     ) -> Vec<(Field, String)> {
         let mut state = self.inner.state.lock();
+        // An expelled or departed process's settings change nothing.
+        if !state.connections.contains_key(&conn) {
+            return Vec::new();
+        }
         let mut earlier: Vec<(ConnectionId, &OperatorSettings)> = state
             .connections
             .iter()
@@ -1198,6 +1205,20 @@ mod tests {
             outcome: Some(pb::invocation_result::Outcome::Success(pb::Success::default())),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_process_leaving_before_it_was_opened_is_never_opened() {
+        let hub = Hub::default();
+        let (tx, _rx) = mpsc::channel(8);
+        let regs = vec![Registration::new("cleanup_fn", HandlerKind::Cleanup, None)];
+        let (conn, _) = hub.attach(tx, 8, false, regs);
+        assert!(hub.leave_with_cleanup(conn));
+        hub.open(conn);
+        assert!(
+            hub.registrations().borrow().is_empty(),
+            "a leaving process's registrations took effect"
+        );
     }
 
     #[test]

@@ -1315,7 +1315,9 @@ type OperatorSettings struct {
 	// Run without peering (`peering.standalone`, `--standalone`); false is unset.
 	PeeringStandalone bool `protobuf:"varint,12,opt,name=peering_standalone,json=peeringStandalone,proto3" json:"peering_standalone,omitempty"`
 	// Peering is required (`peering.mandatory`; a given `--peering`, `--priority` or `--dev`
-	// makes it so): without its CRDs the operator stays paused. False is unset.
+	// makes it so). Set this way, an operator whose peering cannot start (its CRDs missing)
+	// stays paused and tries again every 30 s; given as flags, the controller refuses to
+	// start. False is unset.
 	PeeringMandatory bool `protobuf:"varint,13,opt,name=peering_mandatory,json=peeringMandatory,proto3" json:"peering_mandatory,omitempty"`
 	// How long this operator's peering entry lives without a keep-alive (`peering.lifetime`,
 	// `--peering-lifetime`); 1 s to 1 day.
