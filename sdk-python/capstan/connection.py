@@ -488,7 +488,14 @@ class Operator:
         log.debug("cancel invocation=%s handler=%s grace=%.1fs", cancel.invocation_id, running.call.handler.id, grace)
         running.cancelled = True
         if running.call.handler.is_async:
-            session.loop.call_later(grace, _cancel_task, task)
+            delay = grace
+            if running.call.handler.kind == "daemon":
+                # kopf's order: `stopped` first, the task cancelled once `cancellation_backoff`
+                # passed (at once without one); `cancellation_timeout` is the time the cancelled
+                # task then has (the controller's grace covers both).
+                backoff = running.call.handler.options.get("cancellation_backoff")
+                delay = min(grace, wire._secs(backoff)) if backoff is not None else 0.0
+            session.loop.call_later(delay, _cancel_task, task)
 
 
 def _cancel_task(task):

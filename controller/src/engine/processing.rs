@@ -699,47 +699,41 @@ fn reset_of(resets: &[(String, ProgressRecord)], full: &str) -> Option<ProgressR
     resets.iter().find(|(id, _)| id == full).map(|(_, r)| r.clone())
 }
 
-/// Whether any sub-handler of the parent (reported now or persisted earlier) is unfinished.
-fn children_unfinished(storage: &Storage, body: &Value, record: &ProgressRecord, children: &[Child]) -> bool {
-    if children.iter().any(|c| !c.record.finished()) {
-        return true;
-    }
-    record
-        .subrefs
-        .iter()
-        .filter(|id| !children.iter().any(|c| &c.id == *id))
-        .any(|id| storage.progress.fetch(id, body).is_some_and(|r| !r.finished()))
-}
-
-/// How long a parent waits for a sub-handler that was neither run nor deferred in its last
-/// call and has no delay of its own (its filter no longer matches): kopf's default backoff,
-/// so that such a parent is not called again and again for nothing.
-const UNREPORTED_CHILD_BACKOFF: std::time::Duration = std::time::Duration::from_secs(60);
-
-/// Keeps the parent unfinished, due when its earliest unfinished sub-handler is: those reported
-/// now (a deferred one, without a delay, at once) and those persisted earlier but not run this
-/// time (one waiting for its delay).
-fn reopen_for_children(
+/// The sub-handlers of the parent that keep it unfinished: those reported now and not
+/// finished, and those persisted earlier, not reported now, still waiting for a delay that had
+/// not passed when the call was made (an SDK leaves such ones out). One not reported that was
+/// due is no longer declared, or its filter no longer matches: it keeps nothing open, as a
+/// handler that no longer matches does not in kopf.
+fn unfinished_children(
     storage: &Storage,
     body: &Value,
-    record: &mut ProgressRecord,
+    record: &ProgressRecord,
     children: &[Child],
     now: SystemTime,
-) {
-    record.success = false;
-    record.stopped = None;
+) -> Vec<ProgressRecord> {
     let reported = children
         .iter()
         .filter(|c| !c.record.finished())
-        .map(|c| c.record.delayed_until().unwrap_or(now));
-    let persisted = record
+        .map(|c| c.record.clone());
+    let waiting = record
         .subrefs
         .iter()
         .filter(|id| !children.iter().any(|c| &c.id == *id))
         .filter_map(|id| storage.progress.fetch(id, body))
-        .filter(|r| !r.finished())
-        .map(|r| r.delayed_until().unwrap_or(now + UNREPORTED_CHILD_BACKOFF));
-    let next = reported.chain(persisted).min().unwrap_or(now);
+        .filter(|r| !r.finished() && r.delayed_until().is_some_and(|due| due > now));
+    reported.chain(waiting).collect()
+}
+
+/// Keeps the parent unfinished, due when its earliest unfinished sub-handler is (a deferred
+/// one, without a delay, at once).
+fn reopen_for_children(record: &mut ProgressRecord, unfinished: &[ProgressRecord], now: SystemTime) {
+    record.success = false;
+    record.stopped = None;
+    let next = unfinished
+        .iter()
+        .map(|r| r.delayed_until().unwrap_or(now))
+        .min()
+        .unwrap_or(now);
     record.delayed = Some(time::format(next));
     record.message = Some("sub-handlers are not finished yet".into());
 }

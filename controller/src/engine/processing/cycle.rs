@@ -490,8 +490,10 @@ impl<'i, 'a> Cycle<'i, 'a> {
                             }
                         }
                         step.delta = merge_diff(&before, &self.running).unwrap_or(Value::Null);
-                        if children_unfinished(storage, self.input.body, record, &step.children) {
-                            reopen_for_children(storage, self.input.body, record, &step.children, self.now);
+                        let unfinished =
+                            unfinished_children(storage, self.input.body, record, &step.children, self.now);
+                        if !unfinished.is_empty() {
+                            reopen_for_children(record, &unfinished, self.now);
                         } else {
                             info!(handler.id = %reg.id, "handler succeeded");
                             // Debug: logged, not posted — one Event per handled change is the summary below.

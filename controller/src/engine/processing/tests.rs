@@ -525,6 +525,40 @@ async fn a_deferred_sub_handler_keeps_its_parent_due_at_once_and_a_waiting_one_k
 }
 
 #[tokio::test]
+async fn a_sub_handler_no_longer_run_nor_waiting_keeps_its_parent_open_no_more() {
+    let handlers = [reg("parent", HandlerKind::Create)];
+    let script = Script::new(vec![Outcome::Success {
+        result: None,
+        kind_result: None,
+        patches: vec![],
+        subhandlers: vec![SubhandlerOutcome {
+            id: "b".into(),
+            outcome: Outcome::Skipped,
+        }],
+    }]);
+    let plan = run(&body(), EventType::Added, &handlers, Memory::default(), &script).await;
+    assert!(!plan.done, "the deferred sub-handler keeps the parent open");
+    let mut later = plan.desired.unwrap();
+    let parent: ProgressRecord = serde_json::from_str(
+        later["metadata"]["annotations"]["capstan.dev/parent"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let mut p_ready = parent.clone();
+    p_ready.delayed = None;
+    later["metadata"]["annotations"]["capstan.dev/parent"] = json!(serde_json::to_string(&p_ready).unwrap());
+    // The next call reports nothing of `b` (its filter no longer matches): the parent is done,
+    // as kopf no longer counts a handler that does not match.
+    let script = Script::new(vec![success(None, vec![])]);
+    let plan = run(&later, EventType::Modified, &handlers, Memory::default(), &script).await;
+    assert!(
+        plan.done,
+        "the parent waits for a sub-handler that is not run any more"
+    );
+}
+
+#[tokio::test]
 async fn a_rejected_patch_becomes_a_failed_attempt_and_keeps_the_rest() {
     let handlers = [
         reg("patcher", HandlerKind::Create),
