@@ -13,5 +13,6 @@ pub mod kopf;
 pub mod process;
 pub mod proxy;
 pub mod scenario;
+pub mod side_by_side;
 pub mod testenv;
 pub mod webhook_tls;

@@ -24,15 +24,14 @@
 //! pending top-level handlers of an object in one cycle and writes less often.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
-    path::Path,
+    collections::{BTreeMap, BTreeSet},
     time::Duration,
 };
 
 use anyhow::{Context as _, Result, bail};
 use capstan_tests::{
-    process::{Controller, Process, sdk_python},
-    testenv::{TestEnv, examples, repo_root},
+    side_by_side::{DIFFBASE, Framework, Operator, calls, handled, wait_gone, wait_object, wait_until},
+    testenv::{TestEnv, examples},
 };
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::{
@@ -41,176 +40,8 @@ use kube::{
 };
 use serde_json::{Value, json};
 
-/// How long each step may take.
-const T: Duration = Duration::from_secs(60);
-
 /// How long to look for calls that should not come once the handling looks over.
 const SETTLE: Duration = Duration::from_millis(1500);
-
-/// The last-handled configuration: written when a cause's handling is over.
-const DIFFBASE: &str = "kopf.zalando.org/last-handled-configuration";
-
-/// Which framework runs the operator file.
-#[derive(Clone, Copy, Debug)]
-enum Framework {
-    /// Real kopf.
-    Kopf,
-    /// `capstan.kopf` on the Capstan controller.
-    Capstan,
-}
-
-/// An operator file running under one framework against one API server.
-struct Operator {
-    process: Process,
-    controller: Option<Controller>,
-}
-
-impl Operator {
-    /// Starts `file` (relative to the repository root) under `framework`, its calls logged to
-    /// `log`, with the extra environment `vars`. Both get the API server's kubeconfig in
-    /// `KUBECONFIG`, for the handlers' own kubectl.
-    async fn start(
-        framework: Framework,
-        env: &TestEnv,
-        file: &str,
-        log: &Path,
-        vars: &[(&str, &str)],
-    ) -> Result<Self> {
-        let file = repo_root().join(file).display().to_string();
-        let mut vars: HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect();
-        vars.insert("DIFFERENTIAL_LOG".to_owned(), log.display().to_string());
-        vars.insert("PYTHONUNBUFFERED".to_owned(), "1".to_owned());
-        vars.insert("KUBECONFIG".to_owned(), env.kubeconfig.display().to_string());
-        match framework {
-            Framework::Kopf => {
-                let kopf = capstan_tests::kopf::binary().await?;
-                let args: Vec<String> = ["run", "--standalone", "-n", "default", &file]
-                    .iter()
-                    .map(|s| (*s).to_owned())
-                    .collect();
-                let process = Process::spawn("kopf", &kopf, &args, &vars, env.scratch())?;
-                Ok(Self {
-                    process,
-                    controller: None,
-                })
-            }
-            Framework::Capstan => {
-                let python = sdk_python().await?;
-                let controller = Controller::start(env, "capstan", &["--persistence", "kopf"]).await?;
-                vars.insert("CAPSTAN_ENDPOINT".to_owned(), controller.endpoint());
-                vars.insert("CAPSTAN_DIFFERENTIAL".to_owned(), "capstan".to_owned());
-                vars.insert(
-                    "PYTHONPATH".to_owned(),
-                    repo_root().join("sdk-python").display().to_string(),
-                );
-                let args: Vec<String> = ["-m", "capstan", "run", &file]
-                    .iter()
-                    .map(|s| (*s).to_owned())
-                    .collect();
-                let mut process = Process::spawn("capstan-kopf", &python, &args, &vars, env.scratch())?;
-                process.wait_for("connected to the controller", T).await?;
-                Ok(Self {
-                    process,
-                    controller: Some(controller),
-                })
-            }
-        }
-    }
-
-    /// The operator's output (and the controller's), for a failure's context.
-    fn output(&self) -> String {
-        let mut out = format!("the operator's log:\n{}", self.process.output());
-        if let Some(controller) = &self.controller {
-            out.push_str(&format!(
-                "\nthe controller's log:\n{}",
-                controller.process.output()
-            ));
-        }
-        out
-    }
-
-    /// Stops the operator (and its controller) with SIGTERM.
-    async fn stop(mut self) -> Result<()> {
-        self.process.terminate().await?;
-        if let Some(mut controller) = self.controller {
-            controller.process.terminate().await?;
-        }
-        Ok(())
-    }
-}
-
-/// The calls recorded so far, one JSON object per line.
-fn calls(log: &Path) -> Vec<Value> {
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
-async fn wait_until(what: &str, log: &Path, mut done: impl FnMut(&[Value]) -> bool) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + T;
-    loop {
-        if done(&calls(log)) {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("{what} did not happen within {T:?}; calls: {:?}", calls(log));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Waits until the object `name` satisfies `done` and returns it.
-async fn wait_object(
-    api: &Api<DynamicObject>,
-    name: &str,
-    what: &str,
-    done: impl Fn(&Value) -> bool,
-) -> Result<Value> {
-    let deadline = tokio::time::Instant::now() + T;
-    loop {
-        let object = api.get_opt(name).await?;
-        let value = object.as_ref().map(serde_json::to_value).transpose()?;
-        if let Some(value) = &value
-            && done(value)
-        {
-            return Ok(value.clone());
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("{what} did not happen within {T:?}: {value:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Waits until the object `name` is gone.
-async fn wait_gone(api: &Api<DynamicObject>, name: &str) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + T;
-    while api.get_opt(name).await?.is_some() {
-        if tokio::time::Instant::now() > deadline {
-            bail!("{name} was not released for deletion within {T:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Ok(())
-}
-
-/// Whether the handling of the object's last cause is over: its last-handled configuration is
-/// written and no per-handler progress record (kopf's format) is left.
-fn handled(obj: &Value) -> bool {
-    obj.pointer("/metadata/annotations")
-        .and_then(Value::as_object)
-        .is_some_and(|a| {
-            a.contains_key(DIFFBASE)
-                && !a
-                    .keys()
-                    .any(|k| k.starts_with("kopf.zalando.org/") && k != DIFFBASE)
-        })
-}
 
 /// Creates an Example in `default` with its metadata `meta` (name, labels, annotations).
 async fn create(api: &Api<DynamicObject>, meta: Value, spec: Value) -> Result<()> {
@@ -244,7 +75,7 @@ async fn children_run(framework: Framework) -> Result<ChildrenRun> {
     let client = env.client().await?;
     let api = examples(&client, "default");
     let configmaps: Api<ConfigMap> = Api::namespaced(client, "default");
-    let operator = Operator::start(framework, &env, CHILDREN, &log, &[]).await?;
+    let operator = Operator::start(framework, &env, CHILDREN, &log, &[], 1).await?;
     let outcome = async {
         create(
             &api,
@@ -394,8 +225,15 @@ async fn filters_run(framework: Framework, group: &str, expected: &Called) -> Re
     env.apply_example_crd().await?;
     let log = env.scratch().join("calls.jsonl");
     let api = examples(&env.client().await?, "default");
-    let operator =
-        Operator::start(framework, &env, FILTERS, &log, &[("DIFFERENTIAL_FILTERS", group)]).await?;
+    let operator = Operator::start(
+        framework,
+        &env,
+        FILTERS,
+        &log,
+        &[("DIFFERENTIAL_FILTERS", group)],
+        1,
+    )
+    .await?;
     let has_all = |reason: &'static str| {
         let want = expected.get(reason).cloned().unwrap_or_default();
         move |c: &[Value]| want.is_subset(called(c).get(reason).unwrap_or(&BTreeSet::new()))

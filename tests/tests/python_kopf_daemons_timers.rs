@@ -28,15 +28,15 @@
 //! return once `stopped` is set), so the sync daemon here honours `stopped`.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet},
     path::Path,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 use capstan_tests::{
-    process::{Controller, Process, sdk_python},
-    testenv::{TestEnv, create_example, examples, repo_root},
+    side_by_side::{Framework, Operator, calls, wait_gone, wait_object, wait_until},
+    testenv::{TestEnv, create_example, examples},
 };
 use kube::{
     Api,
@@ -44,96 +44,11 @@ use kube::{
 };
 use serde_json::{Value, json};
 
-/// How long each step may take.
-const T: Duration = Duration::from_secs(30);
-
 /// How long to look for calls that should not come once the handling looks over.
 const SETTLE: Duration = Duration::from_millis(1500);
 
 /// The operator file both frameworks run.
 const OPERATOR: &str = "sdk-python/tests/differential/examples_daemons.py";
-
-/// Which framework runs the operator file.
-#[derive(Clone, Copy, Debug)]
-enum Framework {
-    /// Real kopf.
-    Kopf,
-    /// `capstan.kopf` on the Capstan controller.
-    Capstan,
-}
-
-/// The operator file running under one framework against one API server.
-struct Operator {
-    process: Process,
-    controller: Option<Controller>,
-}
-
-impl Operator {
-    /// Starts the operator file under `framework`, its calls logged to `log`.
-    async fn start(framework: Framework, env: &TestEnv, log: &Path) -> Result<Self> {
-        let file = repo_root().join(OPERATOR).display().to_string();
-        let mut vars = HashMap::from([
-            ("DIFFERENTIAL_LOG".to_owned(), log.display().to_string()),
-            ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
-        ]);
-        match framework {
-            Framework::Kopf => {
-                let kopf = capstan_tests::kopf::binary().await?;
-                vars.insert("KUBECONFIG".to_owned(), env.kubeconfig.display().to_string());
-                let args: Vec<String> = ["run", "--standalone", "-n", "default", &file]
-                    .iter()
-                    .map(|s| (*s).to_owned())
-                    .collect();
-                let process = Process::spawn("kopf", &kopf, &args, &vars, env.scratch())?;
-                Ok(Self {
-                    process,
-                    controller: None,
-                })
-            }
-            Framework::Capstan => {
-                let python = sdk_python().await?;
-                let controller = Controller::start(env, "capstan", &["--persistence", "kopf"]).await?;
-                vars.insert("CAPSTAN_ENDPOINT".to_owned(), controller.endpoint());
-                vars.insert("CAPSTAN_DIFFERENTIAL".to_owned(), "capstan".to_owned());
-                vars.insert(
-                    "PYTHONPATH".to_owned(),
-                    repo_root().join("sdk-python").display().to_string(),
-                );
-                let args: Vec<String> = ["-m", "capstan", "run", &file]
-                    .iter()
-                    .map(|s| (*s).to_owned())
-                    .collect();
-                let mut process = Process::spawn("capstan-kopf", &python, &args, &vars, env.scratch())?;
-                process.wait_for("connected to the controller", T).await?;
-                Ok(Self {
-                    process,
-                    controller: Some(controller),
-                })
-            }
-        }
-    }
-
-    /// The operator's output (and the controller's), for a failure's context.
-    fn output(&self) -> String {
-        let mut out = format!("the operator's log:\n{}", self.process.output());
-        if let Some(controller) = &self.controller {
-            out.push_str(&format!(
-                "\nthe controller's log:\n{}",
-                controller.process.output()
-            ));
-        }
-        out
-    }
-
-    /// Stops the operator (and its controller) with SIGTERM.
-    async fn stop(mut self) -> Result<()> {
-        self.process.terminate().await?;
-        if let Some(mut controller) = self.controller {
-            controller.process.terminate().await?;
-        }
-        Ok(())
-    }
-}
 
 /// Runs `scenario` against a fresh API server with the Example CRD and the operator file
 /// running under `framework`; the scenario gets the examples' API in `default` and the log.
@@ -145,21 +60,12 @@ async fn run<R>(
     env.apply_example_crd().await?;
     let log = env.scratch().join("calls.jsonl");
     let api = examples(&env.client().await?, "default");
-    let operator = Operator::start(framework, &env, &log).await?;
+    let operator = Operator::start(framework, &env, OPERATOR, &log, &[], 1).await?;
     let outcome = scenario(&env, &api, &log)
         .await
         .with_context(|| format!("{framework:?}: {}", operator.output()));
     operator.stop().await?;
     outcome
-}
-
-/// The calls recorded so far, one JSON object per line.
-fn calls(log: &Path) -> Vec<Value> {
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
 }
 
 /// The calls of `handler`.
@@ -180,53 +86,10 @@ fn text(value: &Value) -> String {
     value.as_str().unwrap_or_default().to_owned()
 }
 
-async fn wait_until(what: &str, log: &Path, mut done: impl FnMut(&[Value]) -> bool) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + T;
-    loop {
-        if done(&calls(log)) {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("{what} did not happen within {T:?}; calls: {:?}", calls(log));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Waits until the object `name` satisfies `done` and returns it.
-async fn wait_object(
-    api: &Api<DynamicObject>,
-    name: &str,
-    what: &str,
-    done: impl Fn(&Value) -> bool,
-) -> Result<Value> {
-    let deadline = tokio::time::Instant::now() + T;
-    loop {
-        let object = api.get_opt(name).await?;
-        let value = object.as_ref().map(serde_json::to_value).transpose()?;
-        if let Some(value) = &value
-            && done(value)
-        {
-            return Ok(value.clone());
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("{what} did not happen within {T:?}: {value:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// Deletes the object `name` and waits until it is gone (its finalizer released).
 async fn delete_and_wait_gone(api: &Api<DynamicObject>, name: &str) -> Result<()> {
     api.delete(name, &DeleteParams::default()).await?;
-    let deadline = tokio::time::Instant::now() + T;
-    while api.get_opt(name).await?.is_some() {
-        if tokio::time::Instant::now() > deadline {
-            bail!("{name} was not released for deletion within {T:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Ok(())
+    wait_gone(api, name).await
 }
 
 /// Sets `spec.field` of the object `name`.

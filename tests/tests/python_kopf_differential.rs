@@ -20,6 +20,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use capstan_tests::{
     process::{Controller, Process, sdk_python},
+    side_by_side::{calls, has_progress, side_log, wait_object, wait_until},
     testenv::{TestEnv, repo_root},
 };
 use k8s_openapi::api::core::v1::Event;
@@ -35,28 +36,6 @@ const T: Duration = Duration::from_secs(90);
 /// The kopf operator file both runs share.
 fn operator_file() -> PathBuf {
     repo_root().join("sdk-python/tests/differential/operator.py")
-}
-
-/// The calls recorded so far, one JSON object per line.
-fn calls(log: &Path) -> Vec<Value> {
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
-async fn wait_until(what: &str, log: &Path, mut done: impl FnMut(&[Value]) -> bool) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + T;
-    loop {
-        if done(&calls(log)) {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("{what} did not happen within {T:?}; calls: {:?}", calls(log));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 fn called(calls: &[Value], handler: &str) -> usize {
@@ -187,11 +166,6 @@ async fn sequence(env: &TestEnv, log: &Path) -> Result<(Vec<Value>, Vec<Value>, 
     Ok((calls(log), side_calls, before))
 }
 
-/// The side log beside the calls log `log`.
-fn side_log(log: &Path) -> PathBuf {
-    log.with_extension("side.jsonl")
-}
-
 fn example_resource() -> kube::api::ApiResource {
     kube::api::ApiResource {
         group: "demo.capstan.dev".into(),
@@ -200,39 +174,6 @@ fn example_resource() -> kube::api::ApiResource {
         kind: "Example".into(),
         plural: "examples".into(),
     }
-}
-
-async fn wait_object(
-    api: &Api<DynamicObject>,
-    name: &str,
-    what: &str,
-    done: impl Fn(&Value) -> bool,
-) -> Result<Value> {
-    let deadline = tokio::time::Instant::now() + T;
-    loop {
-        let object = api.get_opt(name).await?;
-        let value = object.as_ref().map(serde_json::to_value).transpose()?;
-        if let Some(value) = &value
-            && done(value)
-        {
-            return Ok(value.clone());
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("{what} did not appear within {T:?}: {value:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Whether a per-handler progress record is left on the object (kopf's format).
-fn has_progress(obj: &Value) -> bool {
-    obj.pointer("/metadata/annotations")
-        .and_then(Value::as_object)
-        .is_some_and(|a| {
-            a.keys().any(|k| {
-                k.starts_with("kopf.zalando.org/") && k != "kopf.zalando.org/last-handled-configuration"
-            })
-        })
 }
 
 /// What must be equal between the two runs: the object's status and finalizers, and the

@@ -22,210 +22,27 @@
 //! pending top-level handlers of an object in one cycle and writes less often.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
-    path::{Path, PathBuf},
+    collections::{BTreeMap, BTreeSet},
     time::Duration,
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 use capstan_tests::{
-    process::{Controller, Process, sdk_python},
-    testenv::{TestEnv, create_example, examples, repo_root},
+    side_by_side::{
+        Framework, Operator, calls, handled, has_progress, side_log, wait_gone, wait_object, wait_until,
+    },
+    testenv::{TestEnv, create_example, examples},
 };
-use kube::{
-    Api,
-    api::{DeleteParams, DynamicObject},
-};
+use kube::api::DeleteParams;
 use serde_json::{Value, json};
 
-/// How long each step may take.
-const T: Duration = Duration::from_secs(60);
-
-/// How long to look for calls that should not come once the handling looks over.
-const SETTLE: Duration = Duration::from_millis(1500);
-
-/// The last-handled configuration: written when a cause's handling is over.
-const DIFFBASE: &str = "kopf.zalando.org/last-handled-configuration";
-
-/// Which framework runs the operator file.
-#[derive(Clone, Copy, Debug)]
-enum Framework {
-    /// Real kopf.
-    Kopf,
-    /// `capstan.kopf` on the Capstan controller.
-    Capstan,
-}
-
-/// An operator file running under one framework against one API server.
-struct Operator {
-    process: Process,
-    controller: Option<Controller>,
-}
-
-impl Operator {
-    /// Starts `file` (relative to the repository root) under `framework`, its calls logged to
-    /// `log` and its side calls to [`side_log`]; `run` tells the processes of several runs in
-    /// one API server apart.
-    async fn start(framework: Framework, env: &TestEnv, file: &str, log: &Path, run: usize) -> Result<Self> {
-        let file = repo_root().join(file).display().to_string();
-        let mut vars = HashMap::from([
-            ("DIFFERENTIAL_LOG".to_owned(), log.display().to_string()),
-            (
-                "DIFFERENTIAL_SIDE_LOG".to_owned(),
-                side_log(log).display().to_string(),
-            ),
-            ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
-        ]);
-        match framework {
-            Framework::Kopf => {
-                let kopf = capstan_tests::kopf::binary().await?;
-                vars.insert("KUBECONFIG".to_owned(), env.kubeconfig.display().to_string());
-                let args: Vec<String> = ["run", "--standalone", "-n", "default", &file]
-                    .iter()
-                    .map(|s| (*s).to_owned())
-                    .collect();
-                let process = Process::spawn(&format!("kopf-{run}"), &kopf, &args, &vars, env.scratch())?;
-                Ok(Self {
-                    process,
-                    controller: None,
-                })
-            }
-            Framework::Capstan => {
-                let python = sdk_python().await?;
-                let controller =
-                    Controller::start(env, &format!("capstan-{run}"), &["--persistence", "kopf"]).await?;
-                vars.insert("CAPSTAN_ENDPOINT".to_owned(), controller.endpoint());
-                vars.insert("CAPSTAN_DIFFERENTIAL".to_owned(), "capstan".to_owned());
-                vars.insert(
-                    "PYTHONPATH".to_owned(),
-                    repo_root().join("sdk-python").display().to_string(),
-                );
-                let args: Vec<String> = ["-m", "capstan", "run", &file]
-                    .iter()
-                    .map(|s| (*s).to_owned())
-                    .collect();
-                let mut process = Process::spawn(
-                    &format!("capstan-kopf-{run}"),
-                    &python,
-                    &args,
-                    &vars,
-                    env.scratch(),
-                )?;
-                process.wait_for("connected to the controller", T).await?;
-                Ok(Self {
-                    process,
-                    controller: Some(controller),
-                })
-            }
-        }
-    }
-
-    /// The operator's output (and the controller's), for a failure's context.
-    fn output(&self) -> String {
-        let mut out = format!("the operator's log:\n{}", self.process.output());
-        if let Some(controller) = &self.controller {
-            out.push_str(&format!(
-                "\nthe controller's log:\n{}",
-                controller.process.output()
-            ));
-        }
-        out
-    }
-
-    /// Stops the operator (and its controller) with SIGTERM.
-    async fn stop(mut self) -> Result<()> {
-        self.process.terminate().await?;
-        if let Some(mut controller) = self.controller {
-            controller.process.terminate().await?;
-        }
-        Ok(())
-    }
-}
-
-/// The side log (event handlers) beside the calls log `log`.
-fn side_log(log: &Path) -> PathBuf {
-    log.with_extension("side.jsonl")
-}
-
-/// The calls recorded so far, one JSON object per line.
-fn calls(log: &Path) -> Vec<Value> {
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
-fn called(calls: &[Value], handler: &str, name: &str) -> bool {
+/// Whether `handler` was called for the object `name`.
+fn called(calls: &[serde_json::Value], handler: &str, name: &str) -> bool {
     calls.iter().any(|c| c["handler"] == handler && c["name"] == name)
 }
 
-async fn wait_until(what: &str, log: &Path, mut done: impl FnMut(&[Value]) -> bool) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + T;
-    loop {
-        if done(&calls(log)) {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("{what} did not happen within {T:?}; calls: {:?}", calls(log));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Waits until the object `name` satisfies `done` and returns it.
-async fn wait_object(
-    api: &Api<DynamicObject>,
-    name: &str,
-    what: &str,
-    done: impl Fn(&Value) -> bool,
-) -> Result<Value> {
-    let deadline = tokio::time::Instant::now() + T;
-    loop {
-        let object = api.get_opt(name).await?;
-        let value = object.as_ref().map(serde_json::to_value).transpose()?;
-        if let Some(value) = &value
-            && done(value)
-        {
-            return Ok(value.clone());
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("{what} did not happen within {T:?}: {value:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Waits until the object `name` is gone.
-async fn wait_gone(api: &Api<DynamicObject>, name: &str) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + T;
-    while api.get_opt(name).await?.is_some() {
-        if tokio::time::Instant::now() > deadline {
-            bail!("{name} was not released for deletion within {T:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Ok(())
-}
-
-/// Whether a per-handler progress record is left on the object (kopf's format).
-fn has_progress(obj: &Value) -> bool {
-    obj.pointer("/metadata/annotations")
-        .and_then(Value::as_object)
-        .is_some_and(|a| {
-            a.keys()
-                .any(|k| k.starts_with("kopf.zalando.org/") && k != DIFFBASE)
-        })
-}
-
-/// Whether the handling of the object's last cause is over: its last-handled configuration is
-/// written and no progress record is left.
-fn handled(obj: &Value) -> bool {
-    obj.pointer("/metadata/annotations")
-        .and_then(Value::as_object)
-        .is_some_and(|a| a.contains_key(DIFFBASE))
-        && !has_progress(obj)
-}
+/// How long to look for calls that should not come once the handling looks over.
+const SETTLE: Duration = Duration::from_millis(1500);
 
 // ---------------------------------------------------------------------------------------------
 // Errors.
@@ -243,7 +60,7 @@ async fn errors_run(framework: Framework) -> Result<ErrorsRun> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
     let log = env.scratch().join("calls.jsonl");
-    let operator = Operator::start(framework, &env, ERRORS, &log, 1).await?;
+    let operator = Operator::start(framework, &env, ERRORS, &log, &[], 1).await?;
     let outcome = async {
         create_example(&env, "failing", json!({"field": "f"})).await?;
         let api = examples(&env.client().await?, "default");
@@ -338,7 +155,7 @@ async fn handlers_run(framework: Framework) -> Result<HandlersRun> {
 
     // An object that exists before the operator starts, and was never handled: created.
     create_example(&env, "early", json!({"field": "e"})).await?;
-    let operator = Operator::start(framework, &env, HANDLERS, &log, 1).await?;
+    let operator = Operator::start(framework, &env, HANDLERS, &log, &[], 1).await?;
     let outcome = async {
         wait_until("the creation of early", &log, |c| {
             called(c, "create_fn_2", "early")
@@ -354,7 +171,7 @@ async fn handlers_run(framework: Framework) -> Result<HandlersRun> {
     outcome?;
 
     // The operator starts again and finds early handled: resumed.
-    let operator = Operator::start(framework, &env, HANDLERS, &log, 2).await?;
+    let operator = Operator::start(framework, &env, HANDLERS, &log, &[], 2).await?;
     let outcome = async {
         wait_until("the resumption of early", &log, |c| {
             called(c, "resume_fn_2", "early")

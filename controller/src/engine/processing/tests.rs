@@ -383,6 +383,36 @@ async fn retries_run_out_into_a_permanent_failure_that_completes_the_cause() {
     );
 }
 
+/// The progress record stored under `key` in `body`'s annotations.
+fn record_at(body: &Value, key: &str) -> ProgressRecord {
+    serde_json::from_str(body["metadata"]["annotations"][key].as_str().unwrap()).unwrap()
+}
+
+/// `body` with the record under `key` due now (its delay passed), as when it is next processed.
+fn due_now(body: &Value, key: &str) -> Value {
+    let mut record = record_at(body, key);
+    record.delayed = None;
+    let mut later = body.clone();
+    later["metadata"]["annotations"][key] = json!(serde_json::to_string(&record).unwrap());
+    later
+}
+
+/// A parent's success that reports its sub-handlers' outcomes.
+fn parent_reporting(subhandlers: Vec<(&str, Outcome)>) -> Outcome {
+    Outcome::Success {
+        result: None,
+        kind_result: None,
+        patches: vec![],
+        subhandlers: subhandlers
+            .into_iter()
+            .map(|(id, outcome)| SubhandlerOutcome {
+                id: id.into(),
+                outcome,
+            })
+            .collect(),
+    }
+}
+
 #[tokio::test]
 async fn sub_handlers_keep_the_parent_open_until_they_finish() {
     let handlers = [reg("parent", HandlerKind::Create)];
@@ -417,23 +447,8 @@ async fn sub_handlers_keep_the_parent_open_until_they_finish() {
     assert_eq!(desired["status"]["parent/a"], json!(1));
 
     // Next time the parent gets its children's states, and finishing them finishes it.
-    let mut later = desired.clone();
-    let mut b_ready = b.clone();
-    b_ready.delayed = None;
-    later["metadata"]["annotations"]["capstan.dev/parent.b"] =
-        json!(serde_json::to_string(&b_ready).unwrap());
-    let mut p_ready = parent.clone();
-    p_ready.delayed = None;
-    later["metadata"]["annotations"]["capstan.dev/parent"] = json!(serde_json::to_string(&p_ready).unwrap());
-    let script = Script::new(vec![Outcome::Success {
-        result: None,
-        kind_result: None,
-        patches: vec![],
-        subhandlers: vec![SubhandlerOutcome {
-            id: "b".into(),
-            outcome: Outcome::success(None),
-        }],
-    }]);
+    let later = due_now(&due_now(&desired, "capstan.dev/parent.b"), "capstan.dev/parent");
+    let script = Script::new(vec![parent_reporting(vec![("b", Outcome::success(None))])]);
     let plan = run(&later, EventType::Modified, &handlers, Memory::default(), &script).await;
     let states = &script.seen.lock()[0].subhandlers;
     assert_eq!(
@@ -495,28 +510,11 @@ async fn a_deferred_sub_handler_keeps_its_parent_due_at_once_and_a_waiting_one_k
 
     // The next call runs only the deferred one: the parent is then due when the one still
     // waiting is, not at once (it would be called again and again for nothing).
-    let mut later = desired.clone();
-    let mut p_ready = parent.clone();
-    p_ready.delayed = None;
-    later["metadata"]["annotations"]["capstan.dev/parent"] = json!(serde_json::to_string(&p_ready).unwrap());
-    let script = Script::new(vec![Outcome::Success {
-        result: None,
-        kind_result: None,
-        patches: vec![],
-        subhandlers: vec![SubhandlerOutcome {
-            id: "b".into(),
-            outcome: Outcome::success(None),
-        }],
-    }]);
+    let later = due_now(&desired, "capstan.dev/parent");
+    let script = Script::new(vec![parent_reporting(vec![("b", Outcome::success(None))])]);
     let plan = run(&later, EventType::Modified, &handlers, Memory::default(), &script).await;
     assert!(!plan.done);
-    let desired = plan.desired.unwrap();
-    let parent: ProgressRecord = serde_json::from_str(
-        desired["metadata"]["annotations"]["capstan.dev/parent"]
-            .as_str()
-            .unwrap(),
-    )
-    .unwrap();
+    let parent = record_at(&plan.desired.unwrap(), "capstan.dev/parent");
     let due = parent.delayed_until().expect("the parent is delayed");
     assert!(
         due >= std::time::SystemTime::now() + Duration::from_secs(500),
@@ -527,27 +525,10 @@ async fn a_deferred_sub_handler_keeps_its_parent_due_at_once_and_a_waiting_one_k
 #[tokio::test]
 async fn a_sub_handler_no_longer_run_nor_waiting_keeps_its_parent_open_no_more() {
     let handlers = [reg("parent", HandlerKind::Create)];
-    let script = Script::new(vec![Outcome::Success {
-        result: None,
-        kind_result: None,
-        patches: vec![],
-        subhandlers: vec![SubhandlerOutcome {
-            id: "b".into(),
-            outcome: Outcome::Skipped,
-        }],
-    }]);
+    let script = Script::new(vec![parent_reporting(vec![("b", Outcome::Skipped)])]);
     let plan = run(&body(), EventType::Added, &handlers, Memory::default(), &script).await;
     assert!(!plan.done, "the deferred sub-handler keeps the parent open");
-    let mut later = plan.desired.unwrap();
-    let parent: ProgressRecord = serde_json::from_str(
-        later["metadata"]["annotations"]["capstan.dev/parent"]
-            .as_str()
-            .unwrap(),
-    )
-    .unwrap();
-    let mut p_ready = parent.clone();
-    p_ready.delayed = None;
-    later["metadata"]["annotations"]["capstan.dev/parent"] = json!(serde_json::to_string(&p_ready).unwrap());
+    let later = due_now(&plan.desired.unwrap(), "capstan.dev/parent");
     // The next call reports nothing of `b` (its filter no longer matches): the parent is done,
     // as kopf no longer counts a handler that does not match.
     let script = Script::new(vec![success(None, vec![])]);
