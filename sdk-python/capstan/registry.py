@@ -89,16 +89,19 @@ class Resource:
 
 
 def parse_resource(fn_name, args, group=None, version=None, kind=None, plural=None):
-    """kopf's ways to name a resource: `('kopf.dev', 'v1', 'kopfexamples')`, a tuple of
+    """kopf's ways to name a resource: `('kopf.dev', 'v1', 'kopfexamples')` (`('', 'v1',
+    'pods')` for the core API), a tuple of
     those, `('apps/v1', 'deployments')`, `('v1', 'pods')`, `('kopf.dev', 'kopfexamples')`,
     `'kopfexamples.kopf.dev'`, `'KopfExample'`, or keywords."""
     if len(args) == 1 and isinstance(args[0], (tuple, list)):
         args = tuple(args[0])
-    for arg in args:
+    for position, arg in enumerate(args):
         if getattr(arg, "name", None) == "EVERYTHING":
             raise RegistrationError(f"handler {fn_name!r}: kopf.EVERYTHING is not supported: the controller serves "
                                     "named resources (name each one, e.g. ('apps', 'v1', 'deployments'))")
-        if not isinstance(arg, str) or not arg:
+        # The core API's group is the empty string: ('', 'v1', 'pods').
+        core_group = len(args) == 3 and position == 0 and arg == ""
+        if not isinstance(arg, str) or not (arg or core_group):
             raise RegistrationError(f"handler {fn_name!r}: a resource is named by non-empty strings, got {arg!r}")
     name = plural or kind
     if plural and kind:

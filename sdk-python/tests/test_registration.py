@@ -20,6 +20,7 @@ def registry():
     ((("kopf.dev", "v1", "kopfexamples"),), {}, ("kopf.dev", "v1", "kopfexamples")),
     (("apps/v1", "deployments"), {}, ("apps", "v1", "deployments")),
     (("v1", "pods"), {}, ("", "v1", "pods")),
+    (("", "v1", "pods"), {}, ("", "v1", "pods")),
     (("kopf.dev", "kopfexamples"), {}, ("kopf.dev", "", "kopfexamples")),
     (("kopfexamples.kopf.dev",), {}, ("", "", "kopfexamples.kopf.dev")),
     (("KopfExample",), {}, ("", "", "KopfExample")),
@@ -33,6 +34,14 @@ def test_resources_as_kopf_accepts_them(registry, args, kw, expected):
 
     r = registry.handlers[0].resource
     assert (r.group, r.version, r.name) == expected
+
+
+@pytest.mark.parametrize("args", [("", "pods"), ("kopf.dev", "", "kopfexamples"), ("", "v1", "")])
+def test_empty_names_are_refused_but_the_core_group(registry, args):
+    with pytest.raises(capstan.RegistrationError, match="non-empty strings"):
+        @capstan.on.create(*args, registry=registry)
+        def fn(**_):
+            pass
 
 
 def test_options_reach_the_registration(registry):
