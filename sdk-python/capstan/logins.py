@@ -8,9 +8,10 @@ The controller logs in by itself when no login handler is registered; these are 
 that choose their credentials in a handler.
 """
 
-import json
 import os
 from typing import Optional
+
+import yaml
 
 from capstan.structs import ConnectionInfo
 
@@ -46,16 +47,7 @@ def login_with_service_account(**_) -> Optional[ConnectionInfo]:
 
 def _load(path):
     with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        import yaml  # kopf's dependency; optional here (a JSON kubeconfig needs none)
-    except ImportError:
-        try:
-            return json.loads(text) if text.strip() else {}
-        except ValueError:
-            raise LoginError(f"{path} is YAML: install PyYAML to read it, or log in without a login handler "
-                             "(the controller reads the kubeconfig itself)") from None
-    return yaml.safe_load(text) or {}
+        return yaml.safe_load(f) or {}
 
 
 def login_with_kubeconfig(**_) -> Optional[ConnectionInfo]:

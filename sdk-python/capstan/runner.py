@@ -1,7 +1,8 @@
 """Running an operator: the embeddable `operator()` coroutine, and `run()` for a process,
 which stops cleanly on SIGTERM and SIGINT (goodbye, running handlers told to stop) and within
-the grace period: sync handlers still running after it are left behind (`os._exit`), since
-Python can neither stop their threads nor exit while they run."""
+the grace period: tasks the handlers left running get kopf's 5 s to finish, then are
+cancelled; sync handlers still running after the grace period are left behind (`os._exit`),
+since Python can neither stop their threads nor exit while they run."""
 
 import asyncio
 import copy
@@ -90,7 +91,11 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
                 loop.add_signal_handler(sig, on_signal)
         op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
                       stop=stop, settings=settings)
-        await _serve(op)
+        before = asyncio.all_tasks()
+        try:
+            await _serve(op)
+        finally:
+            await _finish_spawned_tasks(before)
 
     try:
         asyncio.run(main())
@@ -100,6 +105,35 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
         raise SystemExit(1) from None
     _leave_hung_handlers(signalled, 0)
     log.info("stopped")
+
+
+#: How long the tasks that handlers spawned may take to finish once the operator stopped, as
+#: kopf gives them (its "hung tasks"), before they are cancelled.
+SPAWNED_TASKS_GRACE = 5.0
+#: How long cancelled tasks may take to end.
+CANCELLED_TASKS_GRACE = 1.0
+
+
+async def _finish_spawned_tasks(before):
+    """kopf's end of an operator: tasks that handlers started and left running (the event loop
+    is this process's, so every task it has that was not there before the operator belongs to
+    the operator) get `SPAWNED_TASKS_GRACE` to finish — a cleanup handler may just have asked
+    them to — and are cancelled after it."""
+    current = asyncio.current_task()
+    spawned = {task for task in asyncio.all_tasks() if task not in before and task is not current}
+    if not spawned:
+        return
+    _, pending = await asyncio.wait(spawned, timeout=SPAWNED_TASKS_GRACE)
+    if not pending:
+        return
+    log.info("cancelling %d task(s) the handlers left running %gs after the stop: %s", len(pending),
+             SPAWNED_TASKS_GRACE, ", ".join(sorted(task.get_name() for task in pending)))
+    for task in pending:
+        task.cancel()
+    _, pending = await asyncio.wait(pending, timeout=CANCELLED_TASKS_GRACE)
+    if pending:
+        log.warning("%d cancelled task(s) did not end within %gs: %s", len(pending), CANCELLED_TASKS_GRACE,
+                    ", ".join(sorted(task.get_name() for task in pending)))
 
 
 def _leave_hung_handlers(signalled, code):

@@ -8,7 +8,7 @@
 # Location: $CAPSTAN_PYTHON_SDK_VENV, or ~/.cache/capstan/python-sdk-venv.
 set -euo pipefail
 
-pins=(grpcio==1.85.1 protobuf==7.36.2 pytest==9.2.0 vermin==1.9.2)
+pins=(grpcio==1.85.1 protobuf==7.36.2 pyyaml==6.0.4 pytest==9.2.0 vermin==1.9.2)
 venv=${CAPSTAN_PYTHON_SDK_VENV:-$HOME/.cache/capstan/python-sdk-venv}
 python=${PYTHON:-python3}
 stamp="$venv/.pins-$(printf '%s ' "${pins[@]}" | sha256sum | cut -c1-16)"

@@ -15,8 +15,12 @@ use std::{
 };
 
 use anyhow::{Result, bail};
-use kube::{Api, api::DynamicObject};
-use serde_json::Value;
+use k8s_openapi::api::core::v1::Pod;
+use kube::{
+    Api, Client,
+    api::{ApiResource, DynamicObject, PostParams},
+};
+use serde_json::{Value, json};
 
 use crate::{
     process::{Controller, Process, sdk_python},
@@ -235,4 +239,25 @@ pub fn handled(obj: &Value) -> bool {
         .and_then(Value::as_object)
         .is_some_and(|a| a.contains_key(DIFFBASE))
         && !has_progress(obj)
+}
+
+/// The Pods of `default`, as the operator files' built-in resource.
+pub fn pods(client: &Client) -> Api<DynamicObject> {
+    Api::namespaced_with(client.clone(), "default", &ApiResource::erase::<Pod>(&()))
+}
+
+/// Creates a Pod named `name` in `default` with `labels` (nothing runs it: the API server has
+/// no nodes).
+///
+/// # Errors
+/// When the API server refuses it.
+pub async fn create_pod(pods: &Api<DynamicObject>, name: &str, labels: Value) -> Result<()> {
+    let pod: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "labels": labels},
+        "spec": {"containers": [{"name": "only", "image": "busybox", "command": ["sleep", "1"]}]},
+    }))?;
+    pods.create(&PostParams::default(), &pod).await?;
+    Ok(())
 }

@@ -17,13 +17,14 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use capstan_tests::{
-    side_by_side::{Framework, Operator, calls, side_log, wait_gone, wait_object, wait_until},
+    side_by_side::{
+        Framework, Operator, calls, create_pod, pods, side_log, wait_gone, wait_object, wait_until,
+    },
     testenv::{TestEnv, create_example, examples},
 };
-use k8s_openapi::api::core::v1::Pod;
 use kube::{
     Api,
-    api::{ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams},
+    api::{DeleteParams, DynamicObject, Patch, PatchParams},
 };
 use serde_json::{Value, json};
 
@@ -89,26 +90,12 @@ fn tick_with(log: &std::path::Path, keys: &[&str]) -> Option<Value> {
         })
 }
 
-/// Creates a Pod named `name` in `default` with `labels` (nothing runs it: the API server has
-/// no nodes).
-async fn create_pod(pods: &Api<DynamicObject>, name: &str, labels: Value) -> Result<()> {
-    let pod: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default", "labels": labels},
-        "spec": {"containers": [{"name": "only", "image": "busybox", "command": ["sleep", "1"]}]},
-    }))?;
-    pods.create(&PostParams::default(), &pod).await?;
-    Ok(())
-}
-
 async fn builtins_run(framework: Framework) -> Result<BuiltinsRun> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
     let log = env.scratch().join("calls.jsonl");
     let client = env.client().await?;
-    let pods: Api<DynamicObject> =
-        Api::namespaced_with(client.clone(), "default", &ApiResource::erase::<Pod>(&()));
+    let pods = pods(&client);
     let api = examples(&client, "default");
 
     let operator = Operator::start(framework, &env, OPERATOR, &log, &[], 1).await?;

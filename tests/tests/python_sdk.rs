@@ -366,6 +366,7 @@ async fn python_sdk_installed_with_pip_in_a_fresh_venv_runs_the_example() -> Res
             &package_arg,
             "grpcio==1.80.1",
             "protobuf==6.31.1",
+            "pyyaml==6.0.1",
         ],
         "pip install ./sdk-python (PyPI must be reachable)",
     )

@@ -1,7 +1,8 @@
 //! Operator activities (kopf `on.startup`, `on.cleanup`, `on.login`, `on.probe`): handlers
 //! that belong to the operator, not to an object.
 //!
-//! - **login** handlers run first, before any resource is watched; the credentials they return
+//! - **login** handlers run once the startup handlers have succeeded (kopf starts logging in
+//!   only after its startup activities), before any resource is watched; the credentials they return
 //!   (the highest priority first) are checked against the API server and swapped into the
 //!   shared API client ([`crate::k8s::switch`]). Rejected or unusable credentials are logged
 //!   and retried after the handler's backoff while everything else keeps serving. A
@@ -25,7 +26,7 @@
 //!   a login handler's) is logged in by a background task, the credentials in use stay in
 //!   use until a new login answers, and nothing already served — watches, dispatch, other
 //!   processes' new registrations and startup handlers — waits for it.
-//! - **startup** handlers run next, each until it succeeds, with kopf's error rules
+//! - **startup** handlers run first, each until it succeeds, with kopf's error rules
 //!   (temporary and unclassified errors retried after their delay/backoff; permanent errors,
 //!   exhausted retries or timeout fail it). The engine starts no resource watch while a
 //!   registered startup (or login) handler has not succeeded ([`Activities::ready`], reported
@@ -348,45 +349,13 @@ impl Activities {
         self.inner.changed.send_modify(|n| *n += 1);
     }
 
-    /// Login first, then every startup handler not run yet; again whenever registrations
-    /// change.
+    /// Every startup handler not run yet, then login (kopf logs in once its startup activities
+    /// finished); again whenever registrations change.
     async fn preflight(self, cancel: CancellationToken) {
         let mut registrations = self.inner.hub.registrations();
         let mut late_login: Option<JoinHandle<()>> = None;
         loop {
             registrations.borrow_and_update();
-            let logins = self.of_kind(HandlerKind::Login);
-            let (logged_in, operating) = {
-                let state = self.inner.state.lock();
-                (state.logged_in, state.operating)
-            };
-            if !logins.is_empty() && !logged_in {
-                if operating {
-                    // The operator works with the credentials in use: a late login runs beside
-                    // it, and nothing waits for it.
-                    if late_login.as_ref().is_none_or(JoinHandle::is_finished) {
-                        info!(
-                            "a login handler registered while the operator runs; logging in meanwhile with the credentials in use"
-                        );
-                        let this = self.clone();
-                        let cancel = cancel.clone();
-                        late_login = Some(tokio::spawn(
-                            async move {
-                                tokio::select! {
-                                    () = cancel.cancelled() => {}
-                                    () = this.login() => {}
-                                }
-                            }
-                            .in_current_span(),
-                        ));
-                    }
-                } else {
-                    tokio::select! {
-                        () = cancel.cancelled() => return,
-                        () = self.login() => {}
-                    }
-                }
-            }
             let pending: Vec<Registration> = {
                 let state = self.inner.state.lock();
                 self.of_kind(HandlerKind::Startup)
@@ -416,6 +385,38 @@ impl Activities {
                             .failed
                             .send_replace(Some(format!("{}\0{message}", reg.id)));
                         return;
+                    }
+                }
+            }
+            let logins = self.of_kind(HandlerKind::Login);
+            let (logged_in, operating) = {
+                let state = self.inner.state.lock();
+                (state.logged_in, state.operating)
+            };
+            if !logins.is_empty() && !logged_in {
+                if operating {
+                    // The operator works with the credentials in use: a late login runs beside
+                    // it, and nothing waits for it.
+                    if late_login.as_ref().is_none_or(JoinHandle::is_finished) {
+                        info!(
+                            "a login handler registered while the operator runs; logging in meanwhile with the credentials in use"
+                        );
+                        let this = self.clone();
+                        let cancel = cancel.clone();
+                        late_login = Some(tokio::spawn(
+                            async move {
+                                tokio::select! {
+                                    () = cancel.cancelled() => {}
+                                    () = this.login() => {}
+                                }
+                            }
+                            .in_current_span(),
+                        ));
+                    }
+                } else {
+                    tokio::select! {
+                        () = cancel.cancelled() => return,
+                        () = self.login() => {}
                     }
                 }
             }
@@ -1127,7 +1128,7 @@ mod tests {
         let regs = [reg("l", HandlerKind::Login), reg("c", HandlerKind::Create)];
         assert!(
             activities.ready(&regs).unwrap_err().contains("login"),
-            "before the operator starts, login comes first"
+            "before the operator starts, login gates the watching"
         );
         activities.inner.state.lock().operating = true;
         assert!(activities.ready(&regs).is_ok(), "a late login gates nothing");
