@@ -22,10 +22,7 @@ use capstan_tests::{
     },
     testenv::{TestEnv, create_example, examples},
 };
-use kube::{
-    Api,
-    api::{DeleteParams, DynamicObject, Patch, PatchParams},
-};
+use kube::api::{DeleteParams, Patch, PatchParams};
 use serde_json::{Value, json};
 
 /// The operator file both frameworks run.
