@@ -68,6 +68,23 @@ impl Operator {
         vars: &[(&str, &str)],
         run: usize,
     ) -> Result<Self> {
+        Self::start_with(framework, env, file, log, vars, run, &[]).await
+    }
+
+    /// [`Operator::start`], with extra flags for Capstan's controller (those of what kopf's
+    /// process does itself, such as serving webhooks).
+    ///
+    /// # Errors
+    /// As [`Operator::start`].
+    pub async fn start_with(
+        framework: Framework,
+        env: &TestEnv,
+        file: &str,
+        log: &Path,
+        vars: &[(&str, &str)],
+        run: usize,
+        controller_flags: &[&str],
+    ) -> Result<Self> {
         let file = repo_root().join(file).display().to_string();
         let mut vars: HashMap<String, String> = vars
             .iter()
@@ -98,8 +115,9 @@ impl Operator {
             }
             Framework::Capstan => {
                 let python = sdk_python().await?;
-                let controller =
-                    Controller::start(env, &format!("capstan-{run}"), &["--persistence", "kopf"]).await?;
+                let mut flags = vec!["--persistence", "kopf"];
+                flags.extend_from_slice(controller_flags);
+                let controller = Controller::start(env, &format!("capstan-{run}"), &flags).await?;
                 vars.insert("CAPSTAN_ENDPOINT".to_owned(), controller.endpoint());
                 vars.insert("CAPSTAN_DIFFERENTIAL".to_owned(), "capstan".to_owned());
                 vars.insert(
