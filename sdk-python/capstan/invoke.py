@@ -223,7 +223,7 @@ def kwargs_for(call: Call, handler: Handler, running: Running, logger, patch, re
         values.update(warnings=running.warnings, userinfo=request.get("userinfo") or {},
                       dryrun=bool(request.get("dryrun")), subresource=request.get("subresource"),
                       operation=request.get("operation"), old=request.get("old"), new=body._data,
-                      headers={}, sslpeer={})
+                      headers=request.get("headers") or {}, sslpeer={})
     if call.indexes is not None:
         values.update(call.indexes.views())
     if handler.takes is not None:

@@ -43,7 +43,7 @@ KWARGS = {
     # Index handlers change nothing: what they return is the index.
     "index": _RESOURCE_KWARGS - {"patch"},
     # Admission: the request's parts; only mutating handlers change the object.
-    # `headers` and `sslpeer` are empty: the controller's webhook server does not pass them on.
+    # `sslpeer` is empty: the controller's webhook server passes on the headers only.
     "validate": (_RESOURCE_KWARGS - {"patch"}) | {"warnings", "userinfo", "dryrun", "subresource", "operation", "old", "new",
                                                "headers", "sslpeer"},
     "mutate": _RESOURCE_KWARGS | {"warnings", "userinfo", "dryrun", "subresource", "operation", "old", "new",

@@ -33,8 +33,9 @@ Operation = Literal["CREATE", "UPDATE", "DELETE", "CONNECT"]
 #: A watch event's type (kopf's `kopf.RawEventType`).
 RawEventType = Literal[None, "ADDED", "MODIFIED", "DELETED", "BOOKMARK"]
 
-#: An admission request's headers and the client's certificate (kopf's `kopf.Headers`,
-#: `kopf.SSLPeer`); Capstan's webhook server does not pass them on (see the README).
+#: An admission request's HTTP headers and the client's certificate (kopf's `kopf.Headers`,
+#: `kopf.SSLPeer`); Capstan's webhook server passes on the headers, not the certificate (see
+#: the README).
 Headers = Dict[str, str]
 SSLPeer = Dict[str, Any]
 

@@ -173,6 +173,7 @@ def call_of(msg: inv.Invocation, handler: Handler) -> Call:
         call.admission = {
             "operation": a.operation, "subresource": a.subresource or None, "dryrun": a.dry_run,
             "old": _opt_json(a, "old_object"), "userinfo": _opt_json(a, "user_info") or {},
+            "headers": dict(a.headers),
         }
     for st in msg.subhandlers:
         call.subhandlers[st.subhandler_id] = SubState(

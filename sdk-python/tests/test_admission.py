@@ -7,6 +7,7 @@ import capstan
 from capstan import wire
 from capstan.registry import Registry
 from capstan.testing import TestKit
+from capstan.v1 import invocation_pb2 as inv
 from capstan.v1 import registration_pb2 as reg
 
 
@@ -71,7 +72,7 @@ def test_bad_admission_options_fail_at_decoration():
         capstan.on.validate("examples", registry=r, retries=3)(lambda **_: None)
 
 
-def test_headers_and_sslpeer_are_given_empty():
+def test_the_requests_headers_are_given_and_sslpeer_is_empty():
     registry = Registry()
     seen = {}
 
@@ -80,6 +81,15 @@ def test_headers_and_sslpeer_are_given_empty():
         seen.update(headers=headers, sslpeer=sslpeer)
         warnings.append(f"Accessing as user-agent: {headers.get('User-Agent', '(unidentified)')}")
 
-    out = TestKit(registry).invoke("authhook", {"metadata": {"name": "x"}})
-    assert seen == {"headers": {}, "sslpeer": {}}
-    assert out.verdict == {"allowed": True, "warnings": ["Accessing as user-agent: (unidentified)"]}
+    handler = registry.handlers[0]
+    msg = inv.Invocation(invocation_id="i", handler_id="authhook")
+    msg.admission.operation = "CREATE"
+    msg.admission.headers["User-Agent"] = "kube-apiserver-admission"
+    call = wire.call_of(msg, handler)
+    assert call.admission["headers"] == {"User-Agent": "kube-apiserver-admission"}
+
+    out = TestKit(registry).invoke("authhook", {"metadata": {"name": "x"}}, admission=call.admission)
+    assert seen == {"headers": {"User-Agent": "kube-apiserver-admission"}, "sslpeer": {}}
+    assert out.verdict == {"allowed": True, "warnings": ["Accessing as user-agent: kube-apiserver-admission"]}
+    TestKit(registry).invoke("authhook", {"metadata": {"name": "x"}})
+    assert seen["headers"] == {}, "without a request's headers, an empty dict"

@@ -7,7 +7,8 @@
 //!
 //! The same startup handler sets `settings.admission.server` and `.managed` under both; the
 //! objects created then meet validating handlers that warn, deny with kopf's default code and
-//! with their own, and skip dry runs, and a mutating handler that patches labelled objects.
+//! with their own, and skip dry runs, and a mutating handler that patches labelled objects;
+//! the warnings name the request's User-Agent header and whether a client certificate came.
 //! Compared per object: admitted (with the stored spec) or denied (with the code and the
 //! message, the webhook's name aside: each names its webhooks its own way), and the warnings
 //! kubectl prints for an admitted object.

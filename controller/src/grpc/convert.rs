@@ -817,6 +817,7 @@ pub fn invocation(
             dry_run,
             old_object,
             user_info,
+            headers,
         } => P::Admission(pb::AdmissionRequest {
             uid: uid.clone(),
             operation: operation.clone(),
@@ -824,6 +825,7 @@ pub fn invocation(
             dry_run: *dry_run,
             old_object: opt_json(old_object.as_ref()),
             user_info: opt_json(user_info.as_ref()),
+            headers: headers.iter().cloned().collect(),
         }),
         Payload::Probe => P::Probe(pb::ProbeRequest {}),
         Payload::Activity(a) => P::Activity(pb::ActivityRequest {

@@ -125,6 +125,8 @@ pub enum Payload {
         old_object: Option<Value>,
         /// The user info.
         user_info: Option<Value>,
+        /// The HTTP request's headers, names canonical, in the order they came.
+        headers: Vec<(String, String)>,
     },
     /// Probe handlers.
     Probe,

@@ -259,6 +259,7 @@ impl Admission {
                 dry_run: review.dry_run,
                 old_object: review.old_object.clone(),
                 user_info: review.user_info.clone(),
+                headers: review.headers.clone(),
             },
         );
         work.attempt_timeout = Some(remaining);
@@ -438,6 +439,7 @@ mod tests {
             old_object: None,
             dry_run: false,
             user_info: None,
+            headers: vec![("User-Agent".into(), "kube-apiserver-admission".into())],
         }
     }
 
@@ -548,10 +550,14 @@ mod tests {
         let Some(pb::connect_response::Message::Invocation(invocation)) = sent.message else {
             panic!("an invocation");
         };
-        assert!(matches!(
-            invocation.payload,
-            Some(pb::invocation::Payload::Admission(_))
-        ));
+        let Some(pb::invocation::Payload::Admission(request)) = &invocation.payload else {
+            panic!("an admission request");
+        };
+        assert_eq!(
+            request.headers.get("User-Agent").map(String::as_str),
+            Some("kube-apiserver-admission"),
+            "the request's headers go with it"
+        );
         let verdict = pb::AdmissionVerdict {
             allowed: false,
             message: "not while frozen? yes, while frozen".into(),

@@ -166,6 +166,7 @@ where
     let margin = (timeout / 10).max(MIN_MARGIN);
     let deadline = arrived + timeout.saturating_sub(margin).max(MIN_MARGIN);
     let connection = req.extensions().get::<Marker>().cloned();
+    let headers = review::headers(req.headers());
     let declared = req
         .headers()
         .get(http::header::CONTENT_LENGTH)
@@ -227,7 +228,8 @@ where
     reservation
         .grow_to(bytes.capacity().saturating_add(trees))
         .map_err(refuse)?;
-    let review = review::parse(&bytes).map_err(|why| invalid(&why, phase, arrived))?;
+    let mut review = review::parse(&bytes).map_err(|why| invalid(&why, phase, arrived))?;
+    review.headers = headers;
     debug!(
         bytes = bytes.len(),
         values = shape.values,

@@ -59,6 +59,9 @@ pub struct Review {
     pub dry_run: bool,
     /// The requesting user.
     pub user_info: Option<Value>,
+    /// The headers of the HTTP request that carried the review ([`headers`]); not part of
+    /// the document.
+    pub headers: Vec<(String, String)>,
 }
 
 impl Review {
@@ -321,8 +324,36 @@ impl Review {
             old_object,
             dry_run: request.dry_run,
             user_info,
+            headers: Vec::new(),
         })
     }
+}
+
+/// The headers of a review's HTTP request as kopf hands them to its handlers: each name in
+/// its canonical form (`User-Agent`: HTTP/1 names are case-insensitive, hyper keeps them in
+/// lower case, and the API server's Go client sends them canonical), the values of a repeated
+/// name joined with ", ", values that are not text left out. Bounded by the server's header
+/// limits.
+pub fn headers(map: &http::HeaderMap) -> Vec<(String, String)> {
+    map.keys()
+        .filter_map(|name| {
+            let values: Vec<&str> = map.get_all(name).iter().filter_map(|v| v.to_str().ok()).collect();
+            (!values.is_empty()).then(|| (canonical(name.as_str()), values.join(", ")))
+        })
+        .collect()
+}
+
+/// `content-type` → `Content-Type`.
+fn canonical(name: &str) -> String {
+    name.split('-')
+        .map(|part| {
+            let mut chars = part.chars();
+            chars.next().map_or_else(String::new, |first| {
+                first.to_ascii_uppercase().to_string() + &chars.as_str().to_ascii_lowercase()
+            })
+        })
+        .collect::<Vec<_>>()
+        .join("-")
 }
 
 /// The answer to one review.
@@ -425,6 +456,33 @@ pub fn cut(mut s: String, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn headers_come_with_canonical_names_and_repeats_joined() {
+        let mut map = http::HeaderMap::new();
+        map.insert(
+            "user-agent",
+            http::HeaderValue::from_static("kube-apiserver-admission"),
+        );
+        map.insert("content-type", http::HeaderValue::from_static("application/json"));
+        map.append("x-forwarded-for", http::HeaderValue::from_static("10.0.0.1"));
+        map.append("x-forwarded-for", http::HeaderValue::from_static("10.0.0.2"));
+        map.insert(
+            "x-binary",
+            http::HeaderValue::from_bytes(b"\xff").expect("a value"),
+        );
+        let mut headers = headers(&map);
+        headers.sort();
+        assert_eq!(
+            headers,
+            [
+                ("Content-Type", "application/json"),
+                ("User-Agent", "kube-apiserver-admission"),
+                ("X-Forwarded-For", "10.0.0.1, 10.0.0.2"),
+            ]
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        );
+    }
 
     fn request() -> Value {
         json!({

@@ -27,25 +27,27 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63\x61pstan/v1/invocation.proto\x12\ncapstan.v1\x1a\x17\x63\x61pstan/v1/common.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x84\x01\n\x08\x44iffItem\x12,\n\toperation\x18\x01 \x01(\x0e\x32\x19.capstan.v1.DiffOperation\x12\x0c\n\x04path\x18\x02 \x03(\t\x12\x1d\n\x03old\x18\x03 \x01(\x0b\x32\x10.capstan.v1.Json\x12\x1d\n\x03new\x18\x04 \x01(\x0b\x32\x10.capstan.v1.Json\"\xab\x01\n\x0eResourceChange\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.capstan.v1.ChangeReason\x12\x1d\n\x03old\x18\x02 \x01(\x0b\x32\x10.capstan.v1.Json\x12\x1d\n\x03new\x18\x03 \x01(\x0b\x32\x10.capstan.v1.Json\x12\"\n\x04\x64iff\x18\x04 \x03(\x0b\x32\x14.capstan.v1.DiffItem\x12\r\n\x05\x66ield\x18\x05 \x01(\t\"4\n\rResourceEvent\x12#\n\x04type\x18\x01 \x01(\x0e\x32\x15.capstan.v1.EventType\"\x1f\n\x0b\x44\x61\x65monStart\x12\x10\n\x08restarts\x18\x01 \x01(\r\"?\n\tTimerTick\x12\x32\n\x0escheduled_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x1f\n\x0cIndexRequest\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\xa3\x01\n\x10\x41\x64missionRequest\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x11\n\toperation\x18\x02 \x01(\t\x12\x13\n\x0bsubresource\x18\x03 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x04 \x01(\x08\x12$\n\nold_object\x18\x05 \x01(\x0b\x32\x10.capstan.v1.Json\x12#\n\tuser_info\x18\x06 \x01(\x0b\x32\x10.capstan.v1.Json\"\x0e\n\x0cProbeRequest\"9\n\x0f\x41\x63tivityRequest\x12&\n\x08\x61\x63tivity\x18\x01 \x01(\x0e\x32\x14.capstan.v1.Activity\"\xd1\x01\n\x0fSubhandlerState\x12\x15\n\rsubhandler_id\x18\x01 \x01(\t\x12\x0f\n\x07retries\x18\x02 \x01(\r\x12\x0f\n\x07success\x18\x03 \x01(\x08\x12\x0f\n\x07\x66\x61ilure\x18\x04 \x01(\x08\x12\x31\n\rdelayed_until\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x30\n\x0cstarted_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xf3\x06\n\nInvocation\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12\x12\n\nhandler_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0cstarted_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x08resource\x18\x07 \x01(\x0b\x32\x17.capstan.v1.ResourceRef\x12\x1e\n\x04\x62ody\x18\x08 \x01(\x0b\x32\x10.capstan.v1.Json\x12?\n\rtrace_context\x18\t \x03(\x0b\x32(.capstan.v1.Invocation.TraceContextEntry\x12*\n\nlast_error\x18\n \x01(\x0b\x32\x16.capstan.v1.Diagnostic\x12\x1f\n\x05param\x18\x0b \x01(\x0b\x32\x10.capstan.v1.Json\x12\x30\n\x0bsubhandlers\x18\x0c \x03(\x0b\x32\x1b.capstan.v1.SubhandlerState\x12,\n\x06\x63hange\x18\x14 \x01(\x0b\x32\x1a.capstan.v1.ResourceChangeH\x00\x12*\n\x05\x65vent\x18\x15 \x01(\x0b\x32\x19.capstan.v1.ResourceEventH\x00\x12)\n\x06\x64\x61\x65mon\x18\x16 \x01(\x0b\x32\x17.capstan.v1.DaemonStartH\x00\x12&\n\x05timer\x18\x17 \x01(\x0b\x32\x15.capstan.v1.TimerTickH\x00\x12)\n\x05index\x18\x18 \x01(\x0b\x32\x18.capstan.v1.IndexRequestH\x00\x12\x31\n\tadmission\x18\x19 \x01(\x0b\x32\x1c.capstan.v1.AdmissionRequestH\x00\x12)\n\x05probe\x18\x1a \x01(\x0b\x32\x18.capstan.v1.ProbeRequestH\x00\x12/\n\x08\x61\x63tivity\x18\x1b \x01(\x0b\x32\x1b.capstan.v1.ActivityRequestH\x00\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07payload\"z\n\x06\x43\x61ncel\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.capstan.v1.CancelReason\x12/\n\x0cgrace_period\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x9d\x01\n\x07Success\x12 \n\x06result\x18\x01 \x01(\x0b\x32\x10.capstan.v1.Json\x12\x31\n\tadmission\x18\x02 \x01(\x0b\x32\x1c.capstan.v1.AdmissionVerdictH\x00\x12.\n\x0b\x63redentials\x18\x03 \x01(\x0b\x32\x17.capstan.v1.CredentialsH\x00\x42\r\n\x0bkind_result\"T\n\x10\x41\x64missionVerdict\x12\x0f\n\x07\x61llowed\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x10\n\x08warnings\x18\x04 \x03(\t\"\x93\x02\n\x0b\x43redentials\x12\x0e\n\x06server\x18\x01 \x01(\t\x12\x1d\n\x15\x63\x65rtificate_authority\x18\x02 \x01(\x0c\x12\x10\n\x08insecure\x18\x03 \x01(\x08\x12\x10\n\x08username\x18\x04 \x01(\t\x12\x10\n\x08password\x18\x05 \x01(\t\x12\r\n\x05token\x18\x06 \x01(\t\x12\x1a\n\x12\x63lient_certificate\x18\x07 \x01(\x0c\x12\x12\n\nclient_key\x18\x08 \x01(\x0c\x12\x19\n\x11\x64\x65\x66\x61ult_namespace\x18\t \x01(\t\x12\x33\n\x0f\x65xpiration_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08priority\x18\x0b \x01(\x05\"m\n\x0eTemporaryError\x12.\n\x0bretry_after\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12+\n\x0b\x64iagnostics\x18\x02 \x03(\x0b\x32\x16.capstan.v1.Diagnostic\"=\n\x0ePermanentError\x12+\n\x0b\x64iagnostics\x18\x01 \x03(\x0b\x32\x16.capstan.v1.Diagnostic\"@\n\x11UnclassifiedError\x12+\n\x0b\x64iagnostics\x18\x01 \x03(\x0b\x32\x16.capstan.v1.Diagnostic\"\x0b\n\tCancelled\"\t\n\x07Skipped\"\xb2\x02\n\x11SubhandlerOutcome\x12\x15\n\rsubhandler_id\x18\x01 \x01(\t\x12&\n\x07success\x18\x02 \x01(\x0b\x32\x13.capstan.v1.SuccessH\x00\x12\x35\n\x0ftemporary_error\x18\x03 \x01(\x0b\x32\x1a.capstan.v1.TemporaryErrorH\x00\x12\x35\n\x0fpermanent_error\x18\x04 \x01(\x0b\x32\x1a.capstan.v1.PermanentErrorH\x00\x12;\n\x12unclassified_error\x18\x05 \x01(\x0b\x32\x1d.capstan.v1.UnclassifiedErrorH\x00\x12(\n\x08\x64\x65\x66\x65rred\x18\x06 \x01(\x0b\x32\x14.capstan.v1.DeferredH\x00\x42\t\n\x07outcome\"\n\n\x08\x44\x65\x66\x65rred\"\xe0\x03\n\x10InvocationResult\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12&\n\x07success\x18\x02 \x01(\x0b\x32\x13.capstan.v1.SuccessH\x00\x12\x35\n\x0ftemporary_error\x18\x03 \x01(\x0b\x32\x1a.capstan.v1.TemporaryErrorH\x00\x12\x35\n\x0fpermanent_error\x18\x04 \x01(\x0b\x32\x1a.capstan.v1.PermanentErrorH\x00\x12*\n\tcancelled\x18\x05 \x01(\x0b\x32\x15.capstan.v1.CancelledH\x00\x12&\n\x07skipped\x18\x06 \x01(\x0b\x32\x13.capstan.v1.SkippedH\x00\x12;\n\x12unclassified_error\x18\x07 \x01(\x0b\x32\x1d.capstan.v1.UnclassifiedErrorH\x00\x12\"\n\x07patches\x18\n \x03(\x0b\x32\x11.capstan.v1.Patch\x12+\n\x08\x64uration\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0bsubhandlers\x18\x0c \x03(\x0b\x32\x1d.capstan.v1.SubhandlerOutcomeB\t\n\x07outcome\"M\n\x10InvocationUpdate\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12\"\n\x07patches\x18\x02 \x03(\x0b\x32\x11.capstan.v1.Patch*\x95\x01\n\x0c\x43hangeReason\x12\x1d\n\x19\x43HANGE_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43HANGE_REASON_CREATE\x10\x01\x12\x18\n\x14\x43HANGE_REASON_UPDATE\x10\x02\x12\x18\n\x14\x43HANGE_REASON_DELETE\x10\x03\x12\x18\n\x14\x43HANGE_REASON_RESUME\x10\x04*}\n\rDiffOperation\x12\x1e\n\x1a\x44IFF_OPERATION_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44IFF_OPERATION_ADD\x10\x01\x12\x19\n\x15\x44IFF_OPERATION_CHANGE\x10\x02\x12\x19\n\x15\x44IFF_OPERATION_REMOVE\x10\x03*n\n\tEventType\x12\x1a\n\x16\x45VENT_TYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45VENT_TYPE_ADDED\x10\x01\x12\x17\n\x13\x45VENT_TYPE_MODIFIED\x10\x02\x12\x16\n\x12\x45VENT_TYPE_DELETED\x10\x03*d\n\x08\x41\x63tivity\x12\x18\n\x14\x41\x43TIVITY_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41\x43TIVITY_STARTUP\x10\x01\x12\x14\n\x10\x41\x43TIVITY_CLEANUP\x10\x02\x12\x12\n\x0e\x41\x43TIVITY_LOGIN\x10\x03*\x9d\x02\n\x0c\x43\x61ncelReason\x12\x1d\n\x19\x43\x41NCEL_REASON_UNSPECIFIED\x10\x00\x12\"\n\x1e\x43\x41NCEL_REASON_RESOURCE_DELETED\x10\x01\x12!\n\x1d\x43\x41NCEL_REASON_FILTER_MISMATCH\x10\x02\x12#\n\x1f\x43\x41NCEL_REASON_DEADLINE_EXCEEDED\x10\x03\x12\x1c\n\x18\x43\x41NCEL_REASON_SUPERSEDED\x10\x04\x12\"\n\x1e\x43\x41NCEL_REASON_RUNTIME_SHUTDOWN\x10\x05\x12&\n\"CANCEL_REASON_HANDLER_UNREGISTERED\x10\x06\x12\x18\n\x14\x43\x41NCEL_REASON_PAUSED\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63\x61pstan/v1/invocation.proto\x12\ncapstan.v1\x1a\x17\x63\x61pstan/v1/common.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x84\x01\n\x08\x44iffItem\x12,\n\toperation\x18\x01 \x01(\x0e\x32\x19.capstan.v1.DiffOperation\x12\x0c\n\x04path\x18\x02 \x03(\t\x12\x1d\n\x03old\x18\x03 \x01(\x0b\x32\x10.capstan.v1.Json\x12\x1d\n\x03new\x18\x04 \x01(\x0b\x32\x10.capstan.v1.Json\"\xab\x01\n\x0eResourceChange\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.capstan.v1.ChangeReason\x12\x1d\n\x03old\x18\x02 \x01(\x0b\x32\x10.capstan.v1.Json\x12\x1d\n\x03new\x18\x03 \x01(\x0b\x32\x10.capstan.v1.Json\x12\"\n\x04\x64iff\x18\x04 \x03(\x0b\x32\x14.capstan.v1.DiffItem\x12\r\n\x05\x66ield\x18\x05 \x01(\t\"4\n\rResourceEvent\x12#\n\x04type\x18\x01 \x01(\x0e\x32\x15.capstan.v1.EventType\"\x1f\n\x0b\x44\x61\x65monStart\x12\x10\n\x08restarts\x18\x01 \x01(\r\"?\n\tTimerTick\x12\x32\n\x0escheduled_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x1f\n\x0cIndexRequest\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x8f\x02\n\x10\x41\x64missionRequest\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x11\n\toperation\x18\x02 \x01(\t\x12\x13\n\x0bsubresource\x18\x03 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x04 \x01(\x08\x12$\n\nold_object\x18\x05 \x01(\x0b\x32\x10.capstan.v1.Json\x12#\n\tuser_info\x18\x06 \x01(\x0b\x32\x10.capstan.v1.Json\x12:\n\x07headers\x18\x07 \x03(\x0b\x32).capstan.v1.AdmissionRequest.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x0e\n\x0cProbeRequest\"9\n\x0f\x41\x63tivityRequest\x12&\n\x08\x61\x63tivity\x18\x01 \x01(\x0e\x32\x14.capstan.v1.Activity\"\xd1\x01\n\x0fSubhandlerState\x12\x15\n\rsubhandler_id\x18\x01 \x01(\t\x12\x0f\n\x07retries\x18\x02 \x01(\r\x12\x0f\n\x07success\x18\x03 \x01(\x08\x12\x0f\n\x07\x66\x61ilure\x18\x04 \x01(\x08\x12\x31\n\rdelayed_until\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x30\n\x0cstarted_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xf3\x06\n\nInvocation\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12\x12\n\nhandler_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0cstarted_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x08resource\x18\x07 \x01(\x0b\x32\x17.capstan.v1.ResourceRef\x12\x1e\n\x04\x62ody\x18\x08 \x01(\x0b\x32\x10.capstan.v1.Json\x12?\n\rtrace_context\x18\t \x03(\x0b\x32(.capstan.v1.Invocation.TraceContextEntry\x12*\n\nlast_error\x18\n \x01(\x0b\x32\x16.capstan.v1.Diagnostic\x12\x1f\n\x05param\x18\x0b \x01(\x0b\x32\x10.capstan.v1.Json\x12\x30\n\x0bsubhandlers\x18\x0c \x03(\x0b\x32\x1b.capstan.v1.SubhandlerState\x12,\n\x06\x63hange\x18\x14 \x01(\x0b\x32\x1a.capstan.v1.ResourceChangeH\x00\x12*\n\x05\x65vent\x18\x15 \x01(\x0b\x32\x19.capstan.v1.ResourceEventH\x00\x12)\n\x06\x64\x61\x65mon\x18\x16 \x01(\x0b\x32\x17.capstan.v1.DaemonStartH\x00\x12&\n\x05timer\x18\x17 \x01(\x0b\x32\x15.capstan.v1.TimerTickH\x00\x12)\n\x05index\x18\x18 \x01(\x0b\x32\x18.capstan.v1.IndexRequestH\x00\x12\x31\n\tadmission\x18\x19 \x01(\x0b\x32\x1c.capstan.v1.AdmissionRequestH\x00\x12)\n\x05probe\x18\x1a \x01(\x0b\x32\x18.capstan.v1.ProbeRequestH\x00\x12/\n\x08\x61\x63tivity\x18\x1b \x01(\x0b\x32\x1b.capstan.v1.ActivityRequestH\x00\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07payload\"z\n\x06\x43\x61ncel\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.capstan.v1.CancelReason\x12/\n\x0cgrace_period\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x9d\x01\n\x07Success\x12 \n\x06result\x18\x01 \x01(\x0b\x32\x10.capstan.v1.Json\x12\x31\n\tadmission\x18\x02 \x01(\x0b\x32\x1c.capstan.v1.AdmissionVerdictH\x00\x12.\n\x0b\x63redentials\x18\x03 \x01(\x0b\x32\x17.capstan.v1.CredentialsH\x00\x42\r\n\x0bkind_result\"T\n\x10\x41\x64missionVerdict\x12\x0f\n\x07\x61llowed\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x10\n\x08warnings\x18\x04 \x03(\t\"\x93\x02\n\x0b\x43redentials\x12\x0e\n\x06server\x18\x01 \x01(\t\x12\x1d\n\x15\x63\x65rtificate_authority\x18\x02 \x01(\x0c\x12\x10\n\x08insecure\x18\x03 \x01(\x08\x12\x10\n\x08username\x18\x04 \x01(\t\x12\x10\n\x08password\x18\x05 \x01(\t\x12\r\n\x05token\x18\x06 \x01(\t\x12\x1a\n\x12\x63lient_certificate\x18\x07 \x01(\x0c\x12\x12\n\nclient_key\x18\x08 \x01(\x0c\x12\x19\n\x11\x64\x65\x66\x61ult_namespace\x18\t \x01(\t\x12\x33\n\x0f\x65xpiration_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08priority\x18\x0b \x01(\x05\"m\n\x0eTemporaryError\x12.\n\x0bretry_after\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12+\n\x0b\x64iagnostics\x18\x02 \x03(\x0b\x32\x16.capstan.v1.Diagnostic\"=\n\x0ePermanentError\x12+\n\x0b\x64iagnostics\x18\x01 \x03(\x0b\x32\x16.capstan.v1.Diagnostic\"@\n\x11UnclassifiedError\x12+\n\x0b\x64iagnostics\x18\x01 \x03(\x0b\x32\x16.capstan.v1.Diagnostic\"\x0b\n\tCancelled\"\t\n\x07Skipped\"\xb2\x02\n\x11SubhandlerOutcome\x12\x15\n\rsubhandler_id\x18\x01 \x01(\t\x12&\n\x07success\x18\x02 \x01(\x0b\x32\x13.capstan.v1.SuccessH\x00\x12\x35\n\x0ftemporary_error\x18\x03 \x01(\x0b\x32\x1a.capstan.v1.TemporaryErrorH\x00\x12\x35\n\x0fpermanent_error\x18\x04 \x01(\x0b\x32\x1a.capstan.v1.PermanentErrorH\x00\x12;\n\x12unclassified_error\x18\x05 \x01(\x0b\x32\x1d.capstan.v1.UnclassifiedErrorH\x00\x12(\n\x08\x64\x65\x66\x65rred\x18\x06 \x01(\x0b\x32\x14.capstan.v1.DeferredH\x00\x42\t\n\x07outcome\"\n\n\x08\x44\x65\x66\x65rred\"\xe0\x03\n\x10InvocationResult\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12&\n\x07success\x18\x02 \x01(\x0b\x32\x13.capstan.v1.SuccessH\x00\x12\x35\n\x0ftemporary_error\x18\x03 \x01(\x0b\x32\x1a.capstan.v1.TemporaryErrorH\x00\x12\x35\n\x0fpermanent_error\x18\x04 \x01(\x0b\x32\x1a.capstan.v1.PermanentErrorH\x00\x12*\n\tcancelled\x18\x05 \x01(\x0b\x32\x15.capstan.v1.CancelledH\x00\x12&\n\x07skipped\x18\x06 \x01(\x0b\x32\x13.capstan.v1.SkippedH\x00\x12;\n\x12unclassified_error\x18\x07 \x01(\x0b\x32\x1d.capstan.v1.UnclassifiedErrorH\x00\x12\"\n\x07patches\x18\n \x03(\x0b\x32\x11.capstan.v1.Patch\x12+\n\x08\x64uration\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0bsubhandlers\x18\x0c \x03(\x0b\x32\x1d.capstan.v1.SubhandlerOutcomeB\t\n\x07outcome\"M\n\x10InvocationUpdate\x12\x15\n\rinvocation_id\x18\x01 \x01(\t\x12\"\n\x07patches\x18\x02 \x03(\x0b\x32\x11.capstan.v1.Patch*\x95\x01\n\x0c\x43hangeReason\x12\x1d\n\x19\x43HANGE_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43HANGE_REASON_CREATE\x10\x01\x12\x18\n\x14\x43HANGE_REASON_UPDATE\x10\x02\x12\x18\n\x14\x43HANGE_REASON_DELETE\x10\x03\x12\x18\n\x14\x43HANGE_REASON_RESUME\x10\x04*}\n\rDiffOperation\x12\x1e\n\x1a\x44IFF_OPERATION_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44IFF_OPERATION_ADD\x10\x01\x12\x19\n\x15\x44IFF_OPERATION_CHANGE\x10\x02\x12\x19\n\x15\x44IFF_OPERATION_REMOVE\x10\x03*n\n\tEventType\x12\x1a\n\x16\x45VENT_TYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45VENT_TYPE_ADDED\x10\x01\x12\x17\n\x13\x45VENT_TYPE_MODIFIED\x10\x02\x12\x16\n\x12\x45VENT_TYPE_DELETED\x10\x03*d\n\x08\x41\x63tivity\x12\x18\n\x14\x41\x43TIVITY_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41\x43TIVITY_STARTUP\x10\x01\x12\x14\n\x10\x41\x43TIVITY_CLEANUP\x10\x02\x12\x12\n\x0e\x41\x43TIVITY_LOGIN\x10\x03*\x9d\x02\n\x0c\x43\x61ncelReason\x12\x1d\n\x19\x43\x41NCEL_REASON_UNSPECIFIED\x10\x00\x12\"\n\x1e\x43\x41NCEL_REASON_RESOURCE_DELETED\x10\x01\x12!\n\x1d\x43\x41NCEL_REASON_FILTER_MISMATCH\x10\x02\x12#\n\x1f\x43\x41NCEL_REASON_DEADLINE_EXCEEDED\x10\x03\x12\x1c\n\x18\x43\x41NCEL_REASON_SUPERSEDED\x10\x04\x12\"\n\x1e\x43\x41NCEL_REASON_RUNTIME_SHUTDOWN\x10\x05\x12&\n\"CANCEL_REASON_HANDLER_UNREGISTERED\x10\x06\x12\x18\n\x14\x43\x41NCEL_REASON_PAUSED\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'capstan.v1.invocation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_ADMISSIONREQUEST_HEADERSENTRY']._loaded_options = None
+  _globals['_ADMISSIONREQUEST_HEADERSENTRY']._serialized_options = b'8\001'
   _globals['_INVOCATION_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_INVOCATION_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_CHANGEREASON']._serialized_start=3762
-  _globals['_CHANGEREASON']._serialized_end=3911
-  _globals['_DIFFOPERATION']._serialized_start=3913
-  _globals['_DIFFOPERATION']._serialized_end=4038
-  _globals['_EVENTTYPE']._serialized_start=4040
-  _globals['_EVENTTYPE']._serialized_end=4150
-  _globals['_ACTIVITY']._serialized_start=4152
-  _globals['_ACTIVITY']._serialized_end=4252
-  _globals['_CANCELREASON']._serialized_start=4255
-  _globals['_CANCELREASON']._serialized_end=4540
+  _globals['_CHANGEREASON']._serialized_start=3870
+  _globals['_CHANGEREASON']._serialized_end=4019
+  _globals['_DIFFOPERATION']._serialized_start=4021
+  _globals['_DIFFOPERATION']._serialized_end=4146
+  _globals['_EVENTTYPE']._serialized_start=4148
+  _globals['_EVENTTYPE']._serialized_end=4258
+  _globals['_ACTIVITY']._serialized_start=4260
+  _globals['_ACTIVITY']._serialized_end=4360
+  _globals['_CANCELREASON']._serialized_start=4363
+  _globals['_CANCELREASON']._serialized_end=4648
   _globals['_DIFFITEM']._serialized_start=134
   _globals['_DIFFITEM']._serialized_end=266
   _globals['_RESOURCECHANGE']._serialized_start=269
@@ -59,41 +61,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INDEXREQUEST']._serialized_start=594
   _globals['_INDEXREQUEST']._serialized_end=625
   _globals['_ADMISSIONREQUEST']._serialized_start=628
-  _globals['_ADMISSIONREQUEST']._serialized_end=791
-  _globals['_PROBEREQUEST']._serialized_start=793
-  _globals['_PROBEREQUEST']._serialized_end=807
-  _globals['_ACTIVITYREQUEST']._serialized_start=809
-  _globals['_ACTIVITYREQUEST']._serialized_end=866
-  _globals['_SUBHANDLERSTATE']._serialized_start=869
-  _globals['_SUBHANDLERSTATE']._serialized_end=1078
-  _globals['_INVOCATION']._serialized_start=1081
-  _globals['_INVOCATION']._serialized_end=1964
-  _globals['_INVOCATION_TRACECONTEXTENTRY']._serialized_start=1902
-  _globals['_INVOCATION_TRACECONTEXTENTRY']._serialized_end=1953
-  _globals['_CANCEL']._serialized_start=1966
-  _globals['_CANCEL']._serialized_end=2088
-  _globals['_SUCCESS']._serialized_start=2091
-  _globals['_SUCCESS']._serialized_end=2248
-  _globals['_ADMISSIONVERDICT']._serialized_start=2250
-  _globals['_ADMISSIONVERDICT']._serialized_end=2334
-  _globals['_CREDENTIALS']._serialized_start=2337
-  _globals['_CREDENTIALS']._serialized_end=2612
-  _globals['_TEMPORARYERROR']._serialized_start=2614
-  _globals['_TEMPORARYERROR']._serialized_end=2723
-  _globals['_PERMANENTERROR']._serialized_start=2725
-  _globals['_PERMANENTERROR']._serialized_end=2786
-  _globals['_UNCLASSIFIEDERROR']._serialized_start=2788
-  _globals['_UNCLASSIFIEDERROR']._serialized_end=2852
-  _globals['_CANCELLED']._serialized_start=2854
-  _globals['_CANCELLED']._serialized_end=2865
-  _globals['_SKIPPED']._serialized_start=2867
-  _globals['_SKIPPED']._serialized_end=2876
-  _globals['_SUBHANDLEROUTCOME']._serialized_start=2879
-  _globals['_SUBHANDLEROUTCOME']._serialized_end=3185
-  _globals['_DEFERRED']._serialized_start=3187
-  _globals['_DEFERRED']._serialized_end=3197
-  _globals['_INVOCATIONRESULT']._serialized_start=3200
-  _globals['_INVOCATIONRESULT']._serialized_end=3680
-  _globals['_INVOCATIONUPDATE']._serialized_start=3682
-  _globals['_INVOCATIONUPDATE']._serialized_end=3759
+  _globals['_ADMISSIONREQUEST']._serialized_end=899
+  _globals['_ADMISSIONREQUEST_HEADERSENTRY']._serialized_start=853
+  _globals['_ADMISSIONREQUEST_HEADERSENTRY']._serialized_end=899
+  _globals['_PROBEREQUEST']._serialized_start=901
+  _globals['_PROBEREQUEST']._serialized_end=915
+  _globals['_ACTIVITYREQUEST']._serialized_start=917
+  _globals['_ACTIVITYREQUEST']._serialized_end=974
+  _globals['_SUBHANDLERSTATE']._serialized_start=977
+  _globals['_SUBHANDLERSTATE']._serialized_end=1186
+  _globals['_INVOCATION']._serialized_start=1189
+  _globals['_INVOCATION']._serialized_end=2072
+  _globals['_INVOCATION_TRACECONTEXTENTRY']._serialized_start=2010
+  _globals['_INVOCATION_TRACECONTEXTENTRY']._serialized_end=2061
+  _globals['_CANCEL']._serialized_start=2074
+  _globals['_CANCEL']._serialized_end=2196
+  _globals['_SUCCESS']._serialized_start=2199
+  _globals['_SUCCESS']._serialized_end=2356
+  _globals['_ADMISSIONVERDICT']._serialized_start=2358
+  _globals['_ADMISSIONVERDICT']._serialized_end=2442
+  _globals['_CREDENTIALS']._serialized_start=2445
+  _globals['_CREDENTIALS']._serialized_end=2720
+  _globals['_TEMPORARYERROR']._serialized_start=2722
+  _globals['_TEMPORARYERROR']._serialized_end=2831
+  _globals['_PERMANENTERROR']._serialized_start=2833
+  _globals['_PERMANENTERROR']._serialized_end=2894
+  _globals['_UNCLASSIFIEDERROR']._serialized_start=2896
+  _globals['_UNCLASSIFIEDERROR']._serialized_end=2960
+  _globals['_CANCELLED']._serialized_start=2962
+  _globals['_CANCELLED']._serialized_end=2973
+  _globals['_SKIPPED']._serialized_start=2975
+  _globals['_SKIPPED']._serialized_end=2984
+  _globals['_SUBHANDLEROUTCOME']._serialized_start=2987
+  _globals['_SUBHANDLEROUTCOME']._serialized_end=3293
+  _globals['_DEFERRED']._serialized_start=3295
+  _globals['_DEFERRED']._serialized_end=3305
+  _globals['_INVOCATIONRESULT']._serialized_start=3308
+  _globals['_INVOCATIONRESULT']._serialized_end=3788
+  _globals['_INVOCATIONUPDATE']._serialized_start=3790
+  _globals['_INVOCATIONUPDATE']._serialized_end=3867
 # @@protoc_insertion_point(module_scope)

@@ -6,7 +6,8 @@ CAPSTAN_DIFFERENTIAL=capstan selecting `capstan.kopf`).
 The startup handler configures kopf's own webhook server (a local endpoint with the test's
 certificate, $WEBHOOK_PORT) and the name of the configurations kopf manages; under Capstan the
 controller serves the webhooks (its --webhook-listen and --webhook-managed flags), and the same
-settings are accepted and named as those flags. Validating handlers warn, deny with kopf's
+settings are accepted and named as those flags. Validating handlers warn (with the request's
+User-Agent header, and whether the API server presented a certificate), deny with kopf's
 default code and with a code of their own, and skip dry runs; a mutating handler patches
 labelled objects."""
 
@@ -29,7 +30,8 @@ def config(settings: kopf.OperatorSettings, **_):
 
 
 @kopf.on.validate(*RESOURCE)
-def peerhook(name, operation, sslpeer: kopf.SSLPeer, warnings: list, **_):
+def authhook(name, operation, headers: kopf.Headers, sslpeer: kopf.SSLPeer, warnings: list, **_):
+    warnings.append(f"{operation} of {name} as user-agent: {headers.get('User-Agent', '(unidentified)')}")
     peer = "SSL peer is not identified." if not sslpeer.get("subject") else "SSL peer is identified."
     warnings.append(f"{operation} of {name}: {peer}")
 

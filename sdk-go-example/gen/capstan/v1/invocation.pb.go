@@ -684,7 +684,11 @@ type AdmissionRequest struct {
 	// The object before the operation (UPDATE, DELETE).
 	OldObject *Json `protobuf:"bytes,5,opt,name=old_object,json=oldObject,proto3" json:"old_object,omitempty"`
 	// The requesting user: the AdmissionReview's userInfo as JSON.
-	UserInfo      *Json `protobuf:"bytes,6,opt,name=user_info,json=userInfo,proto3" json:"user_info,omitempty"`
+	UserInfo *Json `protobuf:"bytes,6,opt,name=user_info,json=userInfo,proto3" json:"user_info,omitempty"`
+	// The headers of the HTTP request that carried the review (kopf's `headers`), names in
+	// their canonical form (`User-Agent`, as the API server's HTTP client sends them); a
+	// header sent more than once has its values joined with ", ".
+	Headers       map[string]string `protobuf:"bytes,7,rep,name=headers,proto3" json:"headers,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -757,6 +761,13 @@ func (x *AdmissionRequest) GetOldObject() *Json {
 func (x *AdmissionRequest) GetUserInfo() *Json {
 	if x != nil {
 		return x.UserInfo
+	}
+	return nil
+}
+
+func (x *AdmissionRequest) GetHeaders() map[string]string {
+	if x != nil {
+		return x.Headers
 	}
 	return nil
 }
@@ -2302,7 +2313,7 @@ const file_capstan_v1_invocation_proto_rawDesc = "" +
 	"\tTimerTick\x12A\n" +
 	"\x0escheduled_time\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\rscheduledTime\"(\n" +
 	"\fIndexRequest\x12\x18\n" +
-	"\adeleted\x18\x01 \x01(\bR\adeleted\"\xdd\x01\n" +
+	"\adeleted\x18\x01 \x01(\bR\adeleted\"\xde\x02\n" +
 	"\x10AdmissionRequest\x12\x10\n" +
 	"\x03uid\x18\x01 \x01(\tR\x03uid\x12\x1c\n" +
 	"\toperation\x18\x02 \x01(\tR\toperation\x12 \n" +
@@ -2310,7 +2321,11 @@ const file_capstan_v1_invocation_proto_rawDesc = "" +
 	"\adry_run\x18\x04 \x01(\bR\x06dryRun\x12/\n" +
 	"\n" +
 	"old_object\x18\x05 \x01(\v2\x10.capstan.v1.JsonR\toldObject\x12-\n" +
-	"\tuser_info\x18\x06 \x01(\v2\x10.capstan.v1.JsonR\buserInfo\"\x0e\n" +
+	"\tuser_info\x18\x06 \x01(\v2\x10.capstan.v1.JsonR\buserInfo\x12C\n" +
+	"\aheaders\x18\a \x03(\v2).capstan.v1.AdmissionRequest.HeadersEntryR\aheaders\x1a:\n" +
+	"\fHeadersEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x0e\n" +
 	"\fProbeRequest\"C\n" +
 	"\x0fActivityRequest\x120\n" +
 	"\bactivity\x18\x01 \x01(\x0e2\x14.capstan.v1.ActivityR\bactivity\"\x9e\x02\n" +
@@ -2462,7 +2477,7 @@ func file_capstan_v1_invocation_proto_rawDescGZIP() []byte {
 }
 
 var file_capstan_v1_invocation_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_capstan_v1_invocation_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
+var file_capstan_v1_invocation_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
 var file_capstan_v1_invocation_proto_goTypes = []any{
 	(ChangeReason)(0),             // 0: capstan.v1.ChangeReason
 	(DiffOperation)(0),            // 1: capstan.v1.DiffOperation
@@ -2493,75 +2508,77 @@ var file_capstan_v1_invocation_proto_goTypes = []any{
 	(*Deferred)(nil),              // 26: capstan.v1.Deferred
 	(*InvocationResult)(nil),      // 27: capstan.v1.InvocationResult
 	(*InvocationUpdate)(nil),      // 28: capstan.v1.InvocationUpdate
-	nil,                           // 29: capstan.v1.Invocation.TraceContextEntry
-	(*Json)(nil),                  // 30: capstan.v1.Json
-	(*timestamppb.Timestamp)(nil), // 31: google.protobuf.Timestamp
-	(*ResourceRef)(nil),           // 32: capstan.v1.ResourceRef
-	(*Diagnostic)(nil),            // 33: capstan.v1.Diagnostic
-	(*durationpb.Duration)(nil),   // 34: google.protobuf.Duration
-	(*Patch)(nil),                 // 35: capstan.v1.Patch
+	nil,                           // 29: capstan.v1.AdmissionRequest.HeadersEntry
+	nil,                           // 30: capstan.v1.Invocation.TraceContextEntry
+	(*Json)(nil),                  // 31: capstan.v1.Json
+	(*timestamppb.Timestamp)(nil), // 32: google.protobuf.Timestamp
+	(*ResourceRef)(nil),           // 33: capstan.v1.ResourceRef
+	(*Diagnostic)(nil),            // 34: capstan.v1.Diagnostic
+	(*durationpb.Duration)(nil),   // 35: google.protobuf.Duration
+	(*Patch)(nil),                 // 36: capstan.v1.Patch
 }
 var file_capstan_v1_invocation_proto_depIdxs = []int32{
 	1,  // 0: capstan.v1.DiffItem.operation:type_name -> capstan.v1.DiffOperation
-	30, // 1: capstan.v1.DiffItem.old:type_name -> capstan.v1.Json
-	30, // 2: capstan.v1.DiffItem.new:type_name -> capstan.v1.Json
+	31, // 1: capstan.v1.DiffItem.old:type_name -> capstan.v1.Json
+	31, // 2: capstan.v1.DiffItem.new:type_name -> capstan.v1.Json
 	0,  // 3: capstan.v1.ResourceChange.reason:type_name -> capstan.v1.ChangeReason
-	30, // 4: capstan.v1.ResourceChange.old:type_name -> capstan.v1.Json
-	30, // 5: capstan.v1.ResourceChange.new:type_name -> capstan.v1.Json
+	31, // 4: capstan.v1.ResourceChange.old:type_name -> capstan.v1.Json
+	31, // 5: capstan.v1.ResourceChange.new:type_name -> capstan.v1.Json
 	5,  // 6: capstan.v1.ResourceChange.diff:type_name -> capstan.v1.DiffItem
 	2,  // 7: capstan.v1.ResourceEvent.type:type_name -> capstan.v1.EventType
-	31, // 8: capstan.v1.TimerTick.scheduled_time:type_name -> google.protobuf.Timestamp
-	30, // 9: capstan.v1.AdmissionRequest.old_object:type_name -> capstan.v1.Json
-	30, // 10: capstan.v1.AdmissionRequest.user_info:type_name -> capstan.v1.Json
-	3,  // 11: capstan.v1.ActivityRequest.activity:type_name -> capstan.v1.Activity
-	31, // 12: capstan.v1.SubhandlerState.delayed_until:type_name -> google.protobuf.Timestamp
-	31, // 13: capstan.v1.SubhandlerState.started_time:type_name -> google.protobuf.Timestamp
-	31, // 14: capstan.v1.Invocation.deadline:type_name -> google.protobuf.Timestamp
-	31, // 15: capstan.v1.Invocation.started_time:type_name -> google.protobuf.Timestamp
-	32, // 16: capstan.v1.Invocation.resource:type_name -> capstan.v1.ResourceRef
-	30, // 17: capstan.v1.Invocation.body:type_name -> capstan.v1.Json
-	29, // 18: capstan.v1.Invocation.trace_context:type_name -> capstan.v1.Invocation.TraceContextEntry
-	33, // 19: capstan.v1.Invocation.last_error:type_name -> capstan.v1.Diagnostic
-	30, // 20: capstan.v1.Invocation.param:type_name -> capstan.v1.Json
-	14, // 21: capstan.v1.Invocation.subhandlers:type_name -> capstan.v1.SubhandlerState
-	6,  // 22: capstan.v1.Invocation.change:type_name -> capstan.v1.ResourceChange
-	7,  // 23: capstan.v1.Invocation.event:type_name -> capstan.v1.ResourceEvent
-	8,  // 24: capstan.v1.Invocation.daemon:type_name -> capstan.v1.DaemonStart
-	9,  // 25: capstan.v1.Invocation.timer:type_name -> capstan.v1.TimerTick
-	10, // 26: capstan.v1.Invocation.index:type_name -> capstan.v1.IndexRequest
-	11, // 27: capstan.v1.Invocation.admission:type_name -> capstan.v1.AdmissionRequest
-	12, // 28: capstan.v1.Invocation.probe:type_name -> capstan.v1.ProbeRequest
-	13, // 29: capstan.v1.Invocation.activity:type_name -> capstan.v1.ActivityRequest
-	4,  // 30: capstan.v1.Cancel.reason:type_name -> capstan.v1.CancelReason
-	34, // 31: capstan.v1.Cancel.grace_period:type_name -> google.protobuf.Duration
-	30, // 32: capstan.v1.Success.result:type_name -> capstan.v1.Json
-	18, // 33: capstan.v1.Success.admission:type_name -> capstan.v1.AdmissionVerdict
-	19, // 34: capstan.v1.Success.credentials:type_name -> capstan.v1.Credentials
-	31, // 35: capstan.v1.Credentials.expiration_time:type_name -> google.protobuf.Timestamp
-	34, // 36: capstan.v1.TemporaryError.retry_after:type_name -> google.protobuf.Duration
-	33, // 37: capstan.v1.TemporaryError.diagnostics:type_name -> capstan.v1.Diagnostic
-	33, // 38: capstan.v1.PermanentError.diagnostics:type_name -> capstan.v1.Diagnostic
-	33, // 39: capstan.v1.UnclassifiedError.diagnostics:type_name -> capstan.v1.Diagnostic
-	17, // 40: capstan.v1.SubhandlerOutcome.success:type_name -> capstan.v1.Success
-	20, // 41: capstan.v1.SubhandlerOutcome.temporary_error:type_name -> capstan.v1.TemporaryError
-	21, // 42: capstan.v1.SubhandlerOutcome.permanent_error:type_name -> capstan.v1.PermanentError
-	22, // 43: capstan.v1.SubhandlerOutcome.unclassified_error:type_name -> capstan.v1.UnclassifiedError
-	26, // 44: capstan.v1.SubhandlerOutcome.deferred:type_name -> capstan.v1.Deferred
-	17, // 45: capstan.v1.InvocationResult.success:type_name -> capstan.v1.Success
-	20, // 46: capstan.v1.InvocationResult.temporary_error:type_name -> capstan.v1.TemporaryError
-	21, // 47: capstan.v1.InvocationResult.permanent_error:type_name -> capstan.v1.PermanentError
-	23, // 48: capstan.v1.InvocationResult.cancelled:type_name -> capstan.v1.Cancelled
-	24, // 49: capstan.v1.InvocationResult.skipped:type_name -> capstan.v1.Skipped
-	22, // 50: capstan.v1.InvocationResult.unclassified_error:type_name -> capstan.v1.UnclassifiedError
-	35, // 51: capstan.v1.InvocationResult.patches:type_name -> capstan.v1.Patch
-	34, // 52: capstan.v1.InvocationResult.duration:type_name -> google.protobuf.Duration
-	25, // 53: capstan.v1.InvocationResult.subhandlers:type_name -> capstan.v1.SubhandlerOutcome
-	35, // 54: capstan.v1.InvocationUpdate.patches:type_name -> capstan.v1.Patch
-	55, // [55:55] is the sub-list for method output_type
-	55, // [55:55] is the sub-list for method input_type
-	55, // [55:55] is the sub-list for extension type_name
-	55, // [55:55] is the sub-list for extension extendee
-	0,  // [0:55] is the sub-list for field type_name
+	32, // 8: capstan.v1.TimerTick.scheduled_time:type_name -> google.protobuf.Timestamp
+	31, // 9: capstan.v1.AdmissionRequest.old_object:type_name -> capstan.v1.Json
+	31, // 10: capstan.v1.AdmissionRequest.user_info:type_name -> capstan.v1.Json
+	29, // 11: capstan.v1.AdmissionRequest.headers:type_name -> capstan.v1.AdmissionRequest.HeadersEntry
+	3,  // 12: capstan.v1.ActivityRequest.activity:type_name -> capstan.v1.Activity
+	32, // 13: capstan.v1.SubhandlerState.delayed_until:type_name -> google.protobuf.Timestamp
+	32, // 14: capstan.v1.SubhandlerState.started_time:type_name -> google.protobuf.Timestamp
+	32, // 15: capstan.v1.Invocation.deadline:type_name -> google.protobuf.Timestamp
+	32, // 16: capstan.v1.Invocation.started_time:type_name -> google.protobuf.Timestamp
+	33, // 17: capstan.v1.Invocation.resource:type_name -> capstan.v1.ResourceRef
+	31, // 18: capstan.v1.Invocation.body:type_name -> capstan.v1.Json
+	30, // 19: capstan.v1.Invocation.trace_context:type_name -> capstan.v1.Invocation.TraceContextEntry
+	34, // 20: capstan.v1.Invocation.last_error:type_name -> capstan.v1.Diagnostic
+	31, // 21: capstan.v1.Invocation.param:type_name -> capstan.v1.Json
+	14, // 22: capstan.v1.Invocation.subhandlers:type_name -> capstan.v1.SubhandlerState
+	6,  // 23: capstan.v1.Invocation.change:type_name -> capstan.v1.ResourceChange
+	7,  // 24: capstan.v1.Invocation.event:type_name -> capstan.v1.ResourceEvent
+	8,  // 25: capstan.v1.Invocation.daemon:type_name -> capstan.v1.DaemonStart
+	9,  // 26: capstan.v1.Invocation.timer:type_name -> capstan.v1.TimerTick
+	10, // 27: capstan.v1.Invocation.index:type_name -> capstan.v1.IndexRequest
+	11, // 28: capstan.v1.Invocation.admission:type_name -> capstan.v1.AdmissionRequest
+	12, // 29: capstan.v1.Invocation.probe:type_name -> capstan.v1.ProbeRequest
+	13, // 30: capstan.v1.Invocation.activity:type_name -> capstan.v1.ActivityRequest
+	4,  // 31: capstan.v1.Cancel.reason:type_name -> capstan.v1.CancelReason
+	35, // 32: capstan.v1.Cancel.grace_period:type_name -> google.protobuf.Duration
+	31, // 33: capstan.v1.Success.result:type_name -> capstan.v1.Json
+	18, // 34: capstan.v1.Success.admission:type_name -> capstan.v1.AdmissionVerdict
+	19, // 35: capstan.v1.Success.credentials:type_name -> capstan.v1.Credentials
+	32, // 36: capstan.v1.Credentials.expiration_time:type_name -> google.protobuf.Timestamp
+	35, // 37: capstan.v1.TemporaryError.retry_after:type_name -> google.protobuf.Duration
+	34, // 38: capstan.v1.TemporaryError.diagnostics:type_name -> capstan.v1.Diagnostic
+	34, // 39: capstan.v1.PermanentError.diagnostics:type_name -> capstan.v1.Diagnostic
+	34, // 40: capstan.v1.UnclassifiedError.diagnostics:type_name -> capstan.v1.Diagnostic
+	17, // 41: capstan.v1.SubhandlerOutcome.success:type_name -> capstan.v1.Success
+	20, // 42: capstan.v1.SubhandlerOutcome.temporary_error:type_name -> capstan.v1.TemporaryError
+	21, // 43: capstan.v1.SubhandlerOutcome.permanent_error:type_name -> capstan.v1.PermanentError
+	22, // 44: capstan.v1.SubhandlerOutcome.unclassified_error:type_name -> capstan.v1.UnclassifiedError
+	26, // 45: capstan.v1.SubhandlerOutcome.deferred:type_name -> capstan.v1.Deferred
+	17, // 46: capstan.v1.InvocationResult.success:type_name -> capstan.v1.Success
+	20, // 47: capstan.v1.InvocationResult.temporary_error:type_name -> capstan.v1.TemporaryError
+	21, // 48: capstan.v1.InvocationResult.permanent_error:type_name -> capstan.v1.PermanentError
+	23, // 49: capstan.v1.InvocationResult.cancelled:type_name -> capstan.v1.Cancelled
+	24, // 50: capstan.v1.InvocationResult.skipped:type_name -> capstan.v1.Skipped
+	22, // 51: capstan.v1.InvocationResult.unclassified_error:type_name -> capstan.v1.UnclassifiedError
+	36, // 52: capstan.v1.InvocationResult.patches:type_name -> capstan.v1.Patch
+	35, // 53: capstan.v1.InvocationResult.duration:type_name -> google.protobuf.Duration
+	25, // 54: capstan.v1.InvocationResult.subhandlers:type_name -> capstan.v1.SubhandlerOutcome
+	36, // 55: capstan.v1.InvocationUpdate.patches:type_name -> capstan.v1.Patch
+	56, // [56:56] is the sub-list for method output_type
+	56, // [56:56] is the sub-list for method input_type
+	56, // [56:56] is the sub-list for extension type_name
+	56, // [56:56] is the sub-list for extension extendee
+	0,  // [0:56] is the sub-list for field type_name
 }
 
 func init() { file_capstan_v1_invocation_proto_init() }
@@ -2605,7 +2622,7 @@ func file_capstan_v1_invocation_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_capstan_v1_invocation_proto_rawDesc), len(file_capstan_v1_invocation_proto_rawDesc)),
 			NumEnums:      5,
-			NumMessages:   25,
+			NumMessages:   26,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
