@@ -48,7 +48,8 @@ CLOSE_TIMEOUT = 5.0
 #: How long a stopping process waits for the controller to run its cleanup handlers (counted
 #: from its goodbye; the controller's own bound is its shutdown grace, 20 s by default). With
 #: the stream's close (`CLOSE_TIMEOUT`) it stays within a pod's default 30 s grace period and
-#: leaves the controller, stopped after this container, time to stop too.
+#: leaves the controller, stopped after this container, time to stop too (the tasks handlers
+#: left running get what is left of those 25 s: `runner.STOP_BUDGET`).
 CLEANUP_TIMEOUT = 20.0
 _LEVELS = {
     logging.DEBUG: rs.LOG_LEVEL_DEBUG, logging.INFO: rs.LOG_LEVEL_INFO,

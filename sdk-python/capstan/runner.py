@@ -95,7 +95,7 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
         try:
             await _serve(op)
         finally:
-            await _finish_spawned_tasks(before)
+            await _finish_spawned_tasks(before, signalled[0] if signalled else None)
 
     try:
         asyncio.run(main())
@@ -112,22 +112,29 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
 SPAWNED_TASKS_GRACE = 5.0
 #: How long cancelled tasks may take to end.
 CANCELLED_TASKS_GRACE = 1.0
+#: The whole stop, from the signal, within a pod's default 30 s grace period: the cleanup
+#: handlers and the stream's close, then the spawned tasks (their grace is shortened to fit),
+#: leaving the controller, stopped after this container, time to stop too.
+STOP_BUDGET = connection.CLEANUP_TIMEOUT + connection.CLOSE_TIMEOUT
 
 
-async def _finish_spawned_tasks(before):
+async def _finish_spawned_tasks(before, since=None):
     """kopf's end of an operator: tasks that handlers started and left running (the event loop
     is this process's, so every task it has that was not there before the operator belongs to
     the operator) get `SPAWNED_TASKS_GRACE` to finish — a cleanup handler may just have asked
-    them to — and are cancelled after it."""
+    them to — and are cancelled after it. `since`: when the stop was asked for (monotonic), so
+    that the whole stop keeps to `STOP_BUDGET`."""
     current = asyncio.current_task()
     spawned = {task for task in asyncio.all_tasks() if task not in before and task is not current}
     if not spawned:
         return
-    _, pending = await asyncio.wait(spawned, timeout=SPAWNED_TASKS_GRACE)
+    spent = time.monotonic() - since if since is not None else 0.0
+    grace = min(SPAWNED_TASKS_GRACE, max(0.0, STOP_BUDGET - CANCELLED_TASKS_GRACE - spent))
+    _, pending = await asyncio.wait(spawned, timeout=grace)
     if not pending:
         return
-    log.info("cancelling %d task(s) the handlers left running %gs after the stop: %s", len(pending),
-             SPAWNED_TASKS_GRACE, ", ".join(sorted(task.get_name() for task in pending)))
+    log.info("cancelling %d task(s) the handlers left running %.1fs after the stop: %s", len(pending), grace,
+             ", ".join(sorted(task.get_name() for task in pending)))
     for task in pending:
         task.cancel()
     _, pending = await asyncio.wait(pending, timeout=CANCELLED_TASKS_GRACE)

@@ -214,13 +214,19 @@ class OperatorRunner:
         self._thread = threading.Thread(target=self._main, name="capstan-operator-runner", daemon=True)
 
     def _main(self):
-        from capstan.runner import load, operator
+        from capstan.runner import _finish_spawned_tasks, load, operator
 
         async def main():
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             self._ready.set()
-            await operator(registry=self.registry, endpoint=self.endpoint, stop_flag=self._stop, settings=self.settings)
+            before = asyncio.all_tasks()
+            try:
+                await operator(registry=self.registry, endpoint=self.endpoint, stop_flag=self._stop,
+                               settings=self.settings)
+            finally:
+                # The loop is this runner's: the tasks its handlers left get kopf's grace.
+                await _finish_spawned_tasks(before)
 
         try:
             if self.paths or self.modules:

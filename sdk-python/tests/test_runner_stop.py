@@ -47,3 +47,20 @@ def test_nothing_spawned_ends_at_once():
         return loop.time() - started
 
     assert asyncio.run(main()) < 0.1
+
+
+def test_the_grace_is_cut_to_what_is_left_of_the_stops_budget(monkeypatch):
+    monkeypatch.setattr(runner, "STOP_BUDGET", 1.5)
+    monkeypatch.setattr(runner, "CANCELLED_TASKS_GRACE", 0.2)
+
+    async def main():
+        before = asyncio.all_tasks()
+        task = asyncio.create_task(asyncio.sleep(3600))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # The stop was asked for a second ago: 0.3 s of the grace are left, not 5.
+        await runner._finish_spawned_tasks(before, since=runner.time.monotonic() - 1.0)
+        return task.cancelled(), loop.time() - started
+
+    cancelled, took = asyncio.run(main())
+    assert cancelled and took < 1.0

@@ -121,13 +121,22 @@ async fn admission_run(framework: Framework) -> Result<Value> {
     let operator = Operator::start_with(framework, &env, OPERATOR, &log, &vars, 1, &flags).await?;
     let seen = async {
         // The API server calls the webhooks once it has read the configurations the operator
-        // made: until then, objects pass unchecked.
+        // made: until then, objects pass unchecked (or unchanged).
         let deadline = tokio::time::Instant::now() + ADMISSION_UP;
         let mut probe = 0;
         loop {
             probe += 1;
             let answer = create(&api, &format!("probe-{probe}"), json!({}), "wrong", false).await?;
-            if answer.get("denied").is_some() {
+            // The mutating configuration is read on its own.
+            let mutated = create(
+                &api,
+                "probe-mutated",
+                json!({"somelabel": "somevalue"}),
+                "fine",
+                true,
+            )
+            .await?;
+            if answer.get("denied").is_some() && mutated["admitted"]["injected"] == 123 {
                 break;
             }
             if tokio::time::Instant::now() > deadline {

@@ -63,11 +63,17 @@ async fn hooks_run(framework: Framework) -> Result<HooksRun> {
     let pods = pods(&env.client().await?);
     let operator = Operator::start(framework, &env, OPERATOR, &log, &[], 1).await?;
     let ran = async {
+        // The Pod is there before the operator watches Pods (over a second ahead of it: the
+        // startup has two more attempts to go, then the login), so both list it.
+        wait_until("the retried startup handler's second attempt", &log, |c| {
+            of(c, "startup_fn_retried").any(|r| r["retry"] == 1)
+        })
+        .await?;
+        create_pod(&pods, "served", json!({})).await?;
         wait_until("the retried startup handler's fourth attempt", &log, |c| {
             of(c, "startup_fn_retried").any(|r| r["retry"] == 3)
         })
         .await?;
-        create_pod(&pods, "served", json!({})).await?;
         wait_until("the Pod's task started", &log, |c| {
             of(c, "serve").any(|r| r["event"] == "start")
         })

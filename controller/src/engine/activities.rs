@@ -356,6 +356,30 @@ impl Activities {
         let mut late_login: Option<JoinHandle<()>> = None;
         loop {
             registrations.borrow_and_update();
+            let logins = self.of_kind(HandlerKind::Login);
+            let (logged_in, operating) = {
+                let state = self.inner.state.lock();
+                (state.logged_in, state.operating)
+            };
+            let login_wanted = !logins.is_empty() && !logged_in;
+            // The operator works with the credentials in use: a late login runs beside it, and
+            // nothing waits for it (nor it for late startup handlers).
+            if login_wanted && operating && late_login.as_ref().is_none_or(JoinHandle::is_finished) {
+                info!(
+                    "a login handler registered while the operator runs; logging in meanwhile with the credentials in use"
+                );
+                let this = self.clone();
+                let cancel = cancel.clone();
+                late_login = Some(tokio::spawn(
+                    async move {
+                        tokio::select! {
+                            () = cancel.cancelled() => {}
+                            () = this.login() => {}
+                        }
+                    }
+                    .in_current_span(),
+                ));
+            }
             let pending: Vec<Registration> = {
                 let state = self.inner.state.lock();
                 self.of_kind(HandlerKind::Startup)
@@ -388,36 +412,11 @@ impl Activities {
                     }
                 }
             }
-            let logins = self.of_kind(HandlerKind::Login);
-            let (logged_in, operating) = {
-                let state = self.inner.state.lock();
-                (state.logged_in, state.operating)
-            };
-            if !logins.is_empty() && !logged_in {
-                if operating {
-                    // The operator works with the credentials in use: a late login runs beside
-                    // it, and nothing waits for it.
-                    if late_login.as_ref().is_none_or(JoinHandle::is_finished) {
-                        info!(
-                            "a login handler registered while the operator runs; logging in meanwhile with the credentials in use"
-                        );
-                        let this = self.clone();
-                        let cancel = cancel.clone();
-                        late_login = Some(tokio::spawn(
-                            async move {
-                                tokio::select! {
-                                    () = cancel.cancelled() => {}
-                                    () = this.login() => {}
-                                }
-                            }
-                            .in_current_span(),
-                        ));
-                    }
-                } else {
-                    tokio::select! {
-                        () = cancel.cancelled() => return,
-                        () = self.login() => {}
-                    }
+            // Before the operator first starts, login comes once the startup handlers succeeded.
+            if login_wanted && !operating {
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    () = self.login() => {}
                 }
             }
             let current = self.inner.hub.registrations().borrow().clone();
@@ -952,6 +951,15 @@ impl Activities {
 /// What resource watching still waits for (see [`Activities::ready`]).
 fn awaited(inner: &Inner, registrations: &[Registration]) -> Result<(), String> {
     let state = inner.state.lock();
+    // The startup handlers run before the login: they are what is waited for first.
+    let waiting: Vec<&str> = registrations
+        .iter()
+        .filter(|r| r.kind == HandlerKind::Startup && !state.started.contains(&r.id))
+        .map(|r| r.id.0.as_str())
+        .collect();
+    if !waiting.is_empty() {
+        return Err(format!("waiting for startup handlers: {}", waiting.join(", ")));
+    }
     let login = registrations.iter().any(|r| r.kind == HandlerKind::Login);
     // Once the operator runs, it runs on the credentials in use: a late login gates nothing.
     if login && !state.logged_in && !state.operating && inner.switch.is_some() {
@@ -960,16 +968,7 @@ fn awaited(inner: &Inner, registrations: &[Registration]) -> Result<(), String> 
             None => "waiting for a login handler's credentials".into(),
         });
     }
-    let waiting: Vec<&str> = registrations
-        .iter()
-        .filter(|r| r.kind == HandlerKind::Startup && !state.started.contains(&r.id))
-        .map(|r| r.id.0.as_str())
-        .collect();
-    if waiting.is_empty() {
-        Ok(())
-    } else {
-        Err(format!("waiting for startup handlers: {}", waiting.join(", ")))
-    }
+    Ok(())
 }
 
 /// One round's login answers, as they arrive.
@@ -1129,6 +1128,14 @@ mod tests {
         assert!(
             activities.ready(&regs).unwrap_err().contains("login"),
             "before the operator starts, login gates the watching"
+        );
+        let with_startup = [reg("s", HandlerKind::Startup), regs[0].clone(), regs[1].clone()];
+        assert!(
+            activities
+                .ready(&with_startup)
+                .unwrap_err()
+                .contains("startup handlers: s"),
+            "the startup handlers run before the login: they are what is waited for first"
         );
         activities.inner.state.lock().operating = true;
         assert!(activities.ready(&regs).is_ok(), "a late login gates nothing");
