@@ -19,7 +19,7 @@ import uuid
 
 import grpc
 
-from capstan import __version__, events, wire
+from capstan import __version__, events, flags, wire
 from capstan import settings as settings_module
 from capstan.errors import ConnectionFatal, StreamStalled
 from capstan.indexes import Indexes
@@ -195,8 +195,13 @@ class Session:
 class Operator:
     """The handler process: its registry, and the reconnecting loop around sessions."""
 
-    def __init__(self, registry: Registry, endpoint=None, memo=None, max_in_flight=0, stop=None, settings=None):
+    def __init__(self, registry: Registry, endpoint=None, memo=None, max_in_flight=0, stop=None, settings=None,
+                 ready=None):
         self.registry = registry
+        #: kopf's ready flag (`capstan.flags`): raised once connected with this process's
+        #: startup handlers succeeded; and the startup handlers still to succeed.
+        self.ready = ready
+        self.starting = {h.id for h in registry.handlers if h.kind == "startup"}
         self.endpoint = endpoint or os.environ.get("CAPSTAN_ENDPOINT") or DEFAULT_ENDPOINT
         self.memos = Memos(memo)
         self.max_in_flight = max_in_flight
@@ -420,6 +425,12 @@ class Operator:
                           "; ".join(f"{d.reason}: {d.summary}" for d in status.diagnostics))
         log.info("connected to the controller %s (connection %s, %d rejected)",
                  welcome.runtime.name, welcome.connection_id, rejected)
+        self._ready_if_started()
+
+    def _ready_if_started(self):
+        if self.ready is not None and not self.starting:
+            flags.raise_flag(self.ready)
+            self.ready = None
 
     async def _start(self, session, message):
         handler = self.by_id.get(message.handler_id)
@@ -476,6 +487,9 @@ class Operator:
                 # (the controller waits for this result, which comes after on the stream).
                 await session.send_settings()
             await session.send(rs.ConnectRequest(result=result))
+            if call.handler.kind == "startup" and outcome.status == "success":
+                self.starting.discard(call.handler.id)
+                self._ready_if_started()
         except StreamStalled as error:  # the session ends with it (see `Session.stalled`)
             log.warning("result of %s not sent: %s", call.invocation_id, error)
 

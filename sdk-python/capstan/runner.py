@@ -16,7 +16,7 @@ import threading
 import sys
 import time
 
-from capstan import connection, threads
+from capstan import connection, flags, threads
 from capstan.connection import Operator
 from capstan.errors import ConnectionFatal
 from capstan.registry import Registry, get_default_registry
@@ -24,14 +24,21 @@ from capstan.registry import Registry, get_default_registry
 log = logging.getLogger("capstan")
 
 
-async def operator(*, registry: Registry = None, endpoint: str = None, memo=None, stop_flag: asyncio.Event = None,
-                   max_in_flight: int = 0, settings=None):
+async def operator(*, registry: Registry = None, endpoint: str = None, memo=None, stop_flag=None,
+                   max_in_flight: int = 0, settings=None, ready_flag=None):
     """Serves the registered handlers until `stop_flag` is set (kopf's `kopf.operator()`):
     dials `endpoint` (default `$CAPSTAN_ENDPOINT`, else the pod's socket) and reconnects with
-    backoff whenever the stream breaks."""
+    backoff whenever the stream breaks. `ready_flag` is set once the controller took the
+    handlers and this process's startup handlers succeeded. Both flags may be asyncio or
+    threading Events or futures, as kopf's (`capstan.flags`)."""
+    stop, following = flags.stop_event(stop_flag)
     op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
-                  stop=stop_flag, settings=settings)
-    await _serve(op)
+                  stop=stop, settings=settings, ready=ready_flag)
+    try:
+        await _serve(op)
+    finally:
+        if following is not None:
+            following.cancel()
 
 
 async def _serve(op: Operator):

@@ -103,10 +103,8 @@ async def operator(*, registry=None, settings=None, memo=None, stop_flag=None, *
     """kopf's `kopf.operator()`: serves the handlers until `stop_flag` is set; kopf's
     options that are the controller's flags are accepted and named once."""
     _operator_options(settings, options)
-    ready = options.get("ready_flag")
-    if ready is not None:
-        ready.set()
-    await runner.operator(registry=registry, memo=memo, stop_flag=stop_flag, settings=settings)
+    await runner.operator(registry=registry, memo=memo, stop_flag=stop_flag, settings=settings,
+                          ready_flag=options.get("ready_flag"))
 
 
 def run(*, registry=None, settings=None, memo=None, **options):
