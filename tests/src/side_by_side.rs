@@ -43,6 +43,25 @@ pub enum Framework {
     Capstan,
 }
 
+/// The flags each framework's runner gets besides the operator file.
+#[derive(Clone, Copy, Debug)]
+pub struct Flags<'a> {
+    /// `kopf run`'s, before `-n default <file>`: `--standalone` by default.
+    pub kopf: &'a [&'a str],
+    /// Capstan's controller's, after `--persistence kopf`: none by default (it runs without
+    /// peering when the peering CRDs are not installed).
+    pub controller: &'a [&'a str],
+}
+
+impl Default for Flags<'_> {
+    fn default() -> Self {
+        Self {
+            kopf: &["--standalone"],
+            controller: &[],
+        }
+    }
+}
+
 /// An operator file running under one framework against one API server.
 pub struct Operator {
     /// The operator's process (kopf, or the Python handler process).
@@ -68,11 +87,12 @@ impl Operator {
         vars: &[(&str, &str)],
         run: usize,
     ) -> Result<Self> {
-        Self::start_with(framework, env, file, log, vars, run, &[]).await
+        Self::start_with(framework, env, file, log, vars, run, Flags::default()).await
     }
 
-    /// [`Operator::start`], with extra flags for Capstan's controller (those of what kopf's
-    /// process does itself, such as serving webhooks).
+    /// [`Operator::start`], with other flags for each framework (`kopf run`'s, such as
+    /// peering; Capstan's controller's, for what kopf's process does itself, such as serving
+    /// webhooks).
     ///
     /// # Errors
     /// As [`Operator::start`].
@@ -83,7 +103,7 @@ impl Operator {
         log: &Path,
         vars: &[(&str, &str)],
         run: usize,
-        controller_flags: &[&str],
+        flags: Flags<'_>,
     ) -> Result<Self> {
         let file = repo_root().join(file).display().to_string();
         let mut vars: HashMap<String, String> = vars
@@ -101,10 +121,13 @@ impl Operator {
         match framework {
             Framework::Kopf => {
                 let kopf = crate::kopf::binary().await?;
+                let mut kopf_args = vec!["run"];
+                kopf_args.extend_from_slice(flags.kopf);
+                kopf_args.extend(["-n", "default", &file]);
                 let process = Process::spawn(
                     &format!("kopf-{run}"),
                     &kopf,
-                    &args(&["run", "--standalone", "-n", "default", &file]),
+                    &args(&kopf_args),
                     &vars,
                     env.scratch(),
                 )?;
@@ -115,9 +138,9 @@ impl Operator {
             }
             Framework::Capstan => {
                 let python = sdk_python().await?;
-                let mut flags = vec!["--persistence", "kopf"];
-                flags.extend_from_slice(controller_flags);
-                let controller = Controller::start(env, &format!("capstan-{run}"), &flags).await?;
+                let mut controller_flags = vec!["--persistence", "kopf"];
+                controller_flags.extend_from_slice(flags.controller);
+                let controller = Controller::start(env, &format!("capstan-{run}"), &controller_flags).await?;
                 vars.insert("CAPSTAN_ENDPOINT".to_owned(), controller.endpoint());
                 vars.insert("CAPSTAN_DIFFERENTIAL".to_owned(), "capstan".to_owned());
                 vars.insert(

@@ -19,7 +19,7 @@ use anyhow::{Context as _, Result, bail};
 use capstan::webhooks::certs::generate_pem;
 use capstan_tests::{
     process::free_port,
-    side_by_side::{Framework, Operator},
+    side_by_side::{Flags, Framework, Operator},
     testenv::{TestEnv, examples},
 };
 use kube::{
@@ -112,13 +112,17 @@ async fn admission_run(framework: Framework) -> Result<Value> {
         ("WEBHOOK_KEY", key.as_str()),
     ];
     let listen = format!("127.0.0.1:{}", free_port()?);
-    let flags = [
+    let controller = [
         "--webhook-listen",
         listen.as_str(),
         "--webhook-managed",
         "auto.kopf.dev",
     ];
-    let operator = Operator::start_with(framework, &env, OPERATOR, &log, &vars, 1, &flags).await?;
+    let flags = Flags {
+        controller: &controller,
+        ..Flags::default()
+    };
+    let operator = Operator::start_with(framework, &env, OPERATOR, &log, &vars, 1, flags).await?;
     let seen = async {
         // The API server calls the webhooks once it has read the configurations the operator
         // made: until then, objects pass unchecked (or unchanged).
