@@ -198,10 +198,8 @@ class Operator:
     def __init__(self, registry: Registry, endpoint=None, memo=None, max_in_flight=0, stop=None, settings=None,
                  ready=None):
         self.registry = registry
-        #: kopf's ready flag (`capstan.flags`): raised once connected with this process's
-        #: startup handlers succeeded; and the startup handlers still to succeed.
+        #: kopf's ready flag (`capstan.flags`): raised at the first welcome.
         self.ready = ready
-        self.starting = {h.id for h in registry.handlers if h.kind == "startup"}
         self.endpoint = endpoint or os.environ.get("CAPSTAN_ENDPOINT") or DEFAULT_ENDPOINT
         self.memos = Memos(memo)
         self.max_in_flight = max_in_flight
@@ -425,10 +423,7 @@ class Operator:
                           "; ".join(f"{d.reason}: {d.summary}" for d in status.diagnostics))
         log.info("connected to the controller %s (connection %s, %d rejected)",
                  welcome.runtime.name, welcome.connection_id, rejected)
-        self._ready_if_started()
-
-    def _ready_if_started(self):
-        if self.ready is not None and not self.starting:
+        if self.ready is not None:
             flags.raise_flag(self.ready)
             self.ready = None
 
@@ -487,9 +482,6 @@ class Operator:
                 # (the controller waits for this result, which comes after on the stream).
                 await session.send_settings()
             await session.send(rs.ConnectRequest(result=result))
-            if call.handler.kind == "startup" and outcome.status == "success":
-                self.starting.discard(call.handler.id)
-                self._ready_if_started()
         except StreamStalled as error:  # the session ends with it (see `Session.stalled`)
             log.warning("result of %s not sent: %s", call.invocation_id, error)
 

@@ -28,17 +28,18 @@ async def operator(*, registry: Registry = None, endpoint: str = None, memo=None
                    max_in_flight: int = 0, settings=None, ready_flag=None):
     """Serves the registered handlers until `stop_flag` is set (kopf's `kopf.operator()`):
     dials `endpoint` (default `$CAPSTAN_ENDPOINT`, else the pod's socket) and reconnects with
-    backoff whenever the stream breaks. `ready_flag` is set once the controller took the
-    handlers and this process's startup handlers succeeded. Both flags may be asyncio or
-    threading Events or futures, as kopf's (`capstan.flags`)."""
-    stop, following = flags.stop_event(stop_flag)
-    op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
-                  stop=stop, settings=settings, ready=ready_flag)
+    backoff whenever the stream breaks. `ready_flag` is raised once the controller accepted
+    the handlers (its welcome); the controller runs the startup handlers then, before any
+    resource handler. Both flags may be asyncio or threading Events or futures, as kopf's
+    (`capstan.flags`)."""
+    flags.check("ready_flag", ready_flag)
+    stop, unfollow = flags.stop_event(stop_flag)
     try:
+        op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
+                      stop=stop, settings=settings, ready=ready_flag)
         await _serve(op)
     finally:
-        if following is not None:
-            following.cancel()
+        unfollow()
 
 
 async def _serve(op: Operator):
@@ -78,11 +79,14 @@ def set_max_in_flight(limit: int, handler: str = None):
 
 
 def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_flight: int = 0, settings=None,
-        signals: bool = True):
+        signals: bool = True, stop_flag=None, ready_flag=None):
     """Runs `operator()` in a new event loop until SIGTERM or SIGINT (kopf's `kopf.run()`);
-    with `signals=False`, until `stop_all()`."""
+    with `signals=False`, until `stop_all()`; in both, until `stop_flag` too (`operator()`'s
+    flags)."""
 
     signalled = []
+    flags.check("stop_flag", stop_flag)
+    flags.check("ready_flag", ready_flag)
 
     async def main():
         stop = asyncio.Event()
@@ -96,12 +100,16 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
         if signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, on_signal)
-        op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo, max_in_flight=max_in_flight,
-                      stop=stop, settings=settings)
+        flagged, unfollow = flags.stop_event(stop_flag)
+        relay = asyncio.create_task(_relay(flagged, stop), name="capstan-stop-flag-relay")
         before = asyncio.all_tasks()
         try:
+            op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo,
+                          max_in_flight=max_in_flight, stop=stop, settings=settings, ready=ready_flag)
             await _serve(op)
         finally:
+            relay.cancel()
+            unfollow()
             await _finish_spawned_tasks(before, signalled[0] if signalled else None)
 
     try:
@@ -112,6 +120,11 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
         raise SystemExit(1) from None
     _leave_hung_handlers(signalled, 0)
     log.info("stopped")
+
+
+async def _relay(flagged: asyncio.Event, stop: asyncio.Event):
+    await flagged.wait()
+    stop.set()
 
 
 #: How long the tasks that handlers spawned may take to finish once the operator stopped, as

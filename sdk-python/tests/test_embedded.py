@@ -1,6 +1,6 @@
 """An operator embedded in an application as kopf's example 12 embeds it: `kopf.operator()` in
 a thread of its own with its own event loop, a `threading.Event` to stop it and one that tells
-the application it is ready (once connected and its startup handlers succeeded)."""
+the application it is ready (once the controller accepted its handlers)."""
 
 import asyncio
 import concurrent.futures
@@ -38,16 +38,16 @@ def test_threading_flags_stop_the_operator_and_tell_it_ready(socket_path, monkey
         try:
             incoming, outgoing, _ = await asyncio.wait_for(fake.connections.get(), T)
             hello = await _next(incoming, "hello")
+            seen.append(("ready before the welcome", ready_flag.is_set()))
             await outgoing.put(rs.ConnectResponse(welcome=rs.Welcome(registrations=_registration_status(hello))))
-            await asyncio.sleep(0.3)
-            seen.append(("ready before its startup handler", ready_flag.is_set()))
+            seen.append(("ready after it", await asyncio.to_thread(ready_flag.wait, T)))
             await outgoing.put(rs.ConnectResponse(invocation=inv.Invocation(
                 invocation_id="s1", handler_id="start_fn", attempt=1,
                 activity=inv.ActivityRequest(activity=inv.ACTIVITY_STARTUP))))
             await _next(incoming, "result")
-            seen.append(("ready after it", await asyncio.to_thread(ready_flag.wait, T)))
             stop_flag.set()  # from another thread than the operator's
             await _next(incoming, "goodbye")
+            seen.append(("stopped", True))
             await outgoing.put(None)
         finally:
             await server.stop(1)
@@ -67,19 +67,52 @@ def test_threading_flags_stop_the_operator_and_tell_it_ready(socket_path, monkey
 
     operator = threading.Thread(target=kopf_thread, daemon=True)
     operator.start()
-    operator.join(T)
-    server.join(T)
+    try:
+        operator.join(T)
+        server.join(T)
+    finally:
+        stop_flag.set()  # whatever failed, the operator does not outlive the test
     assert not operator.is_alive(), "the threading.Event did not stop the operator"
-    assert seen == [("ready before its startup handler", False), ("ready after it", True)]
+    assert seen == [("ready before the welcome", False), ("ready after it", True), ("stopped", True)]
+
+
+def test_asyncio_flags_of_another_loop_are_raised_and_followed_through_their_loop():
+    """The application's loop runs in one thread, the operator's in another."""
+    app_loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=app_loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        async def make():
+            ready = asyncio.Event()
+            waiting = asyncio.ensure_future(ready.wait())  # binds the Event to this loop
+            await asyncio.sleep(0)
+            return ready, waiting, asyncio.get_running_loop().create_future()
+
+        ready, waiting, stop = asyncio.run_coroutine_threadsafe(make(), app_loop).result(T)
+
+        async def operator_side():
+            event, unfollow = flags.stop_event(stop)
+            flags.raise_flag(ready)
+            app_loop.call_soon_threadsafe(stop.set_result, None)
+            await asyncio.wait_for(event.wait(), T)
+            unfollow()
+
+        asyncio.run(operator_side())
+        asyncio.run_coroutine_threadsafe(asyncio.wait_for(asyncio.shield(waiting), T), app_loop).result(T)
+        assert ready.is_set()
+    finally:
+        app_loop.call_soon_threadsafe(app_loop.stop)
+        thread.join(T)
 
 
 def test_futures_are_flags_too():
     async def main():
         future = concurrent.futures.Future()
-        event, following = flags.stop_event(future)
-        assert following is None and not event.is_set()
+        event, unfollow = flags.stop_event(future)
+        assert not event.is_set()
         threading.Thread(target=lambda: future.set_result(None)).start()
         await asyncio.wait_for(event.wait(), T)
+        unfollow()
         ready = asyncio.get_running_loop().create_future()
         flags.raise_flag(ready)
         flags.raise_flag(ready)  # a future already done stays so
@@ -88,6 +121,8 @@ def test_futures_are_flags_too():
     asyncio.run(main())
 
 
-def test_other_flags_are_refused():
+def test_other_flags_are_refused_before_anything_starts():
     with pytest.raises(TypeError, match="ready_flag"):
-        flags.raise_flag(object())
+        asyncio.run(kopf.operator(registry=Registry(), ready_flag=object()))
+    with pytest.raises(TypeError, match="stop_flag"):
+        asyncio.run(kopf.operator(registry=Registry(), stop_flag="stop"))

@@ -9,21 +9,19 @@
 
 use std::time::Duration;
 
-use anyhow::{Context as _, Result};
+use anyhow::{Context as _, Result, bail};
 use capstan_tests::{
-    side_by_side::{Flags, Framework, Operator, calls, wait_until},
-    testenv::{TestEnv, create_example, repo_root},
+    side_by_side::{Flags, Framework, Operator, calls, handled, wait_object, wait_until},
+    testenv::{TestEnv, create_example, examples, repo_root},
 };
 use serde_json::{Value, json};
 
 /// The operator file both frameworks run.
 const OPERATOR: &str = "sdk-python/tests/differential/examples_peering.py";
 
-/// How long to look for calls that should not come once the handling looks over.
-const SETTLE: Duration = Duration::from_millis(1500);
-
-/// How long an operator may take to pause or resume once its peer came or went.
-const PEERING: Duration = Duration::from_secs(60);
+/// How long an operator may take to pause or resume once its peer came or went (beyond the
+/// default peering lifetime, 60 s: a peer's entry that was not removed expires then).
+const PEERING: Duration = Duration::from_secs(120);
 
 /// kopf's namespaced peering resource, as a definition of our own, and the peering object.
 const KOPF_PEERING: &str = r#"
@@ -67,11 +65,26 @@ fn pause_lines(framework: Framework) -> (&'static str, &'static str) {
     }
 }
 
-/// Waits until the operator's log (its controller's, under Capstan) has `line`.
-async fn wait_logged(operator: &mut Operator, line: &str) -> Result<()> {
-    match operator.controller.as_mut() {
-        Some(controller) => controller.process.wait_for(line, PEERING).await,
-        None => operator.process.wait_for(line, PEERING).await,
+/// The operator's log (its controller's, under Capstan).
+fn log_of(operator: &Operator) -> String {
+    match &operator.controller {
+        Some(controller) => controller.process.output(),
+        None => operator.process.output(),
+    }
+}
+
+/// Waits until the operator's log has `line` after its first `mark` bytes (a pause or resume
+/// of its own start does not count).
+async fn wait_logged_after(operator: &Operator, mark: usize, line: &str) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + PEERING;
+    loop {
+        if log_of(operator).get(mark..).is_some_and(|l| l.contains(line)) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("{line:?} was not logged within {PEERING:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -126,16 +139,20 @@ async fn peering_run(framework: Framework) -> Result<Value> {
         )
         .await
     };
-    let mut low = start("low", "100", 1).await?;
+    let api = examples(&env.client().await?, "default");
+    let low = start("low", "100", 1).await?;
+    let mark = log_of(&low).len();
     let high = start("high", "200", 2).await?;
     let seen = async {
-        wait_logged(&mut low, paused).await?;
+        wait_logged_after(&low, mark, paused).await?;
         create_example(&env, "while-both-run", json!({})).await?;
         wait_until("the object handled", &log, |c| {
             !handlers_of(c, "while-both-run").is_empty()
         })
         .await?;
-        tokio::time::sleep(SETTLE).await;
+        // Its handling is stored before the high one stops: the low one has nothing left of it
+        // to handle when it resumes.
+        wait_object(&api, "while-both-run", "the handling stored", handled).await?;
         Ok::<_, anyhow::Error>(())
     }
     .await
@@ -146,16 +163,17 @@ async fn peering_run(framework: Framework) -> Result<Value> {
             high.output()
         )
     });
+    let mark = log_of(&low).len();
     high.stop().await?;
     let after = async {
         seen?;
-        wait_logged(&mut low, resumed).await?;
+        wait_logged_after(&low, mark, resumed).await?;
         create_example(&env, "after-the-high-one", json!({})).await?;
         wait_until("the object handled", &log, |c| {
             !handlers_of(c, "after-the-high-one").is_empty()
         })
         .await?;
-        tokio::time::sleep(SETTLE).await;
+        wait_object(&api, "after-the-high-one", "the handling stored", handled).await?;
         Ok::<_, anyhow::Error>(())
     }
     .await

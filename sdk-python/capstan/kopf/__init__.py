@@ -107,16 +107,18 @@ async def operator(*, registry=None, settings=None, memo=None, stop_flag=None, *
                           ready_flag=options.get("ready_flag"))
 
 
-def run(*, registry=None, settings=None, memo=None, **options):
-    """kopf's `kopf.run()`: serves the handlers until SIGTERM or SIGINT."""
+def run(*, registry=None, settings=None, memo=None, stop_flag=None, **options):
+    """kopf's `kopf.run()`: serves the handlers until SIGTERM or SIGINT (or `stop_flag`)."""
     _operator_options(settings, options)
-    runner.run(registry=registry, memo=memo, settings=settings)
+    runner.run(registry=registry, memo=memo, settings=settings, stop_flag=stop_flag,
+               ready_flag=options.get("ready_flag"))
 
 
 async def spawn_tasks(*, registry=None, settings=None, memo=None, stop_flag=None, **options):
     """kopf's `kopf.spawn_tasks()`: the operator as a task, for `kopf.run_tasks()`."""
     _operator_options(settings, options)
-    return [asyncio.create_task(runner.operator(registry=registry, memo=memo, stop_flag=stop_flag, settings=settings),
+    return [asyncio.create_task(runner.operator(registry=registry, memo=memo, stop_flag=stop_flag, settings=settings,
+                                                ready_flag=options.get("ready_flag")),
                                 name="capstan-operator")]
 
 

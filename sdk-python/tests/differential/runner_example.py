@@ -22,8 +22,15 @@ settings = kopf.OperatorSettings()
 settings.watching.server_timeout = 10  # as kopf's example tests do
 with KopfRunner(["run", "--verbose", "--standalone", "-A", example_py], timeout=60, settings=settings) as runner:
     subprocess.run(["kubectl", "create", "-f", obj_yaml], check=True, timeout=10, capture_output=True)
-    time.sleep(5)  # give it some time to react
-    subprocess.run(["kubectl", "delete", "-f", obj_yaml], check=True, timeout=20, capture_output=True)
+    # Some time to react: until its handling is stored (kopf's example tests sleep 5 s).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        got = subprocess.run(["kubectl", "get", "-f", obj_yaml, "-o", "jsonpath={.metadata.annotations}"],
+                             timeout=10, capture_output=True, text=True)
+        if "last-handled-configuration" in got.stdout:
+            break
+        time.sleep(0.2)
+    subprocess.run(["kubectl", "delete", "-f", obj_yaml], check=True, timeout=60, capture_output=True)
     time.sleep(1)  # give it some time to react
 
 print(runner.output, file=sys.__stdout__)
