@@ -89,7 +89,8 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
     flags.check("ready_flag", ready_flag)
 
     async def main():
-        stop = asyncio.Event()
+        # The signals set the event that follows `stop_flag` (a new one without it).
+        stop, unfollow = flags.stop_event(stop_flag)
         loop = asyncio.get_running_loop()
 
         def on_signal():
@@ -100,15 +101,11 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
         if signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, on_signal)
-        flagged, unfollow = flags.stop_event(stop_flag)
-        relay = asyncio.create_task(_relay(flagged, stop), name="capstan-stop-flag-relay")
         before = asyncio.all_tasks()
         try:
-            op = Operator(registry or get_default_registry(), endpoint=endpoint, memo=memo,
-                          max_in_flight=max_in_flight, stop=stop, settings=settings, ready=ready_flag)
-            await _serve(op)
+            await operator(registry=registry, endpoint=endpoint, memo=memo, stop_flag=stop,
+                           max_in_flight=max_in_flight, settings=settings, ready_flag=ready_flag)
         finally:
-            relay.cancel()
             unfollow()
             await _finish_spawned_tasks(before, signalled[0] if signalled else None)
 
@@ -120,11 +117,6 @@ def run(*, registry: Registry = None, endpoint: str = None, memo=None, max_in_fl
         raise SystemExit(1) from None
     _leave_hung_handlers(signalled, 0)
     log.info("stopped")
-
-
-async def _relay(flagged: asyncio.Event, stop: asyncio.Event):
-    await flagged.wait()
-    stop.set()
 
 
 #: How long the tasks that handlers spawned may take to finish once the operator stopped, as

@@ -197,6 +197,19 @@ impl TestEnv {
         self.apply_crd(&yaml, "examples.demo.capstan.dev").await
     }
 
+    /// Applies Capstan's peering CRDs (`controller/crds/peering.yaml`).
+    pub async fn apply_peering_crds(&self) -> Result<()> {
+        let yaml = std::fs::read_to_string(repo_root().join("controller/crds/peering.yaml"))?;
+        self.apply_crds(
+            &yaml,
+            &[
+                "capstanpeerings.capstan.dev",
+                "clustercapstanpeerings.capstan.dev",
+            ],
+        )
+        .await
+    }
+
     /// The audit events so far, as JSON.
     pub fn audit_events(&self) -> Result<Vec<Value>> {
         let text = std::fs::read_to_string(&self.audit_log).unwrap_or_default();

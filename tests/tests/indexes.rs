@@ -247,16 +247,7 @@ async fn capstan_cli(env: &TestEnv, args: &[&str]) -> Result<String> {
 async fn objects_deleted_while_frozen_leave_the_index_on_resume() -> Result<()> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
-    let yaml =
-        std::fs::read_to_string(capstan_tests::testenv::repo_root().join("controller/crds/peering.yaml"))?;
-    env.apply_crds(
-        &yaml,
-        &[
-            "capstanpeerings.capstan.dev",
-            "clustercapstanpeerings.capstan.dev",
-        ],
-    )
-    .await?;
+    env.apply_peering_crds().await?;
     let client = env.client().await?;
     let cms: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
     create_cm(&cms, "web-a", Some("web")).await?;

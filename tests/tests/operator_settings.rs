@@ -309,16 +309,7 @@ async fn peers(env: &TestEnv, name: &str) -> Result<Value> {
 #[tokio::test]
 async fn a_startup_handlers_peering_settings_move_the_operator_to_their_peering() -> Result<()> {
     let env = env_with_crd().await?;
-    let yaml =
-        std::fs::read_to_string(capstan_tests::testenv::repo_root().join("controller/crds/peering.yaml"))?;
-    env.apply_crds(
-        &yaml,
-        &[
-            "capstanpeerings.capstan.dev",
-            "clustercapstanpeerings.capstan.dev",
-        ],
-    )
-    .await?;
+    env.apply_peering_crds().await?;
     let mut controller = Controller::start(&env, "capstan", &["--peer-id", "settings-peer"]).await?;
     let deadline = tokio::time::Instant::now() + T;
     while peers(&env, "default").await?.get("settings-peer").is_none() {

@@ -13,7 +13,7 @@ use anyhow::{Result, bail, ensure};
 use capstan_tests::{
     process::{Controller, Process, capstan_binary, start_handler},
     scenario::tail,
-    testenv::{TestEnv, create_example, examples, repo_root},
+    testenv::{TestEnv, create_example, examples},
 };
 use serde_json::{Value, json};
 
@@ -24,15 +24,7 @@ async fn env_with_crds(peering: bool) -> Result<TestEnv> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
     if peering {
-        let yaml = std::fs::read_to_string(repo_root().join("controller/crds/peering.yaml"))?;
-        env.apply_crds(
-            &yaml,
-            &[
-                "capstanpeerings.capstan.dev",
-                "clustercapstanpeerings.capstan.dev",
-            ],
-        )
-        .await?;
+        env.apply_peering_crds().await?;
     }
     Ok(env)
 }
