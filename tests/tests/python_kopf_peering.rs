@@ -3,16 +3,16 @@
 //! peering, priorities 100 and 200, once under real kopf (pinned from PyPI, `kopf run
 //! --peering example --priority N`, with kopf's peering resource) and once under `capstan.kopf`
 //! on Capstan (the controllers' `--peering example --priority N`, with Capstan's peering CRDs),
-//! each against a fresh API server. Compared: which operator handles an object created while
-//! both run (the higher one, the lower paused), and one created once the higher one stopped
-//! (the lower one, resumed).
+//! each against a fresh API server. The low one handles an object alone first. Compared: which
+//! operator handles an object created while both run (the higher one, the lower paused), and
+//! one created once the higher one stopped (the lower one, resumed).
 
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use capstan_tests::{
     side_by_side::{Flags, Framework, Operator, calls, handled, wait_object, wait_until},
-    testenv::{TestEnv, create_example, examples, repo_root},
+    testenv::{TestEnv, create_example, examples},
 };
 use serde_json::{Value, json};
 
@@ -109,15 +109,7 @@ async fn peering_run(framework: Framework) -> Result<Value> {
                 .await?;
         }
         Framework::Capstan => {
-            let yaml = std::fs::read_to_string(repo_root().join("controller/crds/peering.yaml"))?;
-            env.apply_crds(
-                &yaml,
-                &[
-                    "capstanpeerings.capstan.dev",
-                    "clustercapstanpeerings.capstan.dev",
-                ],
-            )
-            .await?;
+            env.apply_peering_crds().await?;
         }
     }
     let log = env.scratch().join("calls.jsonl");
@@ -141,6 +133,22 @@ async fn peering_run(framework: Framework) -> Result<Value> {
     };
     let api = examples(&env.client().await?, "default");
     let low = start("low", "100", 1).await?;
+    // The low one works before the high one comes (an operator starts paused until it has
+    // looked at its peers: one that meets a higher peer at once never logs a pause).
+    let alone = async {
+        create_example(&env, "before-the-high-one", json!({})).await?;
+        wait_until("the object handled", &log, |c| {
+            !handlers_of(c, "before-the-high-one").is_empty()
+        })
+        .await?;
+        wait_object(&api, "before-the-high-one", "the handling stored", handled).await
+    }
+    .await
+    .with_context(|| format!("{framework:?}: the low one alone: {}", low.output()));
+    if let Err(error) = alone {
+        low.stop().await?;
+        return Err(error);
+    }
     let mark = log_of(&low).len();
     let high = start("high", "200", 2).await?;
     let seen = async {
