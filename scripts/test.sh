@@ -52,3 +52,6 @@ cargo build --workspace --all-targets --locked
 # The end-to-end tests run this build's binary instead of building their own.
 export CAPSTAN_TEST_BINARY="$CARGO_TARGET_DIR/debug/capstan"
 cargo test --workspace --locked
+
+step "conformance kit: every SDK (Rust, Go, Python) and a raw grpcio handler (tests/conformance)"
+"$CARGO_TARGET_DIR/debug/capstan-conformance" --all --report "$CARGO_TARGET_DIR/conformance-report.json"

@@ -83,6 +83,13 @@ func dispatch(ctx context.Context, h *handler, inv *Invocation, states []*pb.Sub
 				}
 				var p []*pb.Patch
 				res.Subhandlers, p, _ = runSubhandlers(ctx, inv, "", byID)
+				if ctx.Err() != nil {
+					// Cancelled while its sub-handlers ran: the parent is not finished, and the
+					// sub-handlers left run on its next call.
+					res.Subhandlers, res.Patches = nil, nil
+					res.Outcome = &pb.InvocationResult_Cancelled{Cancelled: &pb.Cancelled{}}
+					return res
+				}
 				res.Patches = append(res.Patches, p...)
 				return res
 			}

@@ -94,6 +94,10 @@ type logRecord struct {
 	level   LogLevel
 	message string
 	time    time.Time
+	// event: posted as a Kubernetes Event about the object, with this reason and type.
+	event     bool
+	reason    string
+	eventType string
 }
 
 // AddWarning adds a warning returned to the client of an admission request (kopf's
@@ -304,6 +308,28 @@ func (inv *Invocation) Log(level LogLevel, msg string) {
 	}
 	if inv.send != nil {
 		inv.send(message{id: inv.ID, log: &logRecord{level: level, message: msg, time: time.Now()}})
+	}
+}
+
+// Event posts a Kubernetes Event about the invocation's object (kopf's `kopf.event`): of type
+// eventType ("Normal", "Warning", or any name of 1 to 64 letters and digits), with reason and
+// message. It is written to the local log too, at info level for Normal and warning otherwise.
+func (inv *Invocation) Event(eventType, reason, msg string) {
+	level := LevelWarning
+	if eventType == "Normal" {
+		level = LevelInfo
+	}
+	if inv.logger != nil {
+		local := slog.LevelWarn
+		if level == LevelInfo {
+			local = slog.LevelInfo
+		}
+		inv.logger.Log(context.Background(), local, msg, "handler", inv.HandlerID, "object",
+			inv.Namespace()+"/"+inv.Name(), "event", eventType, "reason", reason, "invocation", inv.ID)
+	}
+	if inv.send != nil {
+		inv.send(message{id: inv.ID, log: &logRecord{level: level, message: msg, time: time.Now(),
+			event: true, reason: reason, eventType: eventType}})
 	}
 }
 

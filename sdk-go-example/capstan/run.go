@@ -79,7 +79,7 @@ func (r *Registry) Run(ctx context.Context, endpoint string) error {
 		if ctx.Err() != nil {
 			return nil
 		}
-		if status.Code(err) == codes.FailedPrecondition {
+		if status.Code(err) == codes.FailedPrecondition && !onlyTaken(status.Convert(err).Message()) {
 			return fmt.Errorf("capstan: the controller accepted no handler: %w", err)
 		}
 		var unsupported *UnsupportedError
@@ -252,4 +252,32 @@ func newInstanceID() string {
 	b := make([]byte, 16)
 	_, _ = cryptorand.Read(b)
 	return hex.EncodeToString(b)
+}
+
+// onlyTaken reports whether every registration a NO_HANDLERS_ACCEPTED status names was rejected
+// only because another connection holds its id ("[HANDLER_ID_TAKEN]"): a previous connection of
+// a process that just died, which the controller lets go soon, so dialling again succeeds.
+func onlyTaken(message string) bool {
+	_, list, ok := strings.Cut(message, "(")
+	if !ok {
+		return false
+	}
+	reasons := 0
+	for _, item := range strings.Split(strings.TrimSuffix(list, ")"), "; ") {
+		_, rest, ok := strings.Cut(item, "[")
+		if !ok {
+			continue
+		}
+		named, _, ok := strings.Cut(rest, "]")
+		if !ok {
+			continue
+		}
+		for _, reason := range strings.Split(named, ",") {
+			if reason != "HANDLER_ID_TAKEN" {
+				return false
+			}
+			reasons++
+		}
+	}
+	return reasons > 0
 }

@@ -337,12 +337,18 @@ func duration(d time.Duration) *durationpb.Duration {
 // request turns what an invocation sends into a ConnectRequest.
 func (m message) request() (*pb.ConnectRequest, error) {
 	if m.log != nil {
-		return &pb.ConnectRequest{Message: &pb.ConnectRequest_Log{Log: &pb.LogRecord{
+		record := &pb.LogRecord{
 			InvocationId: m.id,
 			Level:        logLevels[m.log.level],
 			Message:      m.log.message,
 			Time:         timestamppb.New(m.log.time),
-		}}}, nil
+		}
+		if m.log.event {
+			record.Posting = pb.EventPosting_EVENT_POSTING_ALWAYS
+			record.Reason = m.log.reason
+			record.EventType = m.log.eventType
+		}
+		return &pb.ConnectRequest{Message: &pb.ConnectRequest_Log{Log: record}}, nil
 	}
 	patches, err := m.patch.messages()
 	if err != nil {

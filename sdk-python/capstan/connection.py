@@ -43,6 +43,8 @@ MEMO_BOUND = 10000
 BACKOFF_MIN, BACKOFF_MAX = 0.2, 15.0
 #: How long running handlers have to finish on SIGTERM.
 STOP_GRACE = 10.0
+#: How long handlers cancelled at the end of `STOP_GRACE` have to answer.
+CANCEL_ANSWER_TIMEOUT = 1.0
 #: How long the controller has to end the stream after the handler process closed its side.
 CLOSE_TIMEOUT = 5.0
 #: How long a stopping process waits for the controller to run its cleanup handlers (counted
@@ -261,7 +263,7 @@ class Operator:
                 except ConnectionFatal:
                     raise
                 except grpc.aio.AioRpcError as error:
-                    if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    if error.code() == grpc.StatusCode.FAILED_PRECONDITION and not _only_taken(error.details() or ""):
                         raise ConnectionFatal(f"the controller accepted none of the handlers: {error.details()}") from None
                     if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         raise ConnectionFatal(f"the controller refused the handshake: {error.details()}") from None
@@ -358,6 +360,13 @@ class Operator:
         tasks = [task for _, task in session.running.values()]
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_GRACE)
+        # What still runs is cancelled, and its result sent: every invocation gets one.
+        late = list(session.running.values())
+        for running, task in late:
+            running.cancelled = True
+            task.cancel()
+        if late:
+            await asyncio.wait([task for _, task in late], timeout=CANCEL_ANSWER_TIMEOUT)
         if cleanup:
             left = max(0.0, CLEANUP_TIMEOUT - (time.monotonic() - said))
             try:
@@ -449,6 +458,12 @@ class Operator:
         running = Running(call)
         task = asyncio.create_task(self._invoke(session, running, uid))
         session.running[message.invocation_id] = (running, task)
+        if message.HasField("deadline"):
+            # The attempt ends at its deadline, here too: as if the controller had cancelled it
+            # for its deadline (the controller's own cancel may come later than the deadline).
+            left = max(0.0, message.deadline.ToNanoseconds() / 1e9 - time.time())
+            expired = inv.Cancel(invocation_id=message.invocation_id, reason=inv.CANCEL_REASON_DEADLINE_EXCEEDED)
+            session.loop.call_later(left, self._cancel, session, expired)
 
     async def _invoke(self, session, running, uid):
         call = running.call
@@ -495,7 +510,9 @@ class Operator:
         log.debug("cancel invocation=%s handler=%s grace=%.1fs", cancel.invocation_id, running.call.handler.id, grace)
         running.cancelled = True
         if running.call.handler.is_async:
-            delay = grace
+            # The handler stops now, so that its result comes within the grace period: the
+            # controller gives up on the invocation once the grace period is over.
+            delay = 0.0
             if running.call.handler.kind == "daemon":
                 # kopf's order: `stopped` first, the task cancelled once `cancellation_backoff`
                 # passed (at once without one); `cancellation_timeout` is the time the cancelled
@@ -503,6 +520,14 @@ class Operator:
                 backoff = running.call.handler.options.get("cancellation_backoff")
                 delay = min(grace, wire._secs(backoff)) if backoff is not None else 0.0
             session.loop.call_later(delay, _cancel_task, task)
+
+
+def _only_taken(details):
+    """Whether a NO_HANDLERS_ACCEPTED rejection names HANDLER_ID_TAKEN as every reason: the ids are
+    held by a previous connection of a process that just died, so dialling again will succeed."""
+    _, _, listed = details.partition("(")
+    reasons = [item.split("[", 1)[1].split("]", 1)[0] for item in listed.rstrip(")").split("; ") if "[" in item and "]" in item]
+    return bool(reasons) and all(reason == "HANDLER_ID_TAKEN" for each in reasons for reason in each.split(","))
 
 
 def _cancel_task(task):

@@ -511,7 +511,13 @@ async def _run_index(running: Running, handler: Handler, logger, retry, executor
         else:
             if indexes is not None:
                 indexes.apply(handler.id, obj, change)
-            return Outcome("success")
+            # The value goes back too, as the protocol says (the index itself is kept here).
+            # kopf's index values may be any Python object: one that is no JSON stays here only.
+            try:
+                result = _encode(value, "result", handler.id)
+            except PermanentError:
+                result = None
+            return Outcome("success", result=result)
     mode = handler.errors.value if handler.errors is not None else "ignored"
     if outcome.status == "unclassified" and mode == "ignored":
         change = KEEP  # kopf keeps the stale values of an ignored error
@@ -609,12 +615,12 @@ async def _run_subhandlers(parent: Running, outcome: Outcome, logger, executor, 
                     continue
             outcome.subhandlers.append(SubOutcome(sub_id, result))
         except asyncio.CancelledError:
-            if parent.cancelled:
-                return
-            raise
+            raise  # the parent is cancelled with it: `run` answers cancelled
         except Exception as error:  # a sub-handler's failure is its own outcome
             if parent.cancelled:
-                return
+                # Cancelled, not finished: `run` answers cancelled for the parent, so that the
+                # sub-handlers left run on its next call.
+                raise asyncio.CancelledError() from error
             failed = _classify(error, sub.id)
             if failed.status == "unclassified" and sub.errors is not None:
                 mode = sub.errors.value

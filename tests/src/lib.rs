@@ -5,6 +5,7 @@
 //! test resolver instead of API discovery, and gives tests a raw protocol client that can send
 //! anything (including what a well-behaved SDK never would).
 
+pub mod conformance;
 pub mod faults;
 pub mod grpc;
 pub mod helm;

@@ -1,0 +1,140 @@
+//! The `capstan.v1` conformance kit's runner: it plays the controller's side of the protocol
+//! against an SDK's conformance handler, case by case, and reports per SDK what passed.
+//!
+//! The kit itself (the handler set, the cases, the profiles) is data in `tests/conformance/`,
+//! documented in its README; this module only runs it. Every case gets a fresh fake controller
+//! and a fresh handler process, so that no case depends on what another left behind.
+
+mod case;
+mod execute;
+mod features;
+mod pattern;
+mod profile;
+mod report;
+mod server;
+mod wire;
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+pub use case::{Case, load_cases};
+pub use profile::Profile;
+pub use report::{Outcome, SdkReport};
+
+/// The kit's folder in the repository.
+pub fn kit_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("conformance")
+}
+
+/// What to run.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Only cases whose name starts with one of these (all when empty).
+    pub only: Vec<String>,
+    /// Print every case's transcript, not only failures'.
+    pub verbose: bool,
+}
+
+/// Builds an SDK's conformance handler and runs every case against it.
+pub async fn run_profile(profile: &Profile, cases: &[Case], options: &Options) -> Result<SdkReport> {
+    let out = tempfile::Builder::new()
+        .prefix("capstan-conformance-build-")
+        .tempdir()?;
+    let vars = BTreeMap::from([("CONFORMANCE_OUT".to_owned(), out.path().display().to_string())]);
+    for command in &profile.build {
+        let command: Vec<String> = command.iter().map(|part| profile::expand(part, &vars)).collect();
+        let Some((program, args)) = command.split_first() else {
+            continue;
+        };
+        let mut process = tokio::process::Command::new(program);
+        process.args(args).current_dir(profile.workdir());
+        for (key, value) in &profile.env {
+            process.env(key, profile::expand(value, &vars));
+        }
+        let status = process
+            .status()
+            .await
+            .with_context(|| format!("building {}: {command:?}", profile.name))?;
+        if !status.success() {
+            bail!("building {}: {command:?} failed: {status}", profile.name);
+        }
+    }
+    let mut report = SdkReport {
+        sdk: profile.name.clone(),
+        cases: Vec::new(),
+        problems: Vec::new(),
+    };
+    for known in &profile.known_failing {
+        if !cases.iter().any(|case| case.name == known.case) {
+            report.problems.push(format!(
+                "known_failing lists {}, which is no case of the kit",
+                known.case
+            ));
+        }
+    }
+    for case in cases {
+        if !options.only.is_empty()
+            && !options
+                .only
+                .iter()
+                .any(|prefix| case.name.starts_with(prefix.as_str()))
+        {
+            continue;
+        }
+        let missing: Vec<&str> = case
+            .requires
+            .iter()
+            .filter(|feature| !profile.claims(feature))
+            .map(String::as_str)
+            .collect();
+        if !missing.is_empty() {
+            report.push(
+                &case.name,
+                Outcome::NotClaimed,
+                Some(format!("not claimed: {}", missing.join(", "))),
+                Default::default(),
+            );
+            continue;
+        }
+        let verdict = execute::run_case(case, profile, &vars).await;
+        let known = profile.known_failing(&case.name);
+        let outcome = match (verdict.passed, known) {
+            (true, None) => Outcome::Passed,
+            (true, Some(_)) => Outcome::UnexpectedPass,
+            (false, Some(_)) => Outcome::KnownFailing,
+            (false, None) => Outcome::Failed,
+        };
+        let detail = match outcome {
+            Outcome::KnownFailing => known.map(str::to_owned),
+            Outcome::UnexpectedPass => Some("passes: take it off known_failing".to_owned()),
+            _ => verdict.failure.clone(),
+        };
+        eprintln!(
+            "{} {}: {outcome:?} ({} ms)",
+            profile.name,
+            case.name,
+            verdict.took.as_millis()
+        );
+        if options.verbose || outcome == Outcome::Failed {
+            eprintln!("  about: {}", case.about);
+            if let Some(failure) = &verdict.failure {
+                eprintln!("  failure: {failure}");
+            }
+            for line in &verdict.transcript {
+                eprintln!("  | {line}");
+            }
+            if !verdict.stderr_tail.is_empty() {
+                eprintln!("  handler stderr (end):");
+                for line in verdict.stderr_tail.lines() {
+                    eprintln!("  ! {line}");
+                }
+            }
+        }
+        report.push(&case.name, outcome, detail, verdict.took);
+    }
+    Ok(report)
+}
