@@ -16,6 +16,7 @@ import sys
 # The SDK from this checkout (sdk-python/capstan), unless it is installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import capstan  # noqa: E402
 import capstan.kopf as kopf  # noqa: E402
 
 log = logging.getLogger("conformance")
@@ -36,7 +37,7 @@ FEATURE_HANDLERS = {
     "probe": ("probe",),
 }
 #: Features that register no handlers of their own (capabilities and transport).
-OTHER_FEATURES = ("subhandlers", "object_updates", "result_ack", "cleanup_on_goodbye", "tcp")
+OTHER_FEATURES = ("subhandlers", "object_updates", "result_ack", "cleanup_on_goodbye", "tcp", "flow_control")
 
 CHANGE_KINDS = ("create", "update", "delete", "resume", "field")
 ADMISSION_KINDS = ("validate", "mutate")
@@ -176,6 +177,8 @@ async def run_action(kind, kw, name, arg):
         warnings = kw.get("warnings")
         if warnings is not None:  # admission handlers only
             warnings.append(arg)
+    elif name == "flow":
+        capstan.set_max_in_flight(int(arg.get("max_in_flight", 0)), arg.get("handler") or None)
     else:
         raise RuntimeError(f"unknown script action {name!r}")
 

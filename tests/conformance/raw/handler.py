@@ -87,6 +87,7 @@ FEATURES = {
     "activities": ["startup", "cleanup", "login"],
     "probe": ["probe"],
     "subhandlers": [], "object_updates": [], "result_ack": [], "cleanup_on_goodbye": [], "tcp": [],
+    "flow_control": [],
 }
 # The handlers in the order of the README's table.
 ORDER = ["create", "update", "delete", "resume", "field/spec.watched", "event", "daemon", "timer", "index",
@@ -537,6 +538,10 @@ class Run:
                 raise AdmissionError(str(arg.get("message", "")), arg.get("code") or 0)
             elif name == "warn":
                 frame.warnings.append(str(arg))
+            elif name == "flow":
+                handler_id, limit = str(arg.get("handler") or ""), int(arg.get("max_in_flight", 0))
+                self.session.process.flow[handler_id] = limit
+                self.session.send(rs.ConnectRequest(flow_control=rs.FlowControl(handler_id=handler_id, max_in_flight=limit)))
             else:
                 raise ScriptCrash(f"unknown action {name!r}")
         return None
@@ -689,6 +694,8 @@ class Session:
             ("grpc.enable_retries", 0),
         ])
         self.out.put(rs.ConnectRequest(hello=self.process.hello))
+        for handler_id, limit in list(self.process.flow.items()):
+            self.out.put(rs.ConnectRequest(flow_control=rs.FlowControl(handler_id=handler_id, max_in_flight=limit)))
         stub = rs_grpc.RuntimeServiceStub(self.channel)
         self.call = stub.Connect(self.requests())
         threading.Thread(target=self.read, name=f"reader-{self.number}", daemon=True).start()
@@ -798,6 +805,9 @@ class Process:
             if self.endpoint.startswith(prefix):
                 self.endpoint = self.endpoint[len(prefix):]
         self.instance_id = uuid.uuid4().hex
+        # Flow-control caps set by handlers, by handler id ("" for the process): sent again on
+        # every new stream, so that they hold across reconnects.
+        self.flow = {}
         self.hello = rs.Hello(
             capabilities=capabilities(self.features),
             sdk=rs.SoftwareInfo(name="raw-grpcio", version=SDK_VERSION, language="python"),

@@ -73,6 +73,10 @@ pub const FEATURES: &[Feature] = &[
         name: "tcp",
         handlers: &[],
     },
+    Feature {
+        name: "flow_control",
+        handlers: &[],
+    },
 ];
 
 /// The group, version and plural of the resource of every resource handler.
