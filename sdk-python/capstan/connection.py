@@ -45,6 +45,10 @@ BACKOFF_MIN, BACKOFF_MAX = 0.2, 15.0
 STOP_GRACE = 10.0
 #: How long handlers cancelled at the end of `STOP_GRACE` have to answer.
 CANCEL_ANSWER_TIMEOUT = 1.0
+#: How long a process whose handler ids are all taken by another connection keeps dialling: a
+#: process that died frees them once the controller notices (at once when its socket closes, at
+#: the ping timeout, 30 s, when it hangs); ids held longer are held by a live process.
+ID_TAKEN_PATIENCE = 40.0
 #: How long the controller has to end the stream after the handler process closed its side.
 CLOSE_TIMEOUT = 5.0
 #: How long a stopping process waits for the controller to run its cleanup handlers (counted
@@ -255,6 +259,7 @@ class Operator:
             raise ConnectionFatal("no handlers are registered: nothing to serve")
         delay = BACKOFF_MIN
         settings_module.use_executor(self.settings)
+        taken_since = None
         try:
             while not self.stop.is_set():
                 started = time.monotonic()
@@ -263,8 +268,18 @@ class Operator:
                 except ConnectionFatal:
                     raise
                 except grpc.aio.AioRpcError as error:
-                    if error.code() == grpc.StatusCode.FAILED_PRECONDITION and not _only_taken(error.details() or ""):
-                        raise ConnectionFatal(f"the controller accepted none of the handlers: {error.details()}") from None
+                    if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        if not _only_taken(error.details() or ""):
+                            raise ConnectionFatal(f"the controller accepted none of the handlers: {error.details()}") from None
+                        # The ids are held by another connection: one of a process that just died
+                        # lets go of them soon, so retry; one of a live process does not.
+                        taken_since = taken_since if taken_since is not None else time.monotonic()
+                        if time.monotonic() - taken_since > ID_TAKEN_PATIENCE:
+                            raise ConnectionFatal(
+                                f"the controller accepted none of the handlers: {error.details()} "
+                                f"(still taken after {ID_TAKEN_PATIENCE:g}s)") from None
+                    else:
+                        taken_since = None
                     if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         raise ConnectionFatal(f"the controller refused the handshake: {error.details()}") from None
                     log.warning("connection to %s lost: %s %s", self.endpoint, error.code().name, error.details())

@@ -502,3 +502,12 @@ def test_an_index_handler_of_a_lost_stream_leaves_the_next_streams_index_alone(s
             await server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_only_taken_ids_are_dialled_again():
+    from capstan.connection import _only_taken
+    head = "NO_HANDLERS_ACCEPTED: no handler registration was accepted "
+    assert _only_taken(head + "(a: [HANDLER_ID_TAKEN] held; b: [HANDLER_ID_TAKEN] held)")
+    assert not _only_taken(head + "(a: [HANDLER_ID_TAKEN] held; b: [BAD_FILTER] x)")
+    assert not _only_taken(head + "(a: [HANDLER_ID_TAKEN,BAD_FILTER] x)")
+    assert not _only_taken(head.strip())

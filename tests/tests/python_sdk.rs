@@ -272,7 +272,8 @@ async fn python_operator_names_handlers_with_problems_and_exits_when_none_is_acc
     assert!(first.running(), "the operator stopped:\n{output}");
 
     // A second process offering only the same handler id is refused (the id is taken), so
-    // no handler of it is accepted: it exits with a clear error instead of retrying.
+    // no handler of it is accepted: it retries for a while (the id could be held by a process
+    // that just died), then exits with a clear error.
     let only_good = env.scratch().join("only_good.py");
     std::fs::write(&only_good, format!("import capstan\n\n{good}"))?;
     let mut second = python_operator(&python, &env, "only-good", &only_good, controller.endpoint())?;
