@@ -82,8 +82,9 @@ func dispatch(ctx context.Context, h *handler, inv *Invocation, states []*pb.Sub
 					}
 				}
 				var p []*pb.Patch
-				res.Subhandlers, p, _ = runSubhandlers(ctx, inv, "", byID)
-				if ctx.Err() != nil {
+				var interrupted bool
+				res.Subhandlers, p, _, interrupted = runSubhandlers(ctx, inv, "", byID)
+				if interrupted {
 					// Cancelled while its sub-handlers ran: the parent is not finished, and the
 					// sub-handlers left run on its next call.
 					res.Subhandlers, res.Patches = nil, nil
@@ -136,14 +137,16 @@ func (inv *Invocation) objectKey() objectKey {
 
 // runSubhandlers runs the sub-handlers that parent declared and that are not finished,
 // returning their outcomes (ids relative to the top-level handler), the patches of those that
-// succeeded, and whether all of them are finished. A sub-handler that declared sub-handlers of
-// its own is reported only once those are finished; until then it runs again with its parent.
+// succeeded, whether all of them are finished, and whether ctx stopped them (a sub-handler cut
+// short, or some left unrun: the parent then answers cancelled). A sub-handler that declared
+// sub-handlers of its own is reported only once those are finished; until then it runs again
+// with its parent.
 func runSubhandlers(ctx context.Context, parent *Invocation, prefix string, states map[string]*pb.SubhandlerState) (
-	outcomes []*pb.SubhandlerOutcome, patches []*pb.Patch, finished bool) {
+	outcomes []*pb.SubhandlerOutcome, patches []*pb.Patch, finished, interrupted bool) {
 	finished = true
 	for _, sub := range parent.takeSubhandlers() {
 		if ctx.Err() != nil {
-			return outcomes, patches, false
+			return outcomes, patches, false, true
 		}
 		id := prefix + sub.spec.id
 		st := states[id]
@@ -170,7 +173,10 @@ func runSubhandlers(ctx context.Context, parent *Invocation, prefix string, stat
 				if success, err = encodeSuccess(value, KindCreate); err == nil {
 					var own []*pb.Patch
 					if own, err = child.patch.messages(); err == nil {
-						more, morePatches, done := runSubhandlers(ctx, child, id+"/", states)
+						more, morePatches, done, stopped := runSubhandlers(ctx, child, id+"/", states)
+						if stopped {
+							return outcomes, patches, false, true
+						}
 						outcomes = append(outcomes, more...)
 						patches = append(append(patches, own...), morePatches...)
 						if !done {
@@ -185,7 +191,7 @@ func runSubhandlers(ctx context.Context, parent *Invocation, prefix string, stat
 			}
 		}
 		if ctx.Err() != nil {
-			return outcomes, patches, false
+			return outcomes, patches, false, true
 		}
 		switch f := sub.spec.judge(classify(ctx, err), int(st.GetRetries())).(type) {
 		case *pb.TemporaryError:
@@ -201,7 +207,7 @@ func runSubhandlers(ctx context.Context, parent *Invocation, prefix string, stat
 		}
 		outcomes = append(outcomes, outcome)
 	}
-	return outcomes, patches, finished
+	return outcomes, patches, finished, false
 }
 
 // child returns the invocation of a sub-handler of inv.

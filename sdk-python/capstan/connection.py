@@ -372,9 +372,23 @@ class Operator:
         await session.send(rs.ConnectRequest(goodbye=rs.Goodbye(reason="handler process stopping", cleanup=cleanup)))
         for running, _ in list(session.running.values()):
             running.stop.set(DaemonStoppingReason.OPERATOR_EXITING)
-        tasks = [task for _, task in session.running.values()]
-        if tasks:
-            await asyncio.wait(tasks, timeout=STOP_GRACE)
+        # What runs, and what came after the goodbye (crossing it on the wire), has until
+        # `STOP_GRACE` from the goodbye to finish.
+        deadline = said + STOP_GRACE
+        while True:
+            tasks = [task for _, task in session.running.values()]
+            left = deadline - time.monotonic()
+            if not tasks or left <= 0:
+                break
+            await asyncio.wait(tasks, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        if cleanup:
+            left = max(0.0, CLEANUP_TIMEOUT - (time.monotonic() - said))
+            try:
+                # The farewell comes after the cleanup handlers' results: they are never cut
+                # short by the grace of the others.
+                await asyncio.wait_for(session.farewell.wait(), left)
+            except asyncio.TimeoutError:
+                log.warning("the controller did not finish this process's cleanup handlers within %gs", CLEANUP_TIMEOUT)
         # What still runs is cancelled, and its result sent: every invocation gets one.
         late = list(session.running.values())
         for running, task in late:
@@ -382,13 +396,6 @@ class Operator:
             task.cancel()
         if late:
             await asyncio.wait([task for _, task in late], timeout=CANCEL_ANSWER_TIMEOUT)
-        if cleanup:
-            left = max(0.0, CLEANUP_TIMEOUT - (time.monotonic() - said))
-            try:
-                # The farewell comes after the cleanup handlers' results: nothing is left then.
-                await asyncio.wait_for(session.farewell.wait(), left)
-            except asyncio.TimeoutError:
-                log.warning("the controller did not finish this process's cleanup handlers within %gs", CLEANUP_TIMEOUT)
         await session.send(None)
 
     async def _reader(self, session):
@@ -478,7 +485,7 @@ class Operator:
             # for its deadline (the controller's own cancel may come later than the deadline).
             left = max(0.0, message.deadline.ToNanoseconds() / 1e9 - time.time())
             expired = inv.Cancel(invocation_id=message.invocation_id, reason=inv.CANCEL_REASON_DEADLINE_EXCEEDED)
-            session.loop.call_later(left, self._cancel, session, expired)
+            running.deadline = session.loop.call_later(left, self._cancel, session, expired)
 
     async def _invoke(self, session, running, uid):
         call = running.call
@@ -488,6 +495,9 @@ class Operator:
         except asyncio.CancelledError:
             session.running.pop(call.invocation_id, None)
             return
+        finally:
+            if running.deadline is not None:
+                running.deadline.cancel()
         session.running.pop(call.invocation_id, None)
         if session.closed:
             return

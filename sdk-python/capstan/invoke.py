@@ -126,6 +126,8 @@ class Running:
         self.lifecycle = None
         # An admission handler's `warnings` (kopf's kwarg), returned to the client.
         self.warnings: List[str] = []
+        # The timer that ends the attempt at its deadline (`connection`), cancelled when it ends.
+        self.deadline = None
 
 
 class _Router(logging.Handler):

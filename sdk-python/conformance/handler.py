@@ -37,7 +37,7 @@ FEATURE_HANDLERS = {
     "probe": ("probe",),
 }
 #: Features that register no handlers of their own (capabilities and transport).
-OTHER_FEATURES = ("subhandlers", "object_updates", "result_ack", "cleanup_on_goodbye", "tcp", "flow_control")
+OTHER_FEATURES = ("subhandlers", "object_updates", "result_ack", "cleanup_on_goodbye", "tcp", "flow_control", "message_limit")
 
 CHANGE_KINDS = ("create", "update", "delete", "resume", "field")
 ADMISSION_KINDS = ("validate", "mutate")

@@ -87,7 +87,7 @@ FEATURES = {
     "activities": ["startup", "cleanup", "login"],
     "probe": ["probe"],
     "subhandlers": [], "object_updates": [], "result_ack": [], "cleanup_on_goodbye": [], "tcp": [],
-    "flow_control": [],
+    "flow_control": [], "message_limit": [],
 }
 # The handlers in the order of the README's table.
 ORDER = ["create", "update", "delete", "resume", "field/spec.watched", "event", "daemon", "timer", "index",

@@ -10,7 +10,9 @@ use std::{
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use serde_json::{Map, Value, json};
-use tokio::{process::Child, sync::mpsc, task::JoinHandle};
+use tokio::{sync::mpsc, task::JoinHandle};
+
+use super::process::HandlerProcess;
 use tonic::{Status, codegen::Bytes};
 
 use super::{
@@ -26,6 +28,12 @@ use super::{
 const CONNECT_WITHIN: Duration = Duration::from_secs(30);
 /// How long a hello may take once connected.
 const HELLO_WITHIN: Duration = Duration::from_secs(10);
+/// How long a message may wait for room in the stream.
+const SEND_WITHIN: Duration = Duration::from_secs(10);
+/// The kind given to frames that are no `ConnectRequest`.
+const UNDECODABLE: &str = "(undecodable)";
+/// How long a whole case may take.
+const CASE_WITHIN: Duration = Duration::from_secs(180);
 /// Every capability the runner can play the controller's side of.
 const CAPABILITIES: [&str; 10] = [
     "CAPABILITY_RESULT_ACK",
@@ -66,10 +74,11 @@ pub async fn run_case(case: &Case, profile: &Profile, vars: &BTreeMap<String, St
         transcript: Vec::new(),
         ..Session::default()
     };
-    let result = session.run(case, profile, vars, dir.path()).await;
-    if let Some(child) = session.child.as_mut() {
-        let _ = child.start_kill();
-        let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
+    let result = tokio::time::timeout(CASE_WITHIN, session.run(case, profile, vars, dir.path()))
+        .await
+        .unwrap_or_else(|_| Err(anyhow!("the case did not end within {CASE_WITHIN:?}")));
+    if let Some(mut handler) = session.handler.take() {
+        handler.stop().await;
     }
     let stderr = std::fs::read_to_string(dir.path().join("handler.stderr")).unwrap_or_default();
     let tail: Vec<&str> = stderr.lines().rev().take(40).collect();
@@ -127,7 +136,7 @@ impl Drop for Live {
 #[derive(Default)]
 struct Session {
     controller: Option<FakeController>,
-    child: Option<Child>,
+    handler: Option<HandlerProcess>,
     live: Option<Live>,
     connections: usize,
     received: Vec<Received>,
@@ -147,13 +156,20 @@ impl Session {
         let steps = case.parsed_steps()?;
         let controller = FakeController::start(case.transport, dir).await?;
         self.expected_handlers = handlers_of(&profile.features);
-        self.child = Some(spawn_handler(profile, vars, &controller.endpoint, dir)?);
+        self.handler = Some(spawn_handler(profile, vars, &controller.endpoint, dir)?);
         self.controller = Some(controller);
         for (index, step) in steps.iter().enumerate() {
             self.note(format!("step {}: {}", index + 1, case.steps[index]));
-            self.step(step)
-                .await
-                .with_context(|| format!("step {} ({})", index + 1, case.steps[index]))?;
+            let context = || format!("step {} ({})", index + 1, case.steps[index]);
+            self.step(step).await.with_context(context)?;
+            // A frame that is no ConnectRequest fails the case, whatever the step looked at.
+            if let Some(bad) = self.received.iter().find(|got| got.kind == UNDECODABLE) {
+                return Err(anyhow!(
+                    "the handler process sent a frame that is no ConnectRequest: {}",
+                    bad.message
+                ))
+                .with_context(context);
+            }
         }
         Ok(())
     }
@@ -197,13 +213,21 @@ impl Session {
                 pattern,
                 during,
             } => self.expect_none(kind, pattern, *during).await,
-            Step::ExpectOrder(order) => self.expect_order(order),
+            Step::ExpectOrder(order) => self.expect_order(order).await,
             Step::Close { code, message } => {
                 let live = self.live.as_mut().ok_or_else(|| anyhow!("no stream to close"))?;
                 match (code, live.outbound.take()) {
                     (tonic::Code::Ok, _) => {}
                     (code, Some(outbound)) => {
-                        let _ = outbound.send(Err(Status::new(*code, message.clone()))).await;
+                        let status = Status::new(*code, message.clone());
+                        tokio::time::timeout(SEND_WITHIN, outbound.send(Err(status)))
+                            .await
+                            .map_err(|_| {
+                                anyhow!(
+                                    "the handler process took nothing from the stream for {SEND_WITHIN:?}"
+                                )
+                            })?
+                            .map_err(|_| anyhow!("the stream is gone"))?;
                     }
                     (_, None) => bail!("the stream is closed already"),
                 }
@@ -213,9 +237,9 @@ impl Session {
             Step::ExpectClosed { within } => self.expect_closed(*within).await,
             Step::Signal(signal) => {
                 let pid = self
-                    .child
+                    .handler
                     .as_ref()
-                    .and_then(Child::id)
+                    .and_then(|handler| handler.child.id())
                     .ok_or_else(|| anyhow!("the handler process is gone"))?;
                 let status = tokio::process::Command::new("kill")
                     .arg(format!("-{signal}"))
@@ -228,8 +252,11 @@ impl Session {
                 Ok(())
             }
             Step::ExpectExit { within, code } => {
-                let child = self.child.as_mut().ok_or_else(|| anyhow!("no handler process"))?;
-                let status = tokio::time::timeout(*within, child.wait())
+                let handler = self
+                    .handler
+                    .as_mut()
+                    .ok_or_else(|| anyhow!("no handler process"))?;
+                let status = tokio::time::timeout(*within, handler.child.wait())
                     .await
                     .map_err(|_| anyhow!("the handler process still runs after {within:?}"))??;
                 self.note(format!("handler process exited: {status}"));
@@ -252,13 +279,16 @@ impl Session {
             .controller
             .as_mut()
             .ok_or_else(|| anyhow!("no fake controller"))?;
-        let child = self.child.as_mut().ok_or_else(|| anyhow!("no handler process"))?;
+        let handler = self
+            .handler
+            .as_mut()
+            .ok_or_else(|| anyhow!("no handler process"))?;
         let Connection {
             mut inbound,
             outbound,
         } = tokio::select! {
             connection = controller.next_connection(CONNECT_WITHIN) => connection?,
-            status = child.wait() => bail!("the handler process exited ({}) instead of connecting", status?),
+            status = handler.child.wait() => bail!("the handler process exited ({}) instead of connecting", status?),
         };
         self.connections += 1;
         let (sender, events) = mpsc::channel(4096);
@@ -320,7 +350,19 @@ impl Session {
                 self.instance_id
             );
         }
-        let capabilities: Vec<Value> = hello["capabilities"]
+        let mut overrides = overrides.clone();
+        let mut take = |key: &str| {
+            overrides
+                .as_object_mut()
+                .and_then(|map| map.remove(key))
+                .unwrap_or(Value::Null)
+        };
+        let rejections = take("reject");
+        let dropped = take("drop_capabilities");
+        let added = take("add_capabilities");
+        // What both sides support, as the controller answers; less what the case drops, plus
+        // what it adds (values the SDK does not know).
+        let mut capabilities: Vec<Value> = hello["capabilities"]
             .as_array()
             .into_iter()
             .flatten()
@@ -329,13 +371,14 @@ impl Session {
                     .as_str()
                     .is_some_and(|name| CAPABILITIES.contains(&name))
             })
+            .filter(|capability| {
+                !dropped
+                    .as_array()
+                    .is_some_and(|dropped| dropped.contains(capability))
+            })
             .cloned()
             .collect();
-        let mut overrides = overrides.clone();
-        let rejections = overrides
-            .as_object_mut()
-            .and_then(|map| map.remove("reject"))
-            .unwrap_or(Value::Null);
+        capabilities.extend(added.as_array().into_iter().flatten().cloned());
         let registrations: Vec<Value> = hello["handlers"]
             .as_array()
             .into_iter()
@@ -387,9 +430,9 @@ impl Session {
             .outbound
             .as_ref()
             .ok_or_else(|| anyhow!("the stream is closed"))?;
-        tokio::time::timeout(Duration::from_secs(10), outbound.send(Ok(bytes)))
+        tokio::time::timeout(SEND_WITHIN, outbound.send(Ok(bytes)))
             .await
-            .map_err(|_| anyhow!("the handler process took nothing from the stream for 10 s"))?
+            .map_err(|_| anyhow!("the handler process took nothing from the stream for {SEND_WITHIN:?}"))?
             .map_err(|_| anyhow!("the stream is gone"))
     }
 
@@ -400,14 +443,15 @@ impl Session {
 
     /// Takes what has arrived, waiting at most until `deadline` for something; returns at once
     /// when nothing more can come.
-    async fn pump(&mut self, deadline: tokio::time::Instant) {
+    async fn pump(&mut self, deadline: tokio::time::Instant) -> bool {
         let Some(live) = self.live.as_mut().filter(|live| !live.ended) else {
-            return;
+            return false;
         };
         let number = live.number;
         let event = tokio::select! {
+            biased;
             event = live.events.recv() => event,
-            () = tokio::time::sleep_until(deadline) => return,
+            () = tokio::time::sleep_until(deadline) => return false,
         };
         match event {
             Some(Incoming::Message(message)) => {
@@ -426,7 +470,7 @@ impl Session {
             Some(Incoming::Undecodable(error)) => {
                 self.note(format!("← undecodable: {error}"));
                 self.received.push(Received {
-                    kind: "(undecodable)".into(),
+                    kind: UNDECODABLE.into(),
                     message: json!({"error": error}),
                     consumed: false,
                     connection: number,
@@ -434,6 +478,9 @@ impl Session {
             }
             Some(Incoming::Ended(status)) => {
                 live.ended = true;
+                // The handler process closed its side: the controller ends the stream then
+                // (with OK, unless the case closed it already).
+                live.outbound = None;
                 self.note(format!(
                     "← stream ended: {}",
                     status.map_or_else(|| "OK".to_owned(), |status| format!("{status:?}"))
@@ -442,9 +489,16 @@ impl Session {
             None => {
                 if let Some(live) = self.live.as_mut() {
                     live.ended = true;
+                    live.outbound = None;
                 }
             }
         }
+        true
+    }
+
+    /// Takes everything that has arrived, without waiting.
+    async fn drain(&mut self) {
+        while self.pump(tokio::time::Instant::now()).await {}
     }
 
     fn current(&self) -> usize {
@@ -462,7 +516,14 @@ impl Session {
                     && pattern::check(&json!({kind: pattern}), &got.message).is_ok()
             }) {
                 found.consumed = true;
-                return Ok(found.message.clone());
+                let message = found.message.clone();
+                if kind == "hello" {
+                    let first = self.received.iter().find(|got| got.connection == current);
+                    if let Some(first) = first.filter(|first| first.kind != "hello") {
+                        bail!("a {} came before the hello: {}", first.kind, first.message);
+                    }
+                }
+                return Ok(message);
             }
             if tokio::time::Instant::now() >= deadline || self.quiet() {
                 break;
@@ -513,13 +574,19 @@ impl Session {
         Ok(())
     }
 
-    fn expect_order(&self, order: &[(String, Value)]) -> Result<()> {
+    async fn expect_order(&mut self, order: &[(String, Value)]) -> Result<()> {
+        self.drain().await;
+        let current = self.current();
         let mut from = 0;
         for (kind, pattern) in order {
             let pattern = json!({kind.as_str(): pattern});
             let found = self.received[from..]
                 .iter()
-                .position(|got| &got.kind == kind && pattern::check(&pattern, &got.message).is_ok())
+                .position(|got| {
+                    got.connection == current
+                        && &got.kind == kind
+                        && pattern::check(&pattern, &got.message).is_ok()
+                })
                 .ok_or_else(|| anyhow!("no {pattern} after the messages before it in the order"))?;
             from += found + 1;
         }
@@ -543,7 +610,7 @@ fn spawn_handler(
     vars: &BTreeMap<String, String>,
     endpoint: &str,
     dir: &Path,
-) -> Result<Child> {
+) -> Result<HandlerProcess> {
     let stderr = std::fs::File::create(dir.join("handler.stderr"))?;
     let command: Vec<String> = profile.command.iter().map(|part| expand(part, vars)).collect();
     let mut process = tokio::process::Command::new(&command[0]);
@@ -555,13 +622,16 @@ fn spawn_handler(
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(stderr)
+        // A group of its own: what it starts (a shell's children) is stopped with it.
+        .process_group(0)
         .kill_on_drop(true);
     for (key, value) in &profile.env {
         process.env(key, expand(value, vars));
     }
-    process
+    let child = process
         .spawn()
-        .with_context(|| format!("starting {command:?} in {}", profile.workdir().display()))
+        .with_context(|| format!("starting {command:?} in {}", profile.workdir().display()))?;
+    Ok(HandlerProcess::new(child))
 }
 
 /// Merges `overrides` into `base`: objects key by key, anything else replaced.

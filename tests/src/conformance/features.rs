@@ -77,6 +77,10 @@ pub const FEATURES: &[Feature] = &[
         name: "flow_control",
         handlers: &[],
     },
+    Feature {
+        name: "message_limit",
+        handlers: &[],
+    },
 ];
 
 /// The group, version and plural of the resource of every resource handler.

@@ -9,6 +9,7 @@ mod case;
 mod execute;
 mod features;
 mod pattern;
+mod process;
 mod profile;
 mod report;
 mod server;
@@ -62,6 +63,16 @@ pub async fn run_profile(profile: &Profile, cases: &[Case], options: &Options) -
         if !status.success() {
             bail!("building {}: {command:?} failed: {status}", profile.name);
         }
+    }
+    if !options.only.is_empty()
+        && !cases.iter().any(|case| {
+            options
+                .only
+                .iter()
+                .any(|prefix| case.name.starts_with(prefix.as_str()))
+        })
+    {
+        bail!("no case is named {:?} or starts so", options.only);
     }
     let mut report = SdkReport {
         sdk: profile.name.clone(),

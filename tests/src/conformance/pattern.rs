@@ -47,10 +47,6 @@ fn check_at(pattern: &Value, actual: Option<&Value>, path: &str) -> Result<(), S
             Ok(())
         }
         (Value::Number(expected), Value::Number(got)) if expected.as_f64() == got.as_f64() => Ok(()),
-        // 64-bit integers may come as strings in protobuf's JSON form.
-        (Value::Number(expected), Value::String(got)) if got.parse::<f64>().ok() == expected.as_f64() => {
-            Ok(())
-        }
         (expected, got) if expected == got => Ok(()),
         (expected, got) => Err(format!("{}: {got}, expected {expected}", show(path))),
     }
