@@ -380,26 +380,6 @@ fn endpoint() -> String {
     }
 }
 
-/// Resolves on SIGTERM or Ctrl-C.
-async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(error) => {
-                tracing::warn!(%error, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = terminate => {}
-    }
-    tracing::info!("shutting down");
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -415,7 +395,7 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(?features, %endpoint, "conformance handler starting");
     Operator::new(registry(&features))
         .endpoint(endpoint)
-        .run(shutdown_signal())
+        .run(capstan_sdk::shutdown_signal())
         .await?;
     Ok(())
 }

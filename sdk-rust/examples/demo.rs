@@ -95,26 +95,6 @@ fn registry() -> Registry {
     registry
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(error) => {
-                tracing::warn!(%error, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = terminate => {}
-    }
-    tracing::info!("shutting down");
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -127,7 +107,7 @@ async fn main() -> anyhow::Result<()> {
         std::env::var("CAPSTAN_ENDPOINT").unwrap_or_else(|_| capstan_sdk::DEFAULT_ENDPOINT.to_owned());
     Operator::new(registry())
         .endpoint(endpoint)
-        .run(shutdown_signal())
+        .run(capstan_sdk::shutdown_signal())
         .await?;
     Ok(())
 }

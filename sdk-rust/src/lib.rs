@@ -20,7 +20,7 @@
 //!     registry.on_create("examples.demo.capstan.dev", "create_fn", create_fn).retries(5);
 //!     Operator::new(registry)
 //!         .endpoint("unix:///run/capstan/capstan.sock")
-//!         .run(async { tokio::signal::ctrl_c().await.ok(); })
+//!         .run(capstan_sdk::shutdown_signal())
 //!         .await
 //! }
 //! ```
@@ -83,6 +83,7 @@ pub mod pb;
 mod registry;
 mod runner;
 mod selector;
+mod signal;
 mod snapshot;
 pub mod subhandling;
 #[cfg(feature = "testing")]
@@ -99,5 +100,6 @@ pub use pb::{CancelReason, EventType, LogLevel};
 pub use registry::{ErrorsMode, HandlerOptions, Registry};
 pub use runner::{DEFAULT_ENDPOINT, Operator};
 pub use selector::Selector;
+pub use signal::shutdown_signal;
 pub use snapshot::Snapshot;
 pub use subhandling::SubhandlerOptions;

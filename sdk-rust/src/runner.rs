@@ -39,7 +39,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// # async fn example(registry: capstan_sdk::Registry) -> Result<(), capstan_sdk::Error> {
 /// capstan_sdk::Operator::new(registry)
 ///     .endpoint("http://127.0.0.1:7070")
-///     .run(async { tokio::signal::ctrl_c().await.ok(); })
+///     .run(capstan_sdk::shutdown_signal())
 ///     .await
 /// # }
 /// ```
