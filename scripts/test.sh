@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every check and test of Capstan: formatting, lints (Rust and protobuf), unit tests,
 # protocol tests over a real Unix socket, and end-to-end tests against a real kube-apiserver
-# (built from Go modules on first use). Needs Rust (cargo, rustfmt, clippy), Go, kubectl and
-# Python 3 (venvs with a pinned grpcio are created once, for the interoperability tests and
+# (built from Go modules on first use). Needs Rust (cargo, rustfmt, clippy), Go, Node 20 with
+# npm, kubectl and Python 3 (venvs with a pinned grpcio are created once, for the interoperability tests and
 # the Python SDK, and one with real kopf pinned, which the SDK's kopf tests compare against).
 set -euo pipefail
 
@@ -47,11 +47,15 @@ CAPSTAN_KOPF_PYTHON=$(bash sdk-python/scripts/kopf-venv.sh | tail -n1)
 export CAPSTAN_KOPF_PYTHON
 (cd sdk-python && "$CAPSTAN_PYTHON_SDK_PYTHON" -m pytest -q tests)
 
+step "TypeScript SDK: pinned npm install, build (stubs generated from proto/), unit tests"
+bash sdk-typescript/scripts/build.sh >/dev/null
+(cd sdk-typescript && node --test dist/test/)
+
 step "cargo test"
 cargo build --workspace --all-targets --locked
 # The end-to-end tests run this build's binary instead of building their own.
 export CAPSTAN_TEST_BINARY="$CARGO_TARGET_DIR/debug/capstan"
 cargo test --workspace --locked
 
-step "conformance kit: every SDK (Rust, Go, Python) and a raw grpcio handler (tests/conformance)"
+step "conformance kit: every SDK (Rust, Go, Python, TypeScript) and a raw grpcio handler (tests/conformance)"
 "$CARGO_TARGET_DIR/debug/capstan-conformance" --all --report "$CARGO_TARGET_DIR/conformance-report.json"

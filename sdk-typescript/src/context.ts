@@ -1,5 +1,6 @@
 // kopf's handler arguments, as one typed object handed to every handler.
 
+import { longTimeout } from "./timers";
 import { PermanentError } from "./errors";
 import type { CancelReason } from "./errors";
 import { Index, Indexes } from "./indexes";
@@ -447,16 +448,13 @@ export function sleep(seconds: number, signal?: AbortSignal): Promise<void> {
       return;
     }
     const onAbort = () => {
-      clearTimeout(timer);
+      timer.cancel();
       reject(signal!.reason);
     };
-    const timer = setTimeout(
-      () => {
-        signal?.removeEventListener("abort", onAbort);
-        resolve();
-      },
-      Math.min(Math.max(seconds * 1000, 0), 2 ** 31 - 1),
-    );
+    const timer = longTimeout(() => {
+      signal?.removeEventListener("abort", onAbort);
+      resolve();
+    }, seconds * 1000);
     signal?.addEventListener("abort", onAbort, { once: true });
   });
 }

@@ -141,8 +141,9 @@ export async function execute(spec: HandlerSpec, ctx: Context, indexes?: Indexes
   const states = new Map<string, SubhandlerState>();
   for (const st of ctx.data.subhandlers ?? []) states.set(st.id, st);
   const subs = await runSubhandlers(ctx, "", states);
-  if (ctx.signal.aborted && subs.ran) {
-    // Cancelled while its sub-handlers ran: the parent is not finished; they run on its next call.
+  if (ctx.signal.aborted && (subs.ran || subs.cut)) {
+    // Cancelled while its sub-handlers ran, or before they could: the parent is not finished;
+    // they run on its next call.
     return { outcome: { status: "cancelled" }, ...none };
   }
   return { outcome, patches: [...patches, ...subs.patches], subhandlers: subs.outcomes };
@@ -153,6 +154,8 @@ interface SubRun {
   patches: PatchDocument[];
   finished: boolean;
   ran: boolean;
+  /** A sub-handler that was neither finished nor waiting was left unrun or cut short by a cancel. */
+  cut: boolean;
 }
 
 /**
@@ -160,18 +163,19 @@ interface SubRun {
  * sub-handler that declared sub-handlers of its own is reported once those are finished.
  */
 async function runSubhandlers(parent: Context, prefix: string, states: Map<string, SubhandlerState>): Promise<SubRun> {
-  const out: SubRun = { outcomes: [], patches: [], finished: true, ran: false };
+  const out: SubRun = { outcomes: [], patches: [], finished: true, ran: false, cut: false };
   for (const sub of parent.takeSubhandlers()) {
-    if (parent.signal.aborted) {
-      out.finished = false;
-      return out;
-    }
     const id = prefix + sub.id;
     const st = states.get(id);
     if (st?.success || st?.failure) continue;
     if (st?.delayedUntil && st.delayedUntil.getTime() > Date.now()) {
       out.finished = false;
       continue;
+    }
+    if (parent.signal.aborted) {
+      out.finished = false;
+      out.cut = true;
+      return out;
     }
     const child = parent.child(sub.id, st);
     if (sub.options.when) {
@@ -201,6 +205,7 @@ async function runSubhandlers(parent: Context, prefix: string, states: Map<strin
           const nested = await runSubhandlers(child, id + "/", states);
           out.outcomes.push(...nested.outcomes);
           out.patches.push(...own, ...nested.patches);
+          if (nested.cut) out.cut = true;
           if (!nested.finished) {
             out.finished = false;
             continue;
@@ -214,6 +219,7 @@ async function runSubhandlers(parent: Context, prefix: string, states: Map<strin
     }
     if (parent.signal.aborted) {
       out.finished = false;
+      out.cut = true;
       return out;
     }
     const judged = judge(sub.options, failure!, st?.retries ?? 0);
@@ -228,6 +234,9 @@ async function runSubhandlers(parent: Context, prefix: string, states: Map<strin
  * unclassified error, and its retry limit to a retryable one.
  */
 function judge(options: SubhandlerOptions, failure: Outcome, retries: number): Outcome {
+  if (failure.status === "temporary" && failure.delay === undefined && options.backoff !== undefined) {
+    failure = { ...failure, delay: options.backoff }; // a TemporaryError without a delay waits the backoff
+  }
   if (failure.status === "unclassified") {
     switch (options.errors) {
       case "ignored":

@@ -31,12 +31,23 @@ export class PermanentError extends Error {
  * kopf's `AdmissionError`: thrown by a validating or mutating handler, it denies the request
  * with `message` and the HTTP status `code` (500 unless given, as kopf).
  */
-export class AdmissionError extends Error {
+export class AdmissionError extends PermanentError {
   readonly code: number;
   constructor(message: string, code = 500) {
     super(message);
     this.name = "AdmissionError";
     this.code = code;
+  }
+}
+
+/**
+ * Thrown by {@link Operator.run} when the controller accepted no handler, or does not run some
+ * kinds; by a registration or `setMaxInFlight` given a value out of the protocol's range.
+ */
+export class SetupError extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = "SetupError";
   }
 }
 

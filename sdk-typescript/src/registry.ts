@@ -1,6 +1,7 @@
 // Registering handlers with kopf's vocabulary: on.create, on.update, …, daemon, timer, index.
 
 import type { Context } from "./context";
+import { SetupError } from "./errors";
 import type { Memo } from "./memo";
 import type { ErrorsMode, Kind, MetaFilter, Operation, ResourceSpec, ValueFilter } from "./types";
 
@@ -148,6 +149,20 @@ function checkDuration(what: string, v: number | undefined): void {
   }
 }
 
+/** The most handlers one process may register (the protocol's limit). */
+export const MAX_HANDLERS = 1000;
+
+/** The change handlers whose id gets `/<field>` when given a field, as kopf names them. */
+const FIELD_SUFFIXED_KINDS = new Set<Kind>(["create", "update", "delete", "resume"]);
+
+/** Throws a {@link SetupError} unless `v` is unset or an integer within 0..2^32-1. */
+export function checkUint32(name: string, v: number | undefined): void {
+  if (v === undefined) return;
+  if (typeof v !== "number" || !Number.isInteger(v) || v < 0 || v > 2 ** 32 - 1) {
+    throw new SetupError(`capstan: ${name} must be an integer within 0..${2 ** 32 - 1}, not ${String(v)}`);
+  }
+}
+
 /** The handlers of one operator, and kopf's registering functions bound to them. */
 export class Registry {
   readonly handlers: HandlerSpec[] = [];
@@ -162,7 +177,12 @@ export class Registry {
     if (kind === "field") {
       if (!options.field) throw new Error("capstan: a field handler needs a field");
       id = `${id}/${options.field}`; // kopf's naming
+    } else if (options.field && FIELD_SUFFIXED_KINDS.has(kind)) {
+      id = `${id}/${options.field}`; // kopf names any change handler given a field so
     }
+    if (this.handlers.length >= MAX_HANDLERS) throw new SetupError(`capstan: at most ${MAX_HANDLERS} handlers can be registered`);
+    checkUint32("retries", options.retries);
+    checkUint32("maxInFlight", options.maxInFlight);
     if (this.handlers.some((h) => h.id === id)) throw new Error(`capstan: duplicate handler id ${JSON.stringify(id)}`);
     for (const key of ["backoff", "timeout", "initialDelay", "cancellationBackoff", "cancellationTimeout", "restartBackoff", "interval", "idle"] as const) {
       checkDuration(key, options[key]);

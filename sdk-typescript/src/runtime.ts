@@ -7,13 +7,15 @@ import { durationMs } from "@bufbuild/protobuf/wkt";
 import { Context } from "./context";
 import type { LogOut, Sink } from "./context";
 import { execute, classify } from "./engine";
-import { CancelledError } from "./errors";
+import { CancelledError, SetupError } from "./errors";
 import type { CancelReason } from "./errors";
 import { Indexes } from "./indexes";
+import { longTimeout } from "./timers";
+import type { Timer } from "./timers";
 import { stderrLogger } from "./logger";
 import type { Logger } from "./logger";
 import { Memos } from "./memo";
-import { getDefaultRegistry } from "./registry";
+import { checkUint32, getDefaultRegistry } from "./registry";
 import type { Registry } from "./registry";
 import type { InvocationOutcome, JsonObject } from "./types";
 import { Capability } from "./gen/capstan/v1/runtime_service_pb";
@@ -43,6 +45,12 @@ export const DEFAULT_ENDPOINT = "unix:///run/capstan/capstan.sock";
 
 /** The protocol's message size limit, both ways: 16 MiB. */
 export const MAX_MESSAGE_BYTES = 16 * 1024 * 1024;
+
+/** Past this many bytes waiting to be written, log records and interim updates are dropped. */
+export const OUTGOING_BUFFER_LIMIT = 8 * 1024 * 1024;
+
+/** A stream that stayed up this long resets the reconnect backoff. */
+const STABLE_STREAM_MS = 30_000;
 
 const METHOD = "/capstan.v1.RuntimeService/Connect";
 
@@ -78,13 +86,7 @@ export interface RunOptions {
   handshakeTimeout?: number;
 }
 
-/** Thrown by {@link Operator.run} when the controller accepted no handler, or does not run some kinds. */
-export class SetupError extends Error {
-  constructor(message: string) {
-    super(message);
-    this.name = "SetupError";
-  }
-}
+export { SetupError };
 
 /**
  * One handler process: serves a registry's handlers to the controller until stopped. Most
@@ -95,7 +97,7 @@ export class Operator {
   readonly memos: Memos;
   private readonly instanceId = randomBytes(16).toString("hex");
   private stopRequested = false;
-  private stopWaiters: (() => void)[] = [];
+  private readonly stopWaiters = new Set<() => void>();
   private session: Session | undefined;
   private readonly flows = new Map<string, number>();
 
@@ -118,7 +120,7 @@ export class Operator {
    * after every reconnect.
    */
   setMaxInFlight(handlerId: string | undefined, n: number): void {
-    if (!Number.isInteger(n) || n < 0) throw new RangeError("capstan: max in flight must be a non-negative integer");
+    checkUint32("max in flight", n);
     this.flows.set(handlerId ?? "", n);
     this.session?.sendFlow(handlerId ?? "", n);
   }
@@ -127,13 +129,25 @@ export class Operator {
   stop(): void {
     if (this.stopRequested) return;
     this.stopRequested = true;
-    for (const w of this.stopWaiters.splice(0)) w();
+    const waiters = [...this.stopWaiters];
+    this.stopWaiters.clear();
+    for (const w of waiters) w();
+  }
+
+  /** @internal calls `fn` once when a stop is requested (at once if it was); returns a function that unsubscribes. */
+  onStop(fn: () => void): () => void {
+    if (this.stopRequested) {
+      fn();
+      return () => {};
+    }
+    this.stopWaiters.add(fn);
+    return () => this.stopWaiters.delete(fn);
   }
 
   /** @internal resolves when a stop is requested. */
   stopped(): Promise<void> {
     if (this.stopRequested) return Promise.resolve();
-    return new Promise((resolve) => this.stopWaiters.push(resolve));
+    return new Promise((resolve) => this.stopWaiters.add(resolve));
   }
 
   get stopping(): boolean {
@@ -147,6 +161,7 @@ export class Operator {
    */
   async run(): Promise<void> {
     if (this.registry.handlers.length === 0) throw new SetupError("capstan: no handlers registered");
+    checkUint32("maxInFlight", this.options.maxInFlight);
     const hello = request({
       message: {
         case: "hello",
@@ -191,7 +206,7 @@ export class Operator {
         if (end.code === grpc.status.FAILED_PRECONDITION && !onlyTaken(end.details)) {
           throw new SetupError(`capstan: the controller accepted no handler: ${end.details}`);
         }
-        if (end.welcomed) failures = 0;
+        if (end.welcomed && end.upMs >= STABLE_STREAM_MS) failures = 0;
         const delay = backoff(failures++, this.options.reconnectDelay ?? 0.25, this.options.maxReconnectDelay ?? 30);
         this.logger.warn("capstan: not connected to the controller; retrying", {
           endpoint: this.endpoint,
@@ -199,7 +214,15 @@ export class Operator {
           details: end.details,
           in: `${delay.toFixed(3)}s`,
         });
-        await Promise.race([this.stopped(), wait(delay * 1000)]);
+        await new Promise<void>((resolve) => {
+          const done = () => {
+            timer.cancel();
+            off();
+            resolve();
+          };
+          const timer = longTimeout(done, delay * 1000);
+          const off = this.onStop(done);
+        });
       }
     } finally {
       if (handleSignals) {
@@ -216,16 +239,19 @@ export class Operator {
       let session: Session | undefined;
       let settled = false;
       let welcomed = false;
+      let welcomedAt = 0;
       let fatal: string | undefined;
+      const offStop: (() => void)[] = [];
       const finish = (code: number, details: string) => {
         if (settled) return;
         settled = true;
         clearTimeout(handshakeTimer);
+        for (const off of offStop.splice(0)) off();
         if (session) {
           session.ended(code, details);
           if (this.session === session) this.session = undefined;
         }
-        resolve({ code, details, welcomed, fatal });
+        resolve({ code, details, welcomed, upMs: welcomed ? Date.now() - welcomedAt : 0, fatal });
       };
       const handshakeTimer = setTimeout(
         () => {
@@ -237,7 +263,7 @@ export class Operator {
       const stopDuringHandshake = () => {
         if (!welcomed && !settled) call.cancel();
       };
-      void this.stopped().then(stopDuringHandshake);
+      offStop.push(this.onStop(stopDuringHandshake));
 
       call.on("data", (m: ConnectResponse) => {
         if (session) {
@@ -251,6 +277,7 @@ export class Operator {
         }
         clearTimeout(handshakeTimer);
         welcomed = true;
+        welcomedAt = Date.now();
         const unsupported = this.logWelcome(m.message.value);
         if (unsupported) {
           fatal = unsupported;
@@ -261,7 +288,12 @@ export class Operator {
         session = new Session(this, call, m.message.value);
         this.session = session;
         for (const [id, n] of this.flows) session.sendFlow(id, n);
-        void this.stopped().then(() => session!.shutdown());
+        const s = session;
+        offStop.push(
+          this.onStop(() => {
+            s.shutdown().catch((error) => this.logger.error("capstan: the shutdown failed", { error: String(error) }));
+          }),
+        );
       });
       call.on("status", (s: grpc.StatusObject) => finish(s.code, s.details));
       call.on("error", (e: grpc.ServiceError) => finish(e.code ?? grpc.status.UNKNOWN, e.details ?? e.message));
@@ -300,6 +332,8 @@ interface StreamEnd {
   code: number;
   details: string;
   welcomed: boolean;
+  /** How long the stream was up after its welcome, in milliseconds. */
+  upMs: number;
   fatal?: string;
 }
 
@@ -308,7 +342,7 @@ interface Running {
   ctx: Context;
   abort: AbortController;
   answered: boolean;
-  timers: NodeJS.Timeout[];
+  timers: Timer[];
 }
 
 /**
@@ -319,7 +353,6 @@ class Session {
   private readonly running = new Map<string, Running>();
   private readonly indexes: Indexes;
   private readonly capabilities: Set<number>;
-  private readonly cancelGrace: number;
   private closed = false;
   private lost = false;
   private idleWaiters: (() => void)[] = [];
@@ -328,6 +361,10 @@ class Session {
   private farewellCame = false;
   private readonly cleanupOnGoodbye: boolean;
   private readonly sink: Sink;
+  private readonly maxMessageBytes: number;
+  /** Bytes handed to the stream and not yet flushed. */
+  private pendingBytes = 0;
+  private droppedForBuffer = 0;
 
   constructor(
     private readonly op: Operator,
@@ -336,17 +373,18 @@ class Session {
   ) {
     this.indexes = new Indexes(op.registry.handlers.filter((h) => h.kind === "index").map((h) => h.id));
     this.capabilities = new Set(welcome.capabilities as number[]);
-    this.cancelGrace = welcome.limits?.cancelGracePeriod ? durationMs(welcome.limits.cancelGracePeriod) : 5000;
     this.cleanupOnGoodbye =
       this.capabilities.has(Capability.CLEANUP_ON_GOODBYE) && op.registry.handlers.some((h) => h.kind === "cleanup");
+    const limit = Number(welcome.limits?.maxMessageBytes ?? 0n);
+    this.maxMessageBytes = limit > 0 ? Math.min(limit, MAX_MESSAGE_BYTES) : MAX_MESSAGE_BYTES;
     this.sink = {
-      log: (r: LogOut) => this.send(logRequest(r)),
+      log: (r: LogOut) => this.sendDroppable(() => logRequest(r), "log record", r.invocationId),
       update: (id, patches) => {
         if (!this.capabilities.has(Capability.INVOCATION_UPDATES)) {
           op.logger.warn("capstan: the controller takes no interim patches; dropped", { invocation: id });
           return;
         }
-        this.send(updateRequest(id, patches));
+        this.sendDroppable(() => updateRequest(id, patches), "interim update", id);
       },
       local: op.logger,
     };
@@ -365,6 +403,75 @@ class Session {
       this.log.debug("capstan: send failed; the stream has ended", { error: String(error) });
       this.closed = true;
     }
+  }
+
+  /** Writes an encoded message, counting its bytes until it is flushed. */
+  private sendBytes(bytes: Buffer): void {
+    if (this.closed) return;
+    const n = bytes.length;
+    this.pendingBytes += n;
+    try {
+      // encodeRequest passes an encoded message through as it is.
+      this.call.write(bytes as unknown as ConnectRequest, () => {
+        this.pendingBytes -= n;
+      });
+    } catch (error) {
+      this.pendingBytes -= n;
+      this.log.debug("capstan: send failed; the stream has ended", { error: String(error) });
+      this.closed = true;
+    }
+  }
+
+  /**
+   * Sends a log record or an interim update unless it cannot be encoded, exceeds the message
+   * size limit, or the outgoing buffer is full (then it is dropped, and counted).
+   */
+  private sendDroppable(build: () => ConnectRequest, what: string, invocation: string): void {
+    if (this.closed) return;
+    if (this.pendingBytes > OUTGOING_BUFFER_LIMIT) {
+      if (this.droppedForBuffer++ === 0) {
+        this.log.warn("capstan: the outgoing buffer is full; dropping log records and interim updates", { invocation, limit: OUTGOING_BUFFER_LIMIT });
+      }
+      return;
+    }
+    let bytes: Buffer;
+    try {
+      bytes = encodeRequest(build());
+    } catch (error) {
+      this.log.warn(`capstan: dropping a ${what} that cannot be encoded`, { invocation, error: String(error) });
+      return;
+    }
+    if (bytes.length > this.maxMessageBytes) {
+      this.log.warn(`capstan: dropping a ${what} larger than the message size limit`, { invocation, bytes: bytes.length, limit: this.maxMessageBytes });
+      return;
+    }
+    this.sendBytes(bytes);
+  }
+
+  /** How many log records and interim updates were dropped because the outgoing buffer was full. */
+  get dropped(): number {
+    return this.droppedForBuffer;
+  }
+
+  /**
+   * Sends an invocation's result; one that cannot be encoded, or exceeds the message size
+   * limit, is replaced by a permanent error (RESULT_NOT_ENCODABLE, RESULT_TOO_LARGE).
+   */
+  private sendResult(id: string, r: Running, out: InvocationOutcome): void {
+    let bytes: Buffer;
+    try {
+      bytes = encodeRequest(resultRequest(id, out));
+    } catch (error) {
+      const summary = `the handler's result cannot be encoded: ${String(error)}`.slice(0, 1024);
+      this.log.warn("capstan: the handler's result cannot be encoded; answering a permanent error", { handler: r.ctx.handlerId, invocation: id, error: String(error) });
+      bytes = encodeRequest(rejection(id, "RESULT_NOT_ENCODABLE", summary));
+    }
+    if (bytes.length > this.maxMessageBytes) {
+      const summary = `the handler's result is ${bytes.length} bytes encoded; the limit is ${this.maxMessageBytes}`;
+      this.log.warn("capstan: the handler's result is too large; answering a permanent error", { handler: r.ctx.handlerId, invocation: id, bytes: bytes.length });
+      bytes = encodeRequest(rejection(id, "RESULT_TOO_LARGE", summary));
+    }
+    this.sendBytes(bytes);
   }
 
   sendFlow(handlerId: string, maxInFlight: number): void {
@@ -454,15 +561,17 @@ class Session {
     const r: Running = { ctx, abort, answered: false, timers: [] };
     this.running.set(id, r);
     if (data.deadline) {
-      const ms = Math.min(Math.max(data.deadline.getTime() - Date.now(), 0), 2 ** 31 - 1);
-      r.timers.push(setTimeout(() => this.abortOne(r, "deadline_exceeded"), ms));
+      const ms = Math.max(data.deadline.getTime() - Date.now(), 0);
+      r.timers.push(longTimeout(() => this.abortOne(r, "deadline_exceeded"), ms));
     }
     const begin = performance.now();
-    execute(spec, ctx, this.indexes).then(
-      (out) => this.finish(id, r, { ...out, duration: (performance.now() - begin) / 1000 }),
-      (error) =>
-        this.finish(id, r, { outcome: classify(error, ctx.signal), patches: [], subhandlers: [], duration: (performance.now() - begin) / 1000 }),
-    );
+    execute(spec, ctx, this.indexes)
+      .then(
+        (out) => this.finish(id, r, { ...out, duration: (performance.now() - begin) / 1000 }),
+        (error) =>
+          this.finish(id, r, { outcome: classify(error, ctx.signal), patches: [], subhandlers: [], duration: (performance.now() - begin) / 1000 }),
+      )
+      .catch((error) => this.log.error("capstan: answering an invocation failed", { invocation: id, error: String(error) }));
   }
 
   private abortOne(r: Running, reason: CancelReason): void {
@@ -473,14 +582,14 @@ class Session {
 
   /** Sends an invocation's one result (unless it was answered already or its stream is gone). */
   private finish(id: string, r: Running, out: InvocationOutcome): void {
-    for (const t of r.timers) clearTimeout(t);
+    for (const t of r.timers) t.cancel();
     if (r.answered) return;
     r.answered = true;
     this.running.delete(id);
     if (out.outcome.status === "unclassified") {
       this.log.warn("capstan: handler failed", { handler: r.ctx.handlerId, invocation: id, error: out.outcome.message });
     }
-    if (!this.lost) this.send(resultRequest(id, out));
+    if (!this.lost) this.sendResult(id, r, out);
     this.forget(r, out);
     if (this.running.size === 0) for (const w of this.idleWaiters.splice(0)) w();
   }
@@ -501,11 +610,14 @@ class Session {
     const reason = cancelReason(c.reason);
     this.abortOne(r, reason);
     if (reason === "resource_deleted" && r.ctx.uid) this.op.memos.drop(r.ctx.uid);
-    // A handler that ignores its signal is still answered within the grace period.
-    const grace = c.gracePeriod ? durationMs(c.gracePeriod) : this.cancelGrace;
+    // A handler that ignores its signal is still answered within the grace period. An unset
+    // grace period means "wait as long as it takes" (kopf's daemons without a
+    // cancellation_timeout): then only the handler answers.
+    if (!c.gracePeriod) return;
+    const grace = durationMs(c.gracePeriod);
     const margin = Math.max(grace - Math.max(100, grace * 0.1), 0);
     r.timers.push(
-      setTimeout(() => {
+      longTimeout(() => {
         if (r.answered) return;
         this.log.warn("capstan: the handler ignored its cancellation; answering cancelled", { invocation: c.invocationId });
         this.finish(c.invocationId, r, { outcome: { status: "cancelled" }, patches: [], subhandlers: [], duration: 0 });
@@ -520,10 +632,13 @@ class Session {
       this.log.info("capstan: the stream ended", { code: grpc.status[code] ?? code, details });
     }
     this.lost = true;
+    if (this.droppedForBuffer > 0) {
+      this.log.warn("capstan: log records and interim updates dropped on a full outgoing buffer", { dropped: this.droppedForBuffer });
+    }
     for (const r of this.running.values()) {
       this.abortOne(r, "stream_lost");
       r.answered = true;
-      for (const t of r.timers) clearTimeout(t);
+      for (const t of r.timers) t.cancel();
     }
     this.running.clear();
     for (const w of this.idleWaiters.splice(0)) w();
@@ -559,16 +674,16 @@ class Session {
     if (this.cleanupOnGoodbye) {
       // The cleanup handlers come now, on this stream: nothing is cancelled before farewell.
       const timeout = (this.op.options.cleanupTimeout ?? 20) * 1000;
-      const timedOut = await Promise.race([this.whenFarewell().then(() => false), this.whenEnded().then(() => false), wait(timeout).then(() => true)]);
+      const timedOut = await within(timeout, this.whenFarewell(), this.whenEnded());
       if (timedOut) this.log.warn("capstan: the controller did not finish this process's cleanup handlers in time");
     }
     if (this.lost) return;
-    await Promise.race([this.whenIdle(), this.whenEnded(), wait(Math.max(deadline - Date.now(), 0))]);
+    await within(Math.max(deadline - Date.now(), 0), this.whenIdle(), this.whenEnded());
     if (this.lost) return;
     if (this.running.size > 0) {
       this.log.warn("capstan: cancelling the invocations still running", { running: this.running.size });
       for (const r of this.running.values()) this.abortOne(r, "process_stopping");
-      await Promise.race([this.whenIdle(), this.whenEnded(), wait(Math.min(grace, 2000))]);
+      await within(Math.min(grace, 2000), this.whenIdle(), this.whenEnded());
       if (this.lost) return;
       for (const [id, r] of [...this.running]) {
         this.log.warn("capstan: the handler ignored its cancellation; answering cancelled", { invocation: id });
@@ -577,13 +692,22 @@ class Session {
     }
     this.closed = true;
     this.call.end();
-    await Promise.race([this.whenEnded(), wait(grace)]);
+    await within(grace, this.whenEnded());
     if (!this.lost) this.call.cancel();
   }
 }
 
-function wait(ms: number): Promise<void> {
-  return new Promise((resolve) => setTimeout(resolve, Math.min(Math.max(ms, 0), 2 ** 31 - 1)));
+/** Waits for the first of `promises`, or `ms`; true when the time ran out. The timer is cleared either way. */
+async function within(ms: number, ...promises: Promise<unknown>[]): Promise<boolean> {
+  let timer: Timer | undefined;
+  const timeout = new Promise<boolean>((resolve) => {
+    timer = longTimeout(() => resolve(true), ms);
+  });
+  try {
+    return await Promise.race([timeout, ...promises.map((p) => p.then(() => false))]);
+  } finally {
+    timer?.cancel();
+  }
 }
 
 /** A gRPC target for an endpoint: `unix:` endpoints as they are, `host:port` as TCP. */

@@ -10,7 +10,7 @@
 
 import { Context } from "./context";
 import type { InvocationData, LogOut, Sink } from "./context";
-import { execute } from "./engine";
+import { classify, execute } from "./engine";
 import { CancelledError } from "./errors";
 import type { CancelReason } from "./errors";
 import { Indexes } from "./indexes";
@@ -18,6 +18,8 @@ import type { Index } from "./indexes";
 import { silentLogger } from "./logger";
 import type { Logger } from "./logger";
 import { Memos } from "./memo";
+import { longTimeout } from "./timers";
+import type { Timer } from "./timers";
 import { mergeInto } from "./patch";
 import { getDefaultRegistry } from "./registry";
 import type { Registry } from "./registry";
@@ -271,14 +273,19 @@ export class TestKit {
       ctx.cancelReasonValue = reason;
       abort.abort(new CancelledError(reason));
     };
-    options.signal?.addEventListener("abort", () => cancel("unspecified"), { once: true });
-    let timer: NodeJS.Timeout | undefined;
-    if (data.deadline) timer = setTimeout(() => cancel("deadline_exceeded"), Math.max(data.deadline.getTime() - Date.now(), 0));
+    const onAbort = () => cancel("unspecified");
+    options.signal?.addEventListener("abort", onAbort, { once: true });
+    let timer: Timer | undefined;
+    if (data.deadline) timer = longTimeout(() => cancel("deadline_exceeded"), Math.max(data.deadline.getTime() - Date.now(), 0));
     const begin = performance.now();
-    const result = execute(spec, ctx, this.indexes).then((out) => {
-      if (timer) clearTimeout(timer);
-      return new TestResult(out.outcome, out.patches, out.subhandlers, records, (performance.now() - begin) / 1000);
-    });
+    // As under the controller: an error of the engine itself is the handler's unclassified error.
+    const result = execute(spec, ctx, this.indexes)
+      .catch((error: unknown) => ({ outcome: classify(error, ctx.signal), patches: [], subhandlers: [] }) as Awaited<ReturnType<typeof execute>>)
+      .then((out) => new TestResult(out.outcome, out.patches, out.subhandlers, records, (performance.now() - begin) / 1000))
+      .finally(() => {
+        timer?.cancel();
+        options.signal?.removeEventListener("abort", onAbort);
+      });
     return {
       context: ctx,
       result,

@@ -34,6 +34,7 @@ export type { ConnectRequest, ConnectResponse };
 
 /** Encodes a ConnectRequest for the wire. */
 export function encodeRequest(m: ConnectRequest): Buffer {
+  if (Buffer.isBuffer(m)) return m; // encoded already (see Session.send)
   const bytes = toBinary(ConnectRequestSchema, m);
   return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
 }
@@ -80,6 +81,27 @@ export function encodeJson(v: unknown): { json: Uint8Array } {
 
 function seconds(v: number | undefined) {
   return v === undefined ? undefined : durationFromMs(Math.round(v * 1000));
+}
+
+/** The longest retry delay a result may ask for: 365 days, in seconds. */
+export const MAX_RETRY_DELAY = 365 * 24 * 3600;
+
+/** A TemporaryError's delay on the wire; throws unless it is finite and within 0..365 days. */
+function retryDelay(v: number | undefined) {
+  if (v === undefined) return undefined;
+  if (typeof v !== "number" || !Number.isFinite(v) || v < 0 || v > MAX_RETRY_DELAY) {
+    throw new RangeError(`capstan: a retry delay must be a finite number of seconds within 0..${MAX_RETRY_DELAY}, not ${String(v)}`);
+  }
+  return seconds(v);
+}
+
+/** An admission status code on the wire; throws unless it is an int32. */
+function admissionCode(v: number | undefined): number {
+  if (v === undefined) return 0;
+  if (!Number.isInteger(v) || v < -(2 ** 31) || v > 2 ** 31 - 1) {
+    throw new RangeError(`capstan: an admission code must be a 32-bit integer, not ${String(v)}`);
+  }
+  return v;
 }
 
 const KINDS: Record<Kind, HandlerKind> = {
@@ -367,7 +389,7 @@ function successInit(o: Extract<Outcome, { status: "success" }>) {
   if (o.admission) {
     value.kindResult = {
       case: "admission",
-      value: { allowed: o.admission.allowed, message: o.admission.message ?? "", code: o.admission.code ?? 0, warnings: o.admission.warnings },
+      value: { allowed: o.admission.allowed, message: o.admission.message ?? "", code: admissionCode(o.admission.code), warnings: o.admission.warnings },
     };
   } else if (o.credentials) {
     value.kindResult = { case: "credentials", value: credentials(o.credentials) };
@@ -382,7 +404,7 @@ function outcomeInit(o: Outcome): ResultOutcome {
     case "success":
       return { case: "success", value: successInit(o) };
     case "temporary":
-      return { case: "temporaryError", value: { retryAfter: seconds(o.delay), diagnostics: [pbDiagnostic(o.diagnostic)] } };
+      return { case: "temporaryError", value: { retryAfter: retryDelay(o.delay), diagnostics: [pbDiagnostic(o.diagnostic)] } };
     case "permanent":
       return { case: "permanentError", value: { diagnostics: [pbDiagnostic(o.diagnostic)] } };
     case "unclassified":
