@@ -15,8 +15,9 @@
 #
 # Builds what it needs: the API server (tests/testenv), `capstan` and the Rust SDK handler
 # (cargo, release), the Go SDK handler and the benchmark driver (Go, GOTOOLCHAIN=local), the
-# Python SDK's venv (sdk-python/scripts/venv.sh) for its handler, and a Python venv with the
-# pinned kopf (tests/bench/requirements.txt). Writes
+# Python SDK's venv (sdk-python/scripts/venv.sh) for its handler, the TypeScript SDK and its
+# handler (tests/bench/tshandler/build.sh, which runs sdk-typescript/scripts/build.sh; needs
+# Node 20), and a Python venv with the pinned kopf (tests/bench/requirements.txt). Writes
 # tests/bench/results/latest.md and latest.json, and admission.md and admission.json for the
 # admission round trip (--smoke: tests/bench/results/smoke/, not
 # committed; override either with BENCH_OUT=DIR). Every process it
@@ -127,6 +128,23 @@ else
 	echo "bench: the Python SDK venv could not be set up; running without it" >&2
 fi
 
+step "TypeScript SDK handler (tests/bench/tshandler/build.sh)"
+ts_handler=''
+if ts_entry=$(bash tests/bench/tshandler/build.sh "$bin/tshandler" | tail -n1) && node=$(command -v node); then
+	ts_handler="$bin/bench-typescript-handler"
+	cat >"$ts_handler" <<-EOF
+		#!/bin/sh
+		exec '$node' '$ts_entry'
+	EOF
+	chmod +x "$ts_handler"
+elif $smoke; then
+	# The smoke run is what keeps every handler process from rotting: a broken build fails it.
+	echo "bench: the TypeScript SDK handler does not build" >&2
+	exit 1
+else
+	echo "bench: the TypeScript SDK handler does not build; running without it" >&2
+fi
+
 step "kopf (Python venv)"
 python=${BENCH_PYTHON:-$(command -v python3.11 || command -v python3)}
 if [[ ! -x $venv/bin/python ]]; then
@@ -150,6 +168,9 @@ if [[ -n $go_handler ]]; then
 fi
 if [[ -n $py_handler ]]; then
 	args+=(--python-handler "$py_handler")
+fi
+if [[ -n $ts_handler ]]; then
+	args+=(--typescript-handler "$ts_handler")
 fi
 if $smoke; then
 	out=${BENCH_OUT:-$root/tests/bench/results/smoke}

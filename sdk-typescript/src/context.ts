@@ -85,6 +85,26 @@ export interface DeclaredSubhandler {
   options: SubhandlerOptions;
 }
 
+/**
+ * @internal An invocation's AbortController, made on first use: creating an AbortSignal costs
+ * microseconds, and most invocations end without anyone looking at theirs.
+ */
+export class LazyAbort {
+  private controller: AbortController | undefined;
+
+  get signal(): AbortSignal {
+    return (this.controller ??= new AbortController()).signal;
+  }
+
+  get aborted(): boolean {
+    return this.controller?.signal.aborted ?? false;
+  }
+
+  abort(reason: unknown): void {
+    (this.controller ??= new AbortController()).abort(reason);
+  }
+}
+
 const CHANGE_KINDS: ReadonlySet<Kind> = new Set(["create", "update", "delete", "resume", "field"]);
 
 function section(obj: unknown, key: string): JsonObject {
@@ -119,13 +139,13 @@ export class Context {
   /** @internal */
   constructor(
     /** @internal */ readonly data: InvocationData,
-    /** kopf's `stopped`/cancellation: aborted when the controller cancels the invocation, its deadline passes, the stream is lost or the process stops. */
-    readonly signal: AbortSignal,
+    signal: AbortSignal | LazyAbort,
     /** @internal */ readonly sink: Sink,
     private readonly memos: Memos | undefined,
     private readonly indexStore: Indexes | undefined,
     started?: Date,
   ) {
+    this.signalSource = signal;
     this.bodyValue = data.body ?? {};
     this.canDeclare = CHANGE_KINDS.has(data.kind);
     this.startedValue = started ?? data.started;
@@ -149,6 +169,13 @@ export class Context {
     this.sleep = this.sleep.bind(this);
   }
   private readonly startedValue: Date;
+  private readonly signalSource: AbortSignal | LazyAbort;
+
+  /** kopf's `stopped`/cancellation: aborted when the controller cancels the invocation, its deadline passes, the stream is lost or the process stops. */
+  get signal(): AbortSignal {
+    const s = this.signalSource;
+    return s instanceof LazyAbort ? s.signal : s;
+  }
 
   /** The invocation id (unique per attempt). */
   get invocationId(): string {

@@ -141,9 +141,9 @@ export async function execute(spec: HandlerSpec, ctx: Context, indexes?: Indexes
   const states = new Map<string, SubhandlerState>();
   for (const st of ctx.data.subhandlers ?? []) states.set(st.id, st);
   const subs = await runSubhandlers(ctx, "", states);
-  if (ctx.signal.aborted && (subs.ran || subs.cut)) {
+  if ((subs.ran || subs.cut) && ctx.signal.aborted) {
     // Cancelled while its sub-handlers ran, or before they could: the parent is not finished;
-    // they run on its next call.
+    // they run on its next call. (The signal is looked at last: it is made on first use.)
     return { outcome: { status: "cancelled" }, ...none };
   }
   return { outcome, patches: [...patches, ...subs.patches], subhandlers: subs.outcomes };

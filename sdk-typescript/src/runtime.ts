@@ -4,7 +4,7 @@
 import { randomBytes } from "node:crypto";
 import * as grpc from "@grpc/grpc-js";
 import { durationMs } from "@bufbuild/protobuf/wkt";
-import { Context } from "./context";
+import { Context, LazyAbort } from "./context";
 import type { LogOut, Sink } from "./context";
 import { execute, classify } from "./engine";
 import { CancelledError, SetupError } from "./errors";
@@ -340,7 +340,7 @@ interface StreamEnd {
 /** A running invocation. */
 interface Running {
   ctx: Context;
-  abort: AbortController;
+  abort: LazyAbort;
   answered: boolean;
   timers: Timer[];
 }
@@ -556,8 +556,8 @@ class Session {
       this.send(rejection(id, "INVALID_INVOCATION", `the invocation carries malformed JSON: ${String(error)}`));
       return;
     }
-    const abort = new AbortController();
-    const ctx = new Context(data, abort.signal, this.sink, this.op.memos, this.indexes);
+    const abort = new LazyAbort();
+    const ctx = new Context(data, abort, this.sink, this.op.memos, this.indexes);
     const r: Running = { ctx, abort, answered: false, timers: [] };
     this.running.set(id, r);
     if (data.deadline) {
@@ -575,7 +575,7 @@ class Session {
   }
 
   private abortOne(r: Running, reason: CancelReason): void {
-    if (r.abort.signal.aborted) return;
+    if (r.abort.aborted) return;
     r.ctx.cancelReasonValue = reason;
     r.abort.abort(new CancelledError(reason));
   }

@@ -1,4 +1,5 @@
-// The one place where the SDK's own types meet the generated protocol types. A change of the
+// The one place where the SDK's own types meet the generated protocol types (with codec.ts, the
+// hand-written coding of the hot path, used only here). A change of the
 // generated code changes this file, never the public API.
 
 import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
@@ -13,6 +14,7 @@ import type { FiltersSchema, HandlerRegistrationSchema, MetaMatchSchema, ValueMa
 import { ErrorsMode as PbErrorsMode, HandlerKind, Operation as PbOperation, Presence } from "./gen/capstan/v1/registration_pb";
 import { ConnectRequestSchema, ConnectResponseSchema, LogLevel as PbLogLevel, EventPosting } from "./gen/capstan/v1/runtime_service_pb";
 import type { ConnectRequest, ConnectResponse } from "./gen/capstan/v1/runtime_service_pb";
+import { encodeSuccessResult, fastInvocationResponse } from "./codec";
 import type { InvocationData, LogOut } from "./context";
 import type { CancelReason } from "./errors";
 import type { HandlerSpec } from "./registry";
@@ -32,16 +34,28 @@ import type {
 export { ConnectRequestSchema, ConnectResponseSchema };
 export type { ConnectRequest, ConnectResponse };
 
+/** Marks a plain successful result that {@link encodeRequest} writes by hand (codec.ts). */
+const PLAIN_SUCCESS = Symbol("capstan.plainSuccess");
+
 /** Encodes a ConnectRequest for the wire. */
 export function encodeRequest(m: ConnectRequest): Buffer {
   if (Buffer.isBuffer(m)) return m; // encoded already (see Session.send)
-  const bytes = toBinary(ConnectRequestSchema, m);
+  let bytes: Uint8Array | undefined;
+  if ((m as { [PLAIN_SUCCESS]?: true })[PLAIN_SUCCESS] && m.message.case === "result") {
+    const r = m.message.value;
+    const oc = r.outcome;
+    if (oc.case === "success" && r.duration) bytes = encodeSuccessResult(r.invocationId, oc.value.result, r.patches, r.duration);
+  }
+  bytes ??= toBinary(ConnectRequestSchema, m);
   return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
 }
 
-/** Decodes a ConnectResponse; unknown fields are kept aside, unknown enum values kept as numbers. */
+/**
+ * Decodes a ConnectResponse; unknown fields are kept aside, unknown enum values kept as numbers.
+ * An invocation, the message that comes most, is decoded by hand (codec.ts).
+ */
 export function decodeResponse(b: Buffer): ConnectResponse {
-  return fromBinary(ConnectResponseSchema, b);
+  return fastInvocationResponse(b) ?? fromBinary(ConnectResponseSchema, b);
 }
 
 /** Decodes a ConnectRequest (the fake controller of the tests). */
@@ -426,6 +440,8 @@ function patchInit(p: PatchDocument): MessageInitShape<typeof import("./gen/caps
 
 /** The wire result of an invocation. */
 export function resultRequest(invocationId: string, r: InvocationOutcome): ConnectRequest {
+  const o = r.outcome;
+  if (o.status === "success" && !o.admission && !o.credentials && r.subhandlers.length === 0) return plainSuccess(invocationId, o.result, r);
   const subhandlers: MessageInitShape<typeof SubhandlerOutcomeSchema>[] = r.subhandlers.map((s) => {
     const so = s.outcome;
     if (so.status === "deferred") return { subhandlerId: s.id, outcome: { case: "deferred", value: {} } };
@@ -447,6 +463,43 @@ export function resultRequest(invocationId: string, r: InvocationOutcome): Conne
       },
     },
   });
+}
+
+/**
+ * A successful result without sub-handlers or a kind result, built as plain objects of the
+ * generated types' shape (no reflective `create`) and marked for {@link encodeRequest}.
+ */
+function plainSuccess(invocationId: string, result: unknown, r: InvocationOutcome): ConnectRequest {
+  const ms = Math.max(Math.round(r.duration * 1000), 0);
+  const seconds = Math.floor(ms / 1000);
+  const m = {
+    $typeName: "capstan.v1.ConnectRequest",
+    message: {
+      case: "result",
+      value: {
+        $typeName: "capstan.v1.InvocationResult",
+        invocationId,
+        outcome: {
+          case: "success",
+          value: {
+            $typeName: "capstan.v1.Success",
+            result: result !== undefined && result !== null ? { $typeName: "capstan.v1.Json", ...encodeJson(result) } : undefined,
+            kindResult: { case: undefined },
+          },
+        },
+        patches: r.patches.map((p) => ({
+          $typeName: "capstan.v1.Patch",
+          type: p.type === "json" ? PatchType.JSON : PatchType.MERGE,
+          target: p.target === "status" ? PatchTarget.STATUS : PatchTarget.OBJECT,
+          body: { $typeName: "capstan.v1.Json", ...encodeJson(p.body) },
+        })),
+        duration: { $typeName: "google.protobuf.Duration", seconds: BigInt(seconds), nanos: (ms - seconds * 1000) * 1_000_000 },
+        subhandlers: [],
+      },
+    },
+    [PLAIN_SUCCESS]: true,
+  };
+  return m as unknown as ConnectRequest;
 }
 
 /** A permanent error for an invocation that cannot run. */

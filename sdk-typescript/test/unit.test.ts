@@ -7,9 +7,11 @@ import { AdmissionError, PermanentError, Patch, Registry, TemporaryError, sleep,
 import { TestKit, diffOf } from "../src/testing";
 import { Memos } from "../src/memo";
 import { backoff, onlyTaken, target } from "../src/runtime";
-import { registration, resultRequest, decodeRequest, encodeRequest, invocationData } from "../src/wire";
-import { create } from "@bufbuild/protobuf";
+import { registration, resultRequest, decodeRequest, decodeResponse, encodeRequest, encodeResponse, invocationData, response } from "../src/wire";
+import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
 import { InvocationSchema } from "../src/gen/capstan/v1/invocation_pb";
+import { ConnectRequestSchema, ConnectResponseSchema } from "../src/gen/capstan/v1/runtime_service_pb";
+import { fastInvocationResponse } from "../src/codec";
 
 const R = "widgets.v1.example.com";
 const body = (spec: Record<string, unknown> = {}, extra: Record<string, unknown> = {}) => ({
@@ -297,6 +299,64 @@ test("results round-trip through the wire", () => {
   const data = invocationData(inv, "create");
   assert.deepEqual(data.body, { spec: { a: 1 } });
   assert.equal(data.attempt, 2);
+});
+
+test("the hand-written codec of invocations and results agrees with the reflective one", () => {
+  const json = (v: unknown) => ({ json: new TextEncoder().encode(JSON.stringify(v)) });
+  const ts = (s: number) => ({ seconds: BigInt(s), nanos: 7 });
+  const base = {
+    invocationId: "inv-1",
+    handlerId: "create_fn",
+    attempt: 3,
+    idempotencyKey: "k",
+    resource: { group: "g", version: "v1", kind: "K", plural: "ks", namespace: "ns", name: "n", uid: "u", resourceVersion: "9", generation: 4n },
+    body: json({ metadata: { name: "n" }, spec: { a: 1 } }),
+  };
+  const invocations = [
+    base,
+    { ...base, resource: undefined, body: undefined, attempt: 0 },
+    {
+      ...base,
+      deadline: ts(100),
+      startedTime: ts(50),
+      traceContext: { traceparent: "00-abc", x: "y" },
+      lastError: { summary: "boom", reason: "R" },
+      param: json({ p: [1, 2] }),
+      subhandlers: [{ subhandlerId: "s1", retries: 2, success: true, delayedUntil: ts(9), message: "m" }],
+      payload: { case: "change" as const, value: { reason: 2, old: json({ a: 1 }), new: json({ a: 2 }), field: "spec.a", diff: [{ operation: 2, path: ["spec", "a"], old: json(1), new: json(2) }] } },
+    },
+    { ...base, payload: { case: "daemon" as const, value: { restarts: 4 } } },
+    { ...base, payload: { case: "admission" as const, value: { uid: "a", operation: "CREATE", dryRun: true, oldObject: json({}), headers: { h: "v" } } } },
+  ];
+  const plain = (v: unknown) =>
+    JSON.parse(JSON.stringify(v, (_, x) => (typeof x === "bigint" ? `${x}n` : x instanceof Uint8Array ? Buffer.from(x).toString("hex") : x)));
+  for (const value of invocations) {
+    const bytes = encodeResponse(response({ message: { case: "invocation", value } }));
+    assert.ok(fastInvocationResponse(bytes), "decoded by hand");
+    assert.deepEqual(plain(decodeResponse(bytes)), plain(fromBinary(ConnectResponseSchema, bytes)));
+  }
+  const ping = encodeResponse(response({ message: { case: "ping", value: { nonce: 5n } } }));
+  assert.equal(fastInvocationResponse(ping), undefined);
+  assert.equal(decodeResponse(ping).message.case, "ping");
+
+  const outcomes = [
+    { outcome: { status: "success" as const }, patches: [], subhandlers: [], duration: 0.00001 },
+    {
+      outcome: { status: "success" as const, result: { message: "hello", attempts: 2 } },
+      patches: [
+        { type: "merge" as const, target: "object" as const, body: { metadata: { labels: { a: "1" } } } },
+        { type: "json" as const, target: "status" as const, body: [{ op: "add", path: "/status/x", value: 1 }] },
+      ],
+      subhandlers: [],
+      duration: 12345.6789,
+    },
+  ];
+  for (const out of outcomes) {
+    const fast = encodeRequest(resultRequest("inv-1", out));
+    const m = decodeRequest(fast);
+    assert.deepEqual(Buffer.from(toBinary(ConnectRequestSchema, m)), fast);
+    assert.equal(m.message.case, "result");
+  }
 });
 
 test("reconnects back off with jitter; HANDLER_ID_TAKEN alone is retried; endpoints", () => {

@@ -65,6 +65,7 @@ type options struct {
 	rustHandler string
 	goHandler   string
 	pyHandler   string
+	tsHandler   string
 	kopf        string
 	kopfOp      string
 	crd         string
@@ -108,6 +109,7 @@ func runBench(args []string) error {
 	fs.StringVar(&o.rustHandler, "rust-handler", "", "capstan-e2e-handler (Rust SDK)")
 	fs.StringVar(&o.goHandler, "go-handler", "", "the Go SDK handler (optional)")
 	fs.StringVar(&o.pyHandler, "python-handler", "", "the Python SDK handler: an executable that runs python -m capstan run (optional)")
+	fs.StringVar(&o.tsHandler, "typescript-handler", "", "the TypeScript SDK handler: an executable that runs node tshandler/handlers.js (optional)")
 	fs.StringVar(&o.kopf, "kopf", "", "the kopf executable (optional)")
 	fs.StringVar(&o.kopfOp, "kopf-operator", "", "kopf/operator.py")
 	fs.StringVar(&o.crd, "crd", "", "examples/crd.yaml")
@@ -202,6 +204,11 @@ func runBench(args []string) error {
 		ctrls = append(ctrls, capstanController("capstan+python", o.capstan, o.pyHandler, kubeconfig, goHandlerEnv))
 	} else {
 		res.Notes = append(res.Notes, "The Python SDK venv was not set up; its column is missing.")
+	}
+	if o.tsHandler != "" {
+		ctrls = append(ctrls, capstanController("capstan+typescript", o.capstan, o.tsHandler, kubeconfig, goHandlerEnv))
+	} else {
+		res.Notes = append(res.Notes, "The TypeScript SDK handler was not built; its column is missing.")
 	}
 	if o.kopf != "" {
 		ctrls = append(ctrls, kopfController(o.kopf, o.kopfOp, kubeconfig))
@@ -819,6 +826,9 @@ func versions(o options) map[string]string {
 	if o.kopf != "" {
 		v["kopf"] = run(o.kopf, "--version")
 	}
+	if o.tsHandler != "" {
+		v["node"] = run("node", "--version")
+	}
 	return v
 }
 
@@ -862,6 +872,9 @@ func (b *bencher) runHop() {
 	}
 	if b.o.pyHandler != "" {
 		handlers = append(handlers, struct{ name, bin, env string }{"Python SDK (pyhandler, async)", b.o.pyHandler, "BENCH_HANDLERS=create"})
+	}
+	if b.o.tsHandler != "" {
+		handlers = append(handlers, struct{ name, bin, env string }{"TypeScript SDK (tshandler, Node)", b.o.tsHandler, "BENCH_HANDLERS=create"})
 	}
 	for _, h := range handlers {
 		say("B3: gRPC hop with the %s", h.name)
