@@ -219,15 +219,7 @@ impl Session {
                 match (code, live.outbound.take()) {
                     (tonic::Code::Ok, _) => {}
                     (code, Some(outbound)) => {
-                        let status = Status::new(*code, message.clone());
-                        tokio::time::timeout(SEND_WITHIN, outbound.send(Err(status)))
-                            .await
-                            .map_err(|_| {
-                                anyhow!(
-                                    "the handler process took nothing from the stream for {SEND_WITHIN:?}"
-                                )
-                            })?
-                            .map_err(|_| anyhow!("the stream is gone"))?;
+                        offer(&outbound, Err(Status::new(*code, message.clone()))).await?;
                     }
                     (_, None) => bail!("the stream is closed already"),
                 }
@@ -430,10 +422,7 @@ impl Session {
             .outbound
             .as_ref()
             .ok_or_else(|| anyhow!("the stream is closed"))?;
-        tokio::time::timeout(SEND_WITHIN, outbound.send(Ok(bytes)))
-            .await
-            .map_err(|_| anyhow!("the handler process took nothing from the stream for {SEND_WITHIN:?}"))?
-            .map_err(|_| anyhow!("the stream is gone"))
+        offer(outbound, Ok(bytes)).await
     }
 
     /// Whether nothing more can come: no stream, or it ended.
@@ -505,16 +494,25 @@ impl Session {
         self.live.as_ref().map_or(0, |live| live.number)
     }
 
+    /// Where the first message not taken yet of the current connection is that is of `kind`
+    /// and matches `wrapped` (`{kind: pattern}`).
+    fn waiting(&self, kind: &str, wrapped: &Value) -> Option<usize> {
+        let current = self.current();
+        self.received.iter().position(|got| {
+            !got.consumed
+                && got.connection == current
+                && got.kind == kind
+                && pattern::check(wrapped, &got.message).is_ok()
+        })
+    }
+
     async fn expect(&mut self, kind: &str, pattern: &Value, within: Duration) -> Result<Value> {
         let deadline = tokio::time::Instant::now() + within;
+        let wrapped = json!({kind: pattern});
         loop {
-            let current = self.current();
-            if let Some(found) = self.received.iter_mut().find(|got| {
-                !got.consumed
-                    && got.connection == current
-                    && got.kind == kind
-                    && pattern::check(&json!({kind: pattern}), &got.message).is_ok()
-            }) {
+            if let Some(at) = self.waiting(kind, &wrapped) {
+                let current = self.current();
+                let found = &mut self.received[at];
                 found.consumed = true;
                 let message = found.message.clone();
                 if kind == "hello" {
@@ -534,13 +532,9 @@ impl Session {
             .received
             .iter()
             .filter(|got| !got.consumed && got.connection == self.current() && got.kind == kind)
-            .map(|got| {
-                pattern::check(&json!({kind: pattern}), &got.message)
-                    .err()
-                    .unwrap_or_default()
-            })
+            .map(|got| pattern::check(&wrapped, &got.message).err().unwrap_or_default())
             .collect();
-        let ended = self.live.as_ref().is_some_and(|live| live.ended);
+        let ended = self.quiet() && self.live.is_some();
         if near.is_empty() {
             bail!(
                 "no {kind} within {within:?}{}",
@@ -562,16 +556,10 @@ impl Session {
         while tokio::time::Instant::now() < deadline && !self.quiet() {
             self.pump(deadline).await;
         }
-        let current = self.current();
-        if let Some(got) = self.received.iter().find(|got| {
-            !got.consumed
-                && got.connection == current
-                && got.kind == kind
-                && pattern::check(&json!({kind: pattern}), &got.message).is_ok()
-        }) {
-            bail!("a {kind} came: {}", got.message);
+        match self.waiting(kind, &json!({kind: pattern})) {
+            Some(at) => bail!("a {kind} came: {}", self.received[at].message),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     async fn expect_order(&mut self, order: &[(String, Value)]) -> Result<()> {
@@ -676,4 +664,13 @@ fn with_times(value: &Value, now: SystemTime) -> Value {
 /// RFC 3339, as protobuf's JSON form writes timestamps.
 fn timestamp(at: SystemTime) -> String {
     prost_types::Timestamp::from(at).to_string()
+}
+
+/// Puts a message (or the status that ends the stream) on the stream, waiting at most
+/// `SEND_WITHIN` for room.
+async fn offer(outbound: &mpsc::Sender<Result<Bytes, Status>>, item: Result<Bytes, Status>) -> Result<()> {
+    tokio::time::timeout(SEND_WITHIN, outbound.send(item))
+        .await
+        .map_err(|_| anyhow!("the handler process took nothing from the stream for {SEND_WITHIN:?}"))?
+        .map_err(|_| anyhow!("the stream is gone"))
 }
