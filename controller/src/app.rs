@@ -130,6 +130,7 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
     .await?;
     info!(listen = %server.local(), admin = ?admin_addr, version = env!("CARGO_PKG_VERSION"), "capstan started");
 
+    settings.engine.shard = pausing.shard();
     let engines = core.engines(&settings, &background);
     engines.register_check(&core.health);
     let gate_stop = CancellationToken::new();
@@ -165,6 +166,7 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
     }
     pausing.stop_election().await;
     engines.stop().await;
+    pausing.leave_ring().await;
     if failed.is_none() {
         run_cleanup(&core.hub, &background.activities, settings.shutdown_grace).await;
     }
@@ -362,6 +364,8 @@ struct Pausing {
     peering: Arc<PeeringSlot>,
     election_stop: CancellationToken,
     elector: Option<JoinHandle<Elector>>,
+    /// With sharding: this replica's membership in the ring.
+    member: Option<crate::sharding::Member>,
 }
 
 impl Pausing {
@@ -424,13 +428,39 @@ impl Pausing {
                 .instrument(info_span!("election")),
             )
         });
+        let member = if settings.sharding.enabled {
+            let identity = settings.peering.identity();
+            let member =
+                crate::sharding::Member::start(&settings.sharding, &identity, core.client.clone(), &gate)?;
+            let status = member.status();
+            let first = status.clone();
+            leading = Arc::new(move || first.lock().first);
+            core.health
+                .readiness("sharding", move || Check::pass(status.lock().describe()));
+            Some(member)
+        } else {
+            None
+        };
         Ok(Self {
             gate,
             leading,
             peering,
             election_stop,
             elector,
+            member,
         })
+    }
+
+    /// With sharding: the ranges this replica handles, for the engine.
+    fn shard(&self) -> Option<crate::sharding::Shard> {
+        self.member.as_ref().map(crate::sharding::Member::shard)
+    }
+
+    /// With sharding: leaves the ring once the engine stopped (the others take over at once).
+    async fn leave_ring(&mut self) {
+        if let Some(member) = self.member.take() {
+            member.leave().await;
+        }
     }
 
     /// Stops the election and releases the lease (a standby takes over at once).

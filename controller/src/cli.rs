@@ -574,6 +574,19 @@ pub struct RunArgs {
     #[arg(long, env = "CAPSTAN_LEADER_ELECTION")]
     pub leader_election: bool,
 
+    /// Shard the objects among replicas: each replica holds a member Lease (named after
+    /// --lease-name, in --lease-namespace) and handles the objects whose uid hashes into its
+    /// ranges; ranges move between replicas only after their old owner stopped handling them.
+    /// The durations are --lease-duration, --renew-deadline and --retry-period. Not with
+    /// --leader-election (sharding replaces it) nor in per-node mode.
+    #[arg(long, env = "CAPSTAN_SHARDING", conflicts_with = "leader_election")]
+    pub sharding: bool,
+
+    /// With --sharding: how long a new replica must be alive before objects move to it
+    /// (doubled for each time the same replica left in the last two minutes, up to 8 times).
+    #[arg(long, env = "CAPSTAN_SHARDING_SETTLE", value_parser = parse_duration, default_value = "4s")]
+    pub sharding_settle: Duration,
+
     /// The Lease's name.
     #[arg(long, env = "CAPSTAN_LEASE_NAME", default_value = "capstan")]
     pub lease_name: String,
@@ -774,7 +787,9 @@ impl RunArgs {
         settings.connection.supported_kinds = Some(crate::engine::SUPPORTED_KINDS.to_vec());
         settings.webhooks = self.webhook.settings();
         settings.webhooks.listen = crate::config::bindable(settings.webhooks.listen);
-        settings.webhooks.leader_election = self.leader_election;
+        // Replicas that shard serve webhooks like replicas that elect a leader: one of them
+        // writes the configurations, and all need the same certificate authority.
+        settings.webhooks.leader_election = self.leader_election || self.sharding;
         // Admission handlers are run only where webhooks are served; otherwise their
         // registrations are refused with the reason, so the handler process learns it.
         settings.connection.admission_unavailable = if settings.webhooks.mode == crate::webhooks::Mode::Off {
@@ -846,6 +861,15 @@ impl RunArgs {
             lease_duration: self.lease_duration,
             renew_deadline: self.renew_deadline,
             retry_period: self.retry_period,
+        };
+        settings.sharding = crate::sharding::Settings {
+            enabled: self.sharding,
+            ring: self.lease_name.clone(),
+            namespace: self.lease_namespace.clone(),
+            lease_duration: self.lease_duration,
+            renew_deadline: self.renew_deadline,
+            retry_period: self.retry_period,
+            settle: self.sharding_settle,
         };
         settings
     }
@@ -1059,6 +1083,9 @@ impl RunArgs {
         if let Some(value) = self.handler_identity.as_deref() {
             crate::k8s::handler_identity::Spec::parse(value, self.handler_identity_dir.clone())
                 .map_err(|e| e.to_string())?;
+        }
+        if self.sharding && self.node().is_some() {
+            return Err("--sharding cannot be used in per-node mode (--node-name or $NODE_NAME): every node's operator already handles only its node's share".into());
         }
         if let Some(value) = self.node_storage.as_deref() {
             if self.node().is_none() {

@@ -42,6 +42,8 @@ pub struct Settings {
     pub peering: peering::Settings,
     /// Leader election among replicas.
     pub election: peering::election::Settings,
+    /// Sharding the objects among replicas.
+    pub sharding: crate::sharding::Settings,
     /// Node-local storage of per-node state (per-node mode only).
     pub node_store: Option<crate::persistence::node_store::Spec>,
     /// The handler container's own identity, kept fresh by the controller.
@@ -106,6 +108,7 @@ impl Default for Settings {
             engine: engine::Settings::default(),
             peering: peering::Settings::default(),
             election: peering::election::Settings::default(),
+            sharding: crate::sharding::Settings::default(),
             node_store: None,
             handler_identity: None,
             webhooks: crate::webhooks::Settings::default(),

@@ -97,6 +97,9 @@ pub struct Settings {
     /// it follows them: while the hub's differ, it starts no watch (it is about to be replaced
     /// by one configured with them).
     pub operator: Option<crate::model::operator_settings::OperatorSettings>,
+    /// With sharding: the ranges of objects this member handles now (see `sharding::shard`);
+    /// objects outside them are dropped as they arrive.
+    pub shard: Option<crate::sharding::Shard>,
 }
 
 impl Default for Settings {
@@ -112,6 +115,7 @@ impl Default for Settings {
             activities: activities::Settings::default(),
             watch_crds: true,
             operator: None,
+            shard: None,
         }
     }
 }
@@ -274,6 +278,15 @@ impl Engine {
         );
         let mut watched: BTreeMap<ResourceKey, Watched> = BTreeMap::new();
         let mut tasks = JoinSet::new();
+        if self.settings.shard.is_some() {
+            let queues = Arc::downgrade(&self.queues);
+            crate::observability::metrics::global().sample_sharding_objects(move || {
+                queues.upgrade().map_or(0, |queues| {
+                    let known: usize = queues.lock().iter().map(|(_, _, q)| q.len()).sum();
+                    i64::try_from(known).unwrap_or(i64::MAX)
+                })
+            });
+        }
         if let Some(node) = self.settings.node.clone().filter(|n| n.cleanup) {
             tasks.spawn(nodes::run(
                 node,
@@ -618,6 +631,7 @@ impl Engine {
             let q = queue.clone();
             let stop = cancel.clone();
             let served = served.clone();
+            let shard = self.settings.shard.clone();
             tasks.spawn(
                 async move {
                     loop {
@@ -626,7 +640,7 @@ impl Engine {
                             event = rx.recv() => match event {
                                 Some(e) => {
                                     let ns = e.body.pointer("/metadata/namespace").and_then(serde_json::Value::as_str).unwrap_or_default();
-                                    if served.serves(ns) {
+                                    if served.serves(ns) && shard.as_ref().is_none_or(|s| s.holds_object(&e.body)) {
                                         q.observe(e.event_type, e.body, e.listed, e.in_listing).await;
                                     }
                                 }

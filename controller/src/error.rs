@@ -21,6 +21,9 @@ pub enum Error {
     /// Peering or leader election could not start.
     #[error("cannot start peering")]
     Peering(#[from] peering::Error),
+    /// Sharding could not start.
+    #[error("cannot join the sharding ring")]
+    Sharding(#[from] crate::sharding::Error),
     /// An operator activity stopped the controller (a startup handler failed for good).
     #[error("an operator activity failed")]
     Activity(#[from] crate::engine::activities::Error),

@@ -12,6 +12,7 @@ pub mod events;
 pub mod handler_identity;
 pub mod lease;
 pub mod listing;
+pub mod members;
 pub mod objects;
 pub mod peering;
 pub mod quarantine;

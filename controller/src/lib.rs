@@ -50,6 +50,7 @@ pub mod model;
 pub mod observability;
 pub mod peering;
 pub mod persistence;
+pub mod sharding;
 pub mod signal;
 pub mod steering;
 pub mod webhooks;

@@ -14,6 +14,7 @@ use capstan_tests::{
         self, Render, ci_values_files, documents, ensure_namespace, impersonating_kubeconfig, namespaces_of,
         scratch_file, stem,
     },
+    process::{Controller, start_handler},
     scenario::{Scenario, annotation, has_finalizer, tail},
     testenv::TestEnv,
 };
@@ -285,8 +286,16 @@ async fn invalid_values_fail_with_a_message_that_says_what_to_change() -> Result
         ),
         (
             &["replicas=2"],
-            "replicas=2 needs leaderElection.enabled=true: without leader election every replica would \
-             handle every object at the same time. Set leaderElection.enabled=true, or replicas=1.",
+            "replicas=2 needs sharding.enabled=true or leaderElection.enabled=true: without either every \
+             replica would handle every object at the same time.",
+        ),
+        (
+            &["sharding.enabled=true", "leaderElection.enabled=true"],
+            "sharding.enabled=true with leaderElection.enabled=true: sharding replaces leader election",
+        ),
+        (
+            &["sharding.enabled=true", "mode=daemonset"],
+            "sharding.enabled=true needs mode=deployment",
         ),
         (
             &[
@@ -368,6 +377,12 @@ async fn invalid_values_fail_with_a_message_that_says_what_to_change() -> Result
     // The safe variants of the refused combinations render.
     for set in [
         &["replicas=2", "leaderElection.enabled=true"][..],
+        &["replicas=3", "sharding.enabled=true"][..],
+        &[
+            "replicas=3",
+            "sharding.enabled=true",
+            "updateStrategy.type=RollingUpdate",
+        ][..],
         &["mode=daemonset", "finalizers=enabled"][..],
         &["mode=daemonset", "daemonset.nodeCleanup=false"][..],
         &["capstan.persistence=kopf"][..],
@@ -1370,6 +1385,138 @@ async fn the_rbac_for_leader_election_and_peering_is_enough_to_lead_and_peer() -
         .kubectl_ok(&["get", "lease", "ha-capstan", "-n", ns])
         .await?;
     every_request_was_made_as_and_allowed(&s.env, &user)?;
+    s.handler.terminate().await?;
+    s.controller.process.terminate().await?;
+    s.env.stop().await
+}
+
+#[tokio::test]
+async fn three_sharded_replicas_run_with_the_charts_rbac() -> Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let ns = "capstan-system";
+    ensure_namespace(&env, ns).await?;
+    ensure_namespace(&env, "apps").await?;
+    let mut set = EXAMPLE_RESOURCE.to_vec();
+    set.extend(["sharding.enabled=true", "replicas=3"]);
+    let manifests = Render {
+        release: "sh",
+        namespace: ns,
+        set,
+        show_only: vec![
+            "templates/serviceaccount.yaml",
+            "templates/rbac.yaml",
+            "templates/deployment.yaml",
+        ],
+        ..Render::default()
+    }
+    .manifests()
+    .await?;
+    let objs: Vec<Value> = documents(&manifests)
+        .iter()
+        .filter(|d| !d.trim().is_empty())
+        .map(|d| serde_saphyr::from_str(d))
+        .collect::<Result<_, _>>()?;
+    let deployment = find(&objs, "Deployment");
+    let deployment = deployment.first().context("a Deployment")?;
+    ensure!(
+        deployment["spec"]["replicas"] == 3,
+        "replicas: {}",
+        deployment["spec"]["replicas"]
+    );
+    ensure!(
+        deployment["spec"]["strategy"]["type"] == "RollingUpdate",
+        "a sharded Deployment rolls: {}",
+        deployment["spec"]["strategy"]
+    );
+    let capstan = deployment["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .into_iter()
+        .chain(deployment["spec"]["template"]["spec"]["initContainers"].as_array())
+        .flatten()
+        .find(|c| c["name"] == "capstan")
+        .context("the capstan container")?;
+    let env_vars = env_of(capstan);
+    ensure!(lookup(&env_vars, "CAPSTAN_SHARDING") == Some("true"));
+    ensure!(lookup(&env_vars, "CAPSTAN_LEASE_NAME") == Some("sh-capstan"));
+    ensure!(lookup(&env_vars, "CAPSTAN_LEADER_ELECTION") == Some("false"));
+    let rbac: String = documents(&manifests)
+        .into_iter()
+        .filter(|doc| !doc.contains("kind: Deployment"))
+        .collect::<Vec<_>>()
+        .join("\n---\n");
+    env.apply(&rbac).await?;
+    let user = format!("system:serviceaccount:{ns}:sh-capstan");
+    let kubeconfig = impersonating_kubeconfig(&env, &user).await?;
+
+    // As the chart runs them: three members of the release's ring.
+    let args = |id: &'static str| {
+        vec![
+            "--sharding",
+            "--lease-name",
+            "sh-capstan",
+            "--lease-namespace",
+            ns,
+            "--peer-id",
+            id,
+        ]
+    };
+    let mut s = Scenario::attach(env, &kubeconfig, "create", &args("sh-0"), "apps").await?;
+    let mut others = Vec::new();
+    for id in ["sh-1", "sh-2"] {
+        let mut controller = Controller::start_with(&s.env, &kubeconfig, id, &args(id)).await?;
+        let handler = start_handler(
+            &s.env,
+            &format!("{id}-handler"),
+            &controller.endpoint(),
+            &[
+                ("E2E_HANDLERS", "create"),
+                (
+                    "E2E_LOG",
+                    &s.env.scratch().join(format!("{id}.log")).to_string_lossy(),
+                ),
+            ],
+        )?;
+        controller
+            .process
+            .wait_for("handler process connected", Duration::from_secs(60))
+            .await?;
+        others.push((controller, handler));
+    }
+    for (controller, _) in &mut others {
+        controller
+            .process
+            .wait_for("the ring is settled", Duration::from_secs(30))
+            .await?;
+    }
+    for i in 0..6 {
+        s.create(&format!("obj-{i}"), json!({})).await?;
+    }
+    for i in 0..6 {
+        s.wait(&format!("obj-{i}"), T, "handled by its member", |o| {
+            annotation(o, "capstan.dev/last-handled-configuration").is_some()
+        })
+        .await?;
+    }
+    let leases = s
+        .env
+        .kubectl_ok(&[
+            "get",
+            "leases",
+            "-n",
+            ns,
+            "-l",
+            "capstan.dev/ring=sh-capstan",
+            "-o",
+            "name",
+        ])
+        .await?;
+    ensure!(leases.lines().count() == 3, "three member Leases: {leases}");
+    every_request_was_made_as_and_allowed(&s.env, &user)?;
+    for (mut controller, mut handler) in others {
+        handler.terminate().await?;
+        controller.process.terminate().await?;
+    }
     s.handler.terminate().await?;
     s.controller.process.terminate().await?;
     s.env.stop().await

@@ -107,6 +107,13 @@ The Lease of leader election.
 {{- end -}}
 
 {{/*
+The sharding ring's name (its member Leases' label and name prefix).
+*/}}
+{{- define "capstan.ringName" -}}
+{{- default (include "capstan.fullname" .) .Values.sharding.ringName -}}
+{{- end -}}
+
+{{/*
 The peering object's name.
 */}}
 {{- define "capstan.peeringName" -}}
@@ -118,8 +125,14 @@ Refuses combinations of values that would deploy an unsafe or broken operator; e
 says what to change. Rendered by templates/validate.yaml.
 */}}
 {{- define "capstan.validate" -}}
-{{- if and (eq .Values.mode "deployment") (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) -}}
-{{- fail (printf "\n\nreplicas=%d needs leaderElection.enabled=true: without leader election every replica would handle every object at the same time. Set leaderElection.enabled=true, or replicas=1." (int .Values.replicas)) -}}
+{{- if and (eq .Values.mode "deployment") (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) (not .Values.sharding.enabled) -}}
+{{- fail (printf "\n\nreplicas=%d needs sharding.enabled=true or leaderElection.enabled=true: without either every replica would handle every object at the same time. Set sharding.enabled=true (every replica handles a share of the objects), leaderElection.enabled=true (one replica handles them all, the others stand by), or replicas=1." (int .Values.replicas)) -}}
+{{- end -}}
+{{- if and .Values.sharding.enabled .Values.leaderElection.enabled -}}
+{{- fail "\n\nsharding.enabled=true with leaderElection.enabled=true: sharding replaces leader election (every replica handles its share; none stands by). Set one of them." -}}
+{{- end -}}
+{{- if and .Values.sharding.enabled (eq .Values.mode "daemonset") -}}
+{{- fail "\n\nsharding.enabled=true needs mode=deployment: in daemonset mode every node's operator already handles its own node's share." -}}
 {{- end -}}
 {{- if and (eq .Values.mode "daemonset") (eq .Values.finalizers "enabled") (not .Values.daemonset.nodeCleanup) -}}
 {{- fail "\n\nmode=daemonset with finalizers=enabled needs daemonset.nodeCleanup=true: a finalizer added by a node's operator would block the deletion of its objects forever once that node is gone. Set daemonset.nodeCleanup=true, or finalizers=auto (no finalizers in daemonset mode)." -}}
@@ -145,7 +158,7 @@ says what to change. Rendered by templates/validate.yaml.
 {{- if and (eq .Values.mode "daemonset") (eq $type "Recreate") -}}
 {{- fail "\n\nupdateStrategy.type=Recreate is a Deployment strategy; a DaemonSet takes RollingUpdate or OnDelete." -}}
 {{- end -}}
-{{- if and (eq .Values.mode "deployment") (eq $type "RollingUpdate") (not .Values.leaderElection.enabled) -}}
+{{- if and (eq .Values.mode "deployment") (eq $type "RollingUpdate") (not .Values.leaderElection.enabled) (not .Values.sharding.enabled) -}}
 {{- fail "\n\nupdateStrategy.type=RollingUpdate without leader election runs the old and the new operator at the same time during an update, and both would handle the same objects. Set leaderElection.enabled=true, or leave updateStrategy empty (Recreate)." -}}
 {{- end -}}
 {{- if not .Values.handler.image.repository -}}
@@ -228,6 +241,18 @@ The environment of the capstan container: how the chart configures `capstan run`
   value: {{ include "capstan.leaseName" . | quote }}
 - name: CAPSTAN_LEASE_NAMESPACE
   value: {{ .Release.Namespace | quote }}
+{{- end }}
+{{- if .Values.sharding.enabled }}
+- name: CAPSTAN_SHARDING
+  value: "true"
+- name: CAPSTAN_LEASE_NAME
+  value: {{ include "capstan.ringName" . | quote }}
+- name: CAPSTAN_LEASE_NAMESPACE
+  value: {{ .Release.Namespace | quote }}
+{{- with .Values.sharding.settle }}
+- name: CAPSTAN_SHARDING_SETTLE
+  value: {{ . | quote }}
+{{- end }}
 {{- end }}
 {{- if .Values.peering.enabled }}
 - name: CAPSTAN_PEERING

@@ -142,6 +142,23 @@ struct Samplers {
     leader_election: RwLock<Option<(String, SampleFn)>>,
     /// `capstan_watch_up{resource}`: each watch by name, with its resource and whether it is up.
     watches: RwLock<std::collections::BTreeMap<String, (String, WatchFn)>>,
+    /// With sharding: this member's name, and the ring's size and this member's moves.
+    sharding: RwLock<Option<ShardingSamplers>>,
+    /// With sharding: the objects this member's engine holds.
+    sharding_objects: RwLock<Option<SampleFn>>,
+}
+
+/// The sampled sharding gauges of this member.
+#[derive(Clone)]
+struct ShardingSamplers {
+    member: String,
+    members: SampleFn,
+    moves: Arc<dyn Fn() -> u64 + Send + Sync>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MemberLabels {
+    member: String,
 }
 
 type WatchFn = Arc<dyn Fn() -> bool + Send + Sync>;
@@ -221,6 +238,39 @@ impl Collector for Samplers {
             )?;
             ConstGauge::new(bytes).encode(metric)?;
         }
+        let sharding = self.sharding.read().clone();
+        if let Some(sharding) = sharding {
+            let metric = encoder.encode_descriptor(
+                "capstan_sharding_members",
+                "Members of the sharding ring as this member sees it.",
+                None,
+                MetricType::Gauge,
+            )?;
+            ConstGauge::new((sharding.members)()).encode(metric)?;
+            let objects = self.sharding_objects.read().clone();
+            if let Some(objects) = objects {
+                let mut family = encoder.encode_descriptor(
+                    "capstan_sharding_objects",
+                    "Objects this member handles (known to its engine), by member.",
+                    None,
+                    MetricType::Gauge,
+                )?;
+                ConstGauge::new(objects()).encode(family.encode_family(&MemberLabels {
+                    member: sharding.member.clone(),
+                })?)?;
+            }
+            let mut family = encoder.encode_descriptor(
+                "capstan_sharding_moves",
+                "Ring changes that moved ranges of objects to or from this member, by member.",
+                None,
+                MetricType::Counter,
+            )?;
+            prometheus_client::metrics::counter::ConstCounter::new((sharding.moves)()).encode(
+                family.encode_family(&MemberLabels {
+                    member: sharding.member,
+                })?,
+            )?;
+        }
         let leader = self.leader_election.read().clone();
         if let Some((name, f)) = leader {
             let value = f();
@@ -251,6 +301,7 @@ pub struct Metrics {
     events_dropped: Family<HandlerLabels, Counter>,
     node_storage_read_errors: Counter,
     quarantined: Family<ResourceLabels, Counter>,
+    handovers: Family<MemberLabels, Histogram>,
     admission: AdmissionFamilies,
     samplers: Arc<Samplers>,
     workqueues: Arc<super::workqueue::WorkQueues>,
@@ -376,6 +427,13 @@ impl Default for Metrics {
             "Objects received that could not be parsed (logged with their name and skipped; the others of the resource are processed), by resource.",
             quarantined.clone(),
         );
+        let handovers =
+            Family::<MemberLabels, Histogram>::new_with_constructor(histogram as fn() -> Histogram);
+        registry.register(
+            "capstan_sharding_handover_seconds",
+            "How long this member paused for a ring change (from seeing it to handling its new ranges), by member.",
+            handovers.clone(),
+        );
         let admission = AdmissionFamilies::register(&mut registry);
         let samplers = Arc::new(Samplers::default());
         registry.register_collector(Box::new(samplers.clone()));
@@ -394,6 +452,7 @@ impl Default for Metrics {
             events_dropped,
             node_storage_read_errors,
             quarantined,
+            handovers,
             admission,
             samplers,
             workqueues,
@@ -563,6 +622,36 @@ impl Metrics {
     /// (`leader_election_master_status{name}`, as client-go's leader election reports it).
     pub fn sample_leader(&self, name: &str, f: impl Fn() -> i64 + Send + Sync + 'static) {
         *self.samplers.leader_election.write() = Some((name.to_owned(), Arc::new(f)));
+    }
+
+    /// Registers this sharding member's gauges: the ring's size and the ring changes that
+    /// moved ranges to or from it (`capstan_sharding_members`, `capstan_sharding_moves_total`).
+    pub fn sample_sharding(
+        &self,
+        member: &str,
+        members: impl Fn() -> i64 + Send + Sync + 'static,
+        moves: impl Fn() -> u64 + Send + Sync + 'static,
+    ) {
+        *self.samplers.sharding.write() = Some(ShardingSamplers {
+            member: member.to_owned(),
+            members: Arc::new(members),
+            moves: Arc::new(moves),
+        });
+    }
+
+    /// Registers (or replaces, as engines are replaced) how many objects this sharding member
+    /// handles (`capstan_sharding_objects{member}`).
+    pub fn sample_sharding_objects(&self, f: impl Fn() -> i64 + Send + Sync + 'static) {
+        *self.samplers.sharding_objects.write() = Some(Arc::new(f));
+    }
+
+    /// Records how long a hand-over paused `member` (`capstan_sharding_handover_seconds`).
+    pub fn sharding_handover(&self, member: &str, took: Duration) {
+        self.handovers
+            .get_or_create(&MemberLabels {
+                member: member.to_owned(),
+            })
+            .observe(took.as_secs_f64());
     }
 
     /// The controller-runtime metrics of `resource`'s workqueue and cycles (`workqueue_*`,

@@ -114,6 +114,12 @@ impl Gate {
             .join("; ")
     }
 
+    /// Whether the current pause has drained (dispatch stopped, in-flight work finished or
+    /// its grace period passed); `false` while not paused.
+    pub fn is_drained(&self) -> bool {
+        *self.inner.drained.borrow()
+    }
+
     /// Waits until the current pause has drained: dispatch stopped and in-flight work
     /// finished (or its grace period passed). Returns at once when already drained.
     ///

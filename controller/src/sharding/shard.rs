@@ -1,0 +1,82 @@
+//! The shard: what this member handles now, read by the engine for every object it receives.
+//!
+//! The hand-over (`sharding::handover`) is the only writer: it narrows the held ranges before
+//! it acknowledges a ring change and widens them only once every other member acknowledged.
+//! The engine asks [`Shard::holds`] as objects arrive from a watch and keeps nothing for the
+//! others (no body, no slot): the ranges are the filter a server with KEP-5866 would apply.
+//! Index handlers see every object (kopf's indexes are over all objects), so the indexer's
+//! watch is not filtered.
+
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+
+use super::ring::{Ranges, place};
+
+/// The held ranges, shared between the hand-over and the engine. Cheap to clone.
+#[derive(Clone, Debug, Default)]
+pub struct Shard {
+    held: Arc<RwLock<Arc<Ranges>>>,
+    member: Arc<str>,
+}
+
+impl Shard {
+    /// A shard that holds nothing yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The shard of the member `identity`, holding nothing yet.
+    pub fn of(identity: &str) -> Self {
+        Self {
+            held: Arc::default(),
+            member: identity.into(),
+        }
+    }
+
+    /// The member's identity.
+    pub fn member(&self) -> &str {
+        &self.member
+    }
+
+    /// Whether the object with `uid` is this member's now. An object without a uid (never
+    /// sent by a real API server) is nobody's.
+    pub fn holds(&self, uid: &str) -> bool {
+        !uid.is_empty() && self.held.read().contains(place(uid))
+    }
+
+    /// Whether an object body (a watch event's) is this member's.
+    pub fn holds_object(&self, body: &serde_json::Value) -> bool {
+        self.holds(
+            body.pointer("/metadata/uid")
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or_default(),
+        )
+    }
+
+    /// The ranges held now.
+    pub fn held(&self) -> Arc<Ranges> {
+        self.held.read().clone()
+    }
+
+    /// Replaces the held ranges.
+    pub(super) fn set(&self, ranges: Ranges) {
+        *self.held.write() = Arc::new(ranges);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holds_what_it_was_given() {
+        let shard = Shard::new();
+        assert!(!shard.holds("5f0c"));
+        shard.set(Ranges::all());
+        assert!(shard.holds("5f0c"));
+        assert!(!shard.holds(""), "an object without a uid is nobody's");
+        assert!(shard.holds_object(&serde_json::json!({"metadata": {"uid": "5f0c"}})));
+        assert!(!shard.holds_object(&serde_json::json!({"metadata": {}})));
+    }
+}

@@ -1,0 +1,449 @@
+//! End to end: sharding among replicas on the real API server. Three members share the
+//! objects by the ring (each object's change handled once, by its owner); one member stops
+//! cleanly and the others take its objects at once; one is killed (SIGKILL) and the last takes
+//! everything once its Lease expired; no change is handled twice along the way. A freeze
+//! pauses every member, and a daemon moves with its object.
+
+use std::{collections::BTreeMap, path::PathBuf, time::Duration};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use capstan::sharding::ring::Ring;
+use capstan_tests::{
+    process::{Controller, Process, start_handler},
+    scenario::tail,
+    testenv::{TestEnv, create_example, examples},
+};
+use kube::api::{Patch, PatchParams};
+use serde_json::{Value, json};
+
+/// Short durations, so that a crash is noticed within seconds.
+const SHARDING: [&str; 11] = [
+    "--sharding",
+    "--lease-duration",
+    "4s",
+    "--renew-deadline",
+    "3s",
+    "--retry-period",
+    "1s",
+    "--sharding-settle",
+    "1s",
+    "--shutdown-grace",
+    "3s",
+];
+
+/// A member: a controller with its own handler process and call log.
+struct Member {
+    name: String,
+    controller: Controller,
+    handler: Process,
+    calls: PathBuf,
+}
+
+impl Member {
+    async fn start(env: &TestEnv, name: &str, presets: &str, extra: &[&str]) -> Result<Self> {
+        let mut args: Vec<&str> = SHARDING.to_vec();
+        args.extend(["--peer-id", name]);
+        args.extend(extra);
+        let mut controller = Controller::start(env, name, &args).await?;
+        let calls = env.scratch().join(format!("{name}-calls.log"));
+        let handler = start_handler(
+            env,
+            &format!("{name}-handler"),
+            &controller.endpoint(),
+            &[("E2E_HANDLERS", presets), ("E2E_LOG", &calls.to_string_lossy())],
+        )?;
+        controller
+            .process
+            .wait_for("handler process connected", Duration::from_secs(30))
+            .await?;
+        Ok(Self {
+            name: name.to_owned(),
+            controller,
+            handler,
+            calls,
+        })
+    }
+
+    /// The lines of its handler's call log.
+    fn calls(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.calls)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The objects its handler `handler` was called for, with how often.
+    fn called(&self, handler: &str) -> BTreeMap<String, usize> {
+        let mut out = BTreeMap::new();
+        for line in self.calls() {
+            let mut parts = line.split_whitespace();
+            if parts.next() == Some(handler)
+                && let Some(object) = parts.next()
+            {
+                *out.entry(object.to_owned()).or_default() += 1;
+            }
+        }
+        out
+    }
+
+    /// What its readiness says about the ring.
+    async fn ring(&self) -> Result<String> {
+        let (_, body) = self.controller.admin_get("/readyz").await?;
+        let report: Value = serde_json::from_str(&body)?;
+        Ok(report["checks"]["sharding"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned())
+    }
+
+    async fn stop(mut self) -> Result<()> {
+        self.controller.process.terminate().await?;
+        self.handler.terminate().await?;
+        Ok(())
+    }
+
+    async fn kill(mut self) -> Result<()> {
+        self.controller.process.kill().await?;
+        self.handler.kill().await?;
+        Ok(())
+    }
+}
+
+/// Waits until every member's readiness says it is settled in a ring of `n`.
+async fn settled(members: &[&Member], n: usize, timeout: Duration) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let wanted = format!("member of {n} ");
+    loop {
+        let mut views = Vec::new();
+        for m in members {
+            views.push(m.ring().await?);
+        }
+        if views
+            .iter()
+            .all(|v| v.starts_with(&wanted) && !v.contains("handing over"))
+        {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            let logs: Vec<String> = members
+                .iter()
+                .map(|m| format!("{}:\n{}", m.name, tail(&m.controller.process.output(), 15)))
+                .collect();
+            bail!(
+                "the ring of {n} did not settle within {timeout:?}: {views:?}\n{}",
+                logs.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The uids of the objects, by name.
+async fn uids(env: &TestEnv, names: &[String]) -> Result<BTreeMap<String, String>> {
+    let api = examples(&env.client().await?, "default");
+    let mut out = BTreeMap::new();
+    for name in names {
+        let obj = api.get(name).await?;
+        out.insert(name.clone(), obj.metadata.uid.context("a uid")?);
+    }
+    Ok(out)
+}
+
+/// Waits until `handler` was called `times` times in all for every object.
+async fn handled_everywhere(
+    members: &[&Member],
+    handler: &str,
+    names: &[String],
+    times: usize,
+    timeout: Duration,
+) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let mut total: BTreeMap<String, usize> = BTreeMap::new();
+        for m in members {
+            for (object, n) in m.called(handler) {
+                *total.entry(object).or_default() += n;
+            }
+        }
+        let short: Vec<&String> = names
+            .iter()
+            .filter(|n| total.get(*n).copied().unwrap_or(0) < times)
+            .collect();
+        if short.is_empty() {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("{handler} was not called {times} time(s) for {short:?} within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Patches `spec.field` of every object (a change for the update handlers).
+async fn change_all(env: &TestEnv, names: &[String], value: i64) -> Result<()> {
+    let api = examples(&env.client().await?, "default");
+    for name in names {
+        api.patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"field": value.to_string()}})),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// Checks that each object's `handler` calls were made by its owner in `ring` only (counting
+/// from `before`, the calls each member had made until then), `per_object` times.
+fn by_owners(
+    members: &[&Member],
+    before: &BTreeMap<String, BTreeMap<String, usize>>,
+    handler: &str,
+    ring: &Ring,
+    uids: &BTreeMap<String, String>,
+    per_object: usize,
+) -> Result<()> {
+    for (name, uid) in uids {
+        let owner = ring.owner_of(uid).context("an owner")?;
+        for m in members {
+            let now = m.called(handler).get(name).copied().unwrap_or(0);
+            let was = before
+                .get(&m.name)
+                .and_then(|c| c.get(name))
+                .copied()
+                .unwrap_or(0);
+            let expected = if m.name == owner { per_object } else { 0 };
+            ensure!(
+                now - was == expected,
+                "{handler} of {name} (owner {owner}) was called {} time(s) by {}",
+                now - was,
+                m.name
+            );
+        }
+    }
+    Ok(())
+}
+
+fn snapshot(members: &[&Member], handler: &str) -> BTreeMap<String, BTreeMap<String, usize>> {
+    members
+        .iter()
+        .map(|m| (m.name.clone(), m.called(handler)))
+        .collect()
+}
+
+#[tokio::test]
+async fn members_share_the_objects_and_take_over_from_one_that_leaves_and_one_that_crashes() -> Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let a = Member::start(&env, "a", "create,update", &[]).await?;
+    let b = Member::start(&env, "b", "create,update", &[]).await?;
+    let c = Member::start(&env, "c", "create,update", &[]).await?;
+    settled(&[&a, &b, &c], 3, Duration::from_secs(30)).await?;
+
+    let names: Vec<String> = (0..24).map(|i| format!("obj-{i:02}")).collect();
+    for name in &names {
+        create_example(&env, name, json!({})).await?;
+    }
+    handled_everywhere(&[&a, &b, &c], "create_fn", &names, 1, Duration::from_secs(60)).await?;
+    let uids = uids(&env, &names).await?;
+    let three = Ring::new(["a", "b", "c"]);
+    by_owners(&[&a, &b, &c], &BTreeMap::new(), "create_fn", &three, &uids, 1)?;
+    for m in [&a, &b, &c] {
+        ensure!(!m.called("create_fn").is_empty(), "{} handled no object", m.name);
+    }
+
+    // A member stops cleanly: the others take its objects at once.
+    let before = snapshot(&[&a, &b], "update_fn");
+    let left = tokio::time::Instant::now();
+    c.stop().await?;
+    settled(&[&a, &b], 2, Duration::from_secs(10)).await?;
+    let took = left.elapsed();
+    ensure!(
+        took < Duration::from_secs(6),
+        "the hand-over after a clean exit took {took:?}"
+    );
+    change_all(&env, &names, 1).await?;
+    handled_everywhere(&[&a, &b], "update_fn", &names, 1, Duration::from_secs(30)).await?;
+    by_owners(&[&a, &b], &before, "update_fn", &Ring::new(["a", "b"]), &uids, 1)?;
+
+    // A member is killed: the last one takes everything once its Lease expired.
+    let before = snapshot(&[&a], "update_fn");
+    let killed = tokio::time::Instant::now();
+    b.kill().await?;
+    change_all(&env, &names, 2).await?;
+    settled(&[&a], 1, Duration::from_secs(15)).await?;
+    let took = killed.elapsed();
+    // The lease duration (4 s) as observed, a retry period and some slack.
+    ensure!(
+        took < Duration::from_secs(9),
+        "the take-over after a crash took {took:?}"
+    );
+    handled_everywhere(&[&a], "update_fn", &names, 1, Duration::from_secs(30)).await?;
+    let after = a.called("update_fn");
+    for name in &names {
+        let now = after.get(name).copied().unwrap_or(0);
+        let was = before.get("a").and_then(|c| c.get(name)).copied().unwrap_or(0);
+        ensure!(
+            now - was == 1,
+            "update_fn of {name} was called {} time(s) by a after the crash",
+            now - was
+        );
+    }
+    // Nothing was created twice along the way (engines restarted with every ring change).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let creates = a.called("create_fn");
+    ensure!(
+        creates.values().all(|n| *n == 1),
+        "create_fn ran twice: {creates:?}"
+    );
+
+    let (_, metrics) = a.controller.admin_get("/metrics").await?;
+    for wanted in [
+        "capstan_sharding_members 1",
+        "capstan_sharding_objects{member=\"a\"} 24",
+        "capstan_sharding_handover_seconds_count{member=\"a\"}",
+        "capstan_sharding_moves_total{member=\"a\"}",
+    ] {
+        ensure!(
+            metrics.contains(wanted),
+            "the metrics lack {wanted:?}:\n{metrics}"
+        );
+    }
+    let events = env
+        .kubectl_ok(&[
+            "get",
+            "events",
+            "-n",
+            "default",
+            "--field-selector",
+            "reason=RingChanged",
+            "-o",
+            "jsonpath={.items[*].involvedObject.name}",
+        ])
+        .await?;
+    ensure!(
+        events.contains("capstan-member-a"),
+        "no ring change Event on a's Lease: {events:?}"
+    );
+    let leases = env
+        .kubectl_ok(&[
+            "get",
+            "leases",
+            "-n",
+            "default",
+            "-l",
+            "capstan.dev/ring=capstan",
+            "-o",
+            "name",
+        ])
+        .await?;
+    ensure!(!leases.contains("member-c"), "c left its Lease behind: {leases}");
+    a.stop().await?;
+    env.stop().await
+}
+
+#[tokio::test]
+async fn a_daemon_moves_with_its_object_and_a_freeze_pauses_every_member() -> Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    env.apply_peering_crds().await?;
+    let a = Member::start(&env, "a", "daemon", &[]).await?;
+    let b = Member::start(&env, "b", "daemon", &[]).await?;
+    settled(&[&a, &b], 2, Duration::from_secs(30)).await?;
+    let names: Vec<String> = (0..6).map(|i| format!("d-{i}")).collect();
+    for name in &names {
+        create_example(&env, name, json!({})).await?;
+    }
+    handled_everywhere(&[&a, &b], "monitor", &names, 1, Duration::from_secs(60)).await?;
+    let uids = uids(&env, &names).await?;
+    by_owners(
+        &[&a, &b],
+        &BTreeMap::new(),
+        "monitor",
+        &Ring::new(["a", "b"]),
+        &uids,
+        1,
+    )?;
+
+    // `capstan freeze` pauses both members: their daemons stop.
+    let bin = capstan_tests::process::capstan_binary().await?;
+    let freeze = tokio::process::Command::new(&bin)
+        .args([
+            "freeze",
+            "--lifetime",
+            "60",
+            "--priority",
+            "100",
+            "--message",
+            "maintenance",
+        ])
+        .env("KUBECONFIG", &env.kubeconfig)
+        .env("USER", "dev")
+        .output()
+        .await?;
+    ensure!(
+        freeze.status.success(),
+        "{}",
+        String::from_utf8_lossy(&freeze.stderr)
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let stopped = [&a, &b]
+            .iter()
+            .map(|m| {
+                m.calls()
+                    .iter()
+                    .filter(|l| l.starts_with("daemon-stopped "))
+                    .count()
+            })
+            .sum::<usize>();
+        if stopped >= names.len() {
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the freeze did not stop every member's daemons ({stopped} of {} stopped)",
+            names.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let resume = tokio::process::Command::new(&bin)
+        .args(["resume"])
+        .env("KUBECONFIG", &env.kubeconfig)
+        .env("USER", "dev")
+        .output()
+        .await?;
+    ensure!(
+        resume.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resume.stderr)
+    );
+    handled_everywhere(&[&a, &b], "monitor", &names, 2, Duration::from_secs(30)).await?;
+
+    // b leaves: its daemons start on a, as after a restart.
+    let b_objects: Vec<String> = b.called("monitor").into_keys().collect();
+    ensure!(!b_objects.is_empty(), "b ran no daemon");
+    let before = a.called("monitor");
+    b.stop().await?;
+    settled(&[&a], 1, Duration::from_secs(10)).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let now = a.called("monitor");
+        let moved = b_objects
+            .iter()
+            .filter(|o| now.get(*o).copied().unwrap_or(0) > before.get(*o).copied().unwrap_or(0))
+            .count();
+        if moved == b_objects.len() {
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "b's daemons did not start on a ({moved} of {})",
+            b_objects.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    a.stop().await?;
+    env.stop().await
+}
