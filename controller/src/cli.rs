@@ -162,6 +162,14 @@ pub struct StatusArgs {
     /// How the per-node operators lay out their prefixes, as `capstan run` takes it.
     #[arg(long, env = "CAPSTAN_NODE_PREFIX_TEMPLATE", default_value = crate::persistence::node::DEFAULT_TEMPLATE, value_parser = parse_node_prefix_template)]
     pub node_prefix_template: String,
+
+    /// A sharded operator's ring (its --lease-name): show each object's member.
+    #[arg(long)]
+    pub ring: Option<String>,
+
+    /// The namespace of the ring's member Leases [default: the kubeconfig context's].
+    #[arg(long, requires = "ring")]
+    pub ring_namespace: Option<String>,
 }
 
 impl StatusArgs {
@@ -186,6 +194,7 @@ impl StatusArgs {
             },
             selector: self.selector.clone(),
             scope,
+            ring: self.ring.clone().map(|r| (r, self.ring_namespace.clone())),
         }
     }
 }

@@ -611,7 +611,13 @@ impl Engine {
                 self.settings.watch.clone(),
                 status,
             )
-            .with_event_handlers(event_handlers.clone());
+            .with_event_handlers(event_handlers.clone())
+            .with_shard_selector(
+                self.settings
+                    .shard
+                    .as_ref()
+                    .and_then(crate::sharding::Shard::selector),
+            );
             let (tx, mut rx) = mpsc::channel::<k8s_watch::Event>(WATCH_BACKLOG);
             let span = info_span!("watch", resource = %resource, namespace = scope.as_deref().unwrap_or("*"));
             let run = w.run(tx, cancel.clone());

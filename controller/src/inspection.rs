@@ -90,6 +90,17 @@ pub enum Error {
     /// The report could not be rendered.
     #[error("cannot render the report")]
     Render(#[source] render::Error),
+    /// The member Leases of a sharded operator could not be read.
+    #[error("cannot read the member leases of ring {ring:?} in namespace {namespace}")]
+    Ring {
+        /// The ring's name.
+        ring: String,
+        /// Its namespace.
+        namespace: String,
+        /// The cause.
+        #[source]
+        source: crate::k8s::members::Error,
+    },
 }
 
 /// The result type of this module.
@@ -119,6 +130,9 @@ pub struct Query {
     pub selector: Option<String>,
     /// Whose records.
     pub scope: Scope,
+    /// A sharded operator's ring (name, and namespace or the context's): each object's member
+    /// is reported.
+    pub ring: Option<(String, Option<String>)>,
 }
 
 /// The report on one object.
@@ -130,6 +144,9 @@ pub struct ObjectReport {
     pub namespace: Option<String>,
     /// The name.
     pub name: String,
+    /// The member of a sharded operator that handles it (with a ring asked for).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub member: Option<String>,
     /// `metadata.generation`.
     pub generation: i64,
     /// Operators (prefix or status field, and node) that finished handling a change of it.
@@ -230,12 +247,47 @@ pub async fn report(client: Client, query: &Query) -> Result<Vec<ObjectReport>> 
         (Namespaces::One(ns), true) => Some(ns.clone()),
         (Namespaces::Current, true) => Some(client.default_namespace().to_owned()),
     };
+    let ring = match &query.ring {
+        Some((name, ns)) => Some(ring(&client, name, ns.as_deref()).await?),
+        None => None,
+    };
     let bodies = read(&client, &resource, namespace.as_deref(), query).await?;
     let now = SystemTime::now();
     Ok(bodies
         .iter()
-        .map(|body| object_report(&query.scope, body, now))
+        .map(|body| {
+            let mut report = object_report(&query.scope, body, now);
+            if let Some(ring) = &ring {
+                let uid = body
+                    .pointer("/metadata/uid")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                report.member = Some(ring.owner_of(uid).unwrap_or("-").to_owned());
+            }
+            report
+        })
         .collect())
+}
+
+/// The ring of a sharded operator as its member Leases say now: the members whose Lease was
+/// renewed within its duration (by this machine's clock: a report, not a decision).
+async fn ring(client: &Client, name: &str, namespace: Option<&str>) -> Result<crate::sharding::ring::Ring> {
+    let namespace = namespace.unwrap_or(client.default_namespace()).to_owned();
+    let members = crate::k8s::members::Members::new(client.clone(), &namespace, name)
+        .list()
+        .await
+        .map_err(|source| Error::Ring {
+            ring: name.to_owned(),
+            namespace: namespace.clone(),
+            source,
+        })?;
+    let now = SystemTime::now();
+    Ok(crate::sharding::ring::Ring::new(
+        members
+            .into_iter()
+            .filter(|m| m.renewed.is_some_and(|at| at + m.duration > now))
+            .map(|m| m.identity),
+    ))
 }
 
 /// Resolves a resource as kubectl names it.
@@ -375,6 +427,7 @@ pub fn object_report(scope: &Scope, body: &Value, now: SystemTime) -> ObjectRepo
     ObjectReport {
         namespace: text("/metadata/namespace"),
         name: text("/metadata/name").unwrap_or_default(),
+        member: None,
         generation: body
             .pointer("/metadata/generation")
             .and_then(Value::as_i64)

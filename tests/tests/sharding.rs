@@ -252,6 +252,30 @@ async fn members_share_the_objects_and_take_over_from_one_that_leaves_and_one_th
     for m in [&a, &b, &c] {
         ensure!(!m.called("create_fn").is_empty(), "{} handled no object", m.name);
     }
+    // `capstan status` shows each object's member, as the ring says.
+    let status = tokio::process::Command::new(capstan_tests::process::capstan_binary().await?)
+        .args(["status", "examples", "-n", "default", "--ring", "capstan", "-o", "json"])
+        .env("KUBECONFIG", &env.kubeconfig)
+        .output()
+        .await?;
+    ensure!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    let report: Value = serde_json::from_slice(&status.stdout)?;
+    for item in report["items"].as_array().context("items")? {
+        let name = item["name"].as_str().unwrap_or_default();
+        let owner = uids.get(name).and_then(|u| three.owner_of(u));
+        ensure!(
+            item["member"].as_str() == owner,
+            "capstan status says {name} is {}'s, the ring says {owner:?}",
+            item["member"]
+        );
+    }
+    ensure!(
+        a.controller
+            .process
+            .output()
+            .contains("the API server does not filter by shard"),
+        "the fallback without ShardedListAndWatch is not said"
+    );
 
     // A member stops cleanly: the others take its objects at once.
     let before = snapshot(&[&a, &b], "update_fn");
@@ -445,5 +469,167 @@ async fn a_daemon_moves_with_its_object_and_a_freeze_pauses_every_member() -> Re
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     a.stop().await?;
+    env.stop().await
+}
+
+/// A small deterministic generator for the churn's choices (the seed is printed, so a failure
+/// can be replayed with `CAPSTAN_SHARDING_SEED`).
+struct Dice(u64);
+
+impl Dice {
+    fn roll(&mut self, sides: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % sides
+    }
+}
+
+/// Every `seen <name> <value>` line of these call logs.
+fn seen_lines(logs: &[PathBuf]) -> Vec<String> {
+    logs.iter()
+        .flat_map(|p| {
+            std::fs::read_to_string(p)
+                .unwrap_or_default()
+                .lines()
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .filter(|l| l.starts_with("seen "))
+        .collect()
+}
+
+/// Members join, leave (SIGTERM) and crash (SIGKILL) at random while the objects change; every
+/// change must be handled exactly once. `CAPSTAN_SHARDING_CHURN_ROUNDS` sets the number of
+/// ring changes (8 here; `scripts/faults.sh --long` runs 100).
+#[tokio::test]
+async fn random_ring_changes_under_churn_never_handle_a_change_twice() -> Result<()> {
+    let rounds: u32 = std::env::var("CAPSTAN_SHARDING_CHURN_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(8);
+    let seed: u64 = std::env::var("CAPSTAN_SHARDING_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+                | 1
+        });
+    eprintln!("churn: {rounds} ring changes, CAPSTAN_SHARDING_SEED={seed}");
+    let mut dice = Dice(seed);
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let mut members = vec![
+        Member::start(&env, "m0", "update-seen", &[]).await?,
+        Member::start(&env, "m1", "update-seen", &[]).await?,
+    ];
+    let mut next = 2;
+    let mut logs: Vec<PathBuf> = members.iter().map(|m| m.calls.clone()).collect();
+    settled(&members.iter().collect::<Vec<_>>(), 2, Duration::from_secs(30)).await?;
+    let names: Vec<String> = (0..16).map(|i| format!("churn-{i:02}")).collect();
+    for name in &names {
+        create_example(&env, name, json!({"field": "0"})).await?;
+    }
+    let api = examples(&env.client().await?, "default");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    for name in &names {
+        loop {
+            let obj = api.get(name).await?;
+            if obj
+                .metadata
+                .annotations
+                .is_some_and(|a| a.contains_key("capstan.dev/last-handled-configuration"))
+            {
+                break;
+            }
+            ensure!(tokio::time::Instant::now() < deadline, "{name} was never handled");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    let mut expected: BTreeMap<String, String> = BTreeMap::new();
+    for round in 1..=rounds {
+        let action = match dice.roll(3) {
+            0 if members.len() < 4 => "join",
+            1 | 2 if members.len() > 1 => {
+                if dice.roll(2) == 0 {
+                    "leave"
+                } else {
+                    "crash"
+                }
+            }
+            _ if members.len() < 4 => "join",
+            _ => "leave",
+        };
+        match action {
+            "join" => {
+                let name = format!("m{next}");
+                next += 1;
+                let m = Member::start(&env, &name, "update-seen", &[]).await?;
+                logs.push(m.calls.clone());
+                members.push(m);
+            }
+            "leave" => {
+                let i = usize::try_from(dice.roll(members.len() as u64))?;
+                members.swap_remove(i).stop().await?;
+            }
+            _ => {
+                let i = usize::try_from(dice.roll(members.len() as u64))?;
+                members.swap_remove(i).kill().await?;
+            }
+        }
+        let value = round.to_string();
+        let changed: Vec<&String> = names.iter().filter(|_| dice.roll(2) == 0).collect();
+        for name in &changed {
+            api.patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"field": value}})),
+            )
+            .await?;
+            expected.insert((*name).clone(), value.clone());
+        }
+        let alive: Vec<&str> = members.iter().map(|m| m.name.as_str()).collect();
+        eprintln!(
+            "round {round}: {action}; members {alive:?}; {} objects changed",
+            changed.len()
+        );
+        // Every change so far is handled (a crashed member's objects after its Lease expired).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
+        loop {
+            let seen = seen_lines(&logs);
+            let missing: Vec<String> = expected
+                .iter()
+                .filter(|(name, value)| !seen.contains(&format!("seen {name} {value}")))
+                .map(|(name, value)| format!("{name}={value}"))
+                .collect();
+            if missing.is_empty() {
+                break;
+            }
+            if tokio::time::Instant::now() > deadline {
+                let views = futures::future::join_all(members.iter().map(Member::ring)).await;
+                bail!(
+                    "round {round} ({action}, seed {seed}): changes not handled: {missing:?}; members see {views:?}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let seen = seen_lines(&logs);
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for line in &seen {
+        *counts.entry(line.as_str()).or_default() += 1;
+    }
+    let twice: Vec<(&str, usize)> = counts.into_iter().filter(|(_, n)| *n > 1).collect();
+    ensure!(
+        twice.is_empty(),
+        "changes handled more than once (seed {seed}): {twice:?}"
+    );
+    for m in members {
+        m.stop().await?;
+    }
     env.stop().await
 }

@@ -82,6 +82,10 @@ fn table(reports: &[ObjectReport], wide: bool, namespaced: bool, colour: bool) -
         header.push("NAMESPACE");
     }
     header.push("NAME");
+    let members = reports.iter().any(|r| r.member.is_some());
+    if members {
+        header.push("MEMBER");
+    }
     if nodes {
         header.push("NODE");
     }
@@ -97,6 +101,9 @@ fn table(reports: &[ObjectReport], wide: bool, namespaced: bool, colour: bool) -
             lead.push(r.namespace.clone().unwrap_or_else(|| "-".into()));
         }
         lead.push(r.name.clone());
+        if members {
+            lead.push(r.member.clone().unwrap_or_else(|| "-".into()));
+        }
         if r.handlers.is_empty() {
             let mut row = lead.clone();
             if nodes {
@@ -181,6 +188,7 @@ fn with_strings(reports: &[ObjectReport], f: impl Fn(&str) -> String) -> Vec<Obj
     for r in &mut reports {
         some(&mut r.namespace);
         r.name = f(&r.name);
+        some(&mut r.member);
         all(&mut r.handled_by);
         all(&mut r.finalizers);
         for h in &mut r.handlers {

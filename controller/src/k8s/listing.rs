@@ -15,7 +15,6 @@ use std::{ops::Range, time::Duration};
 
 use futures::AsyncBufReadExt as _;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ListMeta;
 use kube::{
     Api,
     api::{DynamicObject, ListParams},
@@ -37,6 +36,38 @@ pub fn list_params(page_size: u32, label_selector: Option<&str>, field_selector:
     params
 }
 
+/// Adds KEP-5866's `shardSelector` to a LIST or WATCH request: the server returns only the
+/// objects whose uid hashes into the selector's ranges (where the `ShardedListAndWatch`
+/// feature is on; others ignore the parameter, and the caller filters on arrival).
+pub fn with_shard_selector<B>(request: &mut http::Request<B>, selector: Option<&str>) {
+    let Some(selector) = selector else {
+        return;
+    };
+    let uri = request.uri().to_string();
+    let separator = if uri.contains('?') { '&' } else { '?' };
+    let mut encoded = String::with_capacity(selector.len() * 2);
+    for b in selector.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            encoded.push(char::from(b));
+        } else {
+            encoded.push_str(&format!("%{b:02X}"));
+        }
+    }
+    if let Ok(with) = format!("{uri}{separator}shardSelector={encoded}").parse() {
+        *request.uri_mut() = with;
+    }
+}
+
+/// A LIST answer's metadata, with KEP-5866's `shardInfo`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ListMeta {
+    resource_version: Option<String>,
+    #[serde(rename = "continue")]
+    continue_: Option<String>,
+    shard_info: Option<serde::de::IgnoredAny>,
+}
+
 /// One page of a LIST: its list metadata, and its objects as text.
 #[derive(Debug)]
 pub struct Page {
@@ -44,6 +75,8 @@ pub struct Page {
     pub resource_version: Option<String>,
     /// The token of the next page; `None` on the last page.
     pub continue_token: Option<String>,
+    /// Whether the server applied a shard selector (it echoed `shardInfo`).
+    pub sharded: bool,
     /// The answer as it came.
     text: Vec<u8>,
     /// Where each object is in `text`.
@@ -78,6 +111,7 @@ impl Page {
         Ok(Self {
             resource_version: wire.metadata.resource_version,
             continue_token: wire.metadata.continue_.filter(|c| !c.is_empty()),
+            sharded: wire.metadata.shard_info.is_some(),
             text,
             items,
         })
@@ -123,7 +157,8 @@ async fn read_all(mut body: impl futures::AsyncBufRead + Unpin) -> std::io::Resu
     }
 }
 
-/// One page of a LIST, failing as timed out when it takes longer than `timeout`.
+/// One page of a LIST (with `shard`, a shard selector), failing as timed out when it takes
+/// longer than `timeout`.
 ///
 /// # Errors
 /// The API's answer as [`kube::Error::Api`] (410 Gone for an expired continue token), a
@@ -131,11 +166,13 @@ async fn read_all(mut body: impl futures::AsyncBufRead + Unpin) -> std::io::Resu
 pub async fn list_page(
     api: &Api<DynamicObject>,
     params: &ListParams,
+    shard: Option<&str>,
     timeout: Duration,
 ) -> Result<Page, kube::Error> {
     let mut request = kube::core::Request::new(api.resource_url())
         .list(params)
         .map_err(kube::Error::BuildRequest)?;
+    with_shard_selector(&mut request, shard);
     request.extensions_mut().insert("list");
     let client = api.clone().into_client();
     let answer = async {
@@ -173,6 +210,40 @@ mod tests {
         assert_eq!(objects[0].metadata.uid.as_deref(), Some("u1"));
         assert_eq!(objects[0].data["spec"]["x"], 1);
         assert_eq!(objects[1].metadata.name.as_deref(), Some("b"));
+    }
+
+    #[test]
+    fn a_page_says_whether_the_server_applied_a_shard_selector() {
+        let plain =
+            Page::parse(br#"{"metadata":{"resourceVersion":"5"},"items":[]}"#.to_vec()).expect("a page");
+        assert!(!plain.sharded);
+        let sharded = Page::parse(
+            br#"{"metadata":{"resourceVersion":"5","shardInfo":{"selector":"shardRange(object.metadata.uid, '0x0000000000000000', '0x8000000000000000')"}},"items":[]}"#.to_vec(),
+        )
+        .expect("a page");
+        assert!(sharded.sharded);
+    }
+
+    #[test]
+    fn shard_selectors_are_added_to_the_query_encoded() {
+        let mut request = http::Request::get("/apis/demo/v1/examples?limit=500")
+            .body(())
+            .expect("a request");
+        with_shard_selector(
+            &mut request,
+            Some("shardRange(object.metadata.uid, '0x0000000000000000', '0x8000000000000000') || x"),
+        );
+        assert_eq!(
+            request.uri().query(),
+            Some(
+                "limit=500&shardSelector=shardRange%28object.metadata.uid%2C%20%270x0000000000000000%27%2C%20%270x8000000000000000%27%29%20%7C%7C%20x"
+            )
+        );
+        let mut bare = http::Request::get("/api/v1/configmaps")
+            .body(())
+            .expect("a request");
+        with_shard_selector(&mut bare, None);
+        assert_eq!(bare.uri().query(), None);
     }
 
     #[test]

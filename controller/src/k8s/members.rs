@@ -57,6 +57,9 @@ pub struct Member {
     pub duration: Duration,
     /// The ring generation the member acknowledged (hex); `None`: it holds nothing.
     pub acknowledged: Option<String>,
+    /// When it was last renewed, by the member's clock (for reports; liveness is judged by
+    /// local observation of changes, never by this).
+    pub renewed: Option<std::time::SystemTime>,
     /// The `resourceVersion` it was read at (empty before it is written).
     pub version: String,
 }
@@ -197,6 +200,7 @@ fn member(lease: Lease) -> Option<Member> {
             .metadata
             .annotations
             .and_then(|mut a| a.remove(ACKNOWLEDGED)),
+        renewed: spec.renew_time.map(|t| std::time::SystemTime::from(t.0)),
         version: lease.metadata.resource_version.unwrap_or_default(),
     })
 }
@@ -236,9 +240,18 @@ mod tests {
             identity: "a".into(),
             duration: Duration::from_secs(15),
             acknowledged: Some("00ff".into()),
+            renewed: None,
             version: "7".into(),
         };
         let lease = m.to_lease(&record);
-        assert_eq!(member(lease), Some(record));
+        let back = member(lease).expect("a member");
+        assert!(back.renewed.is_some(), "a write renews");
+        assert_eq!(
+            Member {
+                renewed: None,
+                ..back
+            },
+            record
+        );
     }
 }

@@ -60,7 +60,7 @@ use self::{
     lines::{Line, Read},
 };
 use super::{
-    listing::{Page, list_params},
+    listing::{Page, list_params, with_shard_selector},
     objects::to_body,
     quarantine::{Unparsed, quarantine},
     reachability::{self, Reachability},
@@ -221,6 +221,10 @@ pub struct Watch {
     /// The resource's handlers, when event handlers may be among them: their events keep
     /// `managedFields` then (kopf passes them in raw events), dropped by the queue after.
     handlers: Option<tokio::sync::watch::Receiver<Arc<Vec<crate::model::Registration>>>>,
+    /// With sharding: the ranges to ask the server for (KEP-5866's `shardSelector`).
+    shard_selector: Option<Arc<str>>,
+    /// Whether the server was seen applying the shard selector (or refusing it); said once.
+    shard_judged: bool,
 }
 
 enum Restart {
@@ -252,6 +256,8 @@ impl Watch {
             backoff: DefaultBackoff::default(),
             known: HashMap::new(),
             handlers: None,
+            shard_selector: None,
+            shard_judged: false,
             plural: api
                 .resource_url()
                 .rsplit('/')
@@ -260,6 +266,15 @@ impl Watch {
                 .to_owned(),
             api,
         }
+    }
+
+    /// Asks the server for the objects of these ranges only (KEP-5866's `shardSelector`, a
+    /// sharded operator's held ranges). A server without the feature returns every object:
+    /// the caller filters on arrival either way.
+    #[must_use]
+    pub fn with_shard_selector(mut self, selector: Option<String>) -> Self {
+        self.shard_selector = selector.map(Into::into);
+        self
     }
 
     /// Keeps `managedFields` in the events while `handlers` include event handlers.
@@ -332,6 +347,7 @@ impl Watch {
                     self.label_selector.as_deref(),
                     self.field_selector.as_deref(),
                 ),
+                self.shard_selector.clone(),
                 self.settings.inactivity_timeout,
             );
             let first = tokio::select! {
@@ -353,6 +369,15 @@ impl Watch {
                     self.field_selector = None;
                     continue 'relist;
                 }
+                Err(e) if is_bad_request(&e) && self.shard_selector.is_some() => {
+                    warn!(
+                        error = %e,
+                        "the API server refuses the shard selector; listing every object and filtering on arrival"
+                    );
+                    self.shard_selector = None;
+                    self.shard_judged = true;
+                    continue 'relist;
+                }
                 // (`Ok(None)`, no page at all, cannot come first.)
                 failed => {
                     let e = failed
@@ -367,6 +392,18 @@ impl Watch {
                 }
             };
             self.status.moved();
+            if self.shard_selector.is_some() && !self.shard_judged {
+                self.shard_judged = true;
+                if page.sharded {
+                    info!(
+                        "the API server filters by shard: only this member's objects are listed and watched"
+                    );
+                } else {
+                    info!(
+                        "the API server does not filter by shard (no ShardedListAndWatch): every object is listed and watched, and filtered on arrival"
+                    );
+                }
+            }
             let reported = tokio::select! {
                 () = cancel.cancelled() => return,
                 reported = self.report_page(&mut listing, page, &tx) => reported,
@@ -755,6 +792,7 @@ impl Watch {
         let mut request = kube::core::Request::new(self.api.resource_url())
             .watch(params, rv)
             .map_err(kube::Error::BuildRequest)?;
+        with_shard_selector(&mut request, self.shard_selector.as_deref());
         request.extensions_mut().insert("watch");
         // One gzip member per event would be decoded only up to the first (as kube's own watch).
         request.headers_mut().insert(

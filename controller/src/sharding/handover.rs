@@ -170,6 +170,7 @@ impl Handover {
             identity: identity.clone(),
             duration: settings.lease_duration,
             acknowledged: None,
+            renewed: None,
             version: String::new(),
         };
         shard.set(Ranges::none());

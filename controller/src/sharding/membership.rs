@@ -175,6 +175,7 @@ mod tests {
             identity: identity.into(),
             duration: Duration::from_secs(10),
             acknowledged: acknowledged.map(str::to_owned),
+            renewed: None,
             version: version.into(),
         }
     }

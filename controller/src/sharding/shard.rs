@@ -59,6 +59,22 @@ impl Shard {
         self.held.read().clone()
     }
 
+    /// The held ranges as KEP-5866's shard selector (`shardRange(object.metadata.uid, …) ||
+    /// …`), for a server that filters by shard; `None` when nothing or everything is held
+    /// (no useful filter).
+    pub fn selector(&self) -> Option<String> {
+        let held = self.held();
+        if held.is_empty() || *held == Ranges::all() {
+            return None;
+        }
+        Some(
+            held.bounds()
+                .map(|(start, end)| format!("shardRange(object.metadata.uid, '{start}', '{end}')"))
+                .collect::<Vec<_>>()
+                .join(" || "),
+        )
+    }
+
     /// Replaces the held ranges.
     pub(super) fn set(&self, ranges: Ranges) {
         *self.held.write() = Arc::new(ranges);
@@ -78,5 +94,19 @@ mod tests {
         assert!(!shard.holds(""), "an object without a uid is nobody's");
         assert!(shard.holds_object(&serde_json::json!({"metadata": {"uid": "5f0c"}})));
         assert!(!shard.holds_object(&serde_json::json!({"metadata": {}})));
+        assert_eq!(shard.selector(), None, "everything needs no filter");
+    }
+
+    #[test]
+    fn selectors_name_the_held_ranges() {
+        let shard = Shard::of("a");
+        let ring = super::super::ring::Ring::new(["a", "b"]);
+        shard.set(ring.assigned("a"));
+        let selector = shard.selector().expect("a selector");
+        assert!(
+            selector.starts_with("shardRange(object.metadata.uid, '0x"),
+            "{selector}"
+        );
+        assert_eq!(selector.matches("shardRange(").count(), ring.assigned("a").len());
     }
 }

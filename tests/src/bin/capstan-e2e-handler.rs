@@ -16,6 +16,8 @@
 //! - `spec.hugePatch.<id>: N` patches an annotation of N MiB (the API server refuses it);
 //! - `spec.unfinalize.<id>: true` patches `metadata.finalizers` to null;
 //!
+//! The `update-seen` preset notes `seen <name> <spec.field>` for every update instead.
+//!
 //! and `E2E_FAIL_FIRST=N` makes every handler of this process fail its first N attempts.
 //!
 //! The `index` preset indexes ConfigMaps labelled `e2e/app` by that label (`by_app`: app →
@@ -579,6 +581,20 @@ async fn main() -> anyhow::Result<()> {
             }
             "update" => {
                 registry.on_update(RESOURCE, "update_fn", with_result);
+            }
+            // Notes `seen <name> <spec.field>` per call: a change handled twice shows as a
+            // repeated line (the sharding tests give every change a value of its own).
+            "update-seen" => {
+                registry.on_update(RESOURCE, "update_seen", |ctx: Context| async move {
+                    let field = ctx
+                        .spec()
+                        .get("field")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned();
+                    note(&format!("seen {} {field}", ctx.name()));
+                    Ok::<_, HandlerError>(None)
+                });
             }
             "delete" => {
                 registry.on_delete(RESOURCE, "delete_fn", plain);

@@ -296,7 +296,7 @@ impl Queue {
             let api = self.ctx.objects.api(&self.ctx.resource, scope.as_deref());
             let mut params = params.clone();
             loop {
-                let page = list_page(&api, &params, settings.timeout).await?;
+                let page = list_page(&api, &params, None, settings.timeout).await?;
                 let next = page.continue_token.clone();
                 // Only the marked objects are kept, compressed, while the pass waits for room;
                 // the page's objects are parsed one at a time (see `k8s::listing`).

@@ -21,6 +21,7 @@
 
 use std::{
     collections::{HashMap, HashSet},
+    sync::Arc,
     time::Duration,
 };
 
@@ -59,12 +60,18 @@ pub(super) struct Listing {
 }
 
 impl Listing {
-    /// Starts listing `api` with `params`, each page within `timeout`.
-    pub(super) fn new(api: Api<DynamicObject>, mut params: ListParams, timeout: Duration) -> Self {
+    /// Starts listing `api` with `params` (and `shard`, a shard selector), each page within
+    /// `timeout`.
+    pub(super) fn new(
+        api: Api<DynamicObject>,
+        mut params: ListParams,
+        shard: Option<Arc<str>>,
+        timeout: Duration,
+    ) -> Self {
         let (tx, pages) = mpsc::channel(1);
         let reader = async move {
             loop {
-                let page = list_page(&api, &params, timeout).await;
+                let page = list_page(&api, &params, shard.as_deref(), timeout).await;
                 let next = page.as_ref().ok().and_then(|p| p.continue_token.clone());
                 if tx.send(page).await.is_err() {
                     return;
@@ -200,6 +207,7 @@ mod tests {
         Listing::new(
             Api::all_with(client, &resource),
             ListParams::default(),
+            None,
             Duration::from_secs(1),
         )
     }
