@@ -1,8 +1,10 @@
 //! End to end: sharding among replicas on the real API server. Three members share the
 //! objects by the ring (each object's change handled once, by its owner); one member stops
 //! cleanly and the others take its objects at once; one is killed (SIGKILL) and the last takes
-//! everything once its Lease expired; no change is handled twice along the way. A freeze
-//! pauses every member, and a daemon moves with its object.
+//! everything once its Lease expired; no change is handled twice along the way, also under
+//! random joins, SIGTERMs and SIGKILLs. A freeze pauses every member, a daemon moves with its
+//! object, and indexes hold every object on every member. These run on a server without
+//! KEP-5866's shard filter (objects filtered on arrival).
 
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
@@ -254,11 +256,17 @@ async fn members_share_the_objects_and_take_over_from_one_that_leaves_and_one_th
     }
     // `capstan status` shows each object's member, as the ring says.
     let status = tokio::process::Command::new(capstan_tests::process::capstan_binary().await?)
-        .args(["status", "examples", "-n", "default", "--ring", "capstan", "-o", "json"])
+        .args([
+            "status", "examples", "-n", "default", "--ring", "capstan", "-o", "json",
+        ])
         .env("KUBECONFIG", &env.kubeconfig)
         .output()
         .await?;
-    ensure!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    ensure!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
     let report: Value = serde_json::from_slice(&status.stdout)?;
     for item in report["items"].as_array().context("items")? {
         let name = item["name"].as_str().unwrap_or_default();
@@ -631,5 +639,80 @@ async fn random_ring_changes_under_churn_never_handle_a_change_twice() -> Result
     for m in members {
         m.stop().await?;
     }
+    env.stop().await
+}
+
+/// Indexes are over all objects on every member: a handler on either member sees every
+/// indexed ConfigMap, whatever member the ConfigMaps' own uids belong to.
+#[tokio::test]
+async fn indexes_hold_every_object_on_every_member() -> Result<()> {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let client = env.client().await?;
+    let cms: kube::Api<ConfigMap> = kube::Api::namespaced(client, "default");
+    let mut wanted: Vec<String> = Vec::new();
+    for i in 0..8 {
+        let name = format!("web-{i}");
+        let cm: ConfigMap = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name, "labels": {"e2e/app": "web"}},
+        }))?;
+        cms.create(&kube::api::PostParams::default(), &cm).await?;
+        wanted.push(name);
+    }
+    let a = Member::start(&env, "a", "index", &[]).await?;
+    let b = Member::start(&env, "b", "index", &[]).await?;
+    settled(&[&a, &b], 2, Duration::from_secs(30)).await?;
+    let names: Vec<String> = (0..10).map(|i| format!("ix-{i}")).collect();
+    for name in &names {
+        create_example(&env, name, json!({"app": "web"})).await?;
+    }
+    let api = examples(&env.client().await?, "default");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    for name in &names {
+        loop {
+            let obj = api.get(name).await?;
+            let found = obj
+                .data
+                .pointer("/status/lookup_fn/configmaps")
+                .and_then(Value::as_array)
+                .map(|list| {
+                    let mut names: Vec<String> = list
+                        .iter()
+                        .filter_map(|v| v.as_str().map(str::to_owned))
+                        .collect();
+                    names.sort();
+                    names
+                });
+            if let Some(found) = found {
+                ensure!(
+                    found == wanted,
+                    "{name}'s handler saw part of the index: {found:?}"
+                );
+                break;
+            }
+            ensure!(
+                tokio::time::Instant::now() < deadline,
+                "lookup_fn did not answer for {name}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let uids = uids(&env, &names).await?;
+    by_owners(
+        &[&a, &b],
+        &BTreeMap::new(),
+        "lookup",
+        &Ring::new(["a", "b"]),
+        &uids,
+        1,
+    )?;
+    ensure!(
+        !a.called("lookup").is_empty() && !b.called("lookup").is_empty(),
+        "both members handle examples"
+    );
+    a.stop().await?;
+    b.stop().await?;
     env.stop().await
 }
