@@ -611,13 +611,14 @@ impl Engine {
                 self.settings.watch.clone(),
                 status,
             )
-            .with_event_handlers(event_handlers.clone())
-            .with_shard_selector(
-                self.settings
-                    .shard
-                    .as_ref()
-                    .and_then(crate::sharding::Shard::selector),
-            );
+            .with_event_handlers(event_handlers.clone());
+            let w = match &self.settings.shard {
+                Some(shard) => {
+                    let holding = shard.clone();
+                    w.with_shard(shard.selector(), Arc::new(move |uid| holding.holds(uid)))
+                }
+                None => w,
+            };
             let (tx, mut rx) = mpsc::channel::<k8s_watch::Event>(WATCH_BACKLOG);
             let span = info_span!("watch", resource = %resource, namespace = scope.as_deref().unwrap_or("*"));
             let run = w.run(tx, cancel.clone());

@@ -223,9 +223,15 @@ pub struct Watch {
     handlers: Option<tokio::sync::watch::Receiver<Arc<Vec<crate::model::Registration>>>>,
     /// With sharding: the ranges to ask the server for (KEP-5866's `shardSelector`).
     shard_selector: Option<Arc<str>>,
+    /// With sharding: whether an object (by uid) is this member's; the others are dropped as
+    /// they arrive, before anything is kept for them.
+    holds: Option<Holds>,
     /// Whether the server was seen applying the shard selector (or refusing it); said once.
     shard_judged: bool,
 }
+
+/// Whether an object, by uid, is this member's (see [`Watch::with_shard`]).
+pub type Holds = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 
 enum Restart {
     Relist,
@@ -257,6 +263,7 @@ impl Watch {
             known: HashMap::new(),
             handlers: None,
             shard_selector: None,
+            holds: None,
             shard_judged: false,
             plural: api
                 .resource_url()
@@ -268,13 +275,19 @@ impl Watch {
         }
     }
 
-    /// Asks the server for the objects of these ranges only (KEP-5866's `shardSelector`, a
-    /// sharded operator's held ranges). A server without the feature returns every object:
-    /// the caller filters on arrival either way.
+    /// With sharding: asks the server for the objects of the held ranges only (KEP-5866's
+    /// `shardSelector`, when there is one) and drops, as they arrive, the objects `holds` says
+    /// are not this member's — all of them where the server does not filter by shard.
     #[must_use]
-    pub fn with_shard_selector(mut self, selector: Option<String>) -> Self {
+    pub fn with_shard(mut self, selector: Option<String>, holds: Holds) -> Self {
         self.shard_selector = selector.map(Into::into);
+        self.holds = Some(holds);
         self
+    }
+
+    /// Whether the object with `uid` is to be reported (always, without sharding).
+    fn ours(&self, uid: &str) -> bool {
+        self.holds.as_ref().is_none_or(|holds| holds(uid))
     }
 
     /// Keeps `managedFields` in the events while `handlers` include event handlers.
@@ -447,9 +460,15 @@ impl Watch {
 
     /// Reports a page's objects (see [`catching_up`]); false when the receiver is gone.
     async fn report_page(&mut self, listing: &mut Listing, page: Page, tx: &mpsc::Sender<Event>) -> bool {
+        let metrics = crate::observability::metrics::global();
         for obj in page.objects() {
+            metrics.watch_event(&self.plural);
             let obj = match obj {
+                Ok(obj) if !self.ours(obj.metadata.uid.as_deref().unwrap_or_default()) => continue,
                 Ok(obj) => obj,
+                Err(unparsed) if !unparsed.identity.uid.is_empty() && !self.ours(&unparsed.identity.uid) => {
+                    continue;
+                }
                 Err(unparsed) => {
                     quarantine(&self.plural, &unparsed);
                     // Still there: not reported as vanished.
@@ -646,8 +665,32 @@ impl Watch {
                     return self.wait_out(delay, listing, tx, cancel).await;
                 }
             };
+            crate::observability::metrics::global().watch_event(&self.plural);
             let (event_type, obj) = match event {
+                Line::Event(_, o) if !self.ours(o.metadata.uid.as_deref().unwrap_or_default()) => {
+                    // Another member's object: only the watch's place moves.
+                    self.established(false);
+                    if let Some(v) = &o.metadata.resource_version {
+                        rv.clone_from(v);
+                    }
+                    silence
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + self.settings.inactivity_timeout);
+                    continue;
+                }
                 Line::Event(event_type, o) => (event_type, *o),
+                Line::Unparsable(_, unparsed)
+                    if !unparsed.identity.uid.is_empty() && !self.ours(&unparsed.identity.uid) =>
+                {
+                    self.established(false);
+                    if let Some(v) = &unparsed.identity.resource_version {
+                        rv.clone_from(v);
+                    }
+                    silence
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + self.settings.inactivity_timeout);
+                    continue;
+                }
                 Line::Unparsable(event_type, unparsed) => {
                     self.established(false);
                     let in_listing = match listing.as_mut() {

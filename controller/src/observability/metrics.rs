@@ -302,6 +302,7 @@ pub struct Metrics {
     node_storage_read_errors: Counter,
     quarantined: Family<ResourceLabels, Counter>,
     handovers: Family<MemberLabels, Histogram>,
+    watch_events: Family<ResourceLabels, Counter>,
     admission: AdmissionFamilies,
     samplers: Arc<Samplers>,
     workqueues: Arc<super::workqueue::WorkQueues>,
@@ -434,6 +435,12 @@ impl Default for Metrics {
             "How long this member paused for a ring change (from seeing it to handling its new ranges), by member.",
             handovers.clone(),
         );
+        let watch_events = Family::<ResourceLabels, Counter>::default();
+        registry.register(
+            "capstan_watch_events",
+            "Objects received from the resource watches (listed or in watch events, before a sharded member drops other members' objects), by resource.",
+            watch_events.clone(),
+        );
         let admission = AdmissionFamilies::register(&mut registry);
         let samplers = Arc::new(Samplers::default());
         registry.register_collector(Box::new(samplers.clone()));
@@ -453,6 +460,7 @@ impl Default for Metrics {
             node_storage_read_errors,
             quarantined,
             handovers,
+            watch_events,
             admission,
             samplers,
             workqueues,
@@ -643,6 +651,15 @@ impl Metrics {
     /// handles (`capstan_sharding_objects{member}`).
     pub fn sample_sharding_objects(&self, f: impl Fn() -> i64 + Send + Sync + 'static) {
         *self.samplers.sharding_objects.write() = Some(Arc::new(f));
+    }
+
+    /// Counts an object received from a resource watch (`capstan_watch_events_total`).
+    pub fn watch_event(&self, resource: &str) {
+        self.watch_events
+            .get_or_create(&ResourceLabels {
+                resource: resource.to_owned(),
+            })
+            .inc();
     }
 
     /// Records how long a hand-over paused `member` (`capstan_sharding_handover_seconds`).
