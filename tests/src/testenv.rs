@@ -23,7 +23,55 @@ use tokio::{
     sync::OnceCell,
 };
 
-static BINARY: OnceCell<PathBuf> = OnceCell::const_new();
+/// The Kubernetes minor a [`TestEnv`] runs. Both are built from the same sources in
+/// `tests/testenv`; 1.35 is the server every test uses unless it needs something newer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Kube {
+    /// kube-apiserver 1.35 (`tests/testenv/go.mod`).
+    #[default]
+    V1_35,
+    /// kube-apiserver 1.36 (`tests/testenv/go.1.36.mod`), for 1.36-only features such as
+    /// KEP-5866's sharded list and watch (feature gate `ShardedListAndWatch`, alpha).
+    V1_36,
+}
+
+impl Kube {
+    /// The minor as `build.sh` spells it (`CAPSTAN_TESTENV_KUBE`).
+    pub fn minor(self) -> &'static str {
+        match self {
+            Self::V1_35 => "1.35",
+            Self::V1_36 => "1.36",
+        }
+    }
+
+    /// The variable that names a prebuilt binary of this minor (also read by `build.sh`).
+    fn binary_var(self) -> &'static str {
+        match self {
+            Self::V1_35 => "CAPSTAN_TESTENV_BIN",
+            Self::V1_36 => "CAPSTAN_TESTENV_BIN_1_36",
+        }
+    }
+
+    /// Where this minor's binary is remembered once found: each is built at most once per
+    /// test process.
+    fn cell(self) -> &'static OnceCell<PathBuf> {
+        static V1_35: OnceCell<PathBuf> = OnceCell::const_new();
+        static V1_36: OnceCell<PathBuf> = OnceCell::const_new();
+        match self {
+            Self::V1_35 => &V1_35,
+            Self::V1_36 => &V1_36,
+        }
+    }
+}
+
+/// How to start a [`TestEnv`]; the default is what [`TestEnv::start`] starts.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Options<'a> {
+    /// The Kubernetes minor.
+    pub kube: Kube,
+    /// kube-apiserver feature gates, each `Name=true` or `Name=false` (`--feature-gates`).
+    pub feature_gates: &'a [&'a str],
+}
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
@@ -33,11 +81,18 @@ pub fn repo_root() -> PathBuf {
         .unwrap_or_default()
 }
 
-/// Builds (or finds) the testenv binary once per test process.
+/// Builds (or finds) the default (1.35) testenv binary once per test process.
 pub async fn binary() -> Result<PathBuf> {
-    BINARY
+    binary_for(Kube::default()).await
+}
+
+/// Builds (or finds) the testenv binary of `kube` once per test process: the file named by
+/// its variable (`CAPSTAN_TESTENV_BIN`, `CAPSTAN_TESTENV_BIN_1_36`) when that is one, else
+/// what `tests/testenv/build.sh` builds (or finds up to date) for that minor.
+pub async fn binary_for(kube: Kube) -> Result<PathBuf> {
+    kube.cell()
         .get_or_try_init(|| async {
-            if let Ok(bin) = std::env::var("CAPSTAN_TESTENV_BIN")
+            if let Ok(bin) = std::env::var(kube.binary_var())
                 && Path::new(&bin).is_file()
             {
                 return Ok(PathBuf::from(bin));
@@ -45,13 +100,15 @@ pub async fn binary() -> Result<PathBuf> {
             let script = repo_root().join("tests/testenv/build.sh");
             let out = Command::new("bash")
                 .arg(&script)
+                .env("CAPSTAN_TESTENV_KUBE", kube.minor())
                 .stderr(Stdio::inherit())
                 .output()
                 .await
                 .with_context(|| format!("running {}", script.display()))?;
             if !out.status.success() {
                 bail!(
-                    "building capstan-testenv failed ({}); see the output above",
+                    "building capstan-testenv for Kubernetes {} failed ({}); see the output above",
+                    kube.minor(),
                     out.status
                 );
             }
@@ -79,21 +136,48 @@ pub struct TestEnv {
 }
 
 impl TestEnv {
-    /// Starts an instance and waits until it is ready.
+    /// Starts an instance (Kubernetes 1.35, default feature gates) and waits until it is ready.
     pub async fn start() -> Result<Self> {
-        let bin = binary().await?;
+        Self::start_with(Options::default()).await
+    }
+
+    /// Starts an instance of `options.kube` with `options.feature_gates` and waits until it is
+    /// ready, e.g. a 1.36 server with sharded list and watch:
+    ///
+    /// ```no_run
+    /// # async fn f() -> anyhow::Result<()> {
+    /// use capstan_tests::testenv::{Kube, Options, TestEnv};
+    /// let env = TestEnv::start_with(Options {
+    ///     kube: Kube::V1_36,
+    ///     feature_gates: &["ShardedListAndWatch=true"],
+    /// })
+    /// .await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// A gate the server does not know fails the start, with kube-apiserver's message.
+    pub async fn start_with(options: Options<'_>) -> Result<Self> {
+        let bin = binary_for(options.kube).await?;
         let dir = tempfile::Builder::new().prefix("capstan-testenv-").tempdir()?;
         let instance = dir.path().join("instance");
         let audit_log = dir.path().join("audit.log");
         let log = dir.path().join("apiserver.log");
-        let mut child = Command::new(&bin)
+        let mut command = Command::new(&bin);
+        command
             .arg("start")
             .arg("--dir")
             .arg(&instance)
             .arg("--audit-log")
             .arg(&audit_log)
             .arg("--timeout")
-            .arg("90s")
+            .arg("90s");
+        if !options.feature_gates.is_empty() {
+            // After `--`, capstan-testenv appends the rest to kube-apiserver's command line.
+            command
+                .arg("--")
+                .arg(format!("--feature-gates={}", options.feature_gates.join(",")));
+        }
+        let mut child = command
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log)?)
             .kill_on_drop(true)

@@ -5,30 +5,59 @@
 # and Go's own module and build caches under $HOME are reused, so a rebuild
 # after a small change takes seconds. The last line on stdout is the binary
 # path; progress and errors go to stderr.
+#
+# CAPSTAN_TESTENV_KUBE picks the Kubernetes minor: unset or 1.35 (the default
+# server, go.mod), or 1.36 (go.1.36.mod, for tests of 1.36-only features),
+# built into
+#   ${CAPSTAN_TESTENV_BIN_1_36:-$HOME/.cache/capstan/testenv/capstan-testenv-1.36}
+# Both come from the same Go sources; each binary has its own stamp and lock.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-bin=${CAPSTAN_TESTENV_BIN:-$HOME/.cache/capstan/testenv/capstan-testenv}
 
 die() {
 	echo "tests/testenv/build.sh: error: $*" >&2
 	exit 1
 }
 
-command -v go >/dev/null 2>&1 || die "'go' is not on PATH; Go >= 1.25 is needed to build kube-apiserver"
+# Per minor: the module file, the binary, the lowest Go that release's go.mod
+# accepts, and a fixed build date (the release's module date, `Time` of
+# `go mod download -json k8s.io/kubernetes@VERSION`), so identical sources
+# give identical binaries.
+kube=${CAPSTAN_TESTENV_KUBE:-1.35}
+case $kube in
+1.35)
+	modfile=go.mod
+	bin=${CAPSTAN_TESTENV_BIN:-$HOME/.cache/capstan/testenv/capstan-testenv}
+	min_go=25
+	build_date=2026-04-15T18:01:22Z
+	;;
+1.36)
+	modfile=go.1.36.mod
+	bin=${CAPSTAN_TESTENV_BIN_1_36:-$HOME/.cache/capstan/testenv/capstan-testenv-1.36}
+	min_go=26
+	build_date=2026-07-22T18:07:38Z
+	;;
+*) die "CAPSTAN_TESTENV_KUBE=$kube is not a supported Kubernetes minor; use 1.35 (the default) or 1.36" ;;
+esac
+sumfile=${modfile%.mod}.sum
+# Only other minors name their module file: the default build runs exactly as it always did.
+modflag=()
+[[ $modfile == go.mod ]] || modflag=(-modfile="$modfile")
+
+command -v go >/dev/null 2>&1 || die "'go' is not on PATH; Go >= 1.$min_go is needed to build kube-apiserver $kube"
 # Never download a different toolchain behind our back; fail loudly instead.
 export GOTOOLCHAIN=local CGO_ENABLED=0
 
 gover=$(go env GOVERSION 2>/dev/null) || die "'go env GOVERSION' failed; is the Go installation broken?"
 minor=$(sed -E 's/^go1\.([0-9]+).*/\1/' <<<"$gover")
-[[ $minor =~ ^[0-9]+$ ]] && ((minor >= 25)) || die "found $gover; kube-apiserver 1.35 needs Go >= 1.25"
+[[ $minor =~ ^[0-9]+$ ]] && ((minor >= min_go)) || die "found $gover; kube-apiserver $kube needs Go >= 1.$min_go"
 
-# Versions come from go.mod, so /version always matches the compiled source.
-k8s=$(awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v1\./ { print $2; exit }' "$here/go.mod")
-[[ $k8s =~ ^v1\.([0-9]+)\.[0-9]+$ ]] || die "cannot read the k8s.io/kubernetes version from $here/go.mod"
+# Versions come from the module file, so /version always matches the compiled source.
+k8s=$(awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v1\./ { print $2; exit }' "$here/$modfile")
+[[ $k8s =~ ^v1\.([0-9]+)\.[0-9]+$ ]] || die "cannot read the k8s.io/kubernetes version from $here/$modfile"
 k8s_minor=${BASH_REMATCH[1]}
-# Fixed build date (the release's module date), so identical sources give identical binaries.
-build_date=2026-04-15T18:01:22Z
+[[ 1.$k8s_minor == "$kube" ]] || die "$here/$modfile pins k8s.io/kubernetes $k8s, not $kube"
 
 ldflags="-s -w"
 for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
@@ -39,7 +68,7 @@ done
 # Staleness key: every input that changes the binary.
 key=$( {
 	echo "$gover $ldflags"
-	cd "$here" && cat go.mod go.sum build.sh ./*.go
+	cd "$here" && cat "$modfile" "$sumfile" build.sh ./*.go
 } | sha256sum | cut -d' ' -f1)
 
 mkdir -p "$(dirname "$bin")" || die "cannot create $(dirname "$bin")"
@@ -58,8 +87,8 @@ echo "tests/testenv/build.sh: building capstan-testenv (kube-apiserver $k8s, $go
 start=$SECONDS
 tmp="$bin.tmp.$$"
 trap 'rm -f "$tmp"' EXIT
-if ! (cd "$here" && go build -trimpath -ldflags "$ldflags" -o "$tmp" .); then
-	die "'go build' failed (see the compiler output above). If it reports a missing go.sum entry or an unknown revision, the Go module proxy is unreachable or go.mod/go.sum are out of sync; if it reports a Go version, use Go >= 1.25."
+if ! (cd "$here" && go build "${modflag[@]}" -trimpath -ldflags "$ldflags" -o "$tmp" .); then
+	die "'go build' failed (see the compiler output above). If it reports a missing go.sum entry or an unknown revision, the Go module proxy is unreachable or $modfile/$sumfile are out of sync; if it reports a Go version, use Go >= 1.$min_go."
 fi
 mv -f "$tmp" "$bin"
 echo "$key" >"$bin.stamp"

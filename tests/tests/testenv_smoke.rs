@@ -8,17 +8,24 @@
 //! Events; coordination.k8s.io/v1 Leases; RBAC with an impersonated ServiceAccount that is denied
 //! until a Role is bound; and the audit log recording our writes.
 //!
+//! On the 1.36 server with the alpha gate `ShardedListAndWatch` (KEP-5866), which sharding uses:
+//! `/version` (v1.36.x); a LIST with `shardSelector` returning exactly the objects whose uid
+//! hashes into the ranges and echoing the selector in `metadata.shardInfo`; a WATCH with it
+//! delivering only those objects; a selector of 200 OR-ed ranges (what one member of a sharded
+//! operator may hold) being accepted, a malformed one refused. And the 1.35 server ignoring the
+//! parameter.
+//!
 //! Every test starts its own API server and stops it gracefully at the end, also when it fails.
 
-use std::time::Duration;
+use std::{collections::BTreeSet, time::Duration};
 
-use anyhow::{Result, anyhow, bail, ensure};
-use capstan_tests::testenv::{TestEnv, examples};
+use anyhow::{Context as _, Result, anyhow, bail, ensure};
+use capstan_tests::testenv::{Kube, Options, TestEnv, examples};
 use futures::TryStreamExt as _;
 use k8s_openapi::{
     api::{
         coordination::v1::Lease,
-        core::v1::{Event, Namespace, ServiceAccount},
+        core::v1::{ConfigMap, Event, Namespace, ServiceAccount},
         rbac::v1::{Role, RoleBinding},
     },
     apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
@@ -39,7 +46,12 @@ const CRD: &str = "examples.demo.capstan.dev";
 
 /// Starts an API server, runs `body` against it and stops the server, whatever the outcome.
 async fn with_testenv(body: impl AsyncFnOnce(&TestEnv) -> Result<()>) -> Result<()> {
-    let env = TestEnv::start().await?;
+    with_testenv_of(Options::default(), body).await
+}
+
+/// [`with_testenv`] with a server started with `options`.
+async fn with_testenv_of(options: Options<'_>, body: impl AsyncFnOnce(&TestEnv) -> Result<()>) -> Result<()> {
+    let env = TestEnv::start_with(options).await?;
     let outcome = body(&env).await;
     env.stop().await?;
     outcome
@@ -701,6 +713,398 @@ async fn audit_log_records_example_writes_by_the_admin() -> Result<()> {
         );
         let total = env.audit_events()?.len();
         ensure!(total > 0, "the audit log is empty");
+        Ok(())
+    })
+    .await
+}
+
+// KEP-5866: sharded list and watch (Kubernetes 1.36, alpha).
+
+/// The 1.36 server with sharded list and watch on.
+const SHARDED: Options<'static> = Options {
+    kube: Kube::V1_36,
+    feature_gates: &["ShardedListAndWatch=true"],
+};
+
+/// The top of the hash space (exclusive): 2^64, written `0x10000000000000000` in a selector.
+const TOP: u128 = 1 << 64;
+
+/// The lower half of the hash space, `[0, 2^63)`.
+const LOWER: (u128, u128) = (0, 1 << 63);
+
+/// The upper half of the hash space, `[2^63, 2^64)`.
+const UPPER: (u128, u128) = (1 << 63, TOP);
+
+/// The namespace the shard tests write their ConfigMaps to.
+const SHARD_NS: &str = "shards";
+
+/// KEP-5866's hash of an object: 64-bit FNV-1a of its uid.
+fn fnv1a64(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Whether the object with `uid` falls into one of `ranges` (start inclusive, end exclusive).
+fn in_ranges(uid: &str, ranges: &[(u128, u128)]) -> bool {
+    let hash = u128::from(fnv1a64(uid.as_bytes()));
+    ranges.iter().any(|&(start, end)| start <= hash && hash < end)
+}
+
+/// A `shardSelector` for `ranges`, spelled as Capstan's sharding spells it (16 hex digits, or 17
+/// for the top), which is also how the server echoes it.
+fn shard_selector(ranges: &[(u128, u128)]) -> String {
+    ranges
+        .iter()
+        .map(|(start, end)| format!("shardRange(object.metadata.uid, '0x{start:016x}', '0x{end:016x}')"))
+        .collect::<Vec<_>>()
+        .join(" || ")
+}
+
+/// `uri` with `shardSelector=selector` added to its query, every byte but the unreserved ones
+/// percent-encoded (as Capstan's sharding does).
+fn with_shard_selector(uri: &str, selector: &str) -> String {
+    let separator = match uri.find('?') {
+        None => "?",
+        Some(at) if at + 1 == uri.len() => "",
+        Some(_) => "&",
+    };
+    format!("{uri}{separator}shardSelector={}", percent_encode(selector))
+}
+
+/// `value` with every byte but the unreserved ones (RFC 3986) percent-encoded.
+fn percent_encode(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+                char::from(b).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// LISTs the ConfigMaps of [`SHARD_NS`], with a `shardSelector` when given; the answer as JSON.
+async fn list_configmaps(client: &Client, selector: Option<&str>) -> Result<Value> {
+    let path = format!("/api/v1/namespaces/{SHARD_NS}/configmaps");
+    let mut request = kube::core::Request::new(path).list(&ListParams::default())?;
+    if let Some(selector) = selector {
+        let uri = with_shard_selector(&request.uri().to_string(), selector);
+        *request.uri_mut() = uri
+            .parse()
+            .with_context(|| format!("a LIST URI of {} bytes", uri.len()))?;
+    }
+    Ok(client.request::<Value>(request).await?)
+}
+
+/// The (name, uid) of each item of a LIST answer.
+fn listed(list: &Value) -> Result<BTreeSet<(String, String)>> {
+    list["items"]
+        .as_array()
+        .ok_or_else(|| anyhow!("no items in {list}"))?
+        .iter()
+        .map(|item| {
+            let name = item["metadata"]["name"].as_str();
+            let uid = item["metadata"]["uid"].as_str();
+            match (name, uid) {
+                (Some(name), Some(uid)) => Ok((name.to_owned(), uid.to_owned())),
+                _ => bail!("an item without name or uid: {item}"),
+            }
+        })
+        .collect()
+}
+
+/// The items of `everything` that fall into `ranges`.
+fn expected_in(
+    everything: &BTreeSet<(String, String)>,
+    ranges: &[(u128, u128)],
+) -> BTreeSet<(String, String)> {
+    everything
+        .iter()
+        .filter(|(_, uid)| in_ranges(uid, ranges))
+        .cloned()
+        .collect()
+}
+
+/// Creates [`SHARD_NS`] unless it is there.
+async fn ensure_shard_namespace(client: &Client) -> Result<()> {
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    if namespaces.get_opt(SHARD_NS).await?.is_none() {
+        let namespace: Namespace = serde_json::from_value(json!({"metadata": {"name": SHARD_NS}}))?;
+        namespaces.create(&PostParams::default(), &namespace).await?;
+    }
+    Ok(())
+}
+
+/// Creates ConfigMaps in [`SHARD_NS`] until each half of the hash space holds at least
+/// `per_half` of them (a uid's hash is random, so a fixed count could leave a half empty).
+/// Returns the (name, uid) of each.
+async fn create_configmaps_in_both_halves(client: &Client, per_half: usize) -> Result<Vec<(String, String)>> {
+    ensure_shard_namespace(client).await?;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), SHARD_NS);
+    let mut created = Vec::new();
+    let count = |created: &[(String, String)], half| {
+        created.iter().filter(|(_, uid)| in_ranges(uid, &[half])).count()
+    };
+    while count(&created, LOWER) < per_half || count(&created, UPPER) < per_half {
+        ensure!(
+            created.len() < 64,
+            "64 uids and still a half with fewer than {per_half}: {created:?}"
+        );
+        let name = format!("cm-{}", created.len());
+        let cm: ConfigMap = serde_json::from_value(json!({"metadata": {"name": name}, "data": {"n": name}}))?;
+        let cm = api.create(&PostParams::default(), &cm).await?;
+        let uid = cm.metadata.uid.ok_or_else(|| anyhow!("{name} has no uid"))?;
+        created.push((name, uid));
+    }
+    Ok(created)
+}
+
+#[test]
+fn fnv1a64_matches_the_reference_values() {
+    // From the FNV reference test vectors (and Go's hash/fnv, which the server uses).
+    assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
+    assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+    assert_eq!(fnv1a64(b"foobar"), 0x8594_4171_f739_67e8);
+}
+
+#[tokio::test]
+async fn version_reports_kubernetes_1_36_for_the_1_36_server() -> Result<()> {
+    with_testenv_of(SHARDED, async |env| {
+        let info = env.client().await?.apiserver_version().await?;
+        ensure!(
+            info.git_version.starts_with("v1.36.") && info.minor.trim_end_matches('+') == "36",
+            "kube-rs: {info:?}"
+        );
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test]
+async fn sharded_list_on_1_36_returns_only_the_objects_in_range_and_echoes_the_selector() -> Result<()> {
+    with_testenv_of(SHARDED, async |env| {
+        let client = env.client().await?;
+        let created = create_configmaps_in_both_halves(&client, 3).await?;
+
+        let everything = list_configmaps(&client, None).await?;
+        ensure!(
+            everything["metadata"].get("shardInfo").is_none(),
+            "an unsharded list has no shardInfo: {}",
+            everything["metadata"]
+        );
+        let everything = listed(&everything)?;
+        for object in &created {
+            ensure!(
+                everything.contains(object),
+                "{object:?} is not listed: {everything:?}"
+            );
+        }
+
+        for half in [LOWER, UPPER] {
+            let selector = shard_selector(&[half]);
+            let list = list_configmaps(&client, Some(&selector)).await?;
+            ensure!(
+                list["metadata"]["shardInfo"]["selector"] == selector.as_str(),
+                "the list does not echo {selector:?}: {}",
+                list["metadata"]
+            );
+            let got = listed(&list)?;
+            let want = expected_in(&everything, &[half]);
+            ensure!(
+                !want.is_empty() && got == want,
+                "{selector}: listed {got:?}, expected {want:?}"
+            );
+        }
+
+        // kubectl (whose client predates the parameter) gets the same through --raw.
+        let selector = shard_selector(&[LOWER]);
+        let raw = with_shard_selector(&format!("/api/v1/namespaces/{SHARD_NS}/configmaps"), &selector);
+        let list: Value = serde_json::from_str(&env.kubectl_ok(&["get", "--raw", &raw]).await?)?;
+        ensure!(
+            list["metadata"]["shardInfo"]["selector"] == selector.as_str()
+                && listed(&list)? == expected_in(&everything, &[LOWER]),
+            "kubectl get --raw: {list}"
+        );
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test]
+async fn sharded_watch_on_1_36_delivers_only_the_objects_in_range() -> Result<()> {
+    with_testenv_of(SHARDED, async |env| {
+        let client = env.client().await?;
+        ensure_shard_namespace(&client).await?;
+        let start = list_configmaps(&client, None).await?;
+        let rv = start["metadata"]["resourceVersion"]
+            .as_str()
+            .ok_or_else(|| anyhow!("no resourceVersion: {}", start["metadata"]))?;
+
+        let selector = shard_selector(&[LOWER]);
+        let path = format!("/api/v1/namespaces/{SHARD_NS}/configmaps");
+        let mut request = kube::core::Request::new(path).watch(&WatchParams::default().timeout(60), rv)?;
+        *request.uri_mut() = with_shard_selector(&request.uri().to_string(), &selector).parse()?;
+        let stream = client.request_events::<DynamicObject>(request).await?;
+
+        let created = create_configmaps_in_both_halves(&client, 3).await?;
+        let in_range: BTreeSet<_> = created
+            .iter()
+            .filter(|(_, uid)| in_ranges(uid, &[LOWER]))
+            .cloned()
+            .collect();
+        // A write after all the creates, to an object in range: a watch delivers in
+        // resourceVersion order, so once its event is there every earlier one is too, and an
+        // object out of range that was let through would have shown.
+        let (fence, _) = in_range
+            .first()
+            .ok_or_else(|| anyhow!("nothing in range"))?
+            .clone();
+        let api: Api<ConfigMap> = Api::namespaced(client.clone(), SHARD_NS);
+        api.patch(
+            &fence,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {"fence": "1"}})),
+        )
+        .await?;
+
+        let mut added = BTreeSet::new();
+        let mut seen = Vec::new();
+        let mut stream = std::pin::pin!(stream);
+        let collect = async {
+            while let Some(event) = stream.try_next().await? {
+                let (kind, obj) = match event {
+                    WatchEvent::Added(o) => ("ADDED", o),
+                    WatchEvent::Modified(o) => ("MODIFIED", o),
+                    WatchEvent::Deleted(o) => ("DELETED", o),
+                    WatchEvent::Bookmark(_) => continue,
+                    WatchEvent::Error(e) => bail!("watch error: {e:?}"),
+                };
+                let name = obj.metadata.name.clone().unwrap_or_default();
+                let uid = obj.metadata.uid.clone().unwrap_or_default();
+                seen.push((kind, name.clone(), uid.clone()));
+                if kind == "ADDED" {
+                    added.insert((name.clone(), uid));
+                }
+                if kind == "MODIFIED" && name == fence {
+                    return Ok(());
+                }
+            }
+            bail!("the watch ended early")
+        };
+        tokio::time::timeout(T, collect)
+            .await
+            .map_err(|_| anyhow!("the fence did not arrive; so far {seen:?}"))??;
+
+        let outside: Vec<_> = seen
+            .iter()
+            .filter(|(_, _, uid)| !in_ranges(uid, &[LOWER]))
+            .collect();
+        ensure!(outside.is_empty(), "events of objects out of range: {outside:?}");
+        ensure!(
+            added == in_range,
+            "added {added:?}, expected {in_range:?} (of {created:?})"
+        );
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test]
+async fn shard_selector_of_200_ranges_is_accepted_by_1_36() -> Result<()> {
+    with_testenv_of(SHARDED, async |env| {
+        let client = env.client().await?;
+        create_configmaps_in_both_halves(&client, 3).await?;
+        let everything = listed(&list_configmaps(&client, None).await?)?;
+
+        // Every other one of 400 equal slices of the space: 200 disjoint ranges, as a member
+        // of a sharded operator holding 200 arcs of the ring asks for.
+        let slice = TOP / 400;
+        let ranges: Vec<(u128, u128)> = (0..200).map(|i| (2 * i * slice, (2 * i + 1) * slice)).collect();
+        let selector = shard_selector(&ranges);
+        let list = list_configmaps(&client, Some(&selector)).await.with_context(|| {
+            format!(
+                "a selector of {} bytes, {} percent-encoded",
+                selector.len(),
+                percent_encode(&selector).len()
+            )
+        })?;
+        ensure!(
+            list["metadata"]["shardInfo"]["selector"] == selector.as_str(),
+            "the list does not echo the 200 ranges: {}",
+            list["metadata"]
+        );
+        let got = listed(&list)?;
+        let want = expected_in(&everything, &ranges);
+        ensure!(got == want, "listed {got:?}, expected {want:?}");
+
+        // A watch with it is accepted too. From resourceVersion 0 it starts with an ADDED event
+        // of each object there is: those in the ranges only.
+        let path = format!("/api/v1/namespaces/{SHARD_NS}/configmaps");
+        let mut request = kube::core::Request::new(path).watch(&WatchParams::default().timeout(2), "0")?;
+        *request.uri_mut() = with_shard_selector(&request.uri().to_string(), &selector).parse()?;
+        let stream = client
+            .request_events::<DynamicObject>(request)
+            .await
+            .context("a watch with 200 ranges")?;
+        let mut stream = std::pin::pin!(stream);
+        let mut added = BTreeSet::new();
+        let collect = async {
+            // The server ends the watch after its timeout (2 s).
+            while let Some(event) = stream.try_next().await? {
+                match event {
+                    WatchEvent::Added(o) => {
+                        added.insert((
+                            o.metadata.name.unwrap_or_default(),
+                            o.metadata.uid.unwrap_or_default(),
+                        ));
+                    }
+                    WatchEvent::Bookmark(_) => {}
+                    other => bail!("unexpected watch event {other:?}"),
+                }
+            }
+            Ok(())
+        };
+        tokio::time::timeout(T, collect)
+            .await
+            .map_err(|_| anyhow!("the watch did not end"))??;
+        ensure!(added == want, "the watch added {added:?}, expected {want:?}");
+
+        // A selector the server cannot parse is refused, not ignored; 1.36 answers 500 (its
+        // parse error is not mapped to a 400), which a client's fallback must expect.
+        let malformed = "shardRange(object.metadata.uid, '0x0', '0x8000000000000000')";
+        let refused = list_configmaps(&client, Some(malformed)).await.err();
+        let status = refused.as_ref().and_then(|e| e.downcast_ref::<kube::Error>());
+        ensure!(
+            status.is_some_and(|e| is_status(e, 500) && e.to_string().contains("invalid shard selector")),
+            "a malformed selector: {refused:?}"
+        );
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test]
+async fn shard_selector_is_ignored_by_1_35() -> Result<()> {
+    with_testenv(async |env| {
+        let client = env.client().await?;
+        let created: BTreeSet<_> = create_configmaps_in_both_halves(&client, 2)
+            .await?
+            .into_iter()
+            .collect();
+        let list = list_configmaps(&client, Some(&shard_selector(&[LOWER]))).await?;
+        ensure!(
+            list["metadata"].get("shardInfo").is_none(),
+            "1.35 has no shardInfo: {}",
+            list["metadata"]
+        );
+        let got = listed(&list)?;
+        ensure!(
+            got == created,
+            "1.35 lists everything: {got:?}, created {created:?}"
+        );
         Ok(())
     })
     .await

@@ -246,8 +246,26 @@ impl Handover {
             Err(_) => return self.failed("listing the member leases timed out", started),
         };
         self.membership.observe(listed, started);
-        match self.membership.record(&self.mine.lease) {
-            Some(listed) => self.mine.version.clone_from(&listed.version),
+        match self
+            .membership
+            .record(&self.mine.lease)
+            .map(|r| r.version.clone())
+        {
+            Some(listed)
+                if self.renewed.is_some() && !self.mine.version.is_empty() && listed != self.mine.version =>
+            {
+                // Only this member writes its Lease: another process with the same identity
+                // does too (or a write whose answer was lost did land). Handle nothing until
+                // the Lease is this member's alone again.
+                warn!(
+                    identity = %self.identity,
+                    "the member lease was written by someone else: another process may run with this identity (--peer-id, POD_NAME); handling nothing"
+                );
+                self.mine.version = listed;
+                self.fence(started);
+                return;
+            }
+            Some(listed) => self.mine.version = listed,
             None => self.mine.version.clear(),
         }
         let ring = self.membership.view(&self.identity, started);
@@ -396,7 +414,15 @@ impl Handover {
             return;
         }
         warn!(%error, deadline = ?self.settings.renew_deadline, "could not renew the member lease within the renew deadline; handling nothing until it is renewed");
-        self.pause("sharding: fenced (the member lease could not be renewed)", now);
+        self.fence(now);
+    }
+
+    /// Stops handling everything at once, and acknowledges no ring until renewed again.
+    fn fence(&mut self, now: Instant) {
+        self.pause(
+            "sharding: fenced (the member lease is not this member's alone)",
+            now,
+        );
         self.held = Ranges::none();
         self.shard.set(Ranges::none());
         self.acknowledged = None;

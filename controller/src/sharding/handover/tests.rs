@@ -295,3 +295,18 @@ async fn members_that_see_different_rings_wait_for_each_other() {
         n.stop.cancel();
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_second_process_with_the_same_identity_fences_both() {
+    let leases = Arc::new(Leases::default());
+    let mut a = Node::new(&leases, "a");
+    assert!(rounds(&mut [&mut a], 20, |n| n[0].handling() == Ranges::all()).await);
+    let mut twin = Node::new(&leases, "a");
+    // The twin reads the Lease and writes it; a then sees a version it did not write.
+    twin.handover.tick().await;
+    a.handover.tick().await;
+    assert!(a.shard.held().is_empty(), "a kept handling beside a twin");
+    assert!(a.handover.status().lock().fenced);
+    a.stop.cancel();
+    twin.stop.cancel();
+}
