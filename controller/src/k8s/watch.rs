@@ -382,7 +382,7 @@ impl Watch {
                     self.field_selector = None;
                     continue 'relist;
                 }
-                Err(e) if is_bad_request(&e) && self.shard_selector.is_some() => {
+                Err(e) if self.shard_selector.is_some() && refuses_shard_selector(&e) => {
                     warn!(
                         error = %e,
                         "the API server refuses the shard selector; listing every object and filtering on arrival"
@@ -413,7 +413,7 @@ impl Watch {
                     );
                 } else {
                     info!(
-                        "the API server does not filter by shard (no ShardedListAndWatch): every object is listed and watched, and filtered on arrival"
+                        "the API server did not confirm a shard filter (no shardInfo: no ShardedListAndWatch, or a custom resource, whose lists do not echo it): objects outside this member's ranges are dropped on arrival"
                     );
                 }
             }
@@ -919,6 +919,15 @@ fn is_bad_request(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 400)
 }
 
+/// Whether the server refused a request for its shard selector: a 400, or the 500 that
+/// Kubernetes 1.36 answers for a selector it cannot parse (`invalid shard selector: …`).
+fn refuses_shard_selector(e: &kube::Error) -> bool {
+    match e {
+        kube::Error::Api(s) => s.code == 400 || (s.code == 500 && s.message.contains("shard selector")),
+        _ => false,
+    }
+}
+
 /// The longest a retry waits for the backoff (kube-runtime's `DefaultBackoff` cap, before
 /// jitter); also the fallback should the backoff ever end.
 const MAX_DELAY: Duration = Duration::from_secs(30);
@@ -1014,6 +1023,25 @@ mod tests {
         assert!(retry_delay(&mut backoff, &status(429, 0)) < Duration::from_secs(10));
         assert_eq!(retry_delay(&mut backoff, &status(429, 100_000)), MAX_RETRY_AFTER);
         assert!(retry_delay(&mut backoff, &status(500, 45)) < Duration::from_secs(45));
+    }
+
+    #[test]
+    fn a_shard_selector_is_refused_by_a_400_or_by_1_36s_500() {
+        let status = |code: u16, message: &str| {
+            let status: kube::core::Status =
+                serde_json::from_value(json!({"code": code, "message": message})).unwrap();
+            kube::Error::Api(Box::new(status))
+        };
+        assert!(refuses_shard_selector(&status(400, "bad")));
+        assert!(refuses_shard_selector(&status(
+            500,
+            "invalid shard selector: CEL parse error: expression code point size exceeds limit"
+        )));
+        assert!(!refuses_shard_selector(&status(
+            500,
+            "etcdserver: request timed out"
+        )));
+        assert!(!refuses_shard_selector(&status(403, "forbidden")));
     }
 
     #[test]

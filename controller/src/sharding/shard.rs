@@ -13,6 +13,11 @@ use parking_lot::RwLock;
 
 use super::ring::{Ranges, place};
 
+/// The most ranges put into a shard selector: a request URI holds at most 64 KiB (about 600
+/// ranges, percent-encoded). A member holds about 256 ranges at most (one per token of the
+/// ring); more, and the watches ask for everything and filter on arrival.
+const MAX_SELECTOR_RANGES: usize = 500;
+
 /// The held ranges, shared between the hand-over and the engine. Cheap to clone.
 #[derive(Clone, Debug, Default)]
 pub struct Shard {
@@ -64,7 +69,7 @@ impl Shard {
     /// (no useful filter).
     pub fn selector(&self) -> Option<String> {
         let held = self.held();
-        if held.is_empty() || *held == Ranges::all() {
+        if held.is_empty() || *held == Ranges::all() || held.len() > MAX_SELECTOR_RANGES {
             return None;
         }
         Some(
