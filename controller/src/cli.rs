@@ -1423,6 +1423,31 @@ mod tests {
     }
 
     #[test]
+    fn sharding_flags_map_onto_settings_and_refuse_what_it_replaces() {
+        let sharded = run(&[
+            "--sharding",
+            "--lease-name",
+            "ring",
+            "--lease-duration",
+            "6s",
+            "--sharding-settle",
+            "2s",
+        ]);
+        assert!(sharded.sharding.enabled && !sharded.election.enabled);
+        assert_eq!(sharded.sharding.ring, "ring");
+        assert_eq!(sharded.sharding.lease_duration, Duration::from_secs(6));
+        assert_eq!(sharded.sharding.settle, Duration::from_secs(2));
+        assert!(
+            sharded.webhooks.leader_election,
+            "one replica writes the webhook configurations"
+        );
+        assert!(Cli::try_parse_from(["capstan", "run", "--sharding", "--leader-election"]).is_err());
+        let per_node = run_args(&["--sharding", "--node-name", "n1"]);
+        assert!(per_node.check().is_err_and(|e| e.contains("per-node mode")));
+        assert!(run_args(&["--sharding"]).check().is_ok());
+    }
+
+    #[test]
     fn peering_flags_map_onto_settings() {
         let dev = run(&["--dev"]);
         assert_eq!(dev.peering.priority, 666);

@@ -43,10 +43,21 @@ struct Member {
 
 impl Member {
     async fn start(env: &TestEnv, name: &str, presets: &str, extra: &[&str]) -> Result<Self> {
+        Self::start_with(env, &env.kubeconfig, name, presets, extra).await
+    }
+
+    /// A member that reaches the API server through `kubeconfig` (a fault-injecting proxy).
+    async fn start_with(
+        env: &TestEnv,
+        kubeconfig: &std::path::Path,
+        name: &str,
+        presets: &str,
+        extra: &[&str],
+    ) -> Result<Self> {
         let mut args: Vec<&str> = SHARDING.to_vec();
         args.extend(["--peer-id", name]);
         args.extend(extra);
-        let mut controller = Controller::start(env, name, &args).await?;
+        let mut controller = Controller::start_with(env, kubeconfig, name, &args).await?;
         let calls = env.scratch().join(format!("{name}-calls.log"));
         let handler = start_handler(
             env,
@@ -749,6 +760,93 @@ async fn indexes_hold_every_object_on_every_member() -> Result<()> {
     ensure!(
         !a.called("lookup").is_empty() && !b.called("lookup").is_empty(),
         "both members handle examples"
+    );
+    a.stop().await?;
+    b.stop().await?;
+    env.stop().await
+}
+
+/// A member cut off from the API server stops handling when its renew deadline passes, before
+/// the others count it gone and take its objects; once it reaches the server again it rejoins
+/// and the objects are shared again, each change handled once.
+#[tokio::test]
+async fn a_member_cut_off_from_the_api_server_fences_itself_before_the_others_take_over() -> Result<()> {
+    let env = TestEnv::start().await?;
+    env.apply_example_crd().await?;
+    let (proxy, proxied) = capstan_tests::proxy::Proxy::in_front_of(&env).await?;
+    let a = Member::start(&env, "a", "create,update-seen", &[]).await?;
+    let b = Member::start_with(&env, &proxied, "b", "create,update-seen", &[]).await?;
+    settled(&[&a, &b], 2, Duration::from_secs(30)).await?;
+    let names: Vec<String> = (0..12).map(|i| format!("cut-{i:02}")).collect();
+    for name in &names {
+        create_example(&env, name, json!({})).await?;
+    }
+    handled_everywhere(&[&a, &b], "create_fn", &names, 1, Duration::from_secs(60)).await?;
+
+    proxy.refuse();
+    let cut = tokio::time::Instant::now();
+    let (mut fenced, mut taken) = (None, None);
+    while fenced.is_none() || taken.is_none() {
+        ensure!(
+            cut.elapsed() < Duration::from_secs(20),
+            "fenced {fenced:?}, taken over {taken:?}"
+        );
+        if fenced.is_none() && b.ring().await?.starts_with("fenced") {
+            fenced = Some(cut.elapsed());
+        }
+        if taken.is_none() && a.ring().await?.starts_with("member of 1 ") {
+            taken = Some(cut.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (fenced, taken) = (fenced.unwrap_or_default(), taken.unwrap_or_default());
+    ensure!(
+        fenced < taken,
+        "b fenced itself at {fenced:?}, after a took over at {taken:?}"
+    );
+    change_all(&env, &names, 1).await?;
+    let seen = |m: &Member| m.calls().iter().filter(|l| l.starts_with("seen ")).count();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while seen(&a) < names.len() {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "a handled {} of the changes",
+            seen(&a)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Back: b rejoins; the next changes are shared again, each handled once.
+    proxy.accept();
+    settled(&[&a, &b], 2, Duration::from_secs(30)).await?;
+    change_all(&env, &names, 2).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let lines = seen_lines(&[a.calls.clone(), b.calls.clone()]);
+        let handled = names
+            .iter()
+            .filter(|n| lines.contains(&format!("seen {n} 2")))
+            .count();
+        if handled == names.len() {
+            let mut sorted = lines.clone();
+            sorted.sort();
+            sorted.dedup();
+            ensure!(
+                sorted.len() == lines.len(),
+                "a change was handled twice: {lines:?}"
+            );
+            ensure!(lines.len() == 2 * names.len(), "{lines:?}");
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "{handled} of the second changes handled"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    ensure!(
+        b.calls().iter().any(|l| l.starts_with("seen ")),
+        "b handles nothing after it rejoined"
     );
     a.stop().await?;
     b.stop().await?;
