@@ -764,6 +764,29 @@ fn check_ci_objects(stem: &str, ns: &str, objs: &[Value]) -> Result<()> {
             );
             ensure!(find(objs, "PodDisruptionBudget").len() == 1, "{stem}: a PDB");
         }
+        "10" => {
+            ensure!(workload["spec"]["replicas"] == 3);
+            ensure!(workload["spec"]["strategy"]["type"] == "RollingUpdate");
+            ensure!(lookup(&cenv, "CAPSTAN_SHARDING") == Some("true"));
+            ensure!(lookup(&cenv, "CAPSTAN_SHARDING_SETTLE") == Some("6s"));
+            ensure!(lookup(&cenv, "CAPSTAN_LEADER_ELECTION") == Some("false"));
+            ensure!(lookup(&cenv, "CAPSTAN_LEASE_NAMESPACE") == Some(ns));
+            ensure!(
+                lookup(&cenv, "POD_NAME") == Some("fieldRef:metadata.name"),
+                "{stem}: the member's identity"
+            );
+            let role = roles
+                .iter()
+                .find(|r| r["metadata"]["namespace"] == ns)
+                .context("a Role for member Leases in the release namespace")?;
+            ensure!(role["rules"][0]["resources"] == json!(["leases"]));
+            ensure!(
+                role["rules"][0]["verbs"] == json!(["get", "list", "create", "update", "delete"]),
+                "{stem}: member Lease verbs: {}",
+                role["rules"][0]["verbs"]
+            );
+            ensure!(find(objs, "PodDisruptionBudget").len() == 1, "{stem}: a PDB");
+        }
         "04" => {
             ensure!(
                 cluster_roles.is_empty(),
