@@ -133,6 +133,7 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
     settings.engine.shard = pausing.shard();
     let engines = core.engines(&settings, &background);
     engines.register_check(&core.health);
+    pausing.quiesce_with(&engines);
     let gate_stop = CancellationToken::new();
     let gate_task = tokio::spawn(pausing.gate.clone().drive(
         core.hub.clone(),
@@ -157,16 +158,14 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
     let _ = gate_task.await;
     following.cancel();
     let _ = follow_task.await;
-    if failed.is_none() {
-        drain(&core.hub, settings.shutdown_grace).await;
-    }
+    let drained = failed.is_none() && drain(&core.hub, settings.shutdown_grace).await;
     // Still the leader: the managed webhook configurations are removed.
     if let Some(webhooks) = webhooks {
         webhooks.stop().await;
     }
     pausing.stop_election().await;
     engines.stop().await;
-    pausing.leave_ring().await;
+    pausing.leave_ring(drained).await;
     if failed.is_none() {
         run_cleanup(&core.hub, &background.activities, settings.shutdown_grace).await;
     }
@@ -372,9 +371,19 @@ impl Pausing {
     async fn start(settings: &Settings, core: &Core) -> Result<Self> {
         let gate = Gate::new();
         let election = &settings.election;
-        let lease = election
-            .enabled
-            .then(|| format!("{}/{}", election.namespace(), election.lease_name));
+        // Replicas sharing a Lease (leader election) or a ring (sharding) are one operator, not
+        // conflicting peers.
+        let lease = if settings.sharding.enabled {
+            Some(format!(
+                "{}/{}",
+                settings.sharding.namespace(),
+                settings.sharding.ring
+            ))
+        } else {
+            election
+                .enabled
+                .then(|| format!("{}/{}", election.namespace(), election.lease_name))
+        };
         if election.enabled {
             election.validate().map_err(peering::Error::from)?;
         }
@@ -456,10 +465,26 @@ impl Pausing {
         self.member.as_ref().map(crate::sharding::Member::shard)
     }
 
-    /// With sharding: leaves the ring once the engine stopped (the others take over at once).
-    async fn leave_ring(&mut self) {
+    /// With sharding: leaves the ring once the engine stopped (the others take over at once),
+    /// or, when in-flight work may still run (`finished` false), lets the Lease expire.
+    async fn leave_ring(&mut self, finished: bool) {
         if let Some(member) = self.member.take() {
-            member.leave().await;
+            member.leave(finished).await;
+        }
+    }
+
+    /// With sharding: gives the hand-over the way to stop the engine and wait for it.
+    fn quiesce_with(&self, engines: &Arc<Engines>) {
+        if let Some(member) = &self.member {
+            let engines = Arc::downgrade(engines);
+            member.set_quiesce(Arc::new(move || {
+                let engines = engines.clone();
+                Box::pin(async move {
+                    if let Some(engines) = engines.upgrade() {
+                        engines.quiesce().await;
+                    }
+                })
+            }));
         }
     }
 
@@ -635,6 +660,9 @@ async fn finish(
 /// How long the start waits for the first peering decision before the engine starts.
 const PEERING_FIRST_DECISION: Duration = Duration::from_secs(10);
 
+/// How long a stopped engine's cycles get to end before a hand-over goes on regardless.
+const QUIESCE_WAIT: Duration = Duration::from_secs(10);
+
 /// How long cancelled work of a replaced engine gets to withdraw before dispatch resumes.
 const WITHDRAW_SETTLE: Duration = Duration::from_millis(200);
 
@@ -797,6 +825,21 @@ impl Engines {
         }
     }
 
+    /// Stops the engine (its cycles, their writes and its daemons are cancelled) and waits
+    /// until no object is processed any more, within [`QUIESCE_WAIT`]; the gate's resume
+    /// starts a new one.
+    async fn quiesce(&self) {
+        self.stop().await;
+        let deadline = tokio::time::Instant::now() + QUIESCE_WAIT;
+        while crate::observability::metrics::global().processing_now() > 0 {
+            if tokio::time::Instant::now() >= deadline {
+                warn!(wait = ?QUIESCE_WAIT, "objects are still being processed after the engine stopped");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     async fn restart(&self) {
         self.stop().await;
         tokio::time::sleep(WITHDRAW_SETTLE).await;
@@ -820,8 +863,9 @@ impl Hooks for Engines {
     }
 }
 
-/// Stops dispatch, tells handler processes to drain, and waits for in-flight work.
-async fn drain(hub: &Hub, grace: Duration) {
+/// Stops dispatch, tells handler processes to drain, and waits for in-flight work; whether
+/// it all finished within `grace`.
+async fn drain(hub: &Hub, grace: Duration) -> bool {
     hub.set_paused(true);
     hub.broadcast(pb::connect_response::Message::Drain(pb::Drain {
         grace_period: prost_types::Duration::try_from(grace).ok(),
@@ -839,4 +883,5 @@ async fn drain(hub: &Hub, grace: Duration) {
             "in-flight invocations did not finish within the shutdown grace"
         );
     }
+    left == 0
 }

@@ -588,11 +588,11 @@ pub struct RunArgs {
     /// ranges; ranges move between replicas only after their old owner stopped handling them.
     /// The durations are --lease-duration, --renew-deadline and --retry-period. Not with
     /// --leader-election (sharding replaces it) nor in per-node mode.
-    #[arg(long, env = "CAPSTAN_SHARDING", conflicts_with = "leader_election")]
+    #[arg(long, env = "CAPSTAN_SHARDING")]
     pub sharding: bool,
 
     /// With --sharding: how long a new replica must be alive before objects move to it
-    /// (doubled for each time the same replica left in the last two minutes, up to 8 times).
+    /// (it watches the ring meanwhile; one that stops within it never takes objects).
     #[arg(long, env = "CAPSTAN_SHARDING_SETTLE", value_parser = parse_duration, default_value = "4s")]
     pub sharding_settle: Duration,
 
@@ -1093,6 +1093,11 @@ impl RunArgs {
             crate::k8s::handler_identity::Spec::parse(value, self.handler_identity_dir.clone())
                 .map_err(|e| e.to_string())?;
         }
+        // Checked on the values, not as clap conflicts: the chart sets CAPSTAN_LEADER_ELECTION
+        // to "false" beside CAPSTAN_SHARDING, which clap would count as given.
+        if self.sharding && self.leader_election {
+            return Err("--sharding cannot be used with --leader-election: sharding replaces it (every replica handles a share of the objects; none stands by)".into());
+        }
         if self.sharding && self.node().is_some() {
             return Err("--sharding cannot be used in per-node mode (--node-name or $NODE_NAME): every node's operator already handles only its node's share".into());
         }
@@ -1441,7 +1446,9 @@ mod tests {
             sharded.webhooks.leader_election,
             "one replica writes the webhook configurations"
         );
-        assert!(Cli::try_parse_from(["capstan", "run", "--sharding", "--leader-election"]).is_err());
+        let both = run_args(&["--sharding", "--leader-election"]);
+        assert!(both.check().is_err_and(|e| e.contains("replaces it")));
+
         let per_node = run_args(&["--sharding", "--node-name", "n1"]);
         assert!(per_node.check().is_err_and(|e| e.contains("per-node mode")));
         assert!(run_args(&["--sharding"]).check().is_ok());

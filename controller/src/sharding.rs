@@ -13,15 +13,17 @@
 //!
 //! What is per member and what is global:
 //! - change, resume, delete, event, field, daemon and timer handlers run on the object's
-//!   member, with kopf's semantics there; a daemon whose object moves is stopped here (as on a
-//!   pause) and started on the new member as after a restart;
+//!   member, with kopf's semantics there. A ring change pauses every member for the hand-over
+//!   (its daemons and timers stop as on any pause and start again after it, as after a
+//!   restart); a daemon whose object moved starts on its new member;
 //! - indexes are over **all** objects on every member (the indexer's watch is not sharded):
 //!   handlers see kopf's indexes whatever their object's member;
 //! - startup, login, probe and cleanup handlers run on every member (they are per process);
 //! - admission webhooks are served by every member; the one first in the ring writes the
 //!   managed webhook configurations;
-//! - freezing pauses every member (each keeps its peering entry); leader election is replaced
-//!   by sharding (the two are refused together), and so is per-node mode.
+//! - freezing pauses every member (each keeps its peering entry, naming the ring, so members
+//!   are not taken for conflicting operators); leader election is replaced by sharding (the
+//!   two are refused together), and so is per-node mode.
 
 pub mod handover;
 pub mod membership;
@@ -131,6 +133,7 @@ impl Settings {
 pub struct Member {
     shard: Shard,
     status: Arc<Mutex<Status>>,
+    quiesce: handover::QuiesceSlot,
     stop: CancellationToken,
     handover: Option<JoinHandle<Handover>>,
     announcer: JoinHandle<()>,
@@ -167,6 +170,7 @@ impl Member {
         .with_announce(announce)
         .with_finished(finished);
         let status = handover.status();
+        let quiesce = handover.quiesce_slot();
         {
             let (members, moves) = (status.clone(), status.clone());
             crate::observability::metrics::global().sample_sharding(
@@ -188,8 +192,10 @@ impl Member {
                         policy: Policy::Always,
                         event_type: None,
                     };
-                    if let Err(e) = tokio::time::timeout(ANNOUNCE_TIMEOUT, events.create(&posting)).await {
-                        debug!(error = %e, "the ring change Event was not posted");
+                    match tokio::time::timeout(ANNOUNCE_TIMEOUT, events.create(&posting)).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => debug!(error = %e, "the ring change Event was not posted"),
+                        Err(_) => debug!("posting the ring change Event timed out"),
                     }
                 }
             }
@@ -209,6 +215,7 @@ impl Member {
         Ok(Self {
             shard,
             status,
+            quiesce,
             stop,
             handover: Some(task),
             announcer,
@@ -225,20 +232,41 @@ impl Member {
         self.status.clone()
     }
 
+    /// Gives the hand-over the engine's [`handover::Quiesce`], once the engine exists.
+    pub fn set_quiesce(&self, quiesce: handover::Quiesce) {
+        *self.quiesce.lock() = Some(quiesce);
+    }
+
     /// Stops following the ring (the member keeps its ranges until [`Member::leave`]).
-    pub async fn stop(&mut self) -> Option<Handover> {
+    async fn stop(&mut self) -> Option<Handover> {
         self.stop.cancel();
         let handover = self.handover.take()?.await.ok();
         self.announcer.abort();
         handover
     }
 
-    /// Stops and leaves the ring: called once the engine stopped, so the others take this
-    /// member's ranges at once.
-    pub async fn leave(mut self) {
+    /// Stops and leaves the ring: called once the engine stopped and in-flight work finished,
+    /// so the others take this member's ranges at once. With `finished` false (a drain that
+    /// ran out of time, a failure), the Lease is left to expire instead.
+    pub async fn leave(mut self, finished: bool) {
         if let Some(mut handover) = self.stop().await {
-            handover.leave().await;
+            if finished {
+                handover.leave().await;
+            } else {
+                handover.abandon();
+            }
         }
+    }
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        // Not left through `leave` (an early error): its tasks end with it; its Lease expires.
+        self.stop.cancel();
+        if let Some(task) = &self.handover {
+            task.abort();
+        }
+        self.announcer.abort();
     }
 }
 

@@ -810,8 +810,9 @@ async fn a_member_cut_off_from_the_api_server_fences_itself_before_the_others_ta
     while seen(&a) < names.len() {
         ensure!(
             tokio::time::Instant::now() < deadline,
-            "a handled {} of the changes",
-            seen(&a)
+            "a handled {} of the changes:\n{}",
+            seen(&a),
+            tail(&a.controller.process.output(), 40)
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -25,6 +25,9 @@ use super::objects::FIELD_MANAGER;
 pub const RING_LABEL: &str = "capstan.dev/ring";
 /// The annotation with the ring generation a member acknowledged (hex).
 pub const ACKNOWLEDGED: &str = "capstan.dev/acknowledged";
+/// The annotation naming the process that writes the Lease (two processes with one identity
+/// must not both think it theirs).
+pub const INSTANCE: &str = "capstan.dev/instance";
 
 /// Why member Leases could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +60,8 @@ pub struct Member {
     pub duration: Duration,
     /// The ring generation the member acknowledged (hex); `None`: it holds nothing.
     pub acknowledged: Option<String>,
+    /// The process that wrote it.
+    pub instance: Option<String>,
     /// When it was last renewed, by the member's clock (for reports; liveness is judged by
     /// local observation of changes, never by this).
     pub renewed: Option<std::time::SystemTime>,
@@ -99,10 +104,12 @@ impl Members {
         let cleaned = cleaned
             .trim_matches(|c: char| !c.is_ascii_alphanumeric())
             .to_owned();
-        if cleaned == wanted && cleaned.len() <= 253 {
+        let valid = cleaned.len() <= 253 && !["..", ".-", "-."].iter().any(|bad| cleaned.contains(bad));
+        if cleaned == wanted && valid {
             return cleaned;
         }
         let hash = crate::sharding::ring::fnv1a64(identity.as_bytes());
+        let cleaned = cleaned.replace('.', "-");
         let mut head: String = cleaned.chars().take(200).collect();
         head = head
             .trim_end_matches(|c: char| !c.is_ascii_alphanumeric())
@@ -169,10 +176,14 @@ impl Members {
                 name: Some(record.lease.clone()),
                 resource_version: (!record.version.is_empty()).then(|| record.version.clone()),
                 labels: Some(BTreeMap::from([(RING_LABEL.to_owned(), self.ring.clone())])),
-                annotations: record
-                    .acknowledged
-                    .as_ref()
-                    .map(|g| BTreeMap::from([(ACKNOWLEDGED.to_owned(), g.clone())])),
+                annotations: Some(
+                    record
+                        .acknowledged
+                        .iter()
+                        .map(|g| (ACKNOWLEDGED.to_owned(), g.clone()))
+                        .chain(record.instance.iter().map(|i| (INSTANCE.to_owned(), i.clone())))
+                        .collect(),
+                ),
                 ..ObjectMeta::default()
             },
             spec: Some(LeaseSpec {
@@ -189,6 +200,7 @@ impl Members {
 fn member(lease: Lease) -> Option<Member> {
     let spec = lease.spec.unwrap_or_default();
     let identity = spec.holder_identity.filter(|h| !h.is_empty())?;
+    let mut annotations = lease.metadata.annotations.unwrap_or_default();
     Some(Member {
         lease: lease.metadata.name?,
         identity,
@@ -196,10 +208,8 @@ fn member(lease: Lease) -> Option<Member> {
             .lease_duration_seconds
             .and_then(|s| u64::try_from(s).ok())
             .map_or(Duration::from_secs(15), Duration::from_secs),
-        acknowledged: lease
-            .metadata
-            .annotations
-            .and_then(|mut a| a.remove(ACKNOWLEDGED)),
+        acknowledged: annotations.remove(ACKNOWLEDGED),
+        instance: annotations.remove(INSTANCE),
         renewed: spec.renew_time.map(|t| std::time::SystemTime::from(t.0)),
         version: lease.metadata.resource_version.unwrap_or_default(),
     })
@@ -222,7 +232,17 @@ mod tests {
         let a = m.lease_name("Host@12");
         let b = m.lease_name("host@12");
         assert_ne!(a, b);
-        for name in [&a, &b, &m.lease_name(&"x".repeat(400))] {
+        for name in [
+            &a,
+            &b,
+            &m.lease_name(&"x".repeat(400)),
+            &m.lease_name("a..b"),
+            &m.lease_name("x-.y"),
+        ] {
+            assert!(
+                !name.contains("..") && !name.contains("-.") && !name.contains(".-"),
+                "{name}"
+            );
             assert!(name.len() <= 253, "{name}");
             assert!(
                 name.chars()
@@ -240,6 +260,7 @@ mod tests {
             identity: "a".into(),
             duration: Duration::from_secs(15),
             acknowledged: Some("00ff".into()),
+            instance: Some("4f2a".into()),
             renewed: None,
             version: "7".into(),
         };

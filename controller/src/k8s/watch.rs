@@ -369,6 +369,15 @@ impl Watch {
             };
             let page = match first {
                 Ok(Some(page)) => page,
+                Err(e) if self.shard_selector.is_some() && refuses_shard_selector(&e) => {
+                    warn!(
+                        error = %e,
+                        "the API server refuses the shard selector; listing every object and filtering on arrival (the alpha shard filter goes first, before a field selector)"
+                    );
+                    self.shard_selector = None;
+                    self.shard_judged = true;
+                    continue 'relist;
+                }
                 Err(e) if is_bad_request(&e) && self.field_selector.is_some() => {
                     // Custom resources accept field selectors only on metadata.name,
                     // metadata.namespace and the CRD's selectableFields; the handlers'
@@ -380,15 +389,6 @@ impl Watch {
                          the CRD's selectableFields to filter on the server); filtering in the controller"
                     );
                     self.field_selector = None;
-                    continue 'relist;
-                }
-                Err(e) if self.shard_selector.is_some() && refuses_shard_selector(&e) => {
-                    warn!(
-                        error = %e,
-                        "the API server refuses the shard selector; listing every object and filtering on arrival"
-                    );
-                    self.shard_selector = None;
-                    self.shard_judged = true;
                     continue 'relist;
                 }
                 // (`Ok(None)`, no page at all, cannot come first.)
@@ -665,7 +665,9 @@ impl Watch {
                     return self.wait_out(delay, listing, tx, cancel).await;
                 }
             };
-            crate::observability::metrics::global().watch_event(&self.plural);
+            if matches!(event, Line::Event(..) | Line::Unparsable(..)) {
+                crate::observability::metrics::global().watch_event(&self.plural);
+            }
             let (event_type, obj) = match event {
                 Line::Event(_, o) if !self.ours(o.metadata.uid.as_deref().unwrap_or_default()) => {
                     // Another member's object: only the watch's place moves.

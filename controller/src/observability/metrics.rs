@@ -522,6 +522,11 @@ impl Metrics {
             .fetch_max(now, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Objects being processed now (`capstan_objects_processing`).
+    pub fn processing_now(&self) -> i64 {
+        self.processing.get()
+    }
+
     /// Adds `delta` (+1 or -1) to the API requests in flight (`capstan_api_requests_in_flight`).
     pub fn api_requests(&self, delta: i64) {
         self.api_requests.inc_by(delta);

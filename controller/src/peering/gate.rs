@@ -152,10 +152,14 @@ impl Gate {
                     start_time: Some(prost_types::Timestamp::from(SystemTime::now())),
                 }));
                 let finished = tokio::select! {
-                    finished = wait_idle(&hub, grace) => finished,
+                    finished = wait_idle(&hub, grace) => Some(finished),
                     () = stop.cancelled() => return,
-                    // Resumed before the drain finished: the loop resumes dispatch at once.
-                    _ = rx.wait_for(|p| !*p) => true,
+                    // Resumed before the drain finished: the loop resumes dispatch at once,
+                    // and this pause never counts as drained.
+                    _ = rx.wait_for(|p| !*p) => None,
+                };
+                let Some(finished) = finished else {
+                    continue;
                 };
                 if !finished {
                     warn!(
@@ -170,8 +174,10 @@ impl Gate {
             }
             if !paused && applied {
                 applied = false;
-                hooks.resuming().await;
+                // Cleared first: a reason held while the engine is replaced waits for a drain
+                // of its own, never this pause's.
                 self.inner.drained.send_replace(false);
+                hooks.resuming().await;
                 hub.set_paused(false);
                 info!("resumed: handler invocations continue");
             }

@@ -107,7 +107,8 @@ impl Status {
     /// For readiness: `member 2 of 3, 33.1% of the objects`, or what it waits for.
     pub fn describe(&self) -> String {
         if self.fenced {
-            return "fenced: the member lease could not be renewed; handling nothing".to_owned();
+            return "fenced: the member lease is not renewed or not this process's; handling nothing"
+                .to_owned();
         }
         let mut out = format!(
             "member of {} ({}), {:.1}% of the objects",
@@ -131,10 +132,20 @@ pub type Announce = Arc<dyn Fn(&Member, String) + Send + Sync>;
 /// Observer of hand-overs (the app records the metrics).
 pub type Finished = Arc<dyn Fn(Duration) + Send + Sync>;
 
+/// Stops everything this member's engine is doing and waits until it has stopped: its cycles
+/// (and their writes) and its daemons are cancelled. Called before ranges are given up and on
+/// fencing; the engine starts again, afresh, when dispatch resumes.
+pub type Quiesce = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
+
+/// Where the app puts its [`Quiesce`] once the engine exists (the member starts before it).
+pub type QuiesceSlot = Arc<Mutex<Option<Quiesce>>>;
+
 /// One member's side of the protocol.
 pub struct Handover {
     settings: Settings,
     identity: String,
+    /// This process, in its Lease: another process with the same identity is told apart.
+    instance: String,
     store: Arc<dyn Store>,
     gate: Gate,
     shard: Shard,
@@ -145,6 +156,8 @@ pub struct Handover {
     held: Ranges,
     /// When the last successful write started.
     renewed: Option<Instant>,
+    /// Until then the member only watches the Leases; it writes its own after (see `run`).
+    joining_until: Instant,
     /// When the current pause for a hand-over began.
     pausing_since: Option<Instant>,
     /// A drain is awaited: the next tick comes when it finishes.
@@ -152,6 +165,7 @@ pub struct Handover {
     status: Arc<Mutex<Status>>,
     announce: Option<Announce>,
     finished: Option<Finished>,
+    quiesce: QuiesceSlot,
 }
 
 impl Handover {
@@ -165,19 +179,24 @@ impl Handover {
         shard: Shard,
     ) -> Self {
         gate.hold(GATE_KEY, "sharding: joining the ring");
+        let instance = instance_id(&identity);
         let mine = Member {
             lease: store.lease_name(&identity),
             identity: identity.clone(),
             duration: settings.lease_duration,
             acknowledged: None,
+            instance: Some(instance.clone()),
             renewed: None,
             version: String::new(),
         };
         shard.set(Ranges::none());
+        let now = Instant::now();
         Self {
-            membership: Membership::new(settings.settle),
+            membership: Membership::new(),
+            joining_until: now + settings.settle,
             settings,
             identity,
+            instance,
             store,
             gate,
             shard,
@@ -185,11 +204,12 @@ impl Handover {
             acknowledged: None,
             held: Ranges::none(),
             renewed: None,
-            pausing_since: Some(Instant::now()),
+            pausing_since: Some(now),
             awaiting_drain: false,
             status: Arc::new(Mutex::new(Status::default())),
             announce: None,
             finished: None,
+            quiesce: Arc::default(),
         }
     }
 
@@ -207,6 +227,11 @@ impl Handover {
         self
     }
 
+    /// Where the engine's [`Quiesce`] will be; without one, the gate's drain is all.
+    pub fn quiesce_slot(&self) -> QuiesceSlot {
+        self.quiesce.clone()
+    }
+
     /// The ring as this member knows it, kept up to date while [`Handover::run`] runs.
     pub fn status(&self) -> Arc<Mutex<Status>> {
         self.status.clone()
@@ -214,6 +239,10 @@ impl Handover {
 
     /// Runs until `stop` is cancelled; then the app drains, stops the engine and calls
     /// [`Handover::leave`].
+    ///
+    /// A new member first only watches the Leases for the settle time, then writes its own: a
+    /// pod that crashes within it never joins (no objects move to it and back), and by the
+    /// time it joins it has seen which Leases still change.
     pub async fn run(&mut self, stop: CancellationToken) {
         loop {
             let started = Instant::now();
@@ -221,61 +250,93 @@ impl Handover {
                 () = stop.cancelled() => return,
                 () = self.tick() => {}
             }
-            let period = if self.pausing_since.is_some() {
+            let period = if self.pausing_since.is_some() && started >= self.joining_until {
                 HANDOVER_POLL
             } else {
                 self.settings.retry_period
             };
+            let mut next = started + period;
+            // Fencing must not wait for the next round.
+            if let Some(renewed) = self.renewed {
+                next = next.min(renewed + self.settings.renew_deadline);
+            }
             let gate = self.gate.clone();
             let awaiting = self.awaiting_drain;
             tokio::select! {
                 () = stop.cancelled() => return,
-                () = tokio::time::sleep_until(started + period) => {}
+                () = tokio::time::sleep_until(next) => {}
                 () = gate.drained(), if awaiting => {}
             }
+        }
+    }
+
+    /// Whether the renew deadline has passed since the last successful write.
+    fn overdue(&self, now: Instant) -> bool {
+        self.renewed
+            .is_some_and(|renewed| now >= renewed + self.settings.renew_deadline)
+    }
+
+    /// How long one request of this round may take: a retry period (at least a second), and
+    /// never past the renew deadline.
+    fn request_limit(&self, now: Instant) -> Duration {
+        let limit = self.settings.retry_period.max(Duration::from_secs(1));
+        match self.renewed {
+            Some(renewed) => limit.min(
+                (renewed + self.settings.renew_deadline)
+                    .saturating_duration_since(now)
+                    .max(Duration::from_millis(10)),
+            ),
+            None => limit,
         }
     }
 
     /// One round: list, judge the ring, hand over what must move, renew.
     pub async fn tick(&mut self) {
         let started = Instant::now();
-        let limit = self.settings.retry_period.max(Duration::from_secs(1));
-        let listed = match tokio::time::timeout(limit, self.store.list()).await {
+        if self.overdue(started) {
+            return self
+                .fence("the member lease could not be renewed within the renew deadline")
+                .await;
+        }
+        let listed = match tokio::time::timeout(self.request_limit(started), self.store.list()).await {
             Ok(Ok(listed)) => listed,
-            Ok(Err(e)) => return self.failed(&crate::diagnostic::chain(&e), started),
-            Err(_) => return self.failed("listing the member leases timed out", started),
+            Ok(Err(e)) => return self.failed(&crate::diagnostic::chain(&e)).await,
+            Err(_) => return self.failed("listing the member leases timed out").await,
         };
-        self.membership.observe(listed, started);
+        let now = Instant::now();
+        self.membership.observe(listed, now);
+        if now < self.joining_until {
+            debug!("watching the member leases before joining");
+            return;
+        }
         match self
             .membership
-            .record(&self.mine.lease)
-            .map(|r| r.version.clone())
+            .record(&self.mine.lease, now)
+            .map(|(r, alive)| (r.version.clone(), r.instance.clone(), alive))
         {
-            Some(listed)
-                if self.renewed.is_some() && !self.mine.version.is_empty() && listed != self.mine.version =>
-            {
-                // Only this member writes its Lease: another process with the same identity
-                // does too (or a write whose answer was lost did land). Handle nothing until
-                // the Lease is this member's alone again.
-                warn!(
-                    identity = %self.identity,
-                    "the member lease was written by someone else: another process may run with this identity (--peer-id, POD_NAME); handling nothing"
-                );
-                self.mine.version = listed;
-                self.fence(started);
-                return;
+            Some((_, Some(other), true)) if other != self.instance => {
+                // A live Lease of this identity written by another process: never adopted
+                // while it is alive (that process may hold ranges).
+                warn!(identity = %self.identity, "another process holds this member's lease (the same identity twice: --peer-id, POD_NAME); handling nothing until it expires");
+                return self.fence("another process holds this member's lease").await;
             }
-            Some(listed) => self.mine.version = listed,
+            Some((version, _, _)) => self.mine.version = version,
+            None if self.renewed.is_some() => {
+                // Deleted while this member held it: the others may already have taken its
+                // ranges. Hold nothing before joining again.
+                self.fence("the member lease was deleted").await;
+                self.mine.version.clear();
+            }
             None => self.mine.version.clear(),
         }
-        let ring = self.membership.view(&self.identity, started);
+        let ring = self.membership.view(&self.identity, now);
         let generation = ring.generation();
         let mut acknowledge = self.acknowledged;
         self.awaiting_drain = false;
         if self.acknowledged != Some(generation) {
-            self.pause("sharding: the ring changed; handing over", started);
+            self.pause("sharding: the ring changed; handing over", now);
             if self.gate.is_drained() {
-                self.narrow(&ring);
+                self.narrow(&ring).await;
                 acknowledge = Some(generation);
             } else {
                 self.awaiting_drain = true;
@@ -283,11 +344,19 @@ impl Handover {
         }
         let record = Member {
             acknowledged: acknowledge.map(|g| g.to_string()),
+            instance: Some(self.instance.clone()),
             ..self.mine.clone()
         };
-        match tokio::time::timeout(limit, self.store.write(&record)).await {
+        let write_started = Instant::now();
+        if self.overdue(write_started) {
+            return self
+                .fence("the member lease could not be renewed within the renew deadline")
+                .await;
+        }
+        match tokio::time::timeout(self.request_limit(write_started), self.store.write(&record)).await {
             Ok(Ok(written)) => {
                 self.mine = written;
+                // Conservative: the lease counts from before the request was sent.
                 self.renewed = Some(started);
                 if self.acknowledged != acknowledge {
                     debug!(%generation, members = ring.len(), "acknowledged the ring");
@@ -296,11 +365,10 @@ impl Handover {
                 self.status.lock().fenced = false;
             }
             Ok(Err(members::Error::Conflict)) => {
-                debug!("the member lease changed since it was read; reading it again");
-                return self.failed("the member lease changed since it was read", started);
+                return self.failed("the member lease changed since it was read").await;
             }
-            Ok(Err(e)) => return self.failed(&crate::diagnostic::chain(&e), started),
-            Err(_) => return self.failed("writing the member lease timed out", started),
+            Ok(Err(e)) => return self.failed(&crate::diagnostic::chain(&e)).await,
+            Err(_) => return self.failed("writing the member lease timed out").await,
         }
         let mut waiting_for = Vec::new();
         if self.acknowledged == Some(generation) {
@@ -312,7 +380,7 @@ impl Handover {
                     .filter(|m| *m != self.identity)
                     .filter(|m| {
                         self.membership
-                            .alive(m, started)
+                            .alive(m, now)
                             .and_then(|r| r.acknowledged.as_deref())
                             != Some(g.as_str())
                     })
@@ -326,7 +394,7 @@ impl Handover {
                 self.resume(&ring);
             }
         }
-        self.collect_abandoned(started).await;
+        self.collect_abandoned(now).await;
         let mut status = self.status.lock();
         status.members = ring.members().map(str::to_owned).collect();
         status.generation = Some(generation);
@@ -344,10 +412,20 @@ impl Handover {
         self.gate.hold(GATE_KEY, why);
     }
 
-    /// Keeps only what `ring` assigns to this member (the drain is done: nothing runs).
-    fn narrow(&mut self, ring: &Ring) {
+    /// Stops the engine and waits for it (see [`Quiesce`]).
+    async fn quiesce(&self) {
+        let quiesce = self.quiesce.lock().clone();
+        if let Some(quiesce) = quiesce {
+            quiesce().await;
+        }
+    }
+
+    /// Keeps only what `ring` assigns to this member. Dispatch is drained; when ranges are
+    /// given up, the engine is stopped first, so no cycle of theirs is still writing.
+    async fn narrow(&mut self, ring: &Ring) {
         let kept = self.held.intersect(&ring.assigned(&self.identity));
         if kept != self.held {
+            self.quiesce().await;
             self.status.lock().moves += 1;
             info!(
                 members = ring.len(),
@@ -361,9 +439,6 @@ impl Handover {
 
     /// Takes the whole assignment: every other member acknowledged the ring.
     fn widen(&mut self, wanted: Ranges) {
-        if !wanted.minus(&self.held).is_empty() {
-            self.status.lock().moves += 1;
-        }
         self.held = wanted;
         self.shard.set(self.held.clone());
     }
@@ -402,61 +477,64 @@ impl Handover {
         self.gate.release(GATE_KEY);
     }
 
-    /// A list or write failed: retried next round; past the renew deadline, this member fences
-    /// itself — it stops handling everything before the others can count it gone.
-    fn failed(&mut self, error: &str, now: Instant) {
-        let Some(renewed) = self.renewed else {
-            debug!(%error, "the member lease could not be written yet; retrying");
-            return;
-        };
-        if now.duration_since(renewed) < self.settings.renew_deadline {
-            warn!(%error, "renewing the member lease failed; retrying");
-            return;
+    /// A list or write failed: retried next round (the run loop wakes at the renew deadline,
+    /// when this member fences itself).
+    async fn failed(&mut self, error: &str) {
+        if self.overdue(Instant::now()) {
+            return self.fence(error).await;
         }
-        warn!(%error, deadline = ?self.settings.renew_deadline, "could not renew the member lease within the renew deadline; handling nothing until it is renewed");
-        self.fence(now);
+        if self.renewed.is_some() {
+            warn!(%error, "renewing the member lease failed; retrying");
+        } else {
+            warn!(%error, "the member lease could not be written; retrying (the member handles nothing until it is)");
+        }
     }
 
-    /// Stops handling everything at once, and acknowledges no ring until renewed again.
-    fn fence(&mut self, now: Instant) {
-        self.pause(
-            "sharding: fenced (the member lease is not this member's alone)",
-            now,
-        );
+    /// Stops handling everything at once — in-flight work is cancelled, not drained — and
+    /// acknowledges no ring until the Lease is renewed again.
+    async fn fence(&mut self, why: &str) {
+        let was_holding = !self.held.is_empty() || self.acknowledged.is_some();
+        self.pause(&format!("sharding: fenced ({why})"), Instant::now());
         self.held = Ranges::none();
         self.shard.set(Ranges::none());
         self.acknowledged = None;
         self.renewed = None;
-        let mut status = self.status.lock();
-        status.fenced = true;
-        status.share = 0.0;
-        status.acknowledged = None;
+        {
+            let mut status = self.status.lock();
+            status.fenced = true;
+            status.share = 0.0;
+            status.acknowledged = None;
+        }
+        if was_holding {
+            warn!(reason = %why, "fenced: handling nothing until the member lease is renewed");
+            self.quiesce().await;
+        }
     }
 
-    /// Deletes the Leases of members that have been dead for two lease durations beyond their
-    /// own (crashed pods of a Deployment never come back under the same name).
+    /// Deletes one Lease of a member that has been gone for a retry period beyond its duration
+    /// (it fenced itself long before): a newcomer then never waits for a dead member. One per
+    /// round, so renewing never waits behind many.
     async fn collect_abandoned(&mut self, now: Instant) {
-        for abandoned in self.membership.abandoned(self.settings.lease_duration * 2, now) {
-            if abandoned.lease == self.mine.lease {
-                continue;
+        let Some(abandoned) = self
+            .membership
+            .abandoned(self.settings.retry_period, now)
+            .into_iter()
+            .find(|a| a.lease != self.mine.lease)
+        else {
+            return;
+        };
+        match tokio::time::timeout(self.request_limit(now), self.store.delete(&abandoned)).await {
+            Ok(Ok(())) => info!(member = %abandoned.identity, "deleted the lease of a member that is gone"),
+            Ok(Err(e)) => {
+                debug!(error = %e, member = %abandoned.identity, "could not delete an abandoned member lease")
             }
-            match tokio::time::timeout(self.settings.retry_period, self.store.delete(&abandoned)).await {
-                Ok(Ok(())) => {
-                    info!(member = %abandoned.identity, "deleted the lease of a member that is gone")
-                }
-                Ok(Err(e)) => {
-                    debug!(error = %e, member = %abandoned.identity, "could not delete an abandoned member lease")
-                }
-                Err(_) => {
-                    debug!(member = %abandoned.identity, "deleting an abandoned member lease timed out")
-                }
-            }
+            Err(_) => debug!(member = %abandoned.identity, "deleting an abandoned member lease timed out"),
         }
     }
 
     /// Leaves the ring: holds nothing and deletes this member's Lease, so the others take its
-    /// ranges at once. Called after the engine stopped. Best effort: a Lease left behind
-    /// expires.
+    /// ranges at once. Called after the engine stopped and in-flight work finished; otherwise
+    /// see [`Handover::abandon`].
     pub async fn leave(&mut self) {
         self.held = Ranges::none();
         self.shard.set(Ranges::none());
@@ -469,6 +547,23 @@ impl Handover {
             Err(_) => warn!("deleting the member lease timed out; it expires by itself"),
         }
     }
+
+    /// Stops without deleting the Lease (work may still be running): the others take this
+    /// member's ranges when the Lease expires.
+    pub fn abandon(&mut self) {
+        self.held = Ranges::none();
+        self.shard.set(Ranges::none());
+        warn!(identity = %self.identity, "leaving the member lease to expire: in-flight work may not have finished");
+    }
+}
+
+/// A name for this process, different for every start (for the Lease's instance annotation).
+fn instance_id(identity: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let seed = format!("{identity}/{}/{nanos}", std::process::id());
+    format!("{:016x}", super::ring::fnv1a64(seed.as_bytes()))
 }
 
 #[cfg(test)]

@@ -297,16 +297,17 @@ async fn members_that_see_different_rings_wait_for_each_other() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_second_process_with_the_same_identity_fences_both() {
+async fn a_second_process_with_the_same_identity_waits_until_the_first_is_gone() {
     let leases = Arc::new(Leases::default());
     let mut a = Node::new(&leases, "a");
     assert!(rounds(&mut [&mut a], 20, |n| n[0].handling() == Ranges::all()).await);
     let mut twin = Node::new(&leases, "a");
-    // The twin reads the Lease and writes it; a then sees a version it did not write.
-    twin.handover.tick().await;
-    a.handover.tick().await;
-    assert!(a.shard.held().is_empty(), "a kept handling beside a twin");
-    assert!(a.handover.status().lock().fenced);
+    // Both run: the twin never takes the live Lease of the first, and holds nothing.
+    assert!(!rounds(&mut [&mut a, &mut twin], 30, |n| !n[1].shard.held().is_empty()).await);
+    assert_eq!(*a.shard.held(), Ranges::all(), "the first keeps its ranges");
+    assert!(twin.handover.status().lock().fenced);
+    // The first dies: once its Lease expired, the twin takes over.
+    assert!(rounds(&mut [&mut twin], 60, |n| n[0].handling() == Ranges::all()).await);
     a.stop.cancel();
     twin.stop.cancel();
 }
