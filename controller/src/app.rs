@@ -160,6 +160,7 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
     let _ = follow_task.await;
     let drained = failed.is_none() && drain(&core.hub, settings.shutdown_grace).await;
     // Still the leader: the managed webhook configurations are removed.
+    pausing.leaving();
     if let Some(webhooks) = webhooks {
         webhooks.stop().await;
     }
@@ -443,7 +444,12 @@ impl Pausing {
                 crate::sharding::Member::start(&settings.sharding, &identity, core.client.clone(), &gate)?;
             let status = member.status();
             let first = status.clone();
-            leading = Arc::new(move || first.lock().first);
+            // The ring's first member writes the managed webhook configurations; leaving, it
+            // removes them only when it is the last (the others keep serving).
+            leading = Arc::new(move || {
+                let status = first.lock();
+                status.first && (!status.leaving || status.members.len() <= 1)
+            });
             core.health
                 .readiness("sharding", move || Check::pass(status.lock().describe()));
             Some(member)
@@ -458,6 +464,13 @@ impl Pausing {
             elector,
             member,
         })
+    }
+
+    /// With sharding: this member is leaving (the ring's other members stay).
+    fn leaving(&self) {
+        if let Some(member) = &self.member {
+            member.status().lock().leaving = true;
+        }
     }
 
     /// With sharding: the ranges this replica handles, for the engine.

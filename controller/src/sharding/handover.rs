@@ -101,6 +101,8 @@ pub struct Status {
     pub moves: u64,
     /// Whether it is the ring's first member (it writes what one replica must write).
     pub first: bool,
+    /// Whether this member is leaving (stopping).
+    pub leaving: bool,
 }
 
 impl Status {
