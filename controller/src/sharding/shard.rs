@@ -14,8 +14,9 @@ use parking_lot::RwLock;
 use super::ring::{Ranges, place};
 
 /// The most ranges put into a shard selector: a request URI holds at most 64 KiB (about 600
-/// ranges, percent-encoded). A member holds about 256 ranges at most (one per token of the
-/// ring); more, and the watches ask for everything and filter on arrival.
+/// ranges, percent-encoded). A member holds 512 × (1 − 1/n) ranges of a ring of n (one per
+/// token whose predecessor is another member's); more than this (rings of more than about 40
+/// members), and the watches ask for everything and filter on arrival.
 const MAX_SELECTOR_RANGES: usize = 500;
 
 /// The held ranges, shared between the hand-over and the engine. Cheap to clone.
