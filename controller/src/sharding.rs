@@ -53,18 +53,9 @@ use crate::{
 /// Why sharding cannot run.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The durations are inconsistent.
-    #[error(
-        "sharding needs retry period < renew deadline < lease duration (got {retry:?}, {renew:?}, {lease:?})"
-    )]
-    Durations {
-        /// The retry period.
-        retry: Duration,
-        /// The renew deadline.
-        renew: Duration,
-        /// The lease duration.
-        lease: Duration,
-    },
+    /// The durations are inconsistent (as leader election's must be).
+    #[error("invalid sharding durations")]
+    Durations(#[source] crate::peering::election::Error),
 }
 
 /// Sharding settings.
@@ -101,13 +92,22 @@ impl Default for Settings {
 }
 
 impl Settings {
+    /// The member Leases as leader election would see a Lease of them: the same namespace
+    /// default and the same rules for the durations.
+    fn lease(&self) -> crate::peering::election::Settings {
+        crate::peering::election::Settings {
+            enabled: false,
+            lease_name: self.ring.clone(),
+            lease_namespace: self.namespace.clone(),
+            lease_duration: self.lease_duration,
+            renew_deadline: self.renew_deadline,
+            retry_period: self.retry_period,
+        }
+    }
+
     /// The member Leases' namespace: the setting, else `POD_NAMESPACE`, else `default`.
     pub fn namespace(&self) -> String {
-        self.namespace
-            .clone()
-            .filter(|n| !n.is_empty())
-            .or_else(|| std::env::var("POD_NAMESPACE").ok().filter(|n| !n.is_empty()))
-            .unwrap_or_else(|| "default".into())
+        self.lease().namespace()
     }
 
     /// Checks that `retry period < renew deadline < lease duration`.
@@ -115,17 +115,7 @@ impl Settings {
     /// # Errors
     /// [`Error::Durations`] otherwise.
     pub fn validate(&self) -> Result<(), Error> {
-        if self.retry_period.is_zero()
-            || self.retry_period >= self.renew_deadline
-            || self.renew_deadline >= self.lease_duration
-        {
-            return Err(Error::Durations {
-                retry: self.retry_period,
-                renew: self.renew_deadline,
-                lease: self.lease_duration,
-            });
-        }
-        Ok(())
+        self.lease().validate().map_err(Error::Durations)
     }
 }
 
