@@ -4,7 +4,8 @@
 #   bash scripts/bench.sh            full run: N = 100, 1,000, 10,000 (tens of minutes on 2 cores)
 #   bash scripts/bench.sh --smoke    small N, short settles (a few minutes); for CI: exits
 #                                    non-zero when any workload fails to complete (includes
-#                                    the fleet simulation with 1 and 3 nodes)
+#                                    the fleet simulation with 1 and 3 nodes, and sharding
+#                                    with 40 objects: 1 and 2 members, one graceful hand-over)
 #   bash scripts/bench.sh --large    B2 and B5 at 100,000 objects, the null controller beside
 #                                    capstan+rust, with the API server's own memory and CPU;
 #                                    writes tests/bench/results/large.{md,json} (about an hour
@@ -12,6 +13,13 @@
 #   bash scripts/bench.sh --fleet    only the fleet simulation of per-node operators: 1, 10,
 #                                    30 and 100 node operators (BENCH_FLEET_NODES), writes
 #                                    tests/bench/results/fleet.{md,json,svg}
+#   bash scripts/bench.sh --sharding only the sharding benchmark (capstan run --sharding): hand-
+#                                    over on leave/join/crash with 1,000 objects, throughput at
+#                                    1-4 members, per-member watch cost on the 1.35 server and
+#                                    on the 1.36 one with ShardedListAndWatch (built with
+#                                    CAPSTAN_TESTENV_KUBE=1.36; skipped when it does not build),
+#                                    writes tests/bench/results/sharding.{md,json,svg} (~5 min
+#                                    once built)
 #
 # Builds what it needs: the API server (tests/testenv), `capstan` and the Rust SDK handler
 # (cargo, release), the Go SDK handler and the benchmark driver (Go, GOTOOLCHAIN=local), the
@@ -42,13 +50,15 @@ bin=$HOME/.cache/capstan/bench-bin
 smoke=false
 large=false
 fleet_only=false
+sharding_only=false
 case "${1:-}" in
 "") ;;
 --smoke) smoke=true ;;
 --large) large=true ;;
 --fleet) fleet_only=true ;;
+--sharding) sharding_only=true ;;
 *)
-	echo "usage: $0 [--smoke|--large|--fleet]" >&2
+	echo "usage: $0 [--smoke|--large|--fleet|--sharding]" >&2
 	exit 2
 	;;
 esac
@@ -113,6 +123,34 @@ if $fleet_only; then
 	fleet "$out" --nodes "${BENCH_FLEET_NODES:-1,10,30,100}"
 	echo "bench: fleet finished in $((SECONDS - started)) s; results in $out/fleet.md" >&2
 	exit 0
+fi
+
+# Sharded replicas: hand-over, throughput, per-member cost (tests/bench/cmd/bench/sharding.go).
+sharding() {
+	"$bin/bench" sharding --out "$1" --testenv "$testenv" --capstan "$rust_bin/capstan" \
+		--rust-handler "$rust_bin/capstan-e2e-handler" --crd "$root/examples/crd.yaml" --profile "$profile" "${@:2}" &
+	driver_pid=$!
+	local status=0
+	wait "$driver_pid" || status=$?
+	driver_pid=''
+	return "$status"
+}
+if $sharding_only; then
+	# The per-member cost with the server's shard filter needs Kubernetes 1.36 with
+	# ShardedListAndWatch; without that build, the rest runs and the report says so.
+	step "real API server, Kubernetes 1.36 (CAPSTAN_TESTENV_KUBE=1.36 tests/testenv/build.sh)"
+	sharded=()
+	if testenv_136=$(CAPSTAN_TESTENV_KUBE=1.36 bash tests/testenv/build.sh | tail -n1) && [[ -x $testenv_136 ]]; then
+		sharded=(--testenv-sharded "$testenv_136")
+	else
+		echo "bench: the 1.36 API server does not build; the per-member cost runs on 1.35 only" >&2
+	fi
+	step "sharding"
+	status=0
+	# shellcheck disable=SC2206 # BENCH_ARGS is split on purpose
+	sharding "$out" "${sharded[@]}" ${BENCH_ARGS:-} || status=$?
+	echo "bench: sharding finished in $((SECONDS - started)) s (exit $status); results in $out/sharding.md" >&2
+	exit "$status"
 fi
 
 step "Python SDK handler (sdk-python/scripts/venv.sh)"
@@ -212,6 +250,8 @@ driver_pid=''
 if $smoke; then
 	step "fleet simulation (smoke)"
 	fleet "$out" --nodes 1,3 --changes 2 --smoke || status=$?
+	step "sharding (smoke)"
+	sharding "$out" --smoke || status=$?
 fi
 echo "bench: finished in $((SECONDS - started)) s (exit $status); results in $out/latest.md" >&2
 exit "$status"

@@ -7,6 +7,7 @@
 //	bench admission     the admission round trip, Capstan's webhook server beside kopf's
 //	bench hop [flags]   B3: a fake controller that drives a handler process over a Unix socket
 //	bench fleet [flags] per-node operators at fleet scale (fleet.{md,json,svg})
+//	bench sharding      sharded replicas: hand-over, throughput, per-member cost (sharding.{md,json,svg})
 package main
 
 import (
@@ -47,6 +48,8 @@ func main() {
 		err = runFleet(os.Args[2:])
 	case "admission":
 		err = runAdmission(os.Args[2:])
+	case "sharding":
+		err = runSharding(os.Args[2:])
 	default:
 		err = fmt.Errorf("unknown command %q", os.Args[1])
 	}
