@@ -2,8 +2,8 @@
 //! objects by the ring (each object's change handled once, by its owner); one member stops
 //! cleanly and the others take its objects at once; one is killed (SIGKILL) and the last takes
 //! everything once its Lease expired; no change is handled twice along the way, also under
-//! random joins, SIGTERMs and SIGKILLs. A freeze pauses every member, a daemon moves with its
-//! object, and indexes hold every object on every member. These run on a server without
+//! random joins, SIGTERMs and SIGKILLs. A freeze pauses every member, daemons and timers move
+//! with their objects, and indexes hold every object on every member. These run on a server without
 //! KEP-5866's shard filter (objects filtered on arrival).
 
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
@@ -425,12 +425,12 @@ async fn share_and_take_over(env: TestEnv, filtered: bool) -> Result<()> {
 }
 
 #[tokio::test]
-async fn a_daemon_moves_with_its_object_and_a_freeze_pauses_every_member() -> Result<()> {
+async fn daemons_and_timers_move_with_their_objects_and_a_freeze_pauses_every_member() -> Result<()> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
     env.apply_peering_crds().await?;
-    let a = Member::start(&env, "a", "daemon", &[]).await?;
-    let b = Member::start(&env, "b", "daemon", &[]).await?;
+    let a = Member::start(&env, "a", "daemon,timer", &[]).await?;
+    let b = Member::start(&env, "b", "daemon,timer", &[]).await?;
     settled(&[&a, &b], 2, Duration::from_secs(30)).await?;
     let names: Vec<String> = (0..6).map(|i| format!("d-{i}")).collect();
     for name in &names {
@@ -446,6 +446,19 @@ async fn a_daemon_moves_with_its_object_and_a_freeze_pauses_every_member() -> Re
         &uids,
         1,
     )?;
+    // Timers tick on their object's member only.
+    handled_everywhere(&[&a, &b], "tick", &names, 2, Duration::from_secs(30)).await?;
+    let two = Ring::new(["a", "b"]);
+    for m in [&a, &b] {
+        for object in m.called("tick").keys() {
+            let owner = uids.get(object).and_then(|u| two.owner_of(u));
+            ensure!(
+                owner == Some(m.name.as_str()),
+                "{} ticked {object}, {owner:?}'s",
+                m.name
+            );
+        }
+    }
 
     // `capstan freeze` pauses both members: their daemons stop.
     let bin = capstan_tests::process::capstan_binary().await?;
@@ -502,25 +515,27 @@ async fn a_daemon_moves_with_its_object_and_a_freeze_pauses_every_member() -> Re
     );
     handled_everywhere(&[&a, &b], "monitor", &names, 2, Duration::from_secs(30)).await?;
 
-    // b leaves: its daemons start on a, as after a restart.
+    // b leaves: its daemons start on a, as after a restart, and its timers tick there.
     let b_objects: Vec<String> = b.called("monitor").into_keys().collect();
     ensure!(!b_objects.is_empty(), "b ran no daemon");
     let before = a.called("monitor");
+    let ticks_before = a.called("tick");
     b.stop().await?;
     settled(&[&a], 1, Duration::from_secs(10)).await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
-        let now = a.called("monitor");
+        let (now, ticks) = (a.called("monitor"), a.called("tick"));
         let moved = b_objects
             .iter()
             .filter(|o| now.get(*o).copied().unwrap_or(0) > before.get(*o).copied().unwrap_or(0))
+            .filter(|o| ticks.get(*o).copied().unwrap_or(0) > ticks_before.get(*o).copied().unwrap_or(0))
             .count();
         if moved == b_objects.len() {
             break;
         }
         ensure!(
             tokio::time::Instant::now() < deadline,
-            "b's daemons did not start on a ({moved} of {})",
+            "b's daemons and timers did not start on a ({moved} of {})",
             b_objects.len()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
