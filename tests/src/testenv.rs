@@ -158,11 +158,25 @@ impl TestEnv {
     /// A gate the server does not know fails the start, with kube-apiserver's message.
     pub async fn start_with(options: Options<'_>) -> Result<Self> {
         let bin = binary_for(options.kube).await?;
+        // The server picks free ports and binds them a moment later; a test running beside
+        // may take one in between. That race is the only start failure worth a second try.
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(&bin, &options).await {
+                Err(error) if attempt < 3 && format!("{error:#}").contains("address already in use") => {
+                    attempt += 1;
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    async fn start_once(bin: &Path, options: &Options<'_>) -> Result<Self> {
         let dir = tempfile::Builder::new().prefix("capstan-testenv-").tempdir()?;
         let instance = dir.path().join("instance");
         let audit_log = dir.path().join("audit.log");
         let log = dir.path().join("apiserver.log");
-        let mut command = Command::new(&bin);
+        let mut command = Command::new(bin);
         command
             .arg("start")
             .arg("--dir")
