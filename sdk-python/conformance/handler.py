@@ -37,7 +37,8 @@ FEATURE_HANDLERS = {
     "probe": ("probe",),
 }
 #: Features that register no handlers of their own (capabilities and transport).
-OTHER_FEATURES = ("subhandlers", "object_updates", "result_ack", "cleanup_on_goodbye", "tcp", "flow_control", "message_limit")
+OTHER_FEATURES = ("subhandlers", "object_updates", "result_ack", "cleanup_on_goodbye", "tcp", "flow_control", "message_limit",
+                  "process_settings", "deferred_subhandlers")
 
 CHANGE_KINDS = ("create", "update", "delete", "resume", "field")
 ADMISSION_KINDS = ("validate", "mutate")
@@ -210,9 +211,12 @@ def make_handler(kind, script=None):
 
 # --- the activities and the probe -----------------------------------------------------------
 
-async def startup(retry, logger, **_):
+async def startup(retry, logger, settings, **_):
     if retry == 0:
         raise kopf.TemporaryError("not yet", delay=0.25)
+    # The kit's settings (feature `process_settings`): what a kopf operator's startup sets.
+    settings.posting.level = logging.WARNING
+    settings.persistence.finalizer = "conformance.capstan.dev/finalizer"
     logger.info("startup")
 
 

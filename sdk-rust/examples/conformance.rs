@@ -40,6 +40,8 @@ const SUPPORTED: &[&str] = &[
     "object_updates",
     "cleanup_on_goodbye",
     "tcp",
+    "invocation_updates",
+    "attempt_details",
 ];
 
 /// Features of the kit that this SDK does not support (announced capabilities it lacks).
@@ -145,6 +147,14 @@ async fn perform(ctx: &Context, name: &str, argument: &Value) -> Option<HandlerR
         "patch" => {
             ctx.patch().merge(argument);
             None
+        }
+        "send_patch" => {
+            let patch = capstan_sdk::Patch::new();
+            patch.merge(argument);
+            match ctx.send_patch(&patch).await {
+                Ok(()) => None,
+                Err(error) => Some(Err(HandlerError::from(error))),
+            }
         }
         "return" => Some(Ok(Some(argument.clone()).filter(|v| !v.is_null()))),
         "echo" => Some(Ok(Some(echo(ctx)))),
@@ -263,6 +273,9 @@ fn echo(ctx: &Context) -> Value {
         "operation": review.map(|r| r.operation.clone()),
         "dry_run": review.map(|r| r.dry_run),
         "subresource": review.and_then(|r| non_empty(&r.subresource)),
+        "idempotency_key": non_empty(ctx.idempotency_key()),
+        "traceparent": ctx.traceparent(),
+        "last_error": ctx.last_error().map(|e| e.summary.clone()),
     })
 }
 

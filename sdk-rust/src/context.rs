@@ -503,12 +503,16 @@ impl Context {
         &self.inner.patch
     }
 
-    /// Sends a patch now, while the handler keeps running (daemons' progress).
+    /// Sends a patch now, while the handler keeps running (daemons' progress). An empty patch
+    /// sends nothing.
     ///
     /// # Errors
     ///
     /// [`crate::Error::StreamClosed`] when the stream to the controller is gone.
     pub async fn send_patch(&self, patch: &Patch) -> Result<()> {
+        if patch.is_empty() {
+            return Ok(());
+        }
         let update = pb::InvocationUpdate {
             invocation_id: self.invocation_id().to_owned(),
             patches: patch.to_pb(),

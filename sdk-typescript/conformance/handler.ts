@@ -24,7 +24,7 @@ const FEATURE_HANDLERS: Record<string, string[]> = {
   activities: ["startup", "cleanup", "login"],
   probe: ["probe"],
 };
-const OTHER_FEATURES = ["subhandlers", "object_updates", "result_ack", "cleanup_on_goodbye", "tcp", "flow_control", "message_limit"];
+const OTHER_FEATURES = ["subhandlers", "object_updates", "result_ack", "cleanup_on_goodbye", "tcp", "flow_control", "message_limit", "invocation_updates", "attempt_details"];
 
 const CHANGE_KINDS = new Set(["create", "update", "delete", "resume", "field"]);
 const ADMISSION_KINDS = new Set(["validate", "mutate"]);
@@ -72,6 +72,9 @@ function echo(ctx: Context): unknown {
     operation: admission ? (ctx.operation ?? null) : null,
     dry_run: admission ? (ctx.dryRun ?? null) : null,
     subresource: admission ? (ctx.subresource ?? null) : null,
+    idempotency_key: ctx.idempotencyKey || null,
+    traceparent: ctx.traceparent ?? null,
+    last_error: ctx.lastError?.summary ?? null,
   };
 }
 
@@ -97,6 +100,10 @@ async function action(ctx: Context, name: string, arg: unknown): Promise<void> {
     case "patch":
       if (!arg || typeof arg !== "object" || Array.isArray(arg)) throw new Error(`conformance: patch needs an object, not ${text(arg)}`);
       ctx.patch.merge(arg as Record<string, unknown>);
+      return;
+    case "send_patch":
+      if (!arg || typeof arg !== "object" || Array.isArray(arg)) throw new Error(`conformance: send_patch needs an object, not ${text(arg)}`);
+      ctx.sendPatch(arg as Record<string, unknown>);
       return;
     case "return":
       throw new Ended(arg);

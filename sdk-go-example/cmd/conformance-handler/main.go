@@ -42,6 +42,7 @@ const resource = "conformance.capstan.dev/v1/widgets"
 var features = []string{
 	"change", "field", "event", "daemon", "timer", "index", "admission", "sdk_filters",
 	"activities", "probe", "subhandlers", "object_updates", "result_ack", "cleanup_on_goodbye", "tcp",
+	"invocation_updates", "attempt_details",
 }
 
 // enabledFeatures returns the features named in CAPSTAN_CONFORMANCE_FEATURES, or all of them

@@ -69,6 +69,17 @@ func do(ctx context.Context, inv *capstan.Invocation, name string, arg any) (val
 		}
 		inv.Patch().Merge(doc)
 		return nil, nil, false
+	case "send_patch":
+		doc, ok := arg.(map[string]any)
+		if !ok {
+			return nil, fmt.Errorf("conformance: send_patch needs an object, not %s", show(arg)), true
+		}
+		var p capstan.Patch
+		p.Merge(doc)
+		if err := inv.SendPatch(&p); err != nil {
+			return nil, err, true
+		}
+		return nil, nil, false
 	case "return":
 		return arg, nil, true
 	case "echo":
@@ -188,6 +199,16 @@ func echo(inv *capstan.Invocation) map[string]any {
 		if a.SubResource != "" {
 			out["subresource"] = a.SubResource
 		}
+	}
+	out["idempotency_key"], out["traceparent"], out["last_error"] = nil, nil, nil
+	if inv.IdempotencyKey != "" {
+		out["idempotency_key"] = inv.IdempotencyKey
+	}
+	if inv.Traceparent != "" {
+		out["traceparent"] = inv.Traceparent
+	}
+	if inv.LastError != nil {
+		out["last_error"] = inv.LastError.Summary
 	}
 	return out
 }

@@ -81,6 +81,22 @@ pub const FEATURES: &[Feature] = &[
         name: "message_limit",
         handlers: &[],
     },
+    Feature {
+        name: "invocation_updates",
+        handlers: &[],
+    },
+    Feature {
+        name: "process_settings",
+        handlers: &[],
+    },
+    Feature {
+        name: "deferred_subhandlers",
+        handlers: &[],
+    },
+    Feature {
+        name: "attempt_details",
+        handlers: &[],
+    },
 ];
 
 /// The group, version and plural of the resource of every resource handler.
