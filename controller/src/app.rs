@@ -120,12 +120,14 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
         serving.clone(),
     )
     .await?;
+    let (managed_names, managed_rx) = tokio::sync::watch::channel(settings.webhooks.managed.clone());
     let webhooks = crate::webhooks::Webhooks::start(
         &settings.webhooks,
         &core.hub,
         core.client.clone(),
         settings.engine.namespaces.exact(),
         pausing.leading.clone(),
+        managed_rx,
     )
     .await?;
     info!(listen = %server.local(), admin = ?admin_addr, version = env!("CARGO_PKG_VERSION"), "capstan started");
@@ -148,6 +150,13 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
             .clone()
             .follow_operator_settings(pausing.peering.clone(), following.clone()),
     );
+    let client_task = tokio::spawn(follow_client_settings(
+        core.hub.clone(),
+        settings.operator.clone(),
+        core.switch.clone(),
+        managed_names,
+        following.clone(),
+    ));
     serve(&mut tasks, server, &background.activities, &serving);
 
     let failed = tokio::select! {
@@ -158,6 +167,7 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
     let _ = gate_task.await;
     following.cancel();
     let _ = follow_task.await;
+    let _ = client_task.await;
     let drained = failed.is_none() && drain(&core.hub, settings.shutdown_grace).await;
     // Still the leader: the managed webhook configurations are removed.
     pausing.leaving();
@@ -290,6 +300,43 @@ impl Core {
             index_memory: engine::indexing::Carried::default(),
             finished_daemons: engine::daemons::Finished::default(),
         })
+    }
+}
+
+/// Follows the operator-wide settings of handler processes that do not restart the engine
+/// (see [`crate::model::operator_settings::Field::restarts_engine`]): the API requests'
+/// timeout, applied to the next requests, and the managed webhook configurations' name, which
+/// the webhooks' manager follows. A flag given wins. Ends with `stop`.
+async fn follow_client_settings(
+    hub: Hub,
+    flags: Option<crate::config::OperatorFlags>,
+    switch: k8s::switch::Switchable,
+    managed_names: tokio::sync::watch::Sender<Option<String>>,
+    stop: CancellationToken,
+) {
+    let Some(flags) = flags else {
+        return;
+    };
+    let mut changes = hub.operator_settings();
+    changes.mark_changed();
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            changed = changes.changed() => if changed.is_err() { return },
+        }
+        let (timeout, managed) = flags.client(&changes.borrow_and_update());
+        if timeout != switch.request_timeout() {
+            info!(
+                ?timeout,
+                "the API requests' timeout changed with the handler processes' settings"
+            );
+            switch.set_request_timeout(timeout);
+        }
+        managed_names.send_if_modified(|name| {
+            let changed = *name != managed;
+            *name = managed;
+            changed
+        });
     }
 }
 
@@ -812,8 +859,9 @@ impl Engines {
                 return;
             }
             let mut current = self.current.lock().await;
-            // An engine started meanwhile may have been configured with these already.
-            if *self.configured_with.lock() == *changes.borrow() {
+            // An engine started meanwhile may have been configured with these already; and a
+            // change of settings that are not the engine's leaves it running.
+            if self.configured_with.lock().restarting_engine() == changes.borrow().restarting_engine() {
                 continue;
             }
             let Some((running, task)) = current.take() else {

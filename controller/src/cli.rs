@@ -962,6 +962,20 @@ impl RunArgs {
         out
     }
 
+    /// The API requests' timeout and the managed webhook configurations' name, with `wanted`'s
+    /// applied where their flags are not `given`.
+    pub fn client_with(&self, wanted: &OperatorSettings, given: &[Field]) -> (Duration, Option<String>) {
+        let timeout = match wanted.api_timeout {
+            Some(timeout) if !given.contains(&Field::ApiTimeout) => timeout,
+            _ => self.api_timeout,
+        };
+        let managed = match &wanted.webhook_managed {
+            Some(name) if !given.contains(&Field::WebhookManaged) => Some(name.clone()),
+            _ => self.webhook.webhook_managed.clone().filter(|n| !n.is_empty()),
+        };
+        (timeout, managed)
+    }
+
     /// The values of the `given` operator-wide settings' flags.
     pub fn given_operator_settings(&self, given: &[Field]) -> OperatorSettings {
         let mut out = OperatorSettings::default();
@@ -1003,6 +1017,8 @@ impl RunArgs {
                 Field::PeeringStandalone => out.peering_standalone = Some(self.standalone),
                 Field::PeeringMandatory => out.peering_mandatory = Some(!self.standalone),
                 Field::PeeringLifetime => out.peering_lifetime = Some(self.peering_lifetime),
+                Field::ApiTimeout => out.api_timeout = Some(self.api_timeout),
+                Field::WebhookManaged => out.webhook_managed.clone_from(&self.webhook.webhook_managed),
             }
         }
         out
@@ -1057,12 +1073,15 @@ impl RunArgs {
                         args.worker_limit = usize::try_from(n).unwrap_or(args.worker_limit);
                     }
                 }
-                // The operator's peering, not its engine: see `peering_with`.
+                // The operator's peering, not its engine: see `peering_with`; the API client
+                // and the webhook configurations follow on their own: see `client_with`.
                 Field::PeeringName
                 | Field::PeeringPriority
                 | Field::PeeringStandalone
                 | Field::PeeringMandatory
-                | Field::PeeringLifetime => {}
+                | Field::PeeringLifetime
+                | Field::ApiTimeout
+                | Field::WebhookManaged => {}
             }
         }
         args.check()?;
@@ -1298,6 +1317,51 @@ mod tests {
         };
         let fields = run_args(&["--diff-base", "fields"]);
         assert!(fields.with_operator_settings(&kopf_fields, &[]).is_err());
+    }
+
+    #[test]
+    fn the_api_timeout_and_the_managed_name_apply_unless_given() {
+        use clap::{CommandFactory, FromArgMatches};
+        let wanted = OperatorSettings {
+            api_timeout: Some(Duration::from_secs(45)),
+            webhook_managed: Some("setting.example".into()),
+            ..OperatorSettings::default()
+        };
+        let plain = run_args(&[]);
+        assert_eq!(
+            plain.client_with(&wanted, &[]),
+            (Duration::from_secs(45), Some("setting.example".to_owned()))
+        );
+        assert_eq!(
+            plain.client_with(&OperatorSettings::default(), &[]),
+            (crate::k8s::switch::DEFAULT_REQUEST_TIMEOUT, None)
+        );
+        let matches = Cli::command()
+            .try_get_matches_from([
+                "capstan",
+                "run",
+                "--api-timeout",
+                "10s",
+                "--webhook-managed",
+                "flag.example",
+            ])
+            .unwrap();
+        let Command::Run(args) = Cli::from_arg_matches(&matches).unwrap().command else {
+            panic!("not run")
+        };
+        let given = RunArgs::given_operator_flags(matches.subcommand_matches("run").unwrap());
+        assert_eq!(given, [Field::ApiTimeout, Field::WebhookManaged]);
+        assert_eq!(
+            args.client_with(&wanted, &given),
+            (Duration::from_secs(10), Some("flag.example".to_owned()))
+        );
+        let flags = args.given_operator_settings(&given);
+        assert_eq!(
+            (flags.api_timeout, flags.webhook_managed.as_deref()),
+            (Some(Duration::from_secs(10)), Some("flag.example"))
+        );
+        // Neither restarts the engine.
+        assert_eq!(wanted.restarting_engine(), OperatorSettings::default());
     }
 
     #[test]

@@ -87,6 +87,15 @@ impl OperatorFlags {
             .engine)
     }
 
+    /// The API requests' timeout and the managed webhook configurations' name with `wanted`
+    /// applied where the flags were not given.
+    pub fn client(
+        &self,
+        wanted: &crate::model::operator_settings::OperatorSettings,
+    ) -> (Duration, Option<String>) {
+        self.args.client_with(wanted, &self.given)
+    }
+
     /// The operator's peering with `wanted` applied where the flags were not given.
     pub fn peering(&self, wanted: &crate::model::operator_settings::OperatorSettings) -> peering::Settings {
         self.args.peering_with(wanted, &self.given)

@@ -338,11 +338,9 @@ impl Engine {
                 rescan_at.get_or_insert_with(tokio::time::Instant::now);
             }
             last_pending = pending;
-            let stale = self
-                .settings
-                .operator
-                .as_ref()
-                .is_some_and(|mine| *operator_changes.borrow_and_update() != *mine);
+            let stale = self.settings.operator.as_ref().is_some_and(|mine| {
+                operator_changes.borrow_and_update().restarting_engine() != mine.restarting_engine()
+            });
             let gate = if stale {
                 Err("the operator's settings changed; the engine restarts with them".to_owned())
             } else {

@@ -173,7 +173,7 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 pub struct Webhooks {
     stop: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
-    manager: Option<JoinHandle<()>>,
+    manager: JoinHandle<()>,
     handlers: watch::Receiver<Arc<Vec<Registration>>>,
     certs: Option<Certificates>,
 }
@@ -182,7 +182,8 @@ pub use certs::Certificates;
 
 impl Webhooks {
     /// Starts the webhooks (nothing with [`Mode::Off`]): the handler tracking, the certificate
-    /// reloads, the server (now or once needed) and the configuration manager.
+    /// reloads, the server (now or once needed) and the configuration manager, which writes
+    /// under the latest of `managed_names` (the flag's, or a handler process's setting).
     ///
     /// # Errors
     /// When the certificates cannot be made or read, or (with [`Mode::On`]) the server cannot
@@ -193,6 +194,7 @@ impl Webhooks {
         client: kube::Client,
         namespaces: Option<Vec<String>>,
         leading: managed::Leading,
+        managed_names: watch::Receiver<Option<String>>,
     ) -> Result<Option<Self>, Error> {
         if settings.mode == Mode::Off {
             return Ok(None);
@@ -280,9 +282,10 @@ impl Webhooks {
             )
             .instrument(info_span!("webhook-server")),
         ));
-        let manager = settings.managed.as_ref().map(|name| {
+        // The name may come later, from a handler process's settings (see `managed`).
+        let manager = {
             let layout = configs::Layout {
-                name: name.clone(),
+                name: String::new(),
                 endpoint: match (&settings.service, &settings.url) {
                     (Some(s), _) => configs::Endpoint::Service {
                         namespace: s.namespace.clone(),
@@ -303,6 +306,7 @@ impl Webhooks {
             let manager = managed::Manager::new(
                 client.clone(),
                 layout,
+                managed_names,
                 handlers.clone(),
                 certs.ca_bundle(),
                 leading.clone(),
@@ -313,7 +317,7 @@ impl Webhooks {
                     .run(stop.clone())
                     .instrument(info_span!("webhook-configurations")),
             )
-        });
+        };
         Ok(Some(Self {
             stop,
             tasks,
@@ -337,9 +341,7 @@ impl Webhooks {
     pub async fn stop(self) {
         self.stop.cancel();
         let all = async {
-            if let Some(manager) = self.manager {
-                let _ = manager.await;
-            }
+            let _ = self.manager.await;
             for task in self.tasks {
                 let _ = task.await;
             }

@@ -7,7 +7,8 @@ admission. Each field has a place (`PLACES`, the table below and in the README):
 - `sdk`: this process applies it (what it asks the controller to post as Events, the executor
   of sync handlers);
 - `controller`: the controller's work for the whole operator that kopf operators configure in
-  their startup handlers (the finalizer, the storages, the watches' timeouts, the worker limit).
+  their startup handlers (the finalizer, the storages, the watches' timeouts, the worker limit,
+  peering, the API requests' timeout, the managed webhook configurations' name).
   An operator that kept kopf's finalizer or storages but had Capstan's differ would lose track
   of its objects' state, so these are sent to the controller (`ProcessSettings.operator`,
   `operator_settings()`) and applied as their flags would be, unless the flag was given to the
@@ -15,7 +16,8 @@ admission. Each field has a place (`PLACES`, the table below and in the README):
   (a `MultiProgressStorage`, a status field of another shape) or that is out of the
   controller's bounds is not sent, and the first time a WARNING says so;
 - `flag`: the controller's flag does this job and the controller takes it only as a flag
-  (peering, admission, the API's timeouts); a value a handler sets is not carried to the
+  (the webhook server, which the deployment's Service and certificates go with, and the
+  watches' connection timeouts); a value a handler sets is not carried to the
   controller, so the first time it differs from kopf's default a WARNING names the flag to set;
 - `none`: it has no meaning with a controller in the pod (aiohttp sessions, kopf's own queues
   and backoffs); a changed value is accepted with one INFO line.
@@ -239,14 +241,14 @@ PLACES: Dict[str, Tuple[str, str]] = {
     "queueing._batch_window": ("none", _QUEUES),
     "scanning.disabled": ("flag", "--no-crd-watch"),
     "admission.server": ("flag", "--webhook-listen, --webhook-cert-dir, --webhook-cert-names, --webhook-url"),
-    "admission.managed": ("flag", "--webhook-managed"),
+    "admission.managed": ("controller", "--webhook-managed"),
     "execution.default_backoff": ("none", "give the handlers backoff= (the controller's default is kopf's 60 s)"),
     "execution.executor": ("sdk", "runs this process's sync handlers"),
     "execution._max_workers": ("sdk", "the size of this process's thread pool for sync handlers"),
     "background.cancellation_polling": ("none", "a sync daemon is never killed; it returns once stopped is set"),
     "background.instant_exit_timeout": ("none", "the controller stops daemons with their cancellation_timeout"),
     "background.instant_exit_zero_time_cycles": ("none", "the controller stops daemons with their cancellation_timeout"),
-    "networking.request_timeout": ("flag", "--api-timeout"),
+    "networking.request_timeout": ("controller", "--api-timeout"),
     "networking.connect_timeout": ("flag", "--api-timeout"),
     "networking.error_backoffs": ("none", _AIOHTTP),
     "networking.enforce_retry_after": ("none", _AIOHTTP),
@@ -361,7 +363,7 @@ _WHOLE_SECONDS = {"watching.server_timeout"}
 #: others with a Notice, so they are not sent.
 _BOUNDS = {"watch_inactivity_timeout": (1, 24 * 3600), "watch_server_timeout": (1, 24 * 3600),
            "worker_limit": (1, 100_000), "peering_lifetime": (1, 24 * 3600),
-           "peering_priority": (-(2 ** 31), 2 ** 31)}
+           "peering_priority": (-(2 ** 31), 2 ** 31), "api_timeout": (1, 24 * 3600)}
 #: `OperatorSettings` fields not named after their flag.
 _OPERATOR_NAMES = {"peering": "peering_name", "priority": "peering_priority", "standalone": "peering_standalone"}
 

@@ -100,11 +100,11 @@ def test_a_startup_handler_configures_and_is_told_once_what_is_the_controllers(c
     assert out.status == "success" and again.status == "success", out.message
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "settings." in r.getMessage()]
-    # Peering is sent to the controller (as the finalizer, the storages and the watches are):
-    # only the fields no setting carries are named.
+    # Peering, the API timeout and the managed configurations' name are sent to the controller
+    # (as the finalizer, the storages and the watches are): only the webhook server is named.
     expected = [
-        "--api-timeout 120s", "--webhook-listen 0.0.0.0:8443 --webhook-cert-names "
-        "op.example.com --webhook-url https://op.example.com:8443", "--webhook-managed example.com",
+        "--webhook-listen 0.0.0.0:8443 --webhook-cert-names "
+        "op.example.com --webhook-url https://op.example.com:8443",
     ]
     for flags in expected:
         assert sum(flags in w for w in warned) == 1, (flags, warned)
@@ -115,7 +115,8 @@ def test_a_startup_handler_configures_and_is_told_once_what_is_the_controllers(c
     assert kit.settings.execution.executor._max_workers == 3
     assert not any("posting.level" in m or "max_workers" in m for m in warned + said)
     # Sent to the controller, never named: the finalizer, the storages, the timeouts, the limit.
-    assert not any(f in m for m in warned for f in ("persistence.", "server_timeout", "worker_limit")), warned
+    assert not any(f in m for m in warned for f in ("persistence.", "server_timeout", "worker_limit",
+                                                     "request_timeout", "admission.managed")), warned
 
 
 def test_kopfs_defaults_are_not_reported():
@@ -148,7 +149,7 @@ def test_kopf_run_takes_kopfs_options(monkeypatch, caplog):
 def test_settings_given_to_the_operator_are_reviewed(caplog):
     from capstan.connection import Operator
     settings = kopf.OperatorSettings()
-    settings.networking.request_timeout = 10
+    settings.watching.client_timeout = 10
     registry = Registry()
     kopf.on.create("examples", registry=registry)(lambda **_: None)
     with caplog.at_level(logging.WARNING, logger="capstan"):

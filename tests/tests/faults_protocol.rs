@@ -132,12 +132,14 @@ fn operator_settings() -> impl Strategy<Value = pb::OperatorSettings> {
         (text(), text(), -1i32..5, -1i32..4),
         (text(), text(), duration(), duration(), any::<u32>()),
         (text(), any::<i64>(), any::<bool>(), any::<bool>(), duration()),
+        (duration(), text()),
     )
         .prop_map(
             |(
                 (finalizer, persistence_prefix, progress_storage, diffbase_storage),
                 (diffbase_key, status_field, watch_inactivity_timeout, watch_server_timeout, worker_limit),
                 (peering_name, peering_priority, peering_standalone, peering_mandatory, peering_lifetime),
+                (api_timeout, webhook_managed),
             )| pb::OperatorSettings {
                 finalizer,
                 persistence_prefix,
@@ -153,6 +155,8 @@ fn operator_settings() -> impl Strategy<Value = pb::OperatorSettings> {
                 peering_standalone,
                 peering_mandatory,
                 peering_lifetime,
+                api_timeout,
+                webhook_managed,
             },
         )
 }

@@ -382,3 +382,109 @@ async fn a_process_that_sends_no_settings_is_served_after_the_handshake_timeout(
         .await?;
     Ok(())
 }
+
+/// The names of the validating webhook configurations in the cluster.
+async fn validating_configurations(env: &TestEnv) -> Result<Vec<String>> {
+    use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+    let list = kube::Api::<ValidatingWebhookConfiguration>::all(env.client().await?)
+        .list(&Default::default())
+        .await?;
+    let mut names: Vec<String> = list.items.into_iter().filter_map(|c| c.metadata.name).collect();
+    names.sort();
+    Ok(names)
+}
+
+/// Answers invocations and collects notices until the validating configurations are `wanted`.
+async fn configurations_become(
+    env: &TestEnv,
+    client: &mut RawClient,
+    wanted: &[&str],
+) -> Result<Vec<pb::Notice>> {
+    let deadline = tokio::time::Instant::now() + T;
+    let mut notices = Vec::new();
+    loop {
+        let names = validating_configurations(env).await?;
+        if names == wanted {
+            return Ok(notices);
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("the validating configurations are {names:?}, not {wanted:?}");
+        }
+        match client.recv_within(Duration::from_millis(200)).await {
+            Ok(Out::Invocation(i)) => client.send(success(&i.invocation_id, None, vec![])).await?,
+            Ok(Out::Notice(n)) => notices.push(n),
+            Ok(_) => {}
+            Err(e) if e.to_string().contains("nothing received") => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// kopf's `admission.managed` and `networking.request_timeout` from a startup handler, with no
+/// `--webhook-managed` or `--api-timeout` given: the controller writes the managed webhook
+/// configurations under the setting's name and takes the timeout for its next requests; a new
+/// name removes the configurations of the old one and writes them anew. Neither restarts the
+/// engine.
+#[tokio::test]
+async fn the_managed_configurations_name_and_the_api_timeout_follow_the_settings() -> Result<()> {
+    let env = env_with_crd().await?;
+    let listen = format!("127.0.0.1:{}", capstan_tests::process::free_port()?);
+    let mut controller = Controller::start(&env, "capstan", &["--webhook-listen", &listen]).await?;
+    let mut handshake = hello(vec![
+        pb::HandlerRegistration {
+            handler_id: "configure".into(),
+            kind: pb::HandlerKind::Startup as i32,
+            ..Default::default()
+        },
+        registration("check", pb::HandlerKind::Validate),
+    ]);
+    handshake.capabilities.extend([
+        pb::Capability::ProcessSettings as i32,
+        pb::Capability::OperatorSettings as i32,
+    ]);
+    let (mut client, _) =
+        RawClient::connect(unix_channel(controller.socket.clone()).await?, handshake).await?;
+    client.send(settings(pb::OperatorSettings::default())).await?;
+    start_up(
+        &mut client,
+        pb::OperatorSettings {
+            webhook_managed: "first.example.com".into(),
+            api_timeout: Some(prost_types::Duration {
+                seconds: 45,
+                nanos: 0,
+            }),
+            ..Default::default()
+        },
+    )
+    .await?;
+    let notices = configurations_become(&env, &mut client, &["first.example.com"]).await?;
+    assert!(notices.is_empty(), "{notices:?}");
+    controller
+        .process
+        .wait_for("the API requests' timeout changed", T)
+        .await?;
+    assert!(
+        controller.process.output().contains("45s"),
+        "{}",
+        controller.process.output()
+    );
+
+    client
+        .send(settings(pb::OperatorSettings {
+            webhook_managed: "second.example.com".into(),
+            api_timeout: Some(prost_types::Duration {
+                seconds: 45,
+                nanos: 0,
+            }),
+            ..Default::default()
+        }))
+        .await?;
+    let notices = configurations_become(&env, &mut client, &["second.example.com"]).await?;
+    assert!(notices.is_empty(), "{notices:?}");
+    let output = controller.process.output();
+    assert!(
+        !output.contains("the engine restarts with them"),
+        "the engine restarted for settings that are not its own:\n{output}"
+    );
+    Ok(())
+}

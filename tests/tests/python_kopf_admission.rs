@@ -2,10 +2,13 @@
 //! of our own (`sdk-python/tests/differential/examples_admission.py`) runs once with real kopf
 //! (pinned from PyPI, `kopf run --standalone`, serving its webhooks itself with the test's
 //! certificate) and once with `capstan.kopf` on Capstan (`--persistence kopf`, the controller
-//! serving them: `--webhook-listen`, `--webhook-managed`), each against a fresh API server, and
-//! what the API server's clients see is compared.
+//! serving them from `--webhook-listen`), each against a fresh API server, and what the API
+//! server's clients see is compared.
 //!
-//! The same startup handler sets `settings.admission.server` and `.managed` under both; the
+//! The same startup handler sets `settings.admission.server`, `.managed` and
+//! `settings.networking.request_timeout` under both: the controller is not given
+//! `--webhook-managed` or `--api-timeout`, so the configurations' name and the timeout are the
+//! startup handler's (`ProcessSettings.operator`). The
 //! objects created then meet validating handlers that warn, deny with kopf's default code and
 //! with their own, and skip dry runs, and a mutating handler that patches labelled objects;
 //! the warnings name the request's User-Agent header and whether a client certificate came.
@@ -93,6 +96,29 @@ async fn warnings_of_create(env: &TestEnv, name: &str) -> Result<Vec<String>> {
         .collect())
 }
 
+/// The names of the validating and mutating webhook configurations in the cluster.
+async fn configuration_names(env: &TestEnv) -> Result<Value> {
+    use k8s_openapi::api::admissionregistration::v1::{
+        MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+    };
+    let client = env.client().await?;
+    let names = |items: Vec<Option<String>>| {
+        let mut names: Vec<String> = items.into_iter().flatten().collect();
+        names.sort();
+        names
+    };
+    let validating = Api::<ValidatingWebhookConfiguration>::all(client.clone())
+        .list(&Default::default())
+        .await?;
+    let mutating = Api::<MutatingWebhookConfiguration>::all(client)
+        .list(&Default::default())
+        .await?;
+    Ok(json!({
+        "validating": names(validating.items.into_iter().map(|c| c.metadata.name).collect()),
+        "mutating": names(mutating.items.into_iter().map(|c| c.metadata.name).collect()),
+    }))
+}
+
 async fn admission_run(framework: Framework) -> Result<Value> {
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
@@ -112,12 +138,8 @@ async fn admission_run(framework: Framework) -> Result<Value> {
         ("WEBHOOK_KEY", key.as_str()),
     ];
     let listen = format!("127.0.0.1:{}", free_port()?);
-    let controller = [
-        "--webhook-listen",
-        listen.as_str(),
-        "--webhook-managed",
-        "auto.kopf.dev",
-    ];
+    // The managed configurations' name and the API timeout come from the startup handler.
+    let controller = ["--webhook-listen", listen.as_str()];
     let flags = Flags {
         controller: &controller,
         ..Flags::default()
@@ -156,10 +178,17 @@ async fn admission_run(framework: Framework) -> Result<Value> {
             "labelled": create(&api, "labelled", json!({"somelabel": "somevalue"}), "fine", false).await?,
             "other-label": create(&api, "other-label", json!({"somelabel": "other"}), "fine", false).await?,
             "warnings": warnings_of_create(&env, "warned").await?,
+            "configuration": configuration_names(&env).await?,
         }))
     }
     .await
     .with_context(|| format!("{framework:?}: {}", operator.output()));
+    if framework == Framework::Capstan && seen.is_ok() {
+        let output = operator.output();
+        if !output.contains("the API requests' timeout changed") || !output.contains("45s") {
+            bail!("the controller did not take the startup handler's request_timeout:\n{output}");
+        }
+    }
     operator.stop().await?;
     let seen = seen?;
     println!("{framework:?}: {seen:#}");
@@ -190,6 +219,7 @@ async fn admission_handlers_answer_as_kopfs_do() -> Result<()> {
         "labelled",
         "other-label",
         "warnings",
+        "configuration",
     ] {
         assert_eq!(
             capstan[case], kopf[case],

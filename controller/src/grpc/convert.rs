@@ -645,7 +645,17 @@ pub fn operator_settings(
         wire.peering_lifetime.as_ref(),
         &mut problems,
     );
+    let api_timeout = watch_timeout(Field::ApiTimeout, wire.api_timeout.as_ref(), &mut problems);
+    let webhook_managed = setting_text(
+        Field::WebhookManaged,
+        &wire.webhook_managed,
+        &|n| !n.contains('/') && valid_label_key(&format!("{n}/x")),
+        "a DNS subdomain",
+        &mut problems,
+    );
     let settings = OperatorSettings {
+        api_timeout,
+        webhook_managed,
         peering_name,
         peering_priority,
         peering_standalone: wire.peering_standalone.then_some(true),
@@ -701,7 +711,7 @@ fn setting_text(
     None
 }
 
-/// A timeout setting (watches, the peering lifetime): 1 s to a day.
+/// A timeout setting (watches, the peering lifetime, API requests): 1 s to a day.
 fn watch_timeout(
     field: crate::model::operator_settings::Field,
     d: Option<&prost_types::Duration>,
@@ -1149,6 +1159,8 @@ mod tests {
             peering_priority: -(1 << 40),
             peering_standalone: true,
             peering_lifetime: d(86_401),
+            api_timeout: d(0),
+            webhook_managed: "Not_A_Name".into(),
             ..Default::default()
         });
         assert_eq!(peering.peering_name.as_deref(), Some("mine"));
@@ -1160,7 +1172,16 @@ mod tests {
             (peering.peering_mandatory, peering.peering_lifetime),
             (None, None)
         );
-        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert_eq!((&peering.api_timeout, &peering.webhook_managed), (&None, &None));
+        assert_eq!(problems.len(), 4, "{problems:?}");
+        let (client, problems) = operator_settings(&pb::OperatorSettings {
+            api_timeout: d(20),
+            webhook_managed: "example.com".into(),
+            ..Default::default()
+        });
+        assert_eq!(client.api_timeout, Some(Duration::from_secs(20)));
+        assert_eq!(client.webhook_managed.as_deref(), Some("example.com"));
+        assert!(problems.is_empty(), "{problems:?}");
         // Nothing set is nothing applied.
         let (empty, problems) = operator_settings(&pb::OperatorSettings::default());
         assert_eq!(

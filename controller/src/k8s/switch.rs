@@ -108,7 +108,8 @@ struct Inner {
     current: RwLock<Client>,
     identity: RwLock<String>,
     unauthorized: watch::Sender<u64>,
-    timeout: Duration,
+    /// The request timeout; handler processes may change it (`networking.request_timeout`).
+    timeout: RwLock<Duration>,
     reachability: Reachability,
     /// Room for requests other than watches (see the module docs).
     requests: Arc<Semaphore>,
@@ -164,7 +165,7 @@ impl Switchable {
             base,
             identity: RwLock::new("kubeconfig".to_owned()),
             unauthorized,
-            timeout,
+            timeout: RwLock::new(timeout),
             reachability,
             requests: Arc::new(Semaphore::new(requests.max(1))),
             pool_idle: requests.max(1),
@@ -189,6 +190,17 @@ impl Switchable {
     /// The client every component uses: requests go to the current credentials.
     pub fn client(&self) -> Client {
         self.routed.clone()
+    }
+
+    /// The timeout of requests made from now on (requests already running keep theirs).
+    pub fn request_timeout(&self) -> Duration {
+        *self.inner.timeout.read()
+    }
+
+    /// Sets the timeout of the requests made from now on (kopf's `networking.request_timeout`
+    /// from a handler process's settings).
+    pub fn set_request_timeout(&self, timeout: Duration) {
+        *self.inner.timeout.write() = timeout;
     }
 
     /// The kubeconfig / in-cluster client, for discovery (see the module docs).
@@ -334,7 +346,7 @@ impl tower::Service<Request<Body>> for Route {
             move |code: &str| crate::observability::metrics::global().api_response(method.as_str(), code);
         let unlimited = watch || is_coordination(request.uri());
         Box::pin(async move {
-            let timeout = inner.timeout;
+            let timeout = *inner.timeout.read();
             let in_flight = if unlimited {
                 None
             } else {

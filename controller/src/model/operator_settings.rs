@@ -68,6 +68,10 @@ pub struct OperatorSettings {
     pub peering_mandatory: Option<bool>,
     /// `peering.lifetime`.
     pub peering_lifetime: Option<Duration>,
+    /// `networking.request_timeout`.
+    pub api_timeout: Option<Duration>,
+    /// `admission.managed`.
+    pub webhook_managed: Option<String>,
 }
 
 /// One field of [`OperatorSettings`].
@@ -101,11 +105,15 @@ pub enum Field {
     PeeringMandatory,
     /// `peering.lifetime`.
     PeeringLifetime,
+    /// `networking.request_timeout`.
+    ApiTimeout,
+    /// `admission.managed`.
+    WebhookManaged,
 }
 
 impl Field {
     /// Every field.
-    pub const ALL: [Self; 14] = [
+    pub const ALL: [Self; 16] = [
         Self::Finalizer,
         Self::PersistencePrefix,
         Self::ProgressStorage,
@@ -120,6 +128,8 @@ impl Field {
         Self::PeeringStandalone,
         Self::PeeringMandatory,
         Self::PeeringLifetime,
+        Self::ApiTimeout,
+        Self::WebhookManaged,
     ];
 
     /// Whether the field is about peering (a change restarts the operator's peering).
@@ -132,6 +142,13 @@ impl Field {
                 | Self::PeeringMandatory
                 | Self::PeeringLifetime
         )
+    }
+
+    /// Whether a change of the field restarts the engine (and, for peering's, the operator's
+    /// peering first); the API client's timeout and the webhook configurations' name follow
+    /// without a restart.
+    pub fn restarts_engine(self) -> bool {
+        !matches!(self, Self::ApiTimeout | Self::WebhookManaged)
     }
 
     /// The controller flag that does the same.
@@ -151,6 +168,8 @@ impl Field {
             Self::PeeringStandalone => "--standalone",
             Self::PeeringMandatory => "--peering/--priority/--dev",
             Self::PeeringLifetime => "--peering-lifetime",
+            Self::ApiTimeout => "--api-timeout",
+            Self::WebhookManaged => "--webhook-managed",
         }
     }
 
@@ -171,6 +190,8 @@ impl Field {
             Self::PeeringStandalone => "peering_standalone",
             Self::PeeringMandatory => "peering_mandatory",
             Self::PeeringLifetime => "peering_lifetime",
+            Self::ApiTimeout => "api_timeout",
+            Self::WebhookManaged => "webhook_managed",
         }
     }
 }
@@ -213,6 +234,8 @@ impl OperatorSettings {
             Field::PeeringStandalone => self.peering_standalone.map(|b| b.to_string()),
             Field::PeeringMandatory => self.peering_mandatory.map(|b| b.to_string()),
             Field::PeeringLifetime => self.peering_lifetime.as_ref().map(secs),
+            Field::ApiTimeout => self.api_timeout.as_ref().map(secs),
+            Field::WebhookManaged => self.webhook_managed.clone(),
         }
     }
 
@@ -233,6 +256,8 @@ impl OperatorSettings {
             Field::PeeringStandalone => self.peering_standalone.is_some(),
             Field::PeeringMandatory => self.peering_mandatory.is_some(),
             Field::PeeringLifetime => self.peering_lifetime.is_some(),
+            Field::ApiTimeout => self.api_timeout.is_some(),
+            Field::WebhookManaged => self.webhook_managed.is_some(),
         }
     }
 
@@ -253,13 +278,24 @@ impl OperatorSettings {
             Field::PeeringStandalone => self.peering_standalone = other.peering_standalone,
             Field::PeeringMandatory => self.peering_mandatory = other.peering_mandatory,
             Field::PeeringLifetime => self.peering_lifetime = other.peering_lifetime,
+            Field::ApiTimeout => self.api_timeout = other.api_timeout,
+            Field::WebhookManaged => self.webhook_managed.clone_from(&other.webhook_managed),
         }
     }
 
     /// The peering fields only (to tell whether the operator's peering must restart).
     pub fn peering(&self) -> Self {
+        self.only(Field::is_peering)
+    }
+
+    /// The fields whose change restarts the engine only (to tell whether it must).
+    pub fn restarting_engine(&self) -> Self {
+        self.only(Field::restarts_engine)
+    }
+
+    fn only(&self, keep: impl Fn(Field) -> bool) -> Self {
         let mut out = Self::default();
-        for field in Field::ALL.into_iter().filter(|f| f.is_peering()) {
+        for field in Field::ALL.into_iter().filter(|f| keep(*f)) {
             out.take(field, self);
         }
         out

@@ -7,6 +7,11 @@
 //! With leader election only the leader writes (the configurations are cluster-wide; two
 //! replicas writing would only fight over the same content); every replica serves the
 //! webhooks themselves. A standby that becomes leader writes at once.
+//!
+//! The configurations' name is the flag's (`--webhook-managed`) or, without the flag, what a
+//! handler process's settings say (kopf's `admission.managed`, which a startup handler sets),
+//! so it may come, change or go while the controller runs: under a new name the old
+//! configurations are removed first, and without a name nothing is written.
 
 use std::{sync::Arc, time::Duration};
 
@@ -37,7 +42,12 @@ pub type Leading = Arc<dyn Fn() -> bool + Send + Sync>;
 /// The manager of the two configurations.
 pub struct Manager {
     client: kube::Client,
+    /// The layout; its `name` is the one written under, when `named`.
     layout: Layout,
+    /// The name to write under (`None`: unmanaged).
+    names: watch::Receiver<Option<String>>,
+    /// Whether `layout.name` holds a name now.
+    named: bool,
     handlers: watch::Receiver<Arc<Vec<Registration>>>,
     ca_bundle: watch::Receiver<Vec<u8>>,
     leading: Leading,
@@ -48,10 +58,12 @@ pub struct Manager {
 }
 
 impl Manager {
-    /// A manager writing `layout`'s configurations for `handlers`.
+    /// A manager writing `layout`'s configurations for `handlers`, under the latest of `names`
+    /// (the layout's own name is not used).
     pub fn new(
         client: kube::Client,
         layout: Layout,
+        names: watch::Receiver<Option<String>>,
         handlers: watch::Receiver<Arc<Vec<Registration>>>,
         ca_bundle: watch::Receiver<Vec<u8>>,
         leading: Leading,
@@ -59,6 +71,8 @@ impl Manager {
         Self {
             client,
             layout,
+            names,
+            named: false,
             handlers,
             ca_bundle,
             leading,
@@ -86,8 +100,12 @@ impl Manager {
                 self.written = None;
             }
             was_leading = leading;
+            let wanted = self.names.borrow_and_update().clone();
+            if wanted.as_deref() != self.named.then_some(self.layout.name.as_str()) {
+                self.rename(wanted, leading).await;
+            }
             let mut retry = false;
-            if leading {
+            if leading && self.named {
                 match self.sync().await {
                     Ok(()) => backoff = Duration::from_secs(1),
                     Err(e) => {
@@ -104,14 +122,32 @@ impl Manager {
                 () = stop.cancelled() => break,
                 changed = self.handlers.changed() => if changed.is_err() { break },
                 changed = self.ca_bundle.changed() => if changed.is_err() { break },
+                changed = self.names.changed() => if changed.is_err() { break },
                 () = tokio::time::sleep(wait) => {}
             }
+        }
+        if !self.named {
+            return;
         }
         if self.keep {
             info!(name = %self.layout.name, "managed webhook configurations kept (--webhook-keep-on-exit)");
         } else if self.written.is_some() && (self.leading)() {
             self.remove().await;
         }
+    }
+
+    /// Moves to another name (or none): what was written under the old one is removed, unless
+    /// kept; the new one is written from scratch.
+    async fn rename(&mut self, wanted: Option<String>, leading: bool) {
+        if self.named && self.written.is_some() && leading && !self.keep {
+            self.remove().await;
+        }
+        if self.named {
+            info!(from = %self.layout.name, to = ?wanted, "the managed webhook configurations' name changed");
+        }
+        self.written = None;
+        self.named = wanted.is_some();
+        self.layout.name = wanted.unwrap_or_default();
     }
 
     async fn sync(&mut self) -> Result<(), api::Error> {

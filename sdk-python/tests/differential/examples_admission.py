@@ -27,6 +27,7 @@ def config(settings: kopf.OperatorSettings, **_):
         addr="127.0.0.1", host="127.0.0.1", port=int(os.environ["WEBHOOK_PORT"]),
         certfile=os.environ["WEBHOOK_CERT"], pkeyfile=os.environ["WEBHOOK_KEY"])
     settings.admission.managed = "auto.kopf.dev"
+    settings.networking.request_timeout = 45
 
 
 @kopf.on.validate(*RESOURCE)

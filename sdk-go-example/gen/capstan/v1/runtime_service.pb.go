@@ -1322,8 +1322,17 @@ type OperatorSettings struct {
 	// How long this operator's peering entry lives without a keep-alive (`peering.lifetime`,
 	// `--peering-lifetime`); 1 s to 1 day.
 	PeeringLifetime *durationpb.Duration `protobuf:"bytes,14,opt,name=peering_lifetime,json=peeringLifetime,proto3" json:"peering_lifetime,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The timeout of each request to the API server but watches (`networking.request_timeout`,
+	// `--api-timeout`); 1 s to 1 day. Applied to the next requests, without restarting the
+	// engine.
+	ApiTimeout *durationpb.Duration `protobuf:"bytes,15,opt,name=api_timeout,json=apiTimeout,proto3" json:"api_timeout,omitempty"`
+	// The name of the validating and mutating webhook configurations the controller writes for
+	// the admission handlers (`admission.managed`, `--webhook-managed`): a DNS subdomain. Under a
+	// new name the controller removes what it wrote under the old one. It needs the controller's
+	// webhook server (`--webhooks`, not `off`); the server itself is the deployment's.
+	WebhookManaged string `protobuf:"bytes,16,opt,name=webhook_managed,json=webhookManaged,proto3" json:"webhook_managed,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *OperatorSettings) Reset() {
@@ -1452,6 +1461,20 @@ func (x *OperatorSettings) GetPeeringLifetime() *durationpb.Duration {
 		return x.PeeringLifetime
 	}
 	return nil
+}
+
+func (x *OperatorSettings) GetApiTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.ApiTimeout
+	}
+	return nil
+}
+
+func (x *OperatorSettings) GetWebhookManaged() string {
+	if x != nil {
+		return x.WebhookManaged
+	}
+	return ""
 }
 
 // A liveness check from the controller.
@@ -2086,7 +2109,7 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x0fProcessSettings\x12?\n" +
 	"\x0eoutcome_events\x18\x01 \x01(\x0e2\x18.capstan.v1.EventPostingR\routcomeEvents\x129\n" +
 	"\routcome_level\x18\x02 \x01(\x0e2\x14.capstan.v1.LogLevelR\foutcomeLevel\x128\n" +
-	"\boperator\x18\x03 \x01(\v2\x1c.capstan.v1.OperatorSettingsR\boperator\"\xf2\x05\n" +
+	"\boperator\x18\x03 \x01(\v2\x1c.capstan.v1.OperatorSettingsR\boperator\"\xd7\x06\n" +
 	"\x10OperatorSettings\x12\x1c\n" +
 	"\tfinalizer\x18\x01 \x01(\tR\tfinalizer\x12-\n" +
 	"\x12persistence_prefix\x18\x02 \x01(\tR\x11persistencePrefix\x12J\n" +
@@ -2102,7 +2125,10 @@ const file_capstan_v1_runtime_service_proto_rawDesc = "" +
 	"\x10peering_priority\x18\v \x01(\x03R\x0fpeeringPriority\x12-\n" +
 	"\x12peering_standalone\x18\f \x01(\bR\x11peeringStandalone\x12+\n" +
 	"\x11peering_mandatory\x18\r \x01(\bR\x10peeringMandatory\x12D\n" +
-	"\x10peering_lifetime\x18\x0e \x01(\v2\x19.google.protobuf.DurationR\x0fpeeringLifetime\"U\n" +
+	"\x10peering_lifetime\x18\x0e \x01(\v2\x19.google.protobuf.DurationR\x0fpeeringLifetime\x12:\n" +
+	"\vapi_timeout\x18\x0f \x01(\v2\x19.google.protobuf.DurationR\n" +
+	"apiTimeout\x12'\n" +
+	"\x0fwebhook_managed\x18\x10 \x01(\tR\x0ewebhookManaged\"U\n" +
 	"\x04Ping\x12\x14\n" +
 	"\x05nonce\x18\x01 \x01(\x04R\x05nonce\x127\n" +
 	"\tsent_time\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\bsentTime\"9\n" +
@@ -2269,20 +2295,21 @@ var file_capstan_v1_runtime_service_proto_depIdxs = []int32{
 	30, // 38: capstan.v1.OperatorSettings.watch_inactivity_timeout:type_name -> google.protobuf.Duration
 	30, // 39: capstan.v1.OperatorSettings.watch_server_timeout:type_name -> google.protobuf.Duration
 	30, // 40: capstan.v1.OperatorSettings.peering_lifetime:type_name -> google.protobuf.Duration
-	32, // 41: capstan.v1.Ping.sent_time:type_name -> google.protobuf.Timestamp
-	30, // 42: capstan.v1.Drain.grace_period:type_name -> google.protobuf.Duration
-	32, // 43: capstan.v1.Drain.start_time:type_name -> google.protobuf.Timestamp
-	34, // 44: capstan.v1.ResultAck.diagnostics:type_name -> capstan.v1.Diagnostic
-	34, // 45: capstan.v1.Notice.diagnostics:type_name -> capstan.v1.Diagnostic
-	35, // 46: capstan.v1.ObjectUpdate.body:type_name -> capstan.v1.Json
-	33, // 47: capstan.v1.ObjectGone.object:type_name -> capstan.v1.ResourceRef
-	5,  // 48: capstan.v1.RuntimeService.Connect:input_type -> capstan.v1.ConnectRequest
-	6,  // 49: capstan.v1.RuntimeService.Connect:output_type -> capstan.v1.ConnectResponse
-	49, // [49:50] is the sub-list for method output_type
-	48, // [48:49] is the sub-list for method input_type
-	48, // [48:48] is the sub-list for extension type_name
-	48, // [48:48] is the sub-list for extension extendee
-	0,  // [0:48] is the sub-list for field type_name
+	30, // 41: capstan.v1.OperatorSettings.api_timeout:type_name -> google.protobuf.Duration
+	32, // 42: capstan.v1.Ping.sent_time:type_name -> google.protobuf.Timestamp
+	30, // 43: capstan.v1.Drain.grace_period:type_name -> google.protobuf.Duration
+	32, // 44: capstan.v1.Drain.start_time:type_name -> google.protobuf.Timestamp
+	34, // 45: capstan.v1.ResultAck.diagnostics:type_name -> capstan.v1.Diagnostic
+	34, // 46: capstan.v1.Notice.diagnostics:type_name -> capstan.v1.Diagnostic
+	35, // 47: capstan.v1.ObjectUpdate.body:type_name -> capstan.v1.Json
+	33, // 48: capstan.v1.ObjectGone.object:type_name -> capstan.v1.ResourceRef
+	5,  // 49: capstan.v1.RuntimeService.Connect:input_type -> capstan.v1.ConnectRequest
+	6,  // 50: capstan.v1.RuntimeService.Connect:output_type -> capstan.v1.ConnectResponse
+	50, // [50:51] is the sub-list for method output_type
+	49, // [49:50] is the sub-list for method input_type
+	49, // [49:49] is the sub-list for extension type_name
+	49, // [49:49] is the sub-list for extension extendee
+	0,  // [0:49] is the sub-list for field type_name
 }
 
 func init() { file_capstan_v1_runtime_service_proto_init() }
