@@ -29,15 +29,26 @@ async fn env_with_crd() -> Result<TestEnv> {
 /// A process with a startup handler (`configure`) and create and delete handlers on examples
 /// (a delete handler needs the finalizer), able to send `ProcessSettings`.
 async fn connect(controller: &Controller) -> Result<RawClient> {
-    let mut handshake = hello(vec![
-        pb::HandlerRegistration {
-            handler_id: "configure".into(),
-            kind: pb::HandlerKind::Startup as i32,
-            ..Default::default()
-        },
-        registration("create", pb::HandlerKind::Create),
-        registration("delete", pb::HandlerKind::Delete),
-    ]);
+    connect_with(
+        controller,
+        vec![
+            registration("create", pb::HandlerKind::Create),
+            registration("delete", pb::HandlerKind::Delete),
+        ],
+    )
+    .await
+}
+
+/// A process with a startup handler (`configure`) and `handlers`, able to send
+/// `ProcessSettings`.
+async fn connect_with(controller: &Controller, handlers: Vec<pb::HandlerRegistration>) -> Result<RawClient> {
+    let mut registrations = vec![pb::HandlerRegistration {
+        handler_id: "configure".into(),
+        kind: pb::HandlerKind::Startup as i32,
+        ..Default::default()
+    }];
+    registrations.extend(handlers);
+    let mut handshake = hello(registrations);
     handshake.capabilities.extend([
         pb::Capability::ProcessSettings as i32,
         pb::Capability::OperatorSettings as i32,
@@ -100,14 +111,20 @@ async fn handle_until(
         if tokio::time::Instant::now() > deadline {
             bail!("{name} never got there");
         }
-        match client.recv_within(Duration::from_millis(200)).await {
-            Ok(Out::Invocation(i)) => client.send(success(&i.invocation_id, None, vec![])).await?,
-            Ok(Out::Notice(n)) => notices.push(n),
-            Ok(_) => {}
-            Err(e) if e.to_string().contains("nothing received") => {}
-            Err(e) => return Err(e),
-        }
+        answer_a_while(client, &mut notices).await?;
     }
+}
+
+/// Waits up to 200 ms for a message: answers an invocation with success, keeps a notice.
+async fn answer_a_while(client: &mut RawClient, notices: &mut Vec<pb::Notice>) -> Result<()> {
+    match client.recv_within(Duration::from_millis(200)).await {
+        Ok(Out::Invocation(i)) => client.send(success(&i.invocation_id, None, vec![])).await?,
+        Ok(Out::Notice(n)) => notices.push(n),
+        Ok(_) => {}
+        Err(e) if e.to_string().contains("nothing received") => {}
+        Err(e) => return Err(e),
+    }
+    Ok(())
 }
 
 fn finalizers(object: &Value) -> Vec<String> {
@@ -410,13 +427,7 @@ async fn configurations_become(
         if tokio::time::Instant::now() > deadline {
             bail!("the validating configurations are {names:?}, not {wanted:?}");
         }
-        match client.recv_within(Duration::from_millis(200)).await {
-            Ok(Out::Invocation(i)) => client.send(success(&i.invocation_id, None, vec![])).await?,
-            Ok(Out::Notice(n)) => notices.push(n),
-            Ok(_) => {}
-            Err(e) if e.to_string().contains("nothing received") => {}
-            Err(e) => return Err(e),
-        }
+        answer_a_while(client, &mut notices).await?;
     }
 }
 
@@ -430,33 +441,20 @@ async fn the_managed_configurations_name_and_the_api_timeout_follow_the_settings
     let env = env_with_crd().await?;
     let listen = format!("127.0.0.1:{}", capstan_tests::process::free_port()?);
     let mut controller = Controller::start(&env, "capstan", &["--webhook-listen", &listen]).await?;
-    let mut handshake = hello(vec![
-        pb::HandlerRegistration {
-            handler_id: "configure".into(),
-            kind: pb::HandlerKind::Startup as i32,
-            ..Default::default()
-        },
-        registration("check", pb::HandlerKind::Validate),
-    ]);
-    handshake.capabilities.extend([
-        pb::Capability::ProcessSettings as i32,
-        pb::Capability::OperatorSettings as i32,
-    ]);
-    let (mut client, _) =
-        RawClient::connect(unix_channel(controller.socket.clone()).await?, handshake).await?;
-    client.send(settings(pb::OperatorSettings::default())).await?;
-    start_up(
-        &mut client,
-        pb::OperatorSettings {
-            webhook_managed: "first.example.com".into(),
-            api_timeout: Some(prost_types::Duration {
-                seconds: 45,
-                nanos: 0,
-            }),
-            ..Default::default()
-        },
+    let mut client = connect_with(
+        &controller,
+        vec![registration("check", pb::HandlerKind::Validate)],
     )
     .await?;
+    let wanted = |name: &str| pb::OperatorSettings {
+        webhook_managed: name.into(),
+        api_timeout: Some(prost_types::Duration {
+            seconds: 45,
+            nanos: 0,
+        }),
+        ..Default::default()
+    };
+    start_up(&mut client, wanted("first.example.com")).await?;
     let notices = configurations_become(&env, &mut client, &["first.example.com"]).await?;
     assert!(notices.is_empty(), "{notices:?}");
     controller
@@ -469,16 +467,7 @@ async fn the_managed_configurations_name_and_the_api_timeout_follow_the_settings
         controller.process.output()
     );
 
-    client
-        .send(settings(pb::OperatorSettings {
-            webhook_managed: "second.example.com".into(),
-            api_timeout: Some(prost_types::Duration {
-                seconds: 45,
-                nanos: 0,
-            }),
-            ..Default::default()
-        }))
-        .await?;
+    client.send(settings(wanted("second.example.com"))).await?;
     let notices = configurations_become(&env, &mut client, &["second.example.com"]).await?;
     assert!(notices.is_empty(), "{notices:?}");
     let output = controller.process.output();
