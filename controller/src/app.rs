@@ -154,7 +154,7 @@ pub async fn run(mut settings: Settings, shutdown: CancellationToken) -> Result<
         core.hub.clone(),
         settings.operator.clone(),
         core.switch.clone(),
-        managed_names,
+        webhooks.is_some().then_some(managed_names),
         following.clone(),
     ));
     serve(&mut tasks, server, &background.activities, &serving);
@@ -306,12 +306,13 @@ impl Core {
 /// Follows the operator-wide settings of handler processes that do not restart the engine
 /// (see [`crate::model::operator_settings::Field::restarts_engine`]): the API requests'
 /// timeout, applied to the next requests, and the managed webhook configurations' name, which
-/// the webhooks' manager follows. A flag given wins. Ends with `stop`.
+/// the webhooks' manager follows (`managed_names`; `None` when no webhooks are served: a name
+/// from the settings is then said to have no effect). A flag given wins. Ends with `stop`.
 async fn follow_client_settings(
     hub: Hub,
     flags: Option<crate::config::OperatorFlags>,
     switch: k8s::switch::Switchable,
-    managed_names: tokio::sync::watch::Sender<Option<String>>,
+    managed_names: Option<tokio::sync::watch::Sender<Option<String>>>,
     stop: CancellationToken,
 ) {
     let Some(flags) = flags else {
@@ -319,12 +320,14 @@ async fn follow_client_settings(
     };
     let mut changes = hub.operator_settings();
     changes.mark_changed();
+    let mut unserved: Option<String> = None;
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
             changed = changes.changed() => if changed.is_err() { return },
         }
-        let (timeout, managed) = flags.client(&changes.borrow_and_update());
+        let wanted = changes.borrow_and_update().clone();
+        let (timeout, managed) = flags.client(&wanted);
         if timeout != switch.request_timeout() {
             info!(
                 ?timeout,
@@ -332,11 +335,28 @@ async fn follow_client_settings(
             );
             switch.set_request_timeout(timeout);
         }
-        managed_names.send_if_modified(|name| {
-            let changed = *name != managed;
-            *name = managed;
-            changed
-        });
+        match &managed_names {
+            Some(names) => {
+                names.send_if_modified(|name| {
+                    let changed = *name != managed;
+                    *name = managed;
+                    changed
+                });
+            }
+            None if wanted.webhook_managed.is_some() && wanted.webhook_managed != unserved => {
+                unserved.clone_from(&wanted.webhook_managed);
+                let why =
+                    "webhook_managed has no effect: this controller serves no webhooks (see --webhooks)";
+                warn!(name = ?wanted.webhook_managed, "{why}");
+                let diagnostic = crate::model::Diagnostic::warning("SETTING_UNUSED", why)
+                    .at("settings.operator.webhook_managed");
+                hub.broadcast(pb::connect_response::Message::Notice(pb::Notice {
+                    invocation_id: String::new(),
+                    diagnostics: vec![crate::grpc::convert::diagnostic_to_pb(&diagnostic)],
+                }));
+            }
+            None => {}
+        }
     }
 }
 

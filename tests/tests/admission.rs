@@ -641,3 +641,52 @@ async fn with_webhooks_off_admission_handlers_are_refused_with_a_reason() -> Res
     assert!(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err());
     Ok(())
 }
+
+/// At the controller's stop the managed configurations stay while it drains (admission is
+/// still served and enforced while in-flight work finishes), and go once it has drained.
+#[tokio::test]
+async fn managed_configurations_stay_while_the_controller_drains() -> Result<()> {
+    let (mut s, _) = start("validate,stubborn-forever", &["--shutdown-grace", "8s"]).await?;
+    wait_enforced(&s).await?;
+    // A daemon that ignores its stop holds the drain for the whole grace.
+    s.create("held", json!({"size": 1})).await?;
+    eventually(&s, "the daemon to run", LONG, || async {
+        Ok((s.count("stubborn", "held") > 0).then_some(()))
+    })
+    .await?;
+    let pid = s
+        .controller
+        .process
+        .id()
+        .context("the controller is not running")?;
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()?;
+    assert!(sent.success(), "SIGTERM could not be sent");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        s.controller.process.running(),
+        "the controller stopped before its drain was over"
+    );
+    assert!(
+        validating(&s).get_opt("capstan-e2e").await?.is_some(),
+        "the configurations were removed while the controller drains:\n{}",
+        tail(&s.controller.process.output(), 40)
+    );
+    let refused = create(&s, "during-the-drain", json!({"size": 99}), true).await?;
+    assert!(refused.is_err(), "not enforced during the drain: {refused:?}");
+    // Its grace runs out; then it removes them and exits (a second signal would hurry it).
+    let deadline = tokio::time::Instant::now() + LONG;
+    while s.controller.process.running() {
+        if tokio::time::Instant::now() > deadline {
+            bail!("the controller did not stop after its grace");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        validating(&s).get_opt("capstan-e2e").await?.is_none(),
+        "{}",
+        tail(&s.controller.process.output(), 40)
+    );
+    Ok(())
+}

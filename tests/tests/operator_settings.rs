@@ -470,6 +470,8 @@ async fn the_managed_configurations_name_and_the_api_timeout_follow_the_settings
     client.send(settings(wanted("second.example.com"))).await?;
     let notices = configurations_become(&env, &mut client, &["second.example.com"]).await?;
     assert!(notices.is_empty(), "{notices:?}");
+    // A restart would follow the peering's check of the same change: give it the time.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let output = controller.process.output();
     assert!(
         !output.contains("the engine restarts with them"),

@@ -311,6 +311,9 @@ The environment of the capstan container: how the chart configures `capstan run`
 - name: CAPSTAN_WEBHOOK_KEEP_ON_EXIT
   value: "true"
 {{- end }}
+{{- else }}
+- name: CAPSTAN_WEBHOOK_MANAGED
+  value: ""
 {{- end }}
 {{- if ne .Values.webhooks.certificate.source "selfSigned" }}
 - name: CAPSTAN_WEBHOOK_CERT_DIR

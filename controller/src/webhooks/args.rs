@@ -68,7 +68,9 @@ pub struct WebhookArgs {
 
     /// Manage one ValidatingWebhookConfiguration and one MutatingWebhookConfiguration of this
     /// name (kopf's `admission.managed`), built from the registered handlers and removed on
-    /// exit. Without it the configurations are the user's (or the chart's).
+    /// exit. Without it the name is the one a handler process's settings give
+    /// (`admission.managed`), if any; given empty, the configurations are the user's whatever
+    /// the settings say (the chart's `webhooks.configurations=unmanaged`).
     #[arg(long, env = "CAPSTAN_WEBHOOK_MANAGED")]
     pub webhook_managed: Option<String>,
 

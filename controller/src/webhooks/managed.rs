@@ -8,10 +8,11 @@
 //! replicas writing would only fight over the same content); every replica serves the
 //! webhooks themselves. A standby that becomes leader writes at once.
 //!
-//! The configurations' name is the flag's (`--webhook-managed`) or, without the flag, what a
-//! handler process's settings say (kopf's `admission.managed`, which a startup handler sets),
-//! so it may come, change or go while the controller runs: under a new name the old
-//! configurations are removed first, and without a name nothing is written.
+//! The configurations' name is the flag's (`--webhook-managed`; given empty: unmanaged) or,
+//! without the flag, what a handler process's settings say (kopf's `admission.managed`, which a
+//! startup handler sets), so it may come or change while the controller runs: under a new name
+//! the old name's configurations are removed first (also with `--webhook-keep-on-exit`, which is
+//! about the exit), and without a name nothing is written.
 
 use std::{sync::Arc, time::Duration};
 
@@ -93,6 +94,8 @@ impl Manager {
     pub async fn run(mut self, stop: CancellationToken) {
         let mut backoff = Duration::from_secs(1);
         let mut was_leading = false;
+        // The names' sender may go before the stop: the name stays then.
+        let mut names_open = true;
         loop {
             let leading = (self.leading)();
             if leading && !was_leading {
@@ -122,7 +125,7 @@ impl Manager {
                 () = stop.cancelled() => break,
                 changed = self.handlers.changed() => if changed.is_err() { break },
                 changed = self.ca_bundle.changed() => if changed.is_err() { break },
-                changed = self.names.changed() => if changed.is_err() { break },
+                changed = self.names.changed(), if names_open => names_open = changed.is_ok(),
                 () = tokio::time::sleep(wait) => {}
             }
         }
@@ -136,10 +139,10 @@ impl Manager {
         }
     }
 
-    /// Moves to another name (or none): what was written under the old one is removed, unless
-    /// kept; the new one is written from scratch.
+    /// Moves to another name (or none): the leader removes what is under the old one (written
+    /// by it or by a leader before it), and the new one is written from scratch.
     async fn rename(&mut self, wanted: Option<String>, leading: bool) {
-        if self.named && self.written.is_some() && leading && !self.keep {
+        if self.named && leading {
             self.remove().await;
         }
         if self.named {
