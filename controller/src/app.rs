@@ -345,8 +345,7 @@ async fn follow_client_settings(
             }
             None if wanted.webhook_managed.is_some() && wanted.webhook_managed != unserved => {
                 unserved.clone_from(&wanted.webhook_managed);
-                let why =
-                    "webhook_managed has no effect: this controller serves no webhooks (see --webhooks)";
+                let why = "webhook_managed has no effect: this controller serves no webhooks";
                 warn!(name = ?wanted.webhook_managed, "{why}");
                 let diagnostic = crate::model::Diagnostic::warning("SETTING_UNUSED", why)
                     .at("settings.operator.webhook_managed");

@@ -319,6 +319,11 @@ impl OperatorSettings {
             let value = wanted.value(field).unwrap_or_default();
             if let Some(flag) = by_flags.value(field) {
                 if flag != value {
+                    let flag = if flag.is_empty() {
+                        "\"\" (none)".to_owned()
+                    } else {
+                        flag
+                    };
                     out.push((
                         field,
                         format!(
