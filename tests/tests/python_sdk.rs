@@ -401,8 +401,10 @@ async fn python_sdk_installed_with_pip_in_a_fresh_venv_runs_the_example() -> Res
     let mut s = Scenario::with_operator(env, controller, operator, T).await?;
     s.create("one", json!({"field": "a"})).await?;
     let obj = s
+        // The object and its status are two writes of the same cycle: wait for both.
         .wait("one", T, "the create handler answered", |o| {
             o.pointer("/status/create_fn/message").is_some()
+                && label(o, "demo.capstan.dev/handled-by").is_some()
         })
         .await?;
     assert_eq!(obj["status"]["create_fn"]["message"], "hello one from python");
