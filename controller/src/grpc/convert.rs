@@ -577,7 +577,7 @@ pub fn operator_settings(
     let persistence_prefix = setting_text(
         Field::PersistencePrefix,
         &wire.persistence_prefix,
-        &|p| !p.contains('/') && valid_label_key(&format!("{p}/x")),
+        &dns_subdomain,
         "a DNS subdomain",
         &mut problems,
     );
@@ -625,7 +625,7 @@ pub fn operator_settings(
     let peering_name = setting_text(
         Field::PeeringName,
         &wire.peering_name,
-        &|p| !p.contains('/') && valid_label_key(&format!("{p}/x")),
+        &dns_subdomain,
         "a DNS subdomain",
         &mut problems,
     );
@@ -649,7 +649,7 @@ pub fn operator_settings(
     let webhook_managed = setting_text(
         Field::WebhookManaged,
         &wire.webhook_managed,
-        &|n| !n.contains('/') && valid_label_key(&format!("{n}/x")),
+        &dns_subdomain,
         "a DNS subdomain",
         &mut problems,
     );
@@ -681,6 +681,11 @@ pub fn operator_settings(
         worker_limit,
     };
     (settings, problems)
+}
+
+/// Whether `name` is a DNS subdomain: what a label key's prefix may be.
+fn dns_subdomain(name: &str) -> bool {
+    !name.contains('/') && crate::model::selector::valid_label_key(&format!("{name}/x"))
 }
 
 /// A setting refused: a warning, since the rest of the settings applies.
