@@ -232,7 +232,12 @@ struct Core {
 
 impl Core {
     async fn connect(settings: &Settings) -> Result<Self> {
-        let switch = k8s::switch::Switchable::connect(settings.api_timeout, settings.api_requests).await?;
+        let switch = k8s::switch::Switchable::connect(
+            settings.api_timeout,
+            settings.api_requests,
+            k8s::client::user_agent(&settings.peering.identity()),
+        )
+        .await?;
         let client = switch.client();
         Ok(Self {
             objects: k8s::objects::Objects::new(client.clone()),

@@ -2,7 +2,8 @@
 //! objects by the ring (each object's change handled once, by its owner); one member stops
 //! cleanly and the others take its objects at once; one is killed (SIGKILL) and the last takes
 //! everything once its Lease expired; no change is handled twice along the way, also under
-//! random joins, SIGTERMs and SIGKILLs. A freeze pauses every member, daemons and timers move
+//! random joins, SIGTERMs and SIGKILLs, where the API server's audit log shows each change
+//! written once, by the member that handled it (members' user agents name them). A freeze pauses every member, daemons and timers move
 //! with their objects, and indexes hold every object on every member. These run on a server without
 //! KEP-5866's shard filter (objects filtered on arrival).
 
@@ -571,8 +572,64 @@ fn seen_lines(logs: &[PathBuf]) -> Vec<String> {
         .collect()
 }
 
+/// The members that wrote each example object, in the audit log's order: successful writes of
+/// the object itself (not its status) by a controller, named by its user agent
+/// `capstan/<version> (<member>)`.
+fn writers(audit: &[Value]) -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for e in audit {
+        let agent = e["userAgent"].as_str().unwrap_or_default();
+        let Some(member) = agent
+            .strip_prefix("capstan/")
+            .and_then(|rest| rest.split_once(" ("))
+            .and_then(|(_, m)| m.strip_suffix(')'))
+        else {
+            continue;
+        };
+        let code = e["responseStatus"]["code"].as_u64().unwrap_or_default();
+        if e["stage"] == "ResponseComplete"
+            && e["objectRef"]["resource"] == "examples"
+            && e["objectRef"]["subresource"].is_null()
+            && matches!(e["verb"].as_str(), Some("update" | "patch"))
+            && (200..300).contains(&code)
+            && let Some(name) = e["objectRef"]["name"].as_str()
+        {
+            out.entry(name.to_owned()).or_default().push(member.to_owned());
+        }
+    }
+    out
+}
+
+/// The member that handled each object's changes, in the changes' order (their values count
+/// up): from the `seen <name> <value>` lines of the call logs `<member>-calls.log`.
+fn handlers(logs: &[PathBuf]) -> BTreeMap<String, Vec<String>> {
+    let mut seen: BTreeMap<String, Vec<(u64, String)>> = BTreeMap::new();
+    for log in logs {
+        let member = log
+            .file_name()
+            .and_then(|f| f.to_str())
+            .and_then(|f| f.strip_suffix("-calls.log"))
+            .unwrap_or_default();
+        for line in seen_lines(std::slice::from_ref(log)) {
+            let mut parts = line.split_whitespace().skip(1);
+            if let (Some(name), Some(Ok(value))) = (parts.next(), parts.next().map(str::parse)) {
+                seen.entry(name.to_owned())
+                    .or_default()
+                    .push((value, member.to_owned()));
+            }
+        }
+    }
+    seen.into_iter()
+        .map(|(name, mut changes)| {
+            changes.sort();
+            (name, changes.into_iter().map(|(_, m)| m).collect())
+        })
+        .collect()
+}
+
 /// Members join, leave (SIGTERM) and crash (SIGKILL) at random while the objects change; every
-/// change must be handled exactly once. `CAPSTAN_SHARDING_CHURN_ROUNDS` sets the number of
+/// change must be handled exactly once, and written once, by the member that handled it (the
+/// handler calls and the API server's audit log agree). `CAPSTAN_SHARDING_CHURN_ROUNDS` sets the number of
 /// ring changes (8 here; `scripts/faults.sh --long` runs 100).
 #[tokio::test]
 async fn random_ring_changes_under_churn_never_handle_a_change_twice() -> Result<()> {
@@ -699,6 +756,28 @@ async fn random_ring_changes_under_churn_never_handle_a_change_twice() -> Result
     ensure!(
         twice.is_empty(),
         "changes handled more than once (seed {seed}): {twice:?}"
+    );
+    // The API server's record: each object's writes, in order, are one for its creation and
+    // then one per change, each by the member whose handler took that change. A write by a
+    // member that had let the object go, or a second write of one change, breaks the sequence.
+    let written = writers(&env.audit_events()?);
+    let handled = handlers(&logs);
+    for name in &names {
+        let writes = written.get(name.as_str()).cloned().unwrap_or_default();
+        let takers = handled.get(name.as_str()).cloned().unwrap_or_default();
+        ensure!(
+            writes.len() == takers.len() + 1 && writes[1..] == takers[..],
+            "{name} (seed {seed}): written by {writes:?}, its changes handled by {takers:?}"
+        );
+    }
+    let movers = handled
+        .values()
+        .filter(|t| t.windows(2).any(|w| w[0] != w[1]))
+        .count();
+    eprintln!(
+        "audit: {} writes of {} objects agree with the handler calls ({movers} objects changed hands)",
+        written.values().map(Vec::len).sum::<usize>(),
+        names.len()
     );
     for m in members {
         m.stop().await?;

@@ -14,6 +14,32 @@ pub enum Error {
 /// The user agent of every API request, so audit logs show which writes are Capstan's.
 pub const USER_AGENT: &str = concat!("capstan/", env!("CARGO_PKG_VERSION"));
 
+/// The longest identity a user agent carries (pod names reach 253 characters).
+const IDENTITY_IN_AGENT: usize = 128;
+
+/// The user agent of the controller named `identity`: `capstan/<version> (<identity>)`, so an
+/// audit log tells apart the writes of replicas (sharding members, peers, a leader and its
+/// successor). Characters a header cannot carry, and the parentheses, become `_`; an empty
+/// identity gives the plain [`USER_AGENT`].
+pub fn user_agent(identity: &str) -> http::HeaderValue {
+    let identity: String = identity
+        .chars()
+        .take(IDENTITY_IN_AGENT)
+        .map(|c| {
+            if c.is_ascii_graphic() && !matches!(c, '(' | ')' | '\\') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if identity.is_empty() {
+        return http::HeaderValue::from_static(USER_AGENT);
+    }
+    http::HeaderValue::from_str(&format!("{USER_AGENT} ({identity})"))
+        .unwrap_or_else(|_| http::HeaderValue::from_static(USER_AGENT))
+}
+
 /// Builds a client with Capstan's user agent for terminal commands (`capstan freeze`): they
 /// make no watches, so every read is bounded by kube-rs's read timeout (the controller's
 /// clients are bounded per request instead, see [`crate::k8s::switch`]).
@@ -42,4 +68,25 @@ pub async fn username(client: &kube::Client) -> Option<String> {
         .ok()
         .and_then(|r| r.status?.user_info?.username)
         .filter(|u| !u.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_user_agent_names_the_replica_in_header_safe_characters() {
+        let plain = http::HeaderValue::from_static(USER_AGENT);
+        assert_eq!(user_agent(""), plain);
+        assert_eq!(
+            user_agent("operator-7d9f-x2"),
+            format!("{USER_AGENT} (operator-7d9f-x2)").as_str()
+        );
+        assert_eq!(
+            user_agent("a b(c)\nd\u{e9}"),
+            format!("{USER_AGENT} (a_b_c__d_)").as_str()
+        );
+        let long = user_agent(&"x".repeat(300));
+        assert_eq!(long.len(), USER_AGENT.len() + 3 + IDENTITY_IN_AGENT);
+    }
 }

@@ -115,6 +115,8 @@ struct Inner {
     requests: Arc<Semaphore>,
     /// How many connections the pool of a client built for new credentials keeps idle.
     pool_idle: usize,
+    /// The user agent of every request, also under new credentials.
+    user_agent: http::HeaderValue,
 }
 
 impl Switchable {
@@ -122,11 +124,15 @@ impl Switchable {
     ///
     /// # Errors
     /// [`client::Error::Config`] when neither works.
-    pub async fn connect(timeout: Duration, requests: usize) -> Result<Self, client::Error> {
+    pub async fn connect(
+        timeout: Duration,
+        requests: usize,
+        user_agent: http::HeaderValue,
+    ) -> Result<Self, client::Error> {
         let mut config = Config::infer()
             .await
             .map_err(|e| client::Error::Config(kube::Error::InferConfig(e)))?;
-        with_user_agent(&mut config);
+        with_user_agent(&mut config, &user_agent);
         let base = transport::client(&config, requests).map_err(client::Error::Config)?;
         Ok(Self::build(
             config,
@@ -134,6 +140,7 @@ impl Switchable {
             timeout,
             Reachability::global(),
             requests,
+            user_agent,
         ))
     }
 
@@ -147,6 +154,7 @@ impl Switchable {
             timeout,
             Reachability::default(),
             DEFAULT_REQUESTS_IN_FLIGHT,
+            http::HeaderValue::from_static(USER_AGENT),
         )
     }
 
@@ -156,6 +164,7 @@ impl Switchable {
         timeout: Duration,
         reachability: Reachability,
         requests: usize,
+        user_agent: http::HeaderValue,
     ) -> Self {
         let namespace = base.default_namespace().to_owned();
         let (unauthorized, _) = watch::channel(0);
@@ -169,6 +178,7 @@ impl Switchable {
             reachability,
             requests: Arc::new(Semaphore::new(requests.max(1))),
             pool_idle: requests.max(1),
+            user_agent,
         });
         let routed = Client::new(
             Route {
@@ -300,16 +310,13 @@ impl Switchable {
             config.root_cert_file.clone_from(&base.root_cert_file);
             config.tls_server_name.clone_from(&base.tls_server_name);
         }
-        with_user_agent(&mut config);
+        with_user_agent(&mut config, &self.inner.user_agent);
         Ok(config)
     }
 }
 
-fn with_user_agent(config: &mut Config) {
-    config.headers.push((
-        http::header::USER_AGENT,
-        http::HeaderValue::from_static(USER_AGENT),
-    ));
+fn with_user_agent(config: &mut Config, agent: &http::HeaderValue) {
+    config.headers.push((http::header::USER_AGENT, agent.clone()));
 }
 
 /// Base64 of bytes, as kubeconfig `*-data` fields want it (through k8s-openapi's encoding).
@@ -623,6 +630,7 @@ mod tests {
             DEFAULT_REQUEST_TIMEOUT,
             Reachability::default(),
             3,
+            http::HeaderValue::from_static(USER_AGENT),
         );
         let started = tokio::time::Instant::now();
         let all = futures::future::join_all((0..10).map(|_| {
@@ -649,6 +657,7 @@ mod tests {
             DEFAULT_REQUEST_TIMEOUT,
             Reachability::default(),
             1,
+            http::HeaderValue::from_static(USER_AGENT),
         );
         let burst: Vec<_> = (0..5)
             .map(|_| {
