@@ -3,9 +3,11 @@
 //! cleanly and the others take its objects at once; one is killed (SIGKILL) and the last takes
 //! everything once its Lease expired; no change is handled twice along the way, also under
 //! random joins, SIGTERMs and SIGKILLs, where the API server's audit log shows each change
-//! written once, by the member that handled it (members' user agents name them). A freeze pauses every member, daemons and timers move
-//! with their objects, and indexes hold every object on every member. These run on a server without
-//! KEP-5866's shard filter (objects filtered on arrival).
+//! written once, by the member that handled it (members' user agents name them). A freeze
+//! pauses every member, daemons and timers move with their objects, and indexes hold every
+//! object on every member. Each runs on Kubernetes 1.35, which ignores KEP-5866's shard
+//! filter (members drop others' objects on arrival), and again on 1.36 with the filter on
+//! (`…with_the_servers_shard_filter…`); a member cut off from the API server is tested on 1.35.
 
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
@@ -246,21 +248,29 @@ fn snapshot(members: &[&Member], handler: &str) -> BTreeMap<String, BTreeMap<Str
         .collect()
 }
 
-#[tokio::test]
-async fn members_share_the_objects_and_take_over_from_one_that_leaves_and_one_that_crashes() -> Result<()> {
-    share_and_take_over(TestEnv::start().await?, false).await
+/// A real API server: Kubernetes 1.36 with KEP-5866's shard filter on when `filtered` (each
+/// member lists and watches only its ranges, and asks for its new ranges after every
+/// hand-over), else 1.35, which ignores the filter (members drop others' objects on arrival).
+async fn server(filtered: bool) -> Result<TestEnv> {
+    if filtered {
+        TestEnv::start_with(Options {
+            kube: Kube::V1_36,
+            feature_gates: &["ShardedListAndWatch=true"],
+        })
+        .await
+    } else {
+        TestEnv::start().await
+    }
 }
 
-/// The same on Kubernetes 1.36 with KEP-5866's filter on: each member lists and watches only
-/// its ranges, and asks for its new ranges after every hand-over.
+#[tokio::test]
+async fn members_share_the_objects_and_take_over_from_one_that_leaves_and_one_that_crashes() -> Result<()> {
+    share_and_take_over(server(false).await?, false).await
+}
+
 #[tokio::test]
 async fn with_the_servers_shard_filter_members_watch_only_their_objects_and_still_take_over() -> Result<()> {
-    let env = TestEnv::start_with(Options {
-        kube: Kube::V1_36,
-        feature_gates: &["ShardedListAndWatch=true"],
-    })
-    .await?;
-    share_and_take_over(env, true).await
+    share_and_take_over(server(true).await?, true).await
 }
 
 /// Three members share 24 objects; one leaves, one crashes; `filtered`: the server filters
@@ -427,7 +437,16 @@ async fn share_and_take_over(env: TestEnv, filtered: bool) -> Result<()> {
 
 #[tokio::test]
 async fn daemons_and_timers_move_with_their_objects_and_a_freeze_pauses_every_member() -> Result<()> {
-    let env = TestEnv::start().await?;
+    daemons_timers_and_freeze(server(false).await?).await
+}
+
+#[tokio::test]
+async fn with_the_servers_shard_filter_daemons_and_timers_move_and_a_freeze_pauses_every_member() -> Result<()>
+{
+    daemons_timers_and_freeze(server(true).await?).await
+}
+
+async fn daemons_timers_and_freeze(env: TestEnv) -> Result<()> {
     env.apply_example_crd().await?;
     env.apply_peering_crds().await?;
     let a = Member::start(&env, "a", "daemon,timer", &[]).await?;
@@ -633,6 +652,16 @@ fn handlers(logs: &[PathBuf]) -> BTreeMap<String, Vec<String>> {
 /// ring changes (8 here; `scripts/faults.sh --long` runs 100).
 #[tokio::test]
 async fn random_ring_changes_under_churn_never_handle_a_change_twice() -> Result<()> {
+    churn(false).await
+}
+
+#[tokio::test]
+async fn random_ring_changes_under_churn_never_handle_a_change_twice_with_the_servers_shard_filter()
+-> Result<()> {
+    churn(true).await
+}
+
+async fn churn(filtered: bool) -> Result<()> {
     let rounds: u32 = std::env::var("CAPSTAN_SHARDING_CHURN_ROUNDS")
         .ok()
         .and_then(|r| r.parse().ok())
@@ -646,9 +675,9 @@ async fn random_ring_changes_under_churn_never_handle_a_change_twice() -> Result
                 .map_or(1, |d| d.as_nanos() as u64)
                 | 1
         });
-    eprintln!("churn: {rounds} ring changes, CAPSTAN_SHARDING_SEED={seed}");
+    eprintln!("churn: {rounds} ring changes, shard filter {filtered}, CAPSTAN_SHARDING_SEED={seed}");
     let mut dice = Dice(seed);
-    let env = TestEnv::start().await?;
+    let env = server(filtered).await?;
     env.apply_example_crd().await?;
     let mut members = vec![
         Member::start(&env, "m0", "update-seen", &[]).await?,
@@ -789,8 +818,17 @@ async fn random_ring_changes_under_churn_never_handle_a_change_twice() -> Result
 /// indexed ConfigMap, whatever member the ConfigMaps' own uids belong to.
 #[tokio::test]
 async fn indexes_hold_every_object_on_every_member() -> Result<()> {
+    indexes_whole(server(false).await?).await
+}
+
+/// With the server's filter the resource watches ask for their ranges; the indexer's does not.
+#[tokio::test]
+async fn with_the_servers_shard_filter_indexes_still_hold_every_object_on_every_member() -> Result<()> {
+    indexes_whole(server(true).await?).await
+}
+
+async fn indexes_whole(env: TestEnv) -> Result<()> {
     use k8s_openapi::api::core::v1::ConfigMap;
-    let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
     let client = env.client().await?;
     let cms: kube::Api<ConfigMap> = kube::Api::namespaced(client, "default");
