@@ -11,6 +11,7 @@ pub mod grpc;
 pub mod helm;
 pub mod indexes;
 pub mod kopf;
+pub mod operator;
 pub mod process;
 pub mod proxy;
 pub mod scenario;

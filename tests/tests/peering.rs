@@ -4,14 +4,12 @@
 //! after a SIGKILL the standby takes over within the lease duration and completes what was
 //! pending, and no completed change is handled twice).
 
-use std::{
-    path::{Path, PathBuf},
-    time::Duration,
-};
+use std::time::Duration;
 
 use anyhow::{Result, bail, ensure};
 use capstan_tests::{
-    process::{Controller, Process, capstan_binary, start_handler},
+    operator::Operator,
+    process::{Controller, capstan_binary},
     scenario::tail,
     testenv::{TestEnv, create_example, examples},
 };
@@ -27,112 +25,6 @@ async fn env_with_crds(peering: bool) -> Result<TestEnv> {
         env.apply_peering_crds().await?;
     }
     Ok(env)
-}
-
-/// A controller with its own handler process and call log.
-struct Operator {
-    controller: Controller,
-    handler: Process,
-    calls: PathBuf,
-}
-
-impl Operator {
-    async fn start(env: &TestEnv, name: &str, args: &[&str]) -> Result<Self> {
-        Self::start_with_handlers(env, name, "create", args).await
-    }
-
-    /// An operator whose handler process registers the `E2E_HANDLERS` presets `presets`.
-    async fn start_with_handlers(env: &TestEnv, name: &str, presets: &str, args: &[&str]) -> Result<Self> {
-        let mut controller = Controller::start(env, name, args).await?;
-        let calls = env.scratch().join(format!("{name}-calls.log"));
-        let handler = start_handler(
-            env,
-            &format!("{name}-handler"),
-            &controller.endpoint(),
-            &[("E2E_HANDLERS", presets), ("E2E_LOG", &calls.to_string_lossy())],
-        )?;
-        controller
-            .process
-            .wait_for("handler process connected", Duration::from_secs(30))
-            .await?;
-        Ok(Self {
-            controller,
-            handler,
-            calls,
-        })
-    }
-
-    /// How many times its handler was called for `object`.
-    fn count(&self, object: &str) -> usize {
-        count_calls(&self.calls, object)
-    }
-
-    fn log(&self) -> String {
-        self.controller.process.output()
-    }
-
-    /// Waits until the controller's log contains `needle` at least `n` times.
-    async fn wait_log(&self, needle: &str, n: usize, timeout: Duration) -> Result<()> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        while self.log().matches(needle).count() < n {
-            if tokio::time::Instant::now() > deadline {
-                bail!(
-                    "{needle:?} did not appear {n} time(s) within {timeout:?}:\n{}",
-                    tail(&self.log(), 30)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Ok(())
-    }
-
-    /// Waits until its handler was called for `object`.
-    async fn wait_call(&self, object: &str, timeout: Duration) -> Result<()> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        while self.count(object) == 0 {
-            if tokio::time::Instant::now() > deadline {
-                bail!(
-                    "no handler call for {object} within {timeout:?}\ncontroller:\n{}\nhandler:\n{}",
-                    tail(&self.log(), 30),
-                    tail(&self.handler.output(), 10)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Ok(())
-    }
-
-    /// Waits until at least `n` lines of the handler's call log start with `line`.
-    async fn wait_line(&self, line: &str, n: usize, timeout: Duration) -> Result<()> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let log = std::fs::read_to_string(&self.calls).unwrap_or_default();
-            if log.lines().filter(|l| l.starts_with(line)).count() >= n {
-                return Ok(());
-            }
-            if tokio::time::Instant::now() > deadline {
-                bail!("{line:?} not {n} time(s) in the call log within {timeout:?}:\n{log}");
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    async fn stop(mut self) -> Result<()> {
-        self.handler.terminate().await?;
-        self.controller.process.terminate().await?;
-        Ok(())
-    }
-}
-
-fn count_calls(path: &Path, object: &str) -> usize {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| {
-            let mut parts = l.split_whitespace();
-            parts.next() == Some("create_fn") && parts.next() == Some(object)
-        })
-        .count()
 }
 
 /// The entries of the cluster-wide peering `default` (its status).
@@ -179,11 +71,13 @@ async fn capstan(env: &TestEnv, args: &[&str]) -> Result<String> {
 #[tokio::test]
 async fn a_dev_operator_freezes_a_normal_one_until_it_exits() -> Result<()> {
     let env = env_with_crds(true).await?;
-    let normal = Operator::start(&env, "normal", &[]).await?;
+    let normal = Operator::start(&env, "normal", "create", &[]).await?;
     create_example(&env, "before", json!({})).await?;
-    normal.wait_call("before", Duration::from_secs(30)).await?;
+    normal
+        .wait_call("create_fn", "before", Duration::from_secs(30))
+        .await?;
 
-    let dev = Operator::start(&env, "dev", &["--dev"]).await?;
+    let dev = Operator::start(&env, "dev", "create", &["--dev"]).await?;
     normal.wait_log(PAUSED, 1, Duration::from_secs(20)).await?;
     ensure!(
         normal
@@ -193,11 +87,15 @@ async fn a_dev_operator_freezes_a_normal_one_until_it_exits() -> Result<()> {
     );
 
     create_example(&env, "during", json!({})).await?;
-    dev.wait_call("during", Duration::from_secs(30)).await?;
+    dev.wait_call("create_fn", "during", Duration::from_secs(30))
+        .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    ensure!(normal.count("during") == 0, "a frozen operator invoked a handler");
     ensure!(
-        dev.count("before") == 0,
+        normal.count("create_fn", "during") == 0,
+        "a frozen operator invoked a handler"
+    );
+    ensure!(
+        dev.count("create_fn", "before") == 0,
         "the dev operator handled a handled object again"
     );
 
@@ -212,10 +110,12 @@ async fn a_dev_operator_freezes_a_normal_one_until_it_exits() -> Result<()> {
     dev.stop().await?;
     normal.wait_log(RESUMED, 1, Duration::from_secs(20)).await?;
     create_example(&env, "after", json!({})).await?;
-    normal.wait_call("after", Duration::from_secs(30)).await?;
+    normal
+        .wait_call("create_fn", "after", Duration::from_secs(30))
+        .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     ensure!(
-        normal.count("during") == 0 && normal.count("before") == 1,
+        normal.count("create_fn", "during") == 0 && normal.count("create_fn", "before") == 1,
         "after resuming, the normal operator handled a change again"
     );
     let status = peers(&env).await?;
@@ -230,11 +130,11 @@ async fn a_dev_operator_freezes_a_normal_one_until_it_exits() -> Result<()> {
 #[tokio::test]
 async fn an_operator_of_one_namespace_is_frozen_by_its_namespaces_peering_only() -> Result<()> {
     let env = env_with_crds(true).await?;
-    let op = Operator::start(&env, "op", &["--namespace", "default"]).await?;
+    let op = Operator::start(&env, "op", "create", &["--namespace", "default"]).await?;
     // A cluster-wide freeze is for cluster-wide operators.
     capstan(&env, &["freeze", "-A", "--lifetime", "30", "--priority", "100"]).await?;
     create_example(&env, "free", json!({})).await?;
-    op.wait_call("free", Duration::from_secs(30)).await?;
+    op.wait_call("create_fn", "free", Duration::from_secs(30)).await?;
     ensure!(
         !op.log().contains(PAUSED),
         "a cluster-wide freeze paused a namespaced operator"
@@ -252,10 +152,13 @@ async fn an_operator_of_one_namespace_is_frozen_by_its_namespaces_peering_only()
     op.wait_log(PAUSED, 1, Duration::from_secs(20)).await?;
     create_example(&env, "held", json!({})).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    ensure!(op.count("held") == 0, "a frozen operator invoked a handler");
+    ensure!(
+        op.count("create_fn", "held") == 0,
+        "a frozen operator invoked a handler"
+    );
     capstan(&env, &["resume", "-n", "default"]).await?;
     op.wait_log(RESUMED, 1, Duration::from_secs(20)).await?;
-    op.wait_call("held", Duration::from_secs(30)).await?;
+    op.wait_call("create_fn", "held", Duration::from_secs(30)).await?;
     op.stop().await?;
     env.stop().await
 }
@@ -263,8 +166,8 @@ async fn an_operator_of_one_namespace_is_frozen_by_its_namespaces_peering_only()
 #[tokio::test]
 async fn a_crashed_dev_operator_freezes_others_only_until_its_lifetime_expires() -> Result<()> {
     let env = env_with_crds(true).await?;
-    let normal = Operator::start(&env, "normal", &[]).await?;
-    let mut dev = Operator::start(&env, "dev", &["--dev", "--peering-lifetime", "5s"]).await?;
+    let normal = Operator::start(&env, "normal", "create", &[]).await?;
+    let mut dev = Operator::start(&env, "dev", "create", &["--dev", "--peering-lifetime", "5s"]).await?;
     normal.wait_log(PAUSED, 1, Duration::from_secs(20)).await?;
 
     // SIGKILL: the dev operator cannot leave the peering; its entry expires instead.
@@ -278,14 +181,16 @@ async fn a_crashed_dev_operator_freezes_others_only_until_its_lifetime_expires()
         took >= Duration::from_secs(2) && took < Duration::from_secs(15),
         "resumed {took:?} after the dev operator died (its lifetime is 5 s)"
     );
-    normal.wait_call("orphaned", Duration::from_secs(30)).await?;
+    normal
+        .wait_call("create_fn", "orphaned", Duration::from_secs(30))
+        .await?;
     Ok(())
 }
 
 #[tokio::test]
 async fn capstan_freeze_pauses_and_capstan_resume_resumes() -> Result<()> {
     let env = env_with_crds(true).await?;
-    let op = Operator::start_with_handlers(&env, "op", "create,daemon", &[]).await?;
+    let op = Operator::start(&env, "op", "create,daemon", &[]).await?;
     create_example(&env, "watched", json!({})).await?;
     op.wait_line("monitor watched ", 1, Duration::from_secs(30))
         .await?;
@@ -325,7 +230,10 @@ async fn capstan_freeze_pauses_and_capstan_resume_resumes() -> Result<()> {
     .await?;
     create_example(&env, "frozen", json!({})).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    ensure!(op.count("frozen") == 0, "a frozen operator invoked a handler");
+    ensure!(
+        op.count("create_fn", "frozen") == 0,
+        "a frozen operator invoked a handler"
+    );
 
     let out = capstan(&env, &["resume"]).await?;
     ensure!(
@@ -333,7 +241,8 @@ async fn capstan_freeze_pauses_and_capstan_resume_resumes() -> Result<()> {
         "resume said: {out}"
     );
     op.wait_log(RESUMED, 1, Duration::from_secs(20)).await?;
-    op.wait_call("frozen", Duration::from_secs(30)).await?;
+    op.wait_call("create_fn", "frozen", Duration::from_secs(30))
+        .await?;
     op.wait_line("monitor watched ", 2, Duration::from_secs(30))
         .await?;
 
@@ -349,7 +258,7 @@ async fn capstan_freeze_pauses_and_capstan_resume_resumes() -> Result<()> {
     );
     tokio::time::sleep(Duration::from_secs(1)).await;
     ensure!(
-        op.count("frozen") == 1,
+        op.count("create_fn", "frozen") == 1,
         "the object frozen earlier was handled twice"
     );
     op.stop().await?;
@@ -406,10 +315,10 @@ async fn replicas_elect_one_leader_and_a_standby_takes_over_after_a_crash() -> R
         "--shutdown-grace",
         "2s",
     ];
-    let mut a = Operator::start(&env, "a", &election).await?;
+    let mut a = Operator::start(&env, "a", "create", &election).await?;
     a.wait_log("became the leader", 1, Duration::from_secs(20))
         .await?;
-    let b = Operator::start(&env, "b", &election).await?;
+    let b = Operator::start(&env, "b", "create", &election).await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
         let (la, lb) = (leadership(&a.controller).await?, leadership(&b.controller).await?);
@@ -424,7 +333,7 @@ async fn replicas_elect_one_leader_and_a_standby_takes_over_after_a_crash() -> R
     }
 
     create_example(&env, "one", json!({})).await?;
-    a.wait_call("one", Duration::from_secs(30)).await?;
+    a.wait_call("create_fn", "one", Duration::from_secs(30)).await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while !handled(&env, "one").await? {
         ensure!(
@@ -435,10 +344,10 @@ async fn replicas_elect_one_leader_and_a_standby_takes_over_after_a_crash() -> R
     }
     // A change in progress when the leader dies: the standby must complete it.
     create_example(&env, "slow", json!({"sleep": {"create_fn": 5}})).await?;
-    a.wait_call("slow", Duration::from_secs(30)).await?;
+    a.wait_call("create_fn", "slow", Duration::from_secs(30)).await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     ensure!(
-        b.count("one") == 0 && b.count("slow") == 0,
+        b.count("create_fn", "one") == 0 && b.count("create_fn", "slow") == 0,
         "the standby invoked handlers"
     );
 
@@ -455,8 +364,9 @@ async fn replicas_elect_one_leader_and_a_standby_takes_over_after_a_crash() -> R
         took < Duration::from_secs(7),
         "the standby took over after {took:?}"
     );
-    b.wait_call("leaderless", Duration::from_secs(30)).await?;
-    b.wait_call("slow", Duration::from_secs(30)).await?;
+    b.wait_call("create_fn", "leaderless", Duration::from_secs(30))
+        .await?;
+    b.wait_call("create_fn", "slow", Duration::from_secs(30)).await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while !(handled(&env, "slow").await? && handled(&env, "leaderless").await?) {
         ensure!(
@@ -468,11 +378,11 @@ async fn replicas_elect_one_leader_and_a_standby_takes_over_after_a_crash() -> R
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     ensure!(
-        a.count("one") + b.count("one") == 1,
+        a.count("create_fn", "one") + b.count("create_fn", "one") == 1,
         "a completed change was handled again"
     );
     ensure!(
-        b.count("slow") == 1 && b.count("leaderless") == 1,
+        b.count("create_fn", "slow") == 1 && b.count("create_fn", "leaderless") == 1,
         "the new leader ran a handler twice"
     );
     ensure!(
@@ -501,10 +411,10 @@ async fn a_leader_that_exits_cleanly_hands_over_at_once() -> Result<()> {
         "--retry-period",
         "1s",
     ];
-    let a = Operator::start(&env, "a", &election).await?;
+    let a = Operator::start(&env, "a", "create", &election).await?;
     a.wait_log("became the leader", 1, Duration::from_secs(20))
         .await?;
-    let b = Operator::start(&env, "b", &election).await?;
+    let b = Operator::start(&env, "b", "create", &election).await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let stopped = tokio::time::Instant::now();
     a.stop().await?;
@@ -516,7 +426,8 @@ async fn a_leader_that_exits_cleanly_hands_over_at_once() -> Result<()> {
         "handover after a clean exit took {took:?}"
     );
     create_example(&env, "handover", json!({})).await?;
-    b.wait_call("handover", Duration::from_secs(30)).await?;
+    b.wait_call("create_fn", "handover", Duration::from_secs(30))
+        .await?;
     b.stop().await?;
     env.stop().await
 }

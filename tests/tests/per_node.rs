@@ -10,7 +10,8 @@
 use std::{path::PathBuf, time::Duration};
 
 use capstan_tests::{
-    process::{Controller, Process, start_handler},
+    operator::{Operator, Start},
+    process::Controller,
     scenario::tail,
     testenv::{TestEnv, examples},
 };
@@ -20,20 +21,15 @@ use serde_json::{Value, json};
 /// The longest Node name Kubernetes allows (253 characters).
 const LONG: &str = "ip-10-0-0-1-eu-west-1-compute-internal-a-very-long-node-name-ab.second-label-of-the-longest-node-name-kubernetes-allows-0123456.third-label-of-the-longest-node-name-kubernetes-allows-01234567.fourth-label-ends-it-at-exactly-two-hundred-fifty-three-chars";
 
+/// A node's operator: `name` is the Node's (its processes and files get a short tag of it).
 struct Node {
     name: String,
-    controller: Controller,
-    _handler: Process,
-    calls: PathBuf,
+    op: Operator,
 }
 
 impl Node {
     fn count(&self, handler: &str, object: &str) -> usize {
-        std::fs::read_to_string(&self.calls)
-            .unwrap_or_default()
-            .lines()
-            .filter(|l| l.split_whitespace().take(2).eq([handler, object]))
-            .count()
+        self.op.count(handler, object)
     }
 }
 
@@ -56,21 +52,14 @@ async fn node_with(
         .collect::<String>();
     let mut flags = vec!["--node-name", name];
     flags.extend_from_slice(args);
-    let mut controller = Controller::start(env, &format!("capstan-{tag}"), &flags).await?;
-    let calls = env.scratch().join(format!("calls-{tag}.log"));
-    let calls_str = calls.to_string_lossy().into_owned();
-    let mut vars = vec![("E2E_HANDLERS", presets), ("E2E_LOG", calls_str.as_str())];
-    vars.extend_from_slice(extra_env);
-    let handler = start_handler(env, &format!("handler-{tag}"), &controller.endpoint(), &vars)?;
-    controller
-        .process
-        .wait_for("handler process connected", Duration::from_secs(60))
-        .await?;
+    let start = Start {
+        args: &flags,
+        handler_env: extra_env,
+        ..Start::default()
+    };
     Ok(Node {
         name: name.to_owned(),
-        controller,
-        _handler: handler,
-        calls,
+        op: Operator::start_with(env, &format!("capstan-{tag}"), presets, start).await?,
     })
 }
 
@@ -121,7 +110,7 @@ async fn wait(
         if tokio::time::Instant::now() > deadline {
             let logs: Vec<String> = nodes
                 .iter()
-                .map(|n| format!("--- {}\n{}", n.name, tail(&n.controller.process.output(), 15)))
+                .map(|n| format!("--- {}\n{}", n.name, tail(&n.op.controller.process.output(), 15)))
                 .collect();
             anyhow::bail!(
                 "timed out waiting for {name}: {what}\n{}\n{}",
@@ -185,13 +174,13 @@ async fn every_node_handles_every_object_independently() -> anyhow::Result<()> {
 
     // A restarted node does not re-run what it completed.
     let mut a = a;
-    a.controller.process.terminate().await?;
-    a.controller = Controller::start(&env, "capstan-nodea", &["--node-name", "node-a"]).await?;
-    a.controller
+    a.op.controller.process.terminate().await?;
+    a.op.controller = Controller::start(&env, "capstan-nodea", &["--node-name", "node-a"]).await?;
+    a.op.controller
         .process
         .wait_for("handler process connected", Duration::from_secs(60))
         .await?;
-    a.controller
+    a.op.controller
         .process
         .wait_for("listed", Duration::from_secs(30))
         .await?;
@@ -242,7 +231,7 @@ async fn event_handlers_are_retried_and_departed_nodes_are_cleaned_up() -> anyho
     // node-b goes away with its operator, and its Node is deleted: node-a (the lowest live
     // name with an operator) removes node-b's state.
     let mut b = b;
-    b.controller.process.kill().await?;
+    b.op.controller.process.kill().await?;
     env.kubectl_ok(&["delete", "node", "node-b", "--wait=false"])
         .await?;
     let o = wait(&env, "ev", "node-b's annotations removed", &[&a, &b], |o| {
@@ -253,12 +242,12 @@ async fn event_handlers_are_retried_and_departed_nodes_are_cleaned_up() -> anyho
     .await?;
     assert!(diffbases(&o).contains(&"node-a.capstan.dev/last-handled-configuration".to_owned()));
     // The object's last patch lands before the cleaner logs its summary.
-    a.controller
+    a.op.controller
         .process
         .wait_for("cleaned up after the deleted node", Duration::from_secs(10))
         .await?;
     assert!(
-        a.controller
+        a.op.controller
             .process
             .output()
             .contains("cleaning what lower candidates leave, after a delay"),
@@ -296,7 +285,7 @@ async fn a_departed_nodes_state_is_removed_from_objects_no_live_operator_watches
                 .is_some_and(|f| f == &json!(["node-b.capstan.dev/finalizer"]))
     })
     .await?;
-    b.controller.process.kill().await?;
+    b.op.controller.process.kill().await?;
     env.kubectl_ok(&["delete", "node", "node-b", "--wait=false"])
         .await?;
     wait(&env, "x", "node-b's state removed", &[&a, &b], |o| {
@@ -380,7 +369,7 @@ async fn a_prefix_template_takes_over_objects_of_a_hand_built_per_node_layout() 
         anyhow::ensure!(
             tokio::time::Instant::now() < deadline,
             "the change of a taken-over object was not handled:\n{}",
-            tail(&a.controller.process.output(), 20)
+            tail(&a.op.controller.process.output(), 20)
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -462,12 +451,12 @@ async fn node_local_handlers_are_called_only_for_their_nodes_objects() -> anyhow
         anyhow::ensure!(
             tokio::time::Instant::now() < deadline,
             "node-local handlers were not called:\n--- node-a\n{}\n--- node-b\n{}",
-            tail(&a.controller.process.output(), 20),
-            tail(&b.controller.process.output(), 20)
+            tail(&a.op.controller.process.output(), 20),
+            tail(&b.op.controller.process.output(), 20)
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    b.controller
+    b.op.controller
         .process
         .wait_for("filtering in the controller", Duration::from_secs(5))
         .await?;
@@ -518,7 +507,7 @@ async fn calls_until(what: &str, nodes: &[&Node], done: impl Fn() -> bool) -> an
         if tokio::time::Instant::now() > deadline {
             let logs: Vec<String> = nodes
                 .iter()
-                .map(|n| format!("--- {}\n{}", n.name, tail(&n.controller.process.output(), 15)))
+                .map(|n| format!("--- {}\n{}", n.name, tail(&n.op.controller.process.output(), 15)))
                 .collect();
             anyhow::bail!("{what}: not within 60 s\n{}", logs.join("\n"));
         }
@@ -648,8 +637,8 @@ async fn node_local_storage_survives_a_sigkill_and_a_corrupt_file_affects_only_i
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    a.controller.process.kill().await?;
-    a.controller = Controller::start(
+    a.op.controller.process.kill().await?;
+    a.op.controller = Controller::start(
         &env,
         "capstan-nodea",
         &[
@@ -674,19 +663,19 @@ async fn node_local_storage_survives_a_sigkill_and_a_corrupt_file_affects_only_i
 
     // A truncated file: its object is handled as new; the other is not touched.
     let quick = uid(&env, "quick").await?;
-    a.controller.process.kill().await?;
+    a.op.controller.process.kill().await?;
     let file = dir.join(format!("{quick}.json"));
     let text = std::fs::read(&file)?;
     std::fs::write(&file, &text[..text.len() / 2])?;
     let before_slow = a.count("create_a", "slow");
-    a.controller = Controller::start(
+    a.op.controller = Controller::start(
         &env,
         "capstan-nodea",
         &["--node-name", "node-a", "--node-storage", &flag],
     )
     .await?;
     calls_until("quick handled again", &[&a], || a.count("create_a", "quick") == 2).await?;
-    a.controller
+    a.op.controller
         .process
         .wait_for(
             "the node-local state of this object is corrupt",
@@ -737,7 +726,7 @@ async fn event_handler_retries_use_the_node_local_storage() -> anyhow::Result<()
             tokio::time::Instant::now() < deadline,
             "node-b's event handler was not retried: {} calls\n{}",
             b.count("event_retry", "ev"),
-            tail(&b.controller.process.output(), 20)
+            tail(&b.op.controller.process.output(), 20)
         );
         let o = serde_json::to_value(api.get("ev").await?)?;
         if let Some(m) = o.pointer("/metadata/annotations").and_then(Value::as_object) {
@@ -813,14 +802,14 @@ async fn an_unreadable_state_file_defers_its_object_and_never_runs_its_create_ha
     // Retried with growing delays (1, 2, 4 s ...): a few failed reads in 4 s.
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(a.count("create_fn", "kept"), 1, "the create handler ran again");
-    a.controller
+    a.op.controller
         .process
         .wait_for(
             "the object's node-local state cannot be read",
             Duration::from_secs(10),
         )
         .await?;
-    let (_, metrics) = a.controller.admin_get("/metrics").await?;
+    let (_, metrics) = a.op.controller.admin_get("/metrics").await?;
     let errors: f64 = metrics
         .lines()
         .find_map(|l| l.strip_prefix("capstan_node_storage_read_errors_total "))

@@ -14,7 +14,7 @@ use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 use anyhow::{Context as _, Result, bail, ensure};
 use capstan::sharding::ring::Ring;
 use capstan_tests::{
-    process::{Controller, Process, start_handler},
+    operator::{Operator, Start},
     scenario::tail,
     testenv::{Kube, Options, TestEnv, create_example, examples},
 };
@@ -36,104 +36,48 @@ const SHARDING: [&str; 11] = [
     "3s",
 ];
 
-/// A member: a controller with its own handler process and call log.
-struct Member {
-    name: String,
-    controller: Controller,
-    handler: Process,
-    calls: PathBuf,
+/// A member: an operator replica with `--sharding` and the short durations above.
+async fn member(env: &TestEnv, name: &str, presets: &str, extra: &[&str]) -> Result<Operator> {
+    member_with(env, None, name, presets, extra).await
 }
 
-impl Member {
-    async fn start(env: &TestEnv, name: &str, presets: &str, extra: &[&str]) -> Result<Self> {
-        Self::start_with(env, &env.kubeconfig, name, presets, extra).await
-    }
+/// A member that reaches the API server through `kubeconfig` (a fault-injecting proxy).
+async fn member_with(
+    env: &TestEnv,
+    kubeconfig: Option<&std::path::Path>,
+    name: &str,
+    presets: &str,
+    extra: &[&str],
+) -> Result<Operator> {
+    let mut args: Vec<&str> = SHARDING.to_vec();
+    args.extend(["--peer-id", name]);
+    args.extend(extra);
+    let start = Start {
+        args: &args,
+        kubeconfig,
+        ..Start::default()
+    };
+    Operator::start_with(env, name, presets, start).await
+}
 
-    /// A member that reaches the API server through `kubeconfig` (a fault-injecting proxy).
-    async fn start_with(
-        env: &TestEnv,
-        kubeconfig: &std::path::Path,
-        name: &str,
-        presets: &str,
-        extra: &[&str],
-    ) -> Result<Self> {
-        let mut args: Vec<&str> = SHARDING.to_vec();
-        args.extend(["--peer-id", name]);
-        args.extend(extra);
-        let mut controller = Controller::start_with(env, kubeconfig, name, &args).await?;
-        let calls = env.scratch().join(format!("{name}-calls.log"));
-        let handler = start_handler(
-            env,
-            &format!("{name}-handler"),
-            &controller.endpoint(),
-            &[("E2E_HANDLERS", presets), ("E2E_LOG", &calls.to_string_lossy())],
-        )?;
-        controller
-            .process
-            .wait_for("handler process connected", Duration::from_secs(30))
-            .await?;
-        Ok(Self {
-            name: name.to_owned(),
-            controller,
-            handler,
-            calls,
-        })
-    }
-
-    /// The lines of its handler's call log.
-    fn calls(&self) -> Vec<String> {
-        std::fs::read_to_string(&self.calls)
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_owned)
-            .collect()
-    }
-
-    /// The objects its handler `handler` was called for, with how often.
-    fn called(&self, handler: &str) -> BTreeMap<String, usize> {
-        let mut out = BTreeMap::new();
-        for line in self.calls() {
-            let mut parts = line.split_whitespace();
-            if parts.next() == Some(handler)
-                && let Some(object) = parts.next()
-            {
-                *out.entry(object.to_owned()).or_default() += 1;
-            }
-        }
-        out
-    }
-
-    /// What its readiness says about the ring.
-    async fn ring(&self) -> Result<String> {
-        let (_, body) = self.controller.admin_get("/readyz").await?;
-        let report: Value = serde_json::from_str(&body)?;
-        Ok(report["checks"]["sharding"]["message"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned())
-    }
-
-    async fn stop(mut self) -> Result<()> {
-        self.controller.process.terminate().await?;
-        self.handler.terminate().await?;
-        Ok(())
-    }
-
-    async fn kill(mut self) -> Result<()> {
-        self.controller.process.kill().await?;
-        self.handler.kill().await?;
-        Ok(())
-    }
+/// What a member's readiness says about the ring.
+async fn ring(member: &Operator) -> Result<String> {
+    let (_, body) = member.controller.admin_get("/readyz").await?;
+    let report: Value = serde_json::from_str(&body)?;
+    Ok(report["checks"]["sharding"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned())
 }
 
 /// Waits until every member's readiness says it is settled in a ring of `n`.
-async fn settled(members: &[&Member], n: usize, timeout: Duration) -> Result<()> {
+async fn settled(members: &[&Operator], n: usize, timeout: Duration) -> Result<()> {
     let deadline = tokio::time::Instant::now() + timeout;
     let wanted = format!("member of {n} ");
     loop {
         let mut views = Vec::new();
         for m in members {
-            views.push(m.ring().await?);
+            views.push(ring(m).await?);
         }
         if views
             .iter()
@@ -168,7 +112,7 @@ async fn uids(env: &TestEnv, names: &[String]) -> Result<BTreeMap<String, String
 
 /// Waits until `handler` was called `times` times in all for every object.
 async fn handled_everywhere(
-    members: &[&Member],
+    members: &[&Operator],
     handler: &str,
     names: &[String],
     times: usize,
@@ -213,7 +157,7 @@ async fn change_all(env: &TestEnv, names: &[String], value: i64) -> Result<()> {
 /// Checks that each object's `handler` calls were made by its owner in `ring` only (counting
 /// from `before`, the calls each member had made until then), `per_object` times.
 fn by_owners(
-    members: &[&Member],
+    members: &[&Operator],
     before: &BTreeMap<String, BTreeMap<String, usize>>,
     handler: &str,
     ring: &Ring,
@@ -241,7 +185,7 @@ fn by_owners(
     Ok(())
 }
 
-fn snapshot(members: &[&Member], handler: &str) -> BTreeMap<String, BTreeMap<String, usize>> {
+fn snapshot(members: &[&Operator], handler: &str) -> BTreeMap<String, BTreeMap<String, usize>> {
     members
         .iter()
         .map(|m| (m.name.clone(), m.called(handler)))
@@ -277,9 +221,9 @@ async fn with_the_servers_shard_filter_members_watch_only_their_objects_and_stil
 /// by shard.
 async fn share_and_take_over(env: TestEnv, filtered: bool) -> Result<()> {
     env.apply_example_crd().await?;
-    let a = Member::start(&env, "a", "create,update", &[]).await?;
-    let b = Member::start(&env, "b", "create,update", &[]).await?;
-    let c = Member::start(&env, "c", "create,update", &[]).await?;
+    let a = member(&env, "a", "create,update", &[]).await?;
+    let b = member(&env, "b", "create,update", &[]).await?;
+    let c = member(&env, "c", "create,update", &[]).await?;
     settled(&[&a, &b, &c], 3, Duration::from_secs(30)).await?;
 
     let names: Vec<String> = (0..24).map(|i| format!("obj-{i:02}")).collect();
@@ -449,8 +393,8 @@ async fn with_the_servers_shard_filter_daemons_and_timers_move_and_a_freeze_paus
 async fn daemons_timers_and_freeze(env: TestEnv) -> Result<()> {
     env.apply_example_crd().await?;
     env.apply_peering_crds().await?;
-    let a = Member::start(&env, "a", "daemon,timer", &[]).await?;
-    let b = Member::start(&env, "b", "daemon,timer", &[]).await?;
+    let a = member(&env, "a", "daemon,timer", &[]).await?;
+    let b = member(&env, "b", "daemon,timer", &[]).await?;
     settled(&[&a, &b], 2, Duration::from_secs(30)).await?;
     let names: Vec<String> = (0..6).map(|i| format!("d-{i}")).collect();
     for name in &names {
@@ -680,8 +624,8 @@ async fn churn(filtered: bool) -> Result<()> {
     let env = server(filtered).await?;
     env.apply_example_crd().await?;
     let mut members = vec![
-        Member::start(&env, "m0", "update-seen", &[]).await?,
-        Member::start(&env, "m1", "update-seen", &[]).await?,
+        member(&env, "m0", "update-seen", &[]).await?,
+        member(&env, "m1", "update-seen", &[]).await?,
     ];
     let mut next = 2;
     let mut logs: Vec<PathBuf> = members.iter().map(|m| m.calls.clone()).collect();
@@ -725,7 +669,7 @@ async fn churn(filtered: bool) -> Result<()> {
             "join" => {
                 let name = format!("m{next}");
                 next += 1;
-                let m = Member::start(&env, &name, "update-seen", &[]).await?;
+                let m = member(&env, &name, "update-seen", &[]).await?;
                 logs.push(m.calls.clone());
                 members.push(m);
             }
@@ -767,7 +711,7 @@ async fn churn(filtered: bool) -> Result<()> {
                 break;
             }
             if tokio::time::Instant::now() > deadline {
-                let views = futures::future::join_all(members.iter().map(Member::ring)).await;
+                let views = futures::future::join_all(members.iter().map(ring)).await;
                 bail!(
                     "round {round} ({action}, seed {seed}): changes not handled: {missing:?}; members see {views:?}"
                 );
@@ -842,8 +786,8 @@ async fn indexes_whole(env: TestEnv) -> Result<()> {
         cms.create(&kube::api::PostParams::default(), &cm).await?;
         wanted.push(name);
     }
-    let a = Member::start(&env, "a", "index", &[]).await?;
-    let b = Member::start(&env, "b", "index", &[]).await?;
+    let a = member(&env, "a", "index", &[]).await?;
+    let b = member(&env, "b", "index", &[]).await?;
     settled(&[&a, &b], 2, Duration::from_secs(30)).await?;
     let names: Vec<String> = (0..10).map(|i| format!("ix-{i}")).collect();
     for name in &names {
@@ -906,8 +850,8 @@ async fn a_member_cut_off_from_the_api_server_fences_itself_before_the_others_ta
     let env = TestEnv::start().await?;
     env.apply_example_crd().await?;
     let (proxy, proxied) = capstan_tests::proxy::Proxy::in_front_of(&env).await?;
-    let a = Member::start(&env, "a", "create,update-seen", &[]).await?;
-    let b = Member::start_with(&env, &proxied, "b", "create,update-seen", &[]).await?;
+    let a = member(&env, "a", "create,update-seen", &[]).await?;
+    let b = member_with(&env, Some(&proxied), "b", "create,update-seen", &[]).await?;
     settled(&[&a, &b], 2, Duration::from_secs(30)).await?;
     let names: Vec<String> = (0..12).map(|i| format!("cut-{i:02}")).collect();
     for name in &names {
@@ -923,10 +867,10 @@ async fn a_member_cut_off_from_the_api_server_fences_itself_before_the_others_ta
             cut.elapsed() < Duration::from_secs(20),
             "fenced {fenced:?}, taken over {taken:?}"
         );
-        if fenced.is_none() && b.ring().await?.starts_with("fenced") {
+        if fenced.is_none() && ring(&b).await?.starts_with("fenced") {
             fenced = Some(cut.elapsed());
         }
-        if taken.is_none() && a.ring().await?.starts_with("member of 1 ") {
+        if taken.is_none() && ring(&a).await?.starts_with("member of 1 ") {
             taken = Some(cut.elapsed());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -937,7 +881,7 @@ async fn a_member_cut_off_from_the_api_server_fences_itself_before_the_others_ta
         "b fenced itself at {fenced:?}, after a took over at {taken:?}"
     );
     change_all(&env, &names, 1).await?;
-    let seen = |m: &Member| m.calls().iter().filter(|l| l.starts_with("seen ")).count();
+    let seen = |m: &Operator| m.calls().iter().filter(|l| l.starts_with("seen ")).count();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
     while seen(&a) < names.len() {
         ensure!(

@@ -29,25 +29,8 @@ pub const ACKNOWLEDGED: &str = "capstan.dev/acknowledged";
 /// must not both think it theirs).
 pub const INSTANCE: &str = "capstan.dev/instance";
 
-/// Why member Leases could not be read or written.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// Someone else wrote the Lease since it was read (or created it first).
-    #[error("the member lease changed since it was read")]
-    Conflict,
-    /// The API server could not be reached or refused the request.
-    #[error("the member lease API request failed")]
-    Api(#[source] kube::Error),
-}
-
-impl From<kube::Error> for Error {
-    fn from(e: kube::Error) -> Self {
-        match &e {
-            kube::Error::Api(status) if status.code == 409 => Self::Conflict,
-            _ => Self::Api(e),
-        }
-    }
-}
+/// Why member Leases could not be read or written: as for any Lease (a 409 is a conflict).
+pub use super::lease::Error;
 
 /// What a member's Lease says.
 #[derive(Clone, Debug, PartialEq, Eq)]
