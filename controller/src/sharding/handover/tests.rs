@@ -116,6 +116,17 @@ impl Node {
         }
     }
 
+    /// A ring of two members, `a` and `b`, that has settled (both gates open).
+    async fn settled_pair(leases: &Arc<Leases>) -> (Self, Self) {
+        let mut a = Self::new(leases, "a");
+        let mut b = Self::new(leases, "b");
+        assert!(
+            rounds(&mut [&mut a, &mut b], 60, all_open).await,
+            "the ring of two did not settle"
+        );
+        (a, b)
+    }
+
     /// Handling: holds ranges and the gate is open.
     fn handling(&self) -> Ranges {
         if self.gate.is_paused() {
@@ -124,6 +135,17 @@ impl Node {
             (*self.shard.held()).clone()
         }
     }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Whether every member's gate is open (no hand-over under way).
+fn all_open(nodes: &[&mut Node]) -> bool {
+    nodes.iter().all(|n| !n.gate.is_paused())
 }
 
 /// Runs rounds of every live member, 250 ms apart, checking after each member's round that
@@ -165,7 +187,6 @@ async fn a_lone_member_takes_everything() {
     let ok = rounds(&mut [&mut a], 20, |n| n[0].handling() == Ranges::all()).await;
     assert!(ok, "a did not take the whole space");
     assert_eq!(a.handover.status().lock().members, vec!["a".to_owned()]);
-    a.stop.cancel();
 }
 
 #[tokio::test(start_paused = true)]
@@ -189,20 +210,12 @@ async fn a_newcomer_takes_its_share_only_after_the_old_owner_let_go() {
         moves + 1,
         "a gave ranges away once"
     );
-    a.stop.cancel();
-    b.stop.cancel();
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_member_that_leaves_hands_over_at_once() {
     let leases = Arc::new(Leases::default());
-    let mut a = Node::new(&leases, "a");
-    let mut b = Node::new(&leases, "b");
-    assert!(
-        rounds(&mut [&mut a, &mut b], 60, |n| !n[0].gate.is_paused()
-            && !n[1].gate.is_paused())
-        .await
-    );
+    let (mut a, mut b) = Node::settled_pair(&leases).await;
     b.handover.leave().await;
     let started = Instant::now();
     assert!(rounds(&mut [&mut a], 20, |n| n[0].handling() == Ranges::all()).await);
@@ -211,20 +224,12 @@ async fn a_member_that_leaves_hands_over_at_once() {
         "{:?}",
         started.elapsed()
     );
-    a.stop.cancel();
-    b.stop.cancel();
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_cut_off_member_fences_itself_before_the_others_take_over() {
     let leases = Arc::new(Leases::default());
-    let mut a = Node::new(&leases, "a");
-    let mut b = Node::new(&leases, "b");
-    assert!(
-        rounds(&mut [&mut a, &mut b], 60, |n| !n[0].gate.is_paused()
-            && !n[1].gate.is_paused())
-        .await
-    );
+    let (mut a, mut b) = Node::settled_pair(&leases).await;
     leases.cut_off.lock().push("b".into());
     // Both keep running; the invariant is checked after every round (b still holds what it
     // held until it fences; a must not widen before that).
@@ -253,20 +258,12 @@ async fn a_cut_off_member_fences_itself_before_the_others_take_over() {
     assert!(fenced < taken, "fenced at {fenced:?}, taken at {taken:?}");
     assert!(taken < Duration::from_secs(9), "{taken:?}");
     assert!(b.handover.status().lock().fenced);
-    a.stop.cancel();
-    b.stop.cancel();
 }
 
 #[tokio::test(start_paused = true)]
 async fn members_that_see_different_rings_wait_for_each_other() {
     let leases = Arc::new(Leases::default());
-    let mut a = Node::new(&leases, "a");
-    let mut b = Node::new(&leases, "b");
-    assert!(
-        rounds(&mut [&mut a, &mut b], 60, |n| !n[0].gate.is_paused()
-            && !n[1].gate.is_paused())
-        .await
-    );
+    let (mut a, mut b) = Node::settled_pair(&leases).await;
     // A third member: a counts it after the settle time, b does not run meanwhile (a stale
     // view). Until b sees the new ring too, b keeps its old ranges and neither a nor c may
     // widen into them.
@@ -283,17 +280,11 @@ async fn members_that_see_different_rings_wait_for_each_other() {
         tokio::time::sleep(HANDOVER_POLL).await;
     }
     assert!(
-        rounds(&mut [&mut a, &mut b, &mut c], 80, |n| n
-            .iter()
-            .all(|x| !x.gate.is_paused()))
-        .await,
+        rounds(&mut [&mut a, &mut b, &mut c], 80, all_open).await,
         "the ring of three did not settle"
     );
     let total: f64 = [&a, &b, &c].iter().map(|n| share(&n.handling())).sum();
     assert!((total - 1.0).abs() < 1e-9, "{total}");
-    for n in [&a, &b, &c] {
-        n.stop.cancel();
-    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -308,6 +299,4 @@ async fn a_second_process_with_the_same_identity_waits_until_the_first_is_gone()
     assert!(twin.handover.status().lock().fenced);
     // The first dies: once its Lease expired, the twin takes over.
     assert!(rounds(&mut [&mut twin], 60, |n| n[0].handling() == Ranges::all()).await);
-    a.stop.cancel();
-    twin.stop.cancel();
 }
