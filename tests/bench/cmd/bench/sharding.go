@@ -1693,6 +1693,20 @@ func shardingSVG(r *shardingResults) string {
 		fmt.Fprintf(&s, `<text x="%d" y="%d" transform="rotate(-90 %d %d)" text-anchor="middle">%s</text>`+"\n", x0+14, pad+ph/2, x0+14, pad+ph/2, unit)
 		return yOf
 	}
+	// A panel's x axis of 1..maxN members, labelled; where member counts go on it.
+	membersAxis := func(x0, maxN int) func(int) float64 {
+		xOf := func(n int) float64 {
+			if maxN <= 1 {
+				return float64(x0 + pad + pw/2)
+			}
+			return float64(x0+pad+20) + float64(n-1)/float64(maxN-1)*float64(pw-40)
+		}
+		for n := 1; n <= maxN; n++ {
+			fmt.Fprintf(&s, `<text x="%.0f" y="%d" text-anchor="middle">%d</text>`+"\n", xOf(n), pad+ph+16, n)
+		}
+		fmt.Fprintf(&s, `<text x="%d" y="%d" text-anchor="middle">members</text>`+"\n", x0+pad+pw/2, pad+ph+34)
+		return xOf
+	}
 	legend := func(x, y int, color, dash, text string) {
 		fmt.Fprintf(&s, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="%s" stroke-width="2" stroke-dasharray="%s"/><text x="%d" y="%d">%s</text>`+"\n", x, y-4, x+18, y-4, color, dash, x+22, y, text)
 	}
@@ -1715,16 +1729,7 @@ func shardingSVG(r *shardingResults) string {
 		}
 		maxV = math.Max(maxV, one*float64(maxN)) * 1.1
 		yOf := axes(x0, "Throughput, 200 ms handler, 8 in flight", maxV, "objects/s")
-		xOf := func(n int) float64 {
-			if maxN <= 1 {
-				return float64(x0 + pad + pw/2)
-			}
-			return float64(x0+pad+20) + float64(n-1)/float64(maxN-1)*float64(pw-40)
-		}
-		for n := 1; n <= maxN; n++ {
-			fmt.Fprintf(&s, `<text x="%.0f" y="%d" text-anchor="middle">%d</text>`+"\n", xOf(n), pad+ph+16, n)
-		}
-		fmt.Fprintf(&s, `<text x="%d" y="%d" text-anchor="middle">members</text>`+"\n", x0+pad+pw/2, pad+ph+34)
+		xOf := membersAxis(x0, maxN)
 		if one > 0 {
 			fmt.Fprintf(&s, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#999" stroke-dasharray="2,3"/>`+"\n", xOf(1), yOf(one), xOf(maxN), yOf(one*float64(maxN)))
 			fmt.Fprintf(&s, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#d62728" stroke-dasharray="6,4"/>`+"\n", xOf(1), yOf(0.9*one), xOf(maxN), yOf(0.9*one*float64(maxN)))
@@ -1799,16 +1804,7 @@ func shardingSVG(r *shardingResults) string {
 		}
 		maxV *= 1.1
 		yOf := axes(x0, "Watch events per member", maxV, "objects received")
-		xOf := func(n int) float64 {
-			if maxN <= 1 {
-				return float64(x0 + pad + pw/2)
-			}
-			return float64(x0+pad+20) + float64(n-1)/float64(maxN-1)*float64(pw-40)
-		}
-		for n := 1; n <= maxN; n++ {
-			fmt.Fprintf(&s, `<text x="%.0f" y="%d" text-anchor="middle">%d</text>`+"\n", xOf(n), pad+ph+16, n)
-		}
-		fmt.Fprintf(&s, `<text x="%d" y="%d" text-anchor="middle">members</text>`+"\n", x0+pad+pw/2, pad+ph+34)
+		xOf := membersAxis(x0, maxN)
 		colors := []string{"#ff7f0e", "#2ca02c", "#9467bd"}
 		for i, server := range servers {
 			color := colors[i%len(colors)]
