@@ -5,12 +5,15 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, Result, bail};
 use capstan_tests::conformance::{self, Options, Profile};
+use futures::StreamExt as _;
 
 struct Args {
     profiles: Vec<PathBuf>,
     cases: PathBuf,
     options: Options,
     report: Option<PathBuf>,
+    /// How many SDKs are run at once.
+    jobs: usize,
 }
 
 fn parse_args() -> Result<Args> {
@@ -20,6 +23,7 @@ fn parse_args() -> Result<Args> {
         cases: kit.join("cases"),
         options: Options::default(),
         report: None,
+        jobs: 1,
     };
     let mut all = false;
     let mut given = std::env::args().skip(1);
@@ -35,10 +39,17 @@ fn parse_args() -> Result<Args> {
                 .only
                 .push(given.next().context("--case takes a name or a prefix")?),
             "--report" => args.report = Some(given.next().context("--report takes a file")?.into()),
+            "--jobs" | "-j" => {
+                args.jobs = given
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .filter(|n| (1..=8).contains(n))
+                    .context("--jobs takes a number of SDKs run at once, 1 to 8")?;
+            }
             "-v" | "--verbose" => args.options.verbose = true,
             "-h" | "--help" => {
                 println!(
-                    "capstan-conformance [--all | --sdk PROFILE.yaml ...] [--case NAME-OR-PREFIX ...] [--cases DIR] [--report FILE.json] [-v]"
+                    "capstan-conformance [--all | --sdk PROFILE.yaml ...] [--case NAME-OR-PREFIX ...] [--cases DIR] [--report FILE.json] [--jobs N] [-v]"
                 );
                 std::process::exit(0);
             }
@@ -63,11 +74,21 @@ fn parse_args() -> Result<Args> {
 async fn main() -> Result<()> {
     let args = parse_args()?;
     let cases = conformance::load_cases(&args.cases)?;
-    let mut reports = Vec::new();
-    for path in &args.profiles {
-        let profile = Profile::load(path)?;
-        reports.push(conformance::run_profile(&profile, &cases, &args.options).await?);
-    }
+    // Every case has its own handler process and fake controller, so SDKs can run side by
+    // side; the reports keep the profiles' order.
+    let reports: Vec<_> = futures::stream::iter(&args.profiles)
+        .map(|path| {
+            let (cases, options) = (&cases, &args.options);
+            async move {
+                let profile = Profile::load(path)?;
+                conformance::run_profile(&profile, cases, options).await
+            }
+        })
+        .buffered(args.jobs)
+        .collect::<Vec<Result<_>>>()
+        .await
+        .into_iter()
+        .collect::<Result<_>>()?;
     for report in &reports {
         println!("{}", report.table());
     }

@@ -131,19 +131,21 @@ pub async fn run_profile(profile: &Profile, cases: &[Case], options: &Options) -
             verdict.took.as_millis()
         );
         if options.verbose || outcome == Outcome::Failed {
-            eprintln!("  about: {}", case.about);
+            // One write, so that the transcripts of SDKs run side by side do not interleave.
+            let mut block = format!("  about: {}\n", case.about);
             if let Some(failure) = &verdict.failure {
-                eprintln!("  failure: {failure}");
+                block.push_str(&format!("  failure: {failure}\n"));
             }
             for line in &verdict.transcript {
-                eprintln!("  | {line}");
+                block.push_str(&format!("  | {line}\n"));
             }
             if !verdict.stderr_tail.is_empty() {
-                eprintln!("  handler stderr (end):");
+                block.push_str("  handler stderr (end):\n");
                 for line in verdict.stderr_tail.lines() {
-                    eprintln!("  ! {line}");
+                    block.push_str(&format!("  ! {line}\n"));
                 }
             }
+            eprint!("{block}");
         }
         report.push(&case.name, outcome, detail, verdict.took);
     }
