@@ -17,7 +17,9 @@
 
 use std::{collections::BTreeSet, fmt, time::Duration};
 
-use capstan_sdk::{Context, DiffOp, HandlerError, HandlerResult, LogLevel, Operator, Reason, Registry, pb};
+use capstan_sdk::{
+    Context, Credentials, DiffOp, HandlerError, HandlerResult, LogLevel, Operator, Reason, Registry,
+};
 use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
 
@@ -76,7 +78,6 @@ fn script_of(ctx: &Context) -> Value {
     }
     ctx.admission()
         .and_then(|review| review.old_object.as_ref())
-        .and_then(|json| serde_json::from_slice::<Value>(&json.json).ok())
         .and_then(|old| old.get("spec").and_then(|spec| spec.get("script")).cloned())
         .unwrap_or(Value::Null)
 }
@@ -218,7 +219,7 @@ fn cancelled(ctx: &Context) -> HandlerResult {
     Err(HandlerError::retry(format!(
         "cancelled ({})",
         ctx.cancel_reason()
-            .map_or("no reason given", |reason| reason.as_str_name())
+            .map_or("no reason given", |reason| reason.as_str())
     )))
 }
 
@@ -264,13 +265,8 @@ fn echo(ctx: &Context) -> Value {
             };
             json!([op, item.path, item.old, item.new])
         }).collect::<Vec<_>>()),
-        "event_type": ctx.event_type().and_then(|t| match t {
-            pb::EventType::Added => Some("ADDED"),
-            pb::EventType::Modified => Some("MODIFIED"),
-            pb::EventType::Deleted => Some("DELETED"),
-            pb::EventType::Unspecified => None,
-        }),
-        "operation": review.map(|r| r.operation.clone()),
+        "event_type": ctx.event_type().and_then(|t| t.as_k8s_str()),
+        "operation": review.map(|r| r.operation.as_str()),
         "dry_run": review.map(|r| r.dry_run),
         "subresource": review.and_then(|r| non_empty(&r.subresource)),
         "idempotency_key": non_empty(ctx.idempotency_key()),
@@ -295,12 +291,12 @@ async fn cleanup(ctx: Context) -> HandlerResult {
     Ok(None)
 }
 
-async fn login(_ctx: Context) -> HandlerResult<pb::Credentials> {
-    Ok(pb::Credentials {
+async fn login(_ctx: Context) -> HandlerResult<Credentials> {
+    Ok(Credentials {
         server: "https://conformance.invalid:6443".to_owned(),
         token: "conformance-token".to_owned(),
         default_namespace: "conformance".to_owned(),
-        ..pb::Credentials::default()
+        ..Credentials::default()
     })
 }
 

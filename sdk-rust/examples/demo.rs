@@ -55,7 +55,9 @@ async fn flaky_fn(ctx: Context) -> HandlerResult {
 
 /// Logs every watch event's type.
 async fn event_fn(ctx: Context) -> HandlerResult {
-    let event = ctx.event_type().map_or("NONE", |t| t.as_str_name());
+    let event = ctx
+        .event_type()
+        .map_or("NONE", |t| t.as_k8s_str().unwrap_or("LISTED"));
     tracing::info!(object = ctx.name(), event, "watch event");
     ctx.debug(format!("event {event}"));
     Ok(None)

@@ -20,8 +20,9 @@ use serde_json::{Map, Value};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
 use crate::{
-    Handler, HandlerError, Index, Memo, Patch, Snapshot, control::Control, convert, error::Result,
-    index::Indexes, outbox::Outbox, pb, pb::connect_request::Message,
+    Activity, AdmissionRequest, CancelReason, Diagnostic, EventType, Handler, HandlerError, Index, LogLevel,
+    Memo, Patch, ResourceRef, Snapshot, control::Control, convert, error::Result, index::Indexes,
+    outbox::Outbox, pb, pb::connect_request::Message,
 };
 
 static NULL: Value = Value::Null;
@@ -78,6 +79,12 @@ pub(crate) struct Decoded {
     pub(crate) new: Option<Value>,
     pub(crate) diff: Vec<DiffItem>,
     pub(crate) param: Option<Value>,
+    /// The object the invocation is for; `None` for activities.
+    pub(crate) resource: Option<ResourceRef>,
+    /// The admission request, for admission handlers.
+    pub(crate) admission: Option<AdmissionRequest>,
+    /// The previous attempt's failure.
+    pub(crate) last_error: Option<Diagnostic>,
 }
 
 impl Decoded {
@@ -86,8 +93,13 @@ impl Decoded {
         let mut decoded = Self {
             body: Arc::new(convert::json_from_pb(invocation.body.as_ref())?.unwrap_or(Value::Null)),
             param: convert::json_from_pb(invocation.param.as_ref())?,
+            resource: invocation.resource.as_ref().map(ResourceRef::from_pb),
+            last_error: invocation.last_error.as_ref().map(Diagnostic::from_pb),
             ..Self::default()
         };
+        if let Some(pb::invocation::Payload::Admission(request)) = &invocation.payload {
+            decoded.admission = Some(AdmissionRequest::from_pb(request));
+        }
         if let Some(pb::invocation::Payload::Change(change)) = &invocation.payload {
             decoded.old = convert::json_from_pb(change.old.as_ref())?;
             decoded.new = convert::json_from_pb(change.new.as_ref())?;
@@ -255,8 +267,8 @@ impl Context {
     }
 
     /// The object reference the invocation is for; `None` for activities.
-    pub fn resource(&self) -> Option<&pb::ResourceRef> {
-        self.inner.invocation.resource.as_ref()
+    pub fn resource(&self) -> Option<&ResourceRef> {
+        self.inner.decoded.resource.as_ref()
     }
 
     // ----- ownership ----------------------------------------------------------------------------
@@ -267,12 +279,7 @@ impl Context {
         let mut body = (*self.body()).clone();
         if let (Some(resource), Value::Object(map)) = (self.resource(), &mut body) {
             if !map.contains_key("apiVersion") {
-                let api_version = if resource.group.is_empty() {
-                    resource.version.clone()
-                } else {
-                    format!("{}/{}", resource.group, resource.version)
-                };
-                map.insert("apiVersion".into(), api_version.into());
+                map.insert("apiVersion".into(), resource.api_version().into());
             }
             if !map.contains_key("kind") {
                 map.insert("kind".into(), resource.kind.clone().into());
@@ -350,22 +357,18 @@ impl Context {
         }
     }
 
-    /// The watch event type, for event handlers (`Unspecified` means the initial listing).
-    pub fn event_type(&self) -> Option<pb::EventType> {
+    /// The watch event type, for event handlers ([`EventType::Listed`] means the initial
+    /// listing); `None` for other handler kinds.
+    pub fn event_type(&self) -> Option<EventType> {
         match &self.inner.invocation.payload {
-            Some(pb::invocation::Payload::Event(event)) => {
-                Some(pb::EventType::try_from(event.r#type).unwrap_or(pb::EventType::Unspecified))
-            }
+            Some(pb::invocation::Payload::Event(event)) => Some(EventType::from_pb(event.r#type)),
             _ => None,
         }
     }
 
     /// The admission request, for validating and mutating handlers.
-    pub fn admission(&self) -> Option<&pb::AdmissionRequest> {
-        match &self.inner.invocation.payload {
-            Some(pb::invocation::Payload::Admission(request)) => Some(request),
-            _ => None,
-        }
+    pub fn admission(&self) -> Option<&AdmissionRequest> {
+        self.inner.decoded.admission.as_ref()
     }
 
     /// Whether the admission request is a dry run (no side effects allowed).
@@ -422,17 +425,11 @@ impl Context {
     }
 
     /// The activity, for startup, cleanup and login handlers.
-    pub fn activity(&self) -> Option<pb::Activity> {
+    pub fn activity(&self) -> Option<Activity> {
         match &self.inner.invocation.payload {
-            Some(pb::invocation::Payload::Activity(a)) => pb::Activity::try_from(a.activity).ok(),
+            Some(pb::invocation::Payload::Activity(a)) => Some(Activity::from_pb(a.activity)),
             _ => None,
         }
-    }
-
-    /// The raw invocation, for anything not covered by the methods above. Its `body` is the one
-    /// the invocation carried; [`Context::body`] is the latest.
-    pub fn invocation(&self) -> &pb::Invocation {
-        &self.inner.invocation
     }
 
     // ----- execution --------------------------------------------------------------------------
@@ -492,8 +489,8 @@ impl Context {
     }
 
     /// The previous attempt's failure, if any.
-    pub fn last_error(&self) -> Option<&pb::Diagnostic> {
-        self.inner.invocation.last_error.as_ref()
+    pub fn last_error(&self) -> Option<&Diagnostic> {
+        self.inner.decoded.last_error.as_ref()
     }
 
     // ----- patching ---------------------------------------------------------------------------
@@ -545,8 +542,8 @@ impl Context {
     }
 
     /// Why the invocation was cancelled, if it was.
-    pub fn cancel_reason(&self) -> Option<pb::CancelReason> {
-        self.inner.control.reason()
+    pub fn cancel_reason(&self) -> Option<CancelReason> {
+        self.inner.control.reason().map(CancelReason::from_pb)
     }
 
     /// A clone of the cancellation token, to hand to other tasks the handler starts.
@@ -590,26 +587,26 @@ impl Context {
 
     /// Logs at info level; the controller may post it as a Normal Event on the object.
     pub fn info(&self, message: impl Into<String>) {
-        self.log(pb::LogLevel::Info, message);
+        self.log(LogLevel::Info, message);
     }
 
     /// Logs at warning level; the controller may post it as a Warning Event on the object.
     pub fn warn(&self, message: impl Into<String>) {
-        self.log(pb::LogLevel::Warning, message);
+        self.log(LogLevel::Warning, message);
     }
 
     /// Logs at error level; the controller may post it as a Warning Event on the object.
     pub fn error(&self, message: impl Into<String>) {
-        self.log(pb::LogLevel::Error, message);
+        self.log(LogLevel::Error, message);
     }
 
     /// Logs at debug level.
     pub fn debug(&self, message: impl Into<String>) {
-        self.log(pb::LogLevel::Debug, message);
+        self.log(LogLevel::Debug, message);
     }
 
     /// Logs at `level`; the record goes to the controller and to this process's `tracing`.
-    pub fn log(&self, level: pb::LogLevel, message: impl Into<String>) {
+    pub fn log(&self, level: LogLevel, message: impl Into<String>) {
         let message = message.into();
         trace_record(level, &message);
         self.inner.outbox.log(self.record(level, message));
@@ -621,8 +618,8 @@ impl Context {
     /// the Event. Repeats of the same Event are aggregated into one with a count.
     pub fn post_event_on(
         &self,
-        object: &pb::ResourceRef,
-        level: pb::LogLevel,
+        object: &ResourceRef,
+        level: LogLevel,
         reason: impl Into<String>,
         message: impl Into<String>,
     ) {
@@ -631,11 +628,11 @@ impl Context {
         let mut record = self.record(level, message);
         record.posting = pb::EventPosting::Always as i32;
         record.reason = reason.into();
-        record.object = Some(object.clone());
+        record.object = Some(object.to_pb());
         self.inner.outbox.log(record);
     }
 
-    fn record(&self, level: pb::LogLevel, message: String) -> pb::LogRecord {
+    fn record(&self, level: LogLevel, message: String) -> pb::LogRecord {
         let mut fields = HashMap::new();
         fields.insert("handler_id".to_owned(), self.inner.handler_id.clone());
         if let Some(trace) = self.trace_id() {
@@ -643,7 +640,7 @@ impl Context {
         }
         pb::LogRecord {
             invocation_id: self.invocation_id().to_owned(),
-            level: level as i32,
+            level: level.to_pb() as i32,
             message,
             time: Some(convert::timestamp_to_pb(SystemTime::now())),
             fields,
@@ -655,12 +652,12 @@ impl Context {
     }
 }
 
-fn trace_record(level: pb::LogLevel, message: &str) {
+fn trace_record(level: LogLevel, message: &str) {
     match level {
-        pb::LogLevel::Error => tracing::error!(message),
-        pb::LogLevel::Warning => tracing::warn!(message),
-        pb::LogLevel::Debug => tracing::debug!(message),
-        _ => tracing::info!(message),
+        LogLevel::Error => tracing::error!(message),
+        LogLevel::Warning => tracing::warn!(message),
+        LogLevel::Debug => tracing::debug!(message),
+        LogLevel::Info => tracing::info!(message),
     }
 }
 
@@ -758,7 +755,7 @@ mod tests {
         // A snapshot taken earlier does not change; the raw invocation keeps its own body.
         assert_eq!(before["spec"]["size"], 1);
         assert_eq!(
-            convert::json_from_pb(ctx.invocation().body.as_ref())
+            convert::json_from_pb(ctx.inner.invocation.body.as_ref())
                 .unwrap()
                 .unwrap()["spec"]["size"],
             1

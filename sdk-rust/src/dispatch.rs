@@ -201,8 +201,8 @@ async fn run_inner(
     } else {
         output
             .credentials
-            .clone()
-            .map(pb::success::KindResult::Credentials)
+            .as_ref()
+            .map(|credentials| pb::success::KindResult::Credentials(credentials.to_pb()))
     };
     pb::InvocationResult {
         outcome: Some(Outcome::Success(success(&output, kind_result))),

@@ -11,7 +11,7 @@ use std::future::Future;
 use futures::future::BoxFuture;
 use serde_json::Value;
 
-use crate::{Context, HandlerError, pb};
+use crate::{Context, Credentials, HandlerError};
 
 /// The canonical result of a handler: `Ok(Some(value))` stores `value` at `status.<handler id>`.
 pub type HandlerResult<T = Option<Value>> = Result<T, HandlerError>;
@@ -20,14 +20,14 @@ pub type HandlerResult<T = Option<Value>> = Result<T, HandlerError>;
 ///
 /// For change, event, daemon and timer handlers a non-null value is stored at
 /// `status.<handler id>`; for index handlers it is the index value, for probe handlers the probe
-/// value. Login handlers return [`pb::Credentials`].
+/// value. Login handlers return [`Credentials`].
 #[derive(Debug, Clone, Default, PartialEq)]
 #[non_exhaustive]
 pub struct HandlerOutput {
     /// The returned value, if any.
     pub value: Option<Value>,
     /// Credentials returned by a login handler.
-    pub credentials: Option<pb::Credentials>,
+    pub credentials: Option<Credentials>,
     /// Why [`HandlerOutput::serialize`] could not turn the value into JSON: the invocation
     /// fails permanently with a message naming the handler.
     pub invalid: Option<String>,
@@ -84,8 +84,8 @@ impl From<Option<Value>> for HandlerOutput {
     }
 }
 
-impl From<pb::Credentials> for HandlerOutput {
-    fn from(credentials: pb::Credentials) -> Self {
+impl From<Credentials> for HandlerOutput {
+    fn from(credentials: Credentials) -> Self {
         Self {
             credentials: Some(credentials),
             ..Self::default()

@@ -58,29 +58,41 @@
 //! `runner` (the [`Operator`]) → `connection` (one stream) → `dispatch` (one invocation, shared
 //! with `testing`) → `subhandling` → `registry`, `context`, `patch`, `filters`, `handler`,
 //! `selector`, `hierarchies`, `classify`, `index`, `memo` →
-//! `snapshot`, `control`, `outbox`, `convert`, `error`, [`pb`].
+//! `snapshot`, `control`, `outbox`, `convert`, `error`, `pb`. The public types the protocol
+//! carries ([`ResourceRef`], [`EventType`], [`Activity`], [`AdmissionRequest`],
+//! [`Operation`], [`Diagnostic`], [`Credentials`], [`LogLevel`], [`CancelReason`]) are the
+//! SDK's own, one module each with its conversions: the generated `capstan.v1` types
+//! (`pb`, from the `capstan-proto` crate) never appear in the SDK's API.
 //!
 //! # Feature flags
 //!
 //! - `testing` (default): the [`testing`] module, an in-process fake runtime for unit-testing
 //!   handlers without a cluster or a socket.
 
+mod activity;
+mod admission;
+mod cancel;
 mod classify;
 mod connection;
 mod context;
 mod control;
 mod convert;
+mod credentials;
+mod diagnostic;
 mod dispatch;
 mod error;
+mod event_type;
 mod filters;
 mod handler;
 pub mod hierarchies;
 mod index;
+mod log_level;
 mod memo;
 mod outbox;
 mod patch;
-pub mod pb;
+mod pb;
 mod registry;
+mod resource;
 mod runner;
 mod selector;
 mod signal;
@@ -89,15 +101,22 @@ pub mod subhandling;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use activity::Activity;
+pub use admission::{AdmissionRequest, Operation};
+pub use cancel::CancelReason;
 pub use context::{Context, DiffItem, DiffOp, Reason};
+pub use credentials::Credentials;
+pub use diagnostic::Diagnostic;
 pub use error::{Error, HandlerError, Result};
+pub use event_type::EventType;
 pub use filters::{MetaFilter, Presence, ValueFilter};
 pub use handler::{Handler, HandlerOutput, HandlerResult, IntoOutcome};
 pub use index::{Index, IndexKey, Store};
+pub use log_level::LogLevel;
 pub use memo::Memo;
 pub use patch::Patch;
-pub use pb::{CancelReason, EventType, LogLevel};
 pub use registry::{ErrorsMode, HandlerOptions, Registry};
+pub use resource::ResourceRef;
 pub use runner::{DEFAULT_ENDPOINT, Operator};
 pub use selector::Selector;
 pub use signal::shutdown_signal;

@@ -1,8 +1,8 @@
-//! The generated `capstan.v1` protocol types, for advanced users.
+//! The generated `capstan.v1` protocol types, for the SDK's internals only.
 //!
-//! The SDK's own types cover what a handler author needs; this module exposes the raw prost
-//! messages (from the `capstan-proto` crate, never edited by hand) for the rare cases that need
-//! them: posting an Event on an arbitrary [`ResourceRef`], returning login [`Credentials`],
-//! inspecting a raw [`Invocation`] or building one for the test kit.
+//! The raw prost messages (from the `capstan-proto` crate, never edited by hand) stay inside
+//! the crate: the public API exposes the SDK's own types ([`crate::ResourceRef`],
+//! [`crate::Credentials`], …), converted at the edges, so that handler code does not depend on
+//! the generated code's shape.
 
-pub use capstan_proto::pb::*;
+pub(crate) use capstan_proto::pb::*;

@@ -6,7 +6,8 @@
 //! writes through, dropping it at the end of a chain is the normal way to finish; that is why
 //! its setters are not `#[must_use]`. Inconsistent options (kopf's decoration-time `TypeError`s,
 //! such as `value` together with `old`) are collected and reported by
-//! [`Registry::registrations`], which the runner and the test kit call before anything runs.
+//! [`Registry::check`], which the runner and the test kit call (through the crate-private
+//! `Registry::registrations`, which also yields the wire registrations) before anything runs.
 //! The validated registry becomes the dispatch module's handler table.
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
@@ -14,7 +15,7 @@ use std::{collections::HashMap, sync::Arc, time::Duration};
 use serde_json::Value;
 
 use crate::{
-    Context, Error, Handler, Selector, convert,
+    Context, Error, Handler, Operation, Selector, convert,
     error::Result,
     filters::{MetaFilter, ValueFilter, WhenFn},
     pb,
@@ -215,15 +216,20 @@ impl Registry {
         }
     }
 
-    /// The wire registrations sent in `Hello`, after checking them as kopf does at decoration
-    /// time.
+    /// Checks the registrations as kopf does at decoration time, as [`crate::Operator::run`]
+    /// and [`crate::testing::TestKit::new`] do before anything runs.
     ///
     /// # Errors
     ///
     /// [`Error::Register`] for the first inconsistent registration: an empty or duplicate id, an
     /// option that does not apply to the handler's kind, `value`/`old`/`new` without `field`,
     /// `value` together with `old`/`new`, or a timer without an interval.
-    pub fn registrations(&self) -> Result<Vec<pb::HandlerRegistration>> {
+    pub fn check(&self) -> Result<()> {
+        self.registrations().map(drop)
+    }
+
+    /// The wire registrations sent in `Hello`, after checking them (see [`Registry::check`]).
+    pub(crate) fn registrations(&self) -> Result<Vec<pb::HandlerRegistration>> {
         let mut seen = HashMap::new();
         for entry in &self.entries {
             let id = &entry.registration.handler_id;
@@ -326,7 +332,7 @@ impl Table {
 /// Options of one registered handler: kopf's decorator keyword arguments.
 ///
 /// The setters write through to the registry, so a chain may simply end; options that do not
-/// apply to the handler's kind make [`Registry::registrations`] fail.
+/// apply to the handler's kind make [`Registry::check`] fail.
 pub struct HandlerOptions<'a> {
     entry: &'a mut Entry,
 }
@@ -619,9 +625,9 @@ impl HandlerOptions<'_> {
     }
 
     /// The admission operations intercepted; default all.
-    pub fn operations(mut self, operations: impl IntoIterator<Item = pb::Operation>) -> Self {
+    pub fn operations(mut self, operations: impl IntoIterator<Item = Operation>) -> Self {
         if let Some(options) = self.admission_options("operations") {
-            options.operations = operations.into_iter().map(|op| op as i32).collect();
+            options.operations = operations.into_iter().map(|op| op.to_pb() as i32).collect();
         }
         self
     }
@@ -733,11 +739,72 @@ mod tests {
     }
 
     #[test]
+    fn declarative_options_land_in_the_registration() {
+        let mut registry = Registry::new();
+        registry
+            .on_create("cex", "labelled", noop)
+            .label("app", "db")
+            .annotation("skip", Presence::Absent)
+            .field("spec.size")
+            .value(Presence::Present)
+            .retries(3)
+            .backoff(Duration::from_secs(7))
+            .timeout(Duration::from_secs(60));
+        registry.on_resume("cex", "resume", noop).deleted(true);
+        registry
+            .daemon("cex", "monitor", noop)
+            .initial_delay(Duration::from_secs(1))
+            .cancellation_timeout(Duration::from_secs(5));
+        registry
+            .timer("cex", "tick", noop)
+            .interval(Duration::from_secs(10))
+            .idle(Duration::from_secs(3));
+        registry
+            .on_validate("cex", "validate", noop)
+            .operations([Operation::Create, Operation::Update]);
+        registry.on_startup("startup", noop);
+        let regs = registry.registrations().unwrap();
+        let labelled = &regs[0];
+        assert_eq!(labelled.kind, pb::HandlerKind::Create as i32);
+        assert_eq!(labelled.resource.as_ref().unwrap().name, "cex");
+        let filters = labelled.filters.as_ref().unwrap();
+        assert_eq!(
+            filters.labels["app"].condition,
+            Some(pb::meta_match::Condition::Equals("db".to_owned()))
+        );
+        assert_eq!(
+            filters.annotations["skip"].condition,
+            Some(pb::meta_match::Condition::Presence(pb::Presence::Absent as i32))
+        );
+        assert_eq!(filters.field, "spec.size");
+        assert!(filters.value.is_some());
+        assert_eq!(
+            (
+                labelled.retries,
+                labelled.backoff.unwrap().seconds,
+                labelled.timeout.unwrap().seconds
+            ),
+            (3, 7, 60)
+        );
+        assert!(matches!(&regs[1].kind_options, Some(KindOptions::Resume(r)) if r.deleted));
+        assert!(
+            matches!(&regs[2].kind_options, Some(KindOptions::Daemon(d)) if d.initial_delay.is_some() && d.cancellation_timeout.is_some())
+        );
+        assert!(matches!(&regs[3].kind_options, Some(KindOptions::Timer(t)) if t.idle.is_some()));
+        assert!(matches!(
+            &regs[4].kind_options,
+            Some(KindOptions::Admission(a))
+                if a.operations == [pb::Operation::Create as i32, pb::Operation::Update as i32]
+        ));
+        assert!(regs[5].resource.is_none());
+    }
+
+    #[test]
     fn inconsistent_registrations_are_rejected() {
         fn invalid(build: impl FnOnce(&mut Registry)) -> bool {
             let mut registry = Registry::new();
             build(&mut registry);
-            registry.registrations().is_err()
+            registry.check().is_err()
         }
         assert!(invalid(|r| {
             let _ = r.on_create("cex", "a", noop).interval(Duration::from_secs(1));

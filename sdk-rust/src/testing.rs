@@ -43,8 +43,12 @@ use parking_lot::Mutex;
 use serde_json::{Map, Value};
 use tokio::{sync::oneshot, task::JoinHandle};
 
+mod records;
+
+pub use records::{AdmissionVerdict, PatchDocument, PatchKind, PatchTarget, ProgressUpdate, SubhandlerState};
+
 use crate::{
-    Registry,
+    Activity, CancelReason, Diagnostic, EventType, LogLevel, Registry, ResourceRef,
     control::Control,
     convert, dispatch,
     error::Result,
@@ -96,9 +100,15 @@ impl TestKit {
         })
     }
 
-    /// The registrations the SDK would send in `Hello`.
-    pub fn registrations(&self) -> &[pb::HandlerRegistration] {
-        self.table.registrations()
+    /// The ids of the handlers the SDK would register in `Hello`, in registration order (a
+    /// field handler's id ends with `/<field>`; a handler with `also_for` selectors is listed
+    /// once per resource).
+    pub fn handler_ids(&self) -> Vec<&str> {
+        self.table
+            .registrations()
+            .iter()
+            .map(|registration| registration.handler_id.as_str())
+            .collect()
     }
 
     /// Invokes one handler, whatever its filters say.
@@ -171,7 +181,7 @@ impl TestKit {
     }
 
     /// A watch event: runs the matching event handlers.
-    pub async fn event(&self, event_type: pb::EventType, body: Value) -> Outcomes {
+    pub async fn event(&self, event_type: EventType, body: Value) -> Outcomes {
         let mut outcomes = Outcomes {
             body: body.clone(),
             outcomes: Vec::new(),
@@ -517,11 +527,11 @@ impl InvocationBuilder {
     }
 
     /// An event handler's invocation.
-    pub fn event(event_type: pb::EventType, body: Value) -> Self {
+    pub fn event(event_type: EventType, body: Value) -> Self {
         Self::new(
             Some(&body),
             Payload::Event(pb::ResourceEvent {
-                r#type: event_type as i32,
+                r#type: event_type.to_pb() as i32,
             }),
         )
     }
@@ -560,11 +570,11 @@ impl InvocationBuilder {
     }
 
     /// A startup, cleanup or login handler's invocation.
-    pub fn activity(activity: pb::Activity) -> Self {
+    pub fn activity(activity: Activity) -> Self {
         Self::new(
             None,
             Payload::Activity(pb::ActivityRequest {
-                activity: activity as i32,
+                activity: activity.to_pb() as i32,
             }),
         )
     }
@@ -604,11 +614,11 @@ impl InvocationBuilder {
     }
 
     /// The persisted state of one sub-handler.
-    pub fn subhandler_state(mut self, state: pb::SubhandlerState) -> Self {
+    pub fn subhandler_state(mut self, state: SubhandlerState) -> Self {
         self.invocation
             .subhandlers
-            .retain(|s| s.subhandler_id != state.subhandler_id);
-        self.invocation.subhandlers.push(state);
+            .retain(|s| s.subhandler_id != state.id);
+        self.invocation.subhandlers.push(state.to_pb());
         self
     }
 
@@ -676,7 +686,8 @@ impl InvocationBuilder {
     }
 
     /// The wire invocation (the handler id and invocation id are filled in by the kit).
-    pub fn build(self) -> pb::Invocation {
+    #[cfg_attr(not(test), allow(dead_code, reason = "used by the dispatch tests"))]
+    pub(crate) fn build(self) -> pb::Invocation {
         self.invocation
     }
 }
@@ -711,31 +722,31 @@ pub enum OutcomeKind {
 #[non_exhaustive]
 pub struct LogEntry {
     /// The severity.
-    pub level: pb::LogLevel,
+    pub level: LogLevel,
     /// The message.
     pub message: String,
     /// The Event reason, for records posted as Events.
     pub reason: String,
     /// The object an Event is posted on, when not the invocation's own.
-    pub object: Option<pb::ResourceRef>,
+    pub object: Option<ResourceRef>,
 }
 
 #[derive(Debug, Default)]
 struct Records {
     logs: Vec<LogEntry>,
-    updates: Vec<pb::InvocationUpdate>,
+    updates: Vec<ProgressUpdate>,
 }
 
 impl Records {
     fn push(&mut self, message: pb::ConnectRequest) {
         match message.message {
             Some(Up::Log(record)) => self.logs.push(LogEntry {
-                level: pb::LogLevel::try_from(record.level).unwrap_or(pb::LogLevel::Info),
+                level: LogLevel::from_pb(record.level),
                 message: record.message,
                 reason: record.reason,
-                object: record.object,
+                object: record.object.as_ref().map(ResourceRef::from_pb),
             }),
-            Some(Up::Update(update)) => self.updates.push(update),
+            Some(Up::Update(update)) => self.updates.push(ProgressUpdate::from_pb(&update)),
             _ => {}
         }
     }
@@ -795,12 +806,12 @@ impl Running {
 
     /// Asks the invocation to stop, as the controller does when a daemon's object goes away.
     pub fn cancel(&self) {
-        self.control.cancel(pb::CancelReason::ResourceDeleted);
+        self.control.cancel(CancelReason::ResourceDeleted.to_pb());
     }
 
     /// Asks the invocation to stop for a specific reason.
-    pub fn cancel_with(&self, reason: pb::CancelReason) {
-        self.control.cancel(reason);
+    pub fn cancel_with(&self, reason: CancelReason) {
+        self.control.cancel(reason.to_pb());
     }
 
     /// Gives the running invocation a newer body of its object, as the controller does for a
@@ -816,7 +827,7 @@ impl Running {
     }
 
     /// The updates (progress patches) sent so far.
-    pub fn updates(&self) -> Vec<pb::InvocationUpdate> {
+    pub fn updates(&self) -> Vec<ProgressUpdate> {
         self.records.lock().updates.clone()
     }
 
@@ -857,7 +868,7 @@ pub struct Outcome {
     invocation: pb::Invocation,
     result: pb::InvocationResult,
     logs: Vec<LogEntry>,
-    updates: Vec<pb::InvocationUpdate>,
+    updates: Vec<ProgressUpdate>,
 }
 
 fn kind_of(outcome: Option<&Wire>) -> OutcomeKind {
@@ -926,19 +937,19 @@ impl Outcome {
     }
 
     /// The admission verdict, for validating and mutating handlers.
-    pub fn verdict(&self) -> Option<&pb::AdmissionVerdict> {
+    pub fn verdict(&self) -> Option<AdmissionVerdict> {
         match &self.result.outcome {
             Some(Wire::Success(pb::Success {
                 kind_result: Some(pb::success::KindResult::Admission(v)),
                 ..
-            })) => Some(v),
+            })) => Some(AdmissionVerdict::from_pb(v)),
             _ => None,
         }
     }
 
-    /// The wire patches sent with the result.
-    pub fn patches(&self) -> &[pb::Patch] {
-        &self.result.patches
+    /// The patches sent with the result.
+    pub fn patches(&self) -> Vec<PatchDocument> {
+        self.result.patches.iter().map(PatchDocument::from_pb).collect()
     }
 
     /// The invocation's body with the result applied as the controller would: on success the
@@ -992,7 +1003,7 @@ impl Outcome {
     }
 
     /// The updates (progress patches) the handler sent while running.
-    pub fn updates(&self) -> &[pb::InvocationUpdate] {
+    pub fn updates(&self) -> &[ProgressUpdate] {
         &self.updates
     }
 
@@ -1045,9 +1056,15 @@ impl Outcome {
             .collect()
     }
 
-    /// The raw wire result.
-    pub fn raw(&self) -> &pb::InvocationResult {
-        &self.result
+    /// The diagnostics of a failure (temporary, permanent or unclassified); empty otherwise.
+    pub fn diagnostics(&self) -> Vec<Diagnostic> {
+        let diagnostics = match &self.result.outcome {
+            Some(Wire::TemporaryError(e)) => &e.diagnostics,
+            Some(Wire::PermanentError(e)) => &e.diagnostics,
+            Some(Wire::UnclassifiedError(e)) => &e.diagnostics,
+            _ => return Vec::new(),
+        };
+        diagnostics.iter().map(Diagnostic::from_pb).collect()
     }
 }
 

@@ -5,15 +5,15 @@
 
 use std::{pin::Pin, time::Duration};
 
-use capstan_sdk::{
-    Context, Error, HandlerError, Operator, Registry,
-    pb::{
-        self,
-        connect_request::Message as Up,
-        connect_response::Message as Down,
-        runtime_service_server::{RuntimeService, RuntimeServiceServer},
-    },
+// This test plays the controller's side of the raw protocol, so it uses the generated types
+// directly; the SDK's API never exposes them.
+use capstan_proto::pb::{
+    self,
+    connect_request::Message as Up,
+    connect_response::Message as Down,
+    runtime_service_server::{RuntimeService, RuntimeServiceServer},
 };
+use capstan_sdk::{Context, Error, HandlerError, Operator, Registry};
 use serde_json::json;
 use tokio::{net::UnixListener, sync::mpsc, task::JoinHandle};
 use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};

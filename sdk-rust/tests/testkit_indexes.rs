@@ -211,7 +211,7 @@ async fn memos_are_per_object_and_start_from_the_operator_memo() {
     );
     kit.invoke(
         "startup",
-        InvocationBuilder::activity(capstan_sdk::pb::Activity::Startup),
+        InvocationBuilder::activity(capstan_sdk::Activity::Startup),
     )
     .await;
     assert!(

@@ -6,8 +6,8 @@
 use std::time::{Duration, SystemTime};
 
 use capstan_sdk::{
-    Context, HandlerError, HandlerResult, Registry, SubhandlerOptions, pb,
-    testing::{InvocationBuilder, OutcomeKind, TestKit},
+    Context, HandlerError, HandlerResult, Registry, SubhandlerOptions,
+    testing::{InvocationBuilder, OutcomeKind, SubhandlerState, TestKit},
 };
 use serde_json::json;
 
@@ -83,18 +83,18 @@ async fn delayed_and_failed_children_are_skipped() {
     let mut registry = Registry::new();
     registry.on_create("cex", "parent", parent);
     let kit = TestKit::new(registry);
-    let later = prost_types::Timestamp::from(SystemTime::now() + Duration::from_secs(3600));
+    let later = SystemTime::now() + Duration::from_secs(3600);
     let invocation = InvocationBuilder::create(body())
-        .subhandler_state(pb::SubhandlerState {
-            subhandler_id: "good".to_owned(),
+        .subhandler_state(SubhandlerState {
+            id: "good".to_owned(),
             failure: true,
-            ..pb::SubhandlerState::default()
+            ..SubhandlerState::default()
         })
-        .subhandler_state(pb::SubhandlerState {
-            subhandler_id: "flaky".to_owned(),
+        .subhandler_state(SubhandlerState {
+            id: "flaky".to_owned(),
             retries: 1,
             delayed_until: Some(later),
-            ..pb::SubhandlerState::default()
+            ..SubhandlerState::default()
         });
     let outcome = kit.invoke("parent", invocation).await;
     assert!(outcome.is_success());

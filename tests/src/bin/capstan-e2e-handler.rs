@@ -242,7 +242,7 @@ async fn monitor(ctx: Context) -> HandlerResult {
         .await
         .map_err(|e| HandlerError::retry(e.to_string()))?;
     ctx.cancelled().await;
-    let reason = ctx.cancel_reason().map_or("NONE", |r| r.as_str_name());
+    let reason = ctx.cancel_reason().map_or("NONE", cancel_reason_name);
     note(&format!("daemon-stopped {} {reason}", ctx.name()));
     Ok(None)
 }
@@ -410,6 +410,33 @@ async fn nest(ctx: Context) -> HandlerResult {
         },
     );
     Ok(None)
+}
+
+/// The protocol's name of an event type (`EVENT_TYPE_ADDED`, …), as the tests expect it in
+/// the notes.
+fn event_type_name(event_type: capstan_sdk::EventType) -> &'static str {
+    match event_type {
+        capstan_sdk::EventType::Added => "EVENT_TYPE_ADDED",
+        capstan_sdk::EventType::Modified => "EVENT_TYPE_MODIFIED",
+        capstan_sdk::EventType::Deleted => "EVENT_TYPE_DELETED",
+        _ => "EVENT_TYPE_UNSPECIFIED",
+    }
+}
+
+/// The protocol's name of a cancel reason (`CANCEL_REASON_RESOURCE_DELETED`, …), as the tests
+/// expect it in the notes.
+fn cancel_reason_name(reason: capstan_sdk::CancelReason) -> &'static str {
+    use capstan_sdk::CancelReason as R;
+    match reason {
+        R::ResourceDeleted => "CANCEL_REASON_RESOURCE_DELETED",
+        R::FilterMismatch => "CANCEL_REASON_FILTER_MISMATCH",
+        R::DeadlineExceeded => "CANCEL_REASON_DEADLINE_EXCEEDED",
+        R::Superseded => "CANCEL_REASON_SUPERSEDED",
+        R::RuntimeShutdown => "CANCEL_REASON_RUNTIME_SHUTDOWN",
+        R::HandlerUnregistered => "CANCEL_REASON_HANDLER_UNREGISTERED",
+        R::Paused => "CANCEL_REASON_PAUSED",
+        _ => "CANCEL_REASON_UNSPECIFIED",
+    }
 }
 
 /// Notes an admission call: `admission <id> <name> <operation> dry=<bool>`.
@@ -636,7 +663,7 @@ async fn main() -> anyhow::Result<()> {
                     let Some(target) = spec.get("announceTo").and_then(Value::as_str) else {
                         return Ok::<_, HandlerError>(None);
                     };
-                    let object = capstan_sdk::pb::ResourceRef {
+                    let object = capstan_sdk::ResourceRef {
                         group: "demo.capstan.dev".into(),
                         version: "v1".into(),
                         kind: "Example".into(),
@@ -673,8 +700,10 @@ async fn main() -> anyhow::Result<()> {
                 registry
                     .on_event(RESOURCE, "event_fn", |ctx: Context| async move {
                         let t = match ctx.event_type() {
-                            None | Some(capstan_sdk::EventType::Unspecified) => "LISTING",
-                            Some(t) => t.as_str_name(),
+                            None | Some(capstan_sdk::EventType::Listed | capstan_sdk::EventType::Unknown) => {
+                                "LISTING"
+                            }
+                            Some(t) => event_type_name(t),
                         };
                         note(&format!("event {} {t}", ctx.name()));
                         Ok::<_, HandlerError>(None)
@@ -685,7 +714,7 @@ async fn main() -> anyhow::Result<()> {
             "event" => {
                 registry.on_event(RESOURCE, "event_fn", |ctx: Context| async move {
                     log_call(&ctx);
-                    let t = ctx.event_type().map_or("LISTING", |t| t.as_str_name());
+                    let t = ctx.event_type().map_or("LISTING", event_type_name);
                     note(&format!("event {} {t}", ctx.name()));
                     Ok::<_, HandlerError>(None)
                 });
@@ -871,12 +900,11 @@ async fn main() -> anyhow::Result<()> {
                         let bad = call == 0 && var("E2E_LOGIN_BAD_FIRST") == "1";
                         note(&format!("login call {} bad={bad}", call + 1));
                         // `E2E_LOGIN_EXPIRES_IN=S`: the credentials say they expire in S seconds.
-                        let expiration_time = var("E2E_LOGIN_EXPIRES_IN").parse::<u64>().ok().map(|s| {
-                            prost_types::Timestamp::from(
-                                std::time::SystemTime::now() + Duration::from_secs(s),
-                            )
-                        });
-                        Ok::<_, HandlerError>(capstan_sdk::pb::Credentials {
+                        let expiration = var("E2E_LOGIN_EXPIRES_IN")
+                            .parse::<u64>()
+                            .ok()
+                            .map(|s| std::time::SystemTime::now() + Duration::from_secs(s));
+                        Ok::<_, HandlerError>(capstan_sdk::Credentials {
                             server: var("E2E_LOGIN_SERVER"),
                             certificate_authority: ca.0,
                             token: if bad {
@@ -884,7 +912,7 @@ async fn main() -> anyhow::Result<()> {
                             } else {
                                 var("E2E_LOGIN_TOKEN")
                             },
-                            expiration_time,
+                            expiration,
                             ..Default::default()
                         })
                     })
@@ -895,7 +923,7 @@ async fn main() -> anyhow::Result<()> {
                 registry.on_login("hanging_login", |_ctx: Context| async move {
                     note("login called");
                     std::future::pending::<()>().await;
-                    Ok::<_, HandlerError>(capstan_sdk::pb::Credentials::default())
+                    Ok::<_, HandlerError>(capstan_sdk::Credentials::default())
                 });
             }
             // A resource that does not exist when the handler process connects.
