@@ -4,8 +4,9 @@
 //! The SDK's own types for the wire `AdmissionRequest` and `Operation` (named as in the Go and
 //! TypeScript SDKs), so that [`crate::Context::admission`] and
 //! [`crate::HandlerOptions::operations`] never name a generated protocol type. The request's
-//! JSON parts are decoded here once per invocation; decoding is total: an operation this SDK
-//! does not know is [`Operation::Unknown`], and an undecodable JSON part reads as absent.
+//! JSON parts are decoded here once per invocation: an operation this SDK does not know is
+//! [`Operation::Unknown`], and an undecodable JSON part fails the invocation, as an
+//! undecodable body does.
 
 use std::collections::HashMap;
 
@@ -25,7 +26,8 @@ pub enum Operation {
     Delete,
     /// `CONNECT`.
     Connect,
-    /// An operation this SDK does not know (never intercepted when registered).
+    /// An operation this SDK does not know; naming it in
+    /// [`crate::HandlerOptions::operations`] fails the registration.
     #[default]
     Unknown,
 }
@@ -94,18 +96,21 @@ pub struct AdmissionRequest {
 }
 
 impl AdmissionRequest {
-    /// Decodes a wire request; undecodable JSON parts are `None`.
-    pub(crate) fn from_pb(request: &pb::AdmissionRequest) -> Self {
-        let json = |json: Option<&pb::Json>| convert::json_from_pb(json).ok().flatten();
-        Self {
+    /// Decodes a wire request.
+    ///
+    /// # Errors
+    /// When the old object or the user info is not JSON: the invocation fails, as for an
+    /// undecodable body (a missing old object and a broken one must not look alike).
+    pub(crate) fn from_pb(request: &pb::AdmissionRequest) -> Result<Self, serde_json::Error> {
+        Ok(Self {
             uid: request.uid.clone(),
             operation: Operation::parse(&request.operation),
             subresource: request.subresource.clone(),
             dry_run: request.dry_run,
-            old_object: json(request.old_object.as_ref()),
-            user_info: json(request.user_info.as_ref()),
+            old_object: convert::json_from_pb(request.old_object.as_ref())?,
+            user_info: convert::json_from_pb(request.user_info.as_ref())?,
             headers: request.headers.clone(),
-        }
+        })
     }
 }
 
@@ -116,18 +121,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn decodes_requests_totally() {
-        let request = AdmissionRequest::from_pb(&pb::AdmissionRequest {
+    fn decodes_requests_and_refuses_broken_json() {
+        let mut wire = pb::AdmissionRequest {
             uid: "r1".into(),
             operation: "UPDATE".into(),
             subresource: "status".into(),
             dry_run: true,
             old_object: Some(convert::json_to_pb(&json!({"a": 1}))),
-            user_info: Some(pb::Json {
-                json: b"not json".to_vec(),
-            }),
+            user_info: None,
             headers: HashMap::new(),
-        });
+        };
+        let request = AdmissionRequest::from_pb(&wire).expect("decodable");
         assert_eq!(request.operation, Operation::Update);
         assert_eq!(
             (request.uid.as_str(), request.subresource.as_str()),
@@ -136,6 +140,10 @@ mod tests {
         assert!(request.dry_run);
         assert_eq!(request.old_object, Some(json!({"a": 1})));
         assert_eq!(request.user_info, None);
+        wire.user_info = Some(pb::Json {
+            json: b"not json".to_vec(),
+        });
+        assert!(AdmissionRequest::from_pb(&wire).is_err());
         assert_eq!(Operation::parse("PATCH"), Operation::Unknown);
         for op in [
             Operation::Create,

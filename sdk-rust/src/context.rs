@@ -98,7 +98,7 @@ impl Decoded {
             ..Self::default()
         };
         if let Some(pb::invocation::Payload::Admission(request)) = &invocation.payload {
-            decoded.admission = Some(AdmissionRequest::from_pb(request));
+            decoded.admission = Some(AdmissionRequest::from_pb(request)?);
         }
         if let Some(pb::invocation::Payload::Change(change)) = &invocation.payload {
             decoded.old = convert::json_from_pb(change.old.as_ref())?;

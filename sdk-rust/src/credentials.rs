@@ -21,7 +21,7 @@ use crate::{convert, pb};
 /// };
 /// # let _ = credentials;
 /// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Clone, Default, PartialEq, Eq)]
 pub struct Credentials {
     /// The API server's URL.
     pub server: String,
@@ -47,6 +47,26 @@ pub struct Credentials {
     pub priority: i32,
 }
 
+/// Shows which secrets are set, never what they are (credentials end up in logged outputs).
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let secret = |set: bool| if set { "<redacted>" } else { "" };
+        f.debug_struct("Credentials")
+            .field("server", &self.server)
+            .field("certificate_authority", &self.certificate_authority.len())
+            .field("insecure", &self.insecure)
+            .field("username", &self.username)
+            .field("password", &secret(!self.password.is_empty()))
+            .field("token", &secret(!self.token.is_empty()))
+            .field("client_certificate", &self.client_certificate.len())
+            .field("client_key", &secret(!self.client_key.is_empty()))
+            .field("default_namespace", &self.default_namespace)
+            .field("expiration", &self.expiration)
+            .field("priority", &self.priority)
+            .finish()
+    }
+}
+
 impl Credentials {
     /// Encodes the credentials for the invocation's result.
     pub(crate) fn to_pb(&self) -> pb::Credentials {
@@ -69,6 +89,22 @@ impl Credentials {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_output_hides_the_secrets() {
+        let credentials = Credentials {
+            username: "robot".to_owned(),
+            password: "hunter2".to_owned(),
+            token: "t0ken".to_owned(),
+            client_key: b"-----BEGIN KEY-----".to_vec(),
+            ..Credentials::default()
+        };
+        let shown = format!("{credentials:?}");
+        assert!(shown.contains("robot") && shown.contains("<redacted>"), "{shown}");
+        for secret in ["hunter2", "t0ken", "BEGIN KEY"] {
+            assert!(!shown.contains(secret), "{secret} shown: {shown}");
+        }
+    }
 
     #[test]
     fn encodes_every_field() {

@@ -11,7 +11,8 @@ use crate::pb;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum LogLevel {
-    /// Details for debugging; never posted as an Event.
+    /// Details for debugging; not posted as an Event by the posting level (an explicit
+    /// [`crate::Context::post_event_on`] posts whatever the level).
     Debug,
     /// Normal progress; may be posted as a Normal Event.
     Info,

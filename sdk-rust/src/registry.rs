@@ -624,10 +624,21 @@ impl HandlerOptions<'_> {
         self
     }
 
-    /// The admission operations intercepted; default all.
+    /// The admission operations intercepted; default all. [`Operation::Unknown`] is refused
+    /// (the registration fails, as the controller would refuse it).
     pub fn operations(mut self, operations: impl IntoIterator<Item = Operation>) -> Self {
+        let operations: Vec<Operation> = operations.into_iter().collect();
+        if operations.contains(&Operation::Unknown) {
+            self.entry
+                .problems
+                .push("`operations` names an unknown operation (CREATE, UPDATE, DELETE, CONNECT)".to_owned());
+        }
         if let Some(options) = self.admission_options("operations") {
-            options.operations = operations.into_iter().map(|op| op.to_pb() as i32).collect();
+            options.operations = operations
+                .into_iter()
+                .filter(|op| *op != Operation::Unknown)
+                .map(|op| op.to_pb() as i32)
+                .collect();
         }
         self
     }
@@ -834,6 +845,14 @@ mod tests {
         }));
         assert!(invalid(|r| {
             let _ = r.on_create("cex", "", noop);
+        }));
+        assert!(invalid(|r| {
+            let _ = r
+                .on_validate("cex", "a", noop)
+                .operations([Operation::Create, Operation::Unknown]);
+        }));
+        assert!(!invalid(|r| {
+            let _ = r.on_validate("cex", "a", noop).operations([Operation::Delete]);
         }));
         assert!(!invalid(|r| {
             let _ = r.on_update("cex", "a", noop).field("spec.x").old(1_i64);

@@ -48,7 +48,7 @@ mod records;
 pub use records::{AdmissionVerdict, PatchDocument, PatchKind, PatchTarget, ProgressUpdate, SubhandlerState};
 
 use crate::{
-    Activity, CancelReason, Diagnostic, EventType, LogLevel, Registry, ResourceRef,
+    Activity, CancelReason, Diagnostic, EventType, LogLevel, Operation, Registry, ResourceRef,
     control::Control,
     convert, dispatch,
     error::Result,
@@ -559,11 +559,11 @@ impl InvocationBuilder {
         Self::new(Some(&body), Payload::Index(pb::IndexRequest { deleted: true }))
     }
 
-    /// An admission handler's invocation: `operation` is CREATE, UPDATE, DELETE or CONNECT.
-    pub fn admission(operation: &str, body: Value) -> Self {
+    /// An admission handler's invocation of `operation`.
+    pub fn admission(operation: Operation, body: Value) -> Self {
         let request = pb::AdmissionRequest {
             uid: "test-admission".to_owned(),
-            operation: operation.to_owned(),
+            operation: operation.as_str().to_owned(),
             ..pb::AdmissionRequest::default()
         };
         Self::new(Some(&body), Payload::Admission(request))

@@ -288,7 +288,7 @@ async fn admission_handlers_return_verdicts() {
     let denied = kit
         .invoke(
             "validate",
-            InvocationBuilder::admission("CREATE", example("v", json!({"size": 9}))),
+            InvocationBuilder::admission(Operation::Create, example("v", json!({"size": 9}))),
         )
         .await;
     let verdict = denied.verdict().unwrap();
@@ -298,14 +298,14 @@ async fn admission_handlers_return_verdicts() {
     let allowed = kit
         .invoke(
             "validate",
-            InvocationBuilder::admission("CREATE", example("v", json!({"size": 1}))),
+            InvocationBuilder::admission(Operation::Create, example("v", json!({"size": 1}))),
         )
         .await;
     assert!(allowed.verdict().unwrap().allowed);
     let mutated = kit
         .invoke(
             "mutate",
-            InvocationBuilder::admission("CREATE", example("m", json!({}))),
+            InvocationBuilder::admission(Operation::Create, example("m", json!({}))),
         )
         .await;
     assert_eq!(mutated.patched_body()["spec"]["defaulted"], true);

@@ -563,6 +563,27 @@ fn writers(audit: &[Value]) -> BTreeMap<String, Vec<String>> {
     out
 }
 
+/// The `spec.field` of each example's last handled configuration (what its last handled
+/// change wrote).
+async fn handled_values(api: &kube::Api<kube::api::DynamicObject>) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for object in api.list(&Default::default()).await? {
+        let Some(last) = object
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("capstan.dev/last-handled-configuration"))
+        else {
+            continue;
+        };
+        let last: Value = serde_json::from_str(last)?;
+        if let (Some(name), Some(field)) = (object.metadata.name.clone(), last["spec"]["field"].as_str()) {
+            out.insert(name, field.to_owned());
+        }
+    }
+    Ok(out)
+}
+
 /// The member that handled each object's changes, in the changes' order (their values count
 /// up): from the `seen <name> <value>` lines of the call logs `<member>-calls.log`.
 fn handlers(logs: &[PathBuf]) -> BTreeMap<String, Vec<String>> {
@@ -698,13 +719,19 @@ async fn churn(filtered: bool) -> Result<()> {
             "round {round}: {action}; members {alive:?}; {} objects changed",
             changed.len()
         );
-        // Every change so far is handled (a crashed member's objects after its Lease expired).
+        // Every change so far is handled (a crashed member's objects after its Lease expired)
+        // and written: the next round may kill its member, and a change handled but not yet
+        // written would then be handled again, as it must be.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
         loop {
             let seen = seen_lines(&logs);
+            let written = handled_values(&api).await?;
             let missing: Vec<String> = expected
                 .iter()
-                .filter(|(name, value)| !seen.contains(&format!("seen {name} {value}")))
+                .filter(|(name, value)| {
+                    !seen.contains(&format!("seen {name} {value}"))
+                        || written.get(name.as_str()) != Some(*value)
+                })
                 .map(|(name, value)| format!("{name}={value}"))
                 .collect();
             if missing.is_empty() {
@@ -719,7 +746,7 @@ async fn churn(filtered: bool) -> Result<()> {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
     let seen = seen_lines(&logs);
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
     for line in &seen {
@@ -733,8 +760,22 @@ async fn churn(filtered: bool) -> Result<()> {
     // The API server's record: each object's writes, in order, are one for its creation and
     // then one per change, each by the member whose handler took that change. A write by a
     // member that had let the object go, or a second write of one change, breaks the sequence.
-    let written = writers(&env.audit_events()?);
     let handled = handlers(&logs);
+    let agree = |written: &BTreeMap<String, Vec<String>>| {
+        names.iter().all(|name| {
+            let writes = written.get(name.as_str()).cloned().unwrap_or_default();
+            let takers = handled.get(name.as_str()).cloned().unwrap_or_default();
+            writes.len() == takers.len() + 1 && writes[1..] == takers[..]
+        })
+    };
+    // Every change was written before the last round ended; the audit log has each write
+    // before its response. Polled a little all the same.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut written = writers(&env.audit_events()?);
+    while !agree(&written) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        written = writers(&env.audit_events()?);
+    }
     for name in &names {
         let writes = written.get(name.as_str()).cloned().unwrap_or_default();
         let takers = handled.get(name.as_str()).cloned().unwrap_or_default();

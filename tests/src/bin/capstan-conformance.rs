@@ -74,16 +74,17 @@ fn parse_args() -> Result<Args> {
 async fn main() -> Result<()> {
     let args = parse_args()?;
     let cases = conformance::load_cases(&args.cases)?;
-    // Every case has its own handler process and fake controller, so SDKs can run side by
-    // side; the reports keep the profiles' order.
-    let reports: Vec<_> = futures::stream::iter(&args.profiles)
-        .map(|path| {
-            let (cases, options) = (&cases, &args.options);
-            async move {
-                let profile = Profile::load(path)?;
-                conformance::run_profile(&profile, cases, options).await
-            }
-        })
+    // Every handler is built first, one at a time, so that no build competes with another
+    // SDK's timed cases. Every case has its own handler process and fake controller, so SDKs
+    // then run side by side; the reports keep the profiles' order.
+    let mut built = Vec::new();
+    for path in &args.profiles {
+        let profile = Profile::load(path)?;
+        let handler = conformance::build(&profile).await?;
+        built.push((profile, handler));
+    }
+    let reports: Vec<_> = futures::stream::iter(&built)
+        .map(|(profile, handler)| conformance::run_cases(profile, handler, &cases, &args.options))
         .buffered(args.jobs)
         .collect::<Vec<Result<_>>>()
         .await

@@ -40,8 +40,21 @@ pub struct Options {
     pub verbose: bool,
 }
 
+/// An SDK's conformance handler, built: the folder its build wrote to (removed on drop) and
+/// the variables its command line expands.
+pub struct Built {
+    _out: tempfile::TempDir,
+    vars: BTreeMap<String, String>,
+}
+
 /// Builds an SDK's conformance handler and runs every case against it.
 pub async fn run_profile(profile: &Profile, cases: &[Case], options: &Options) -> Result<SdkReport> {
+    let built = build(profile).await?;
+    run_cases(profile, &built, cases, options).await
+}
+
+/// Builds an SDK's conformance handler (the profile's `build` commands).
+pub async fn build(profile: &Profile) -> Result<Built> {
     let out = tempfile::Builder::new()
         .prefix("capstan-conformance-build-")
         .tempdir()?;
@@ -64,6 +77,17 @@ pub async fn run_profile(profile: &Profile, cases: &[Case], options: &Options) -
             bail!("building {}: {command:?} failed: {status}", profile.name);
         }
     }
+    Ok(Built { _out: out, vars })
+}
+
+/// Runs every case against an SDK's built conformance handler.
+pub async fn run_cases(
+    profile: &Profile,
+    built: &Built,
+    cases: &[Case],
+    options: &Options,
+) -> Result<SdkReport> {
+    let vars = &built.vars;
     if !options.only.is_empty()
         && !cases.iter().any(|case| {
             options
@@ -111,7 +135,7 @@ pub async fn run_profile(profile: &Profile, cases: &[Case], options: &Options) -
             );
             continue;
         }
-        let verdict = execute::run_case(case, profile, &vars).await;
+        let verdict = execute::run_case(case, profile, vars).await;
         let known = profile.known_failing(&case.name);
         let outcome = match (verdict.passed, known) {
             (true, None) => Outcome::Passed,
@@ -124,15 +148,14 @@ pub async fn run_profile(profile: &Profile, cases: &[Case], options: &Options) -
             Outcome::UnexpectedPass => Some("passes: take it off known_failing".to_owned()),
             _ => verdict.failure.clone(),
         };
-        eprintln!(
-            "{} {}: {outcome:?} ({} ms)",
+        let mut block = format!(
+            "{} {}: {outcome:?} ({} ms)\n",
             profile.name,
             case.name,
             verdict.took.as_millis()
         );
         if options.verbose || outcome == Outcome::Failed {
-            // One write, so that the transcripts of SDKs run side by side do not interleave.
-            let mut block = format!("  about: {}\n", case.about);
+            block.push_str(&format!("  about: {}\n", case.about));
             if let Some(failure) = &verdict.failure {
                 block.push_str(&format!("  failure: {failure}\n"));
             }
@@ -145,8 +168,9 @@ pub async fn run_profile(profile: &Profile, cases: &[Case], options: &Options) -
                     block.push_str(&format!("  ! {line}\n"));
                 }
             }
-            eprint!("{block}");
         }
+        // One write per case: a case's lines stay together whatever else writes meanwhile.
+        eprint!("{block}");
         report.push(&case.name, outcome, detail, verdict.took);
     }
     Ok(report)
