@@ -628,17 +628,24 @@ impl HandlerOptions<'_> {
     /// (the registration fails, as the controller would refuse it).
     pub fn operations(mut self, operations: impl IntoIterator<Item = Operation>) -> Self {
         let operations: Vec<Operation> = operations.into_iter().collect();
-        if operations.contains(&Operation::Unknown) {
+        let unknown = operations.contains(&Operation::Unknown);
+        // Said only of an admission handler: another kind's problem is that it has no
+        // operations at all.
+        let applies = match self.admission_options("operations") {
+            Some(options) => {
+                options.operations = operations
+                    .into_iter()
+                    .filter(|op| *op != Operation::Unknown)
+                    .map(|op| op.to_pb() as i32)
+                    .collect();
+                true
+            }
+            None => false,
+        };
+        if applies && unknown {
             self.entry
                 .problems
                 .push("`operations` names an unknown operation (CREATE, UPDATE, DELETE, CONNECT)".to_owned());
-        }
-        if let Some(options) = self.admission_options("operations") {
-            options.operations = operations
-                .into_iter()
-                .filter(|op| *op != Operation::Unknown)
-                .map(|op| op.to_pb() as i32)
-                .collect();
         }
         self
     }

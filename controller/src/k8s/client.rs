@@ -19,8 +19,8 @@ const IDENTITY_IN_AGENT: usize = 128;
 
 /// The user agent of the controller named `identity`: `capstan/<version> (<identity>)`, so an
 /// audit log tells apart the writes of replicas (sharding members, peers, a leader and its
-/// successor). The identity is cut at 128 characters; characters a header cannot carry, the
-/// parentheses and the backslash become `_`; an empty identity gives the plain
+/// successor). The identity is cut at 128 characters; anything but visible ASCII, and the
+/// parentheses and the backslash, become `_`; an empty identity gives the plain
 /// [`USER_AGENT`].
 pub fn user_agent(identity: &str) -> http::HeaderValue {
     let identity: String = identity

@@ -77,6 +77,7 @@ async fn main() -> Result<()> {
     // Every handler is built first, one at a time, so that no build competes with another
     // SDK's timed cases. Every case has its own handler process and fake controller, so SDKs
     // then run side by side; the reports keep the profiles' order.
+    conformance::check_selection(&cases, &args.options)?;
     let mut built = Vec::new();
     for path in &args.profiles {
         let profile = Profile::load(path)?;

@@ -80,14 +80,11 @@ pub async fn build(profile: &Profile) -> Result<Built> {
     Ok(Built { _out: out, vars })
 }
 
-/// Runs every case against an SDK's built conformance handler.
-pub async fn run_cases(
-    profile: &Profile,
-    built: &Built,
-    cases: &[Case],
-    options: &Options,
-) -> Result<SdkReport> {
-    let vars = &built.vars;
+/// Refuses a `--case` that names no case (before anything is built).
+///
+/// # Errors
+/// When cases are selected and none of them exists.
+pub fn check_selection(cases: &[Case], options: &Options) -> Result<()> {
     if !options.only.is_empty()
         && !cases.iter().any(|case| {
             options
@@ -98,6 +95,18 @@ pub async fn run_cases(
     {
         bail!("no case is named {:?} or starts so", options.only);
     }
+    Ok(())
+}
+
+/// Runs every case against an SDK's built conformance handler.
+pub async fn run_cases(
+    profile: &Profile,
+    built: &Built,
+    cases: &[Case],
+    options: &Options,
+) -> Result<SdkReport> {
+    let vars = &built.vars;
+    check_selection(cases, options)?;
     let mut report = SdkReport {
         sdk: profile.name.clone(),
         cases: Vec::new(),
