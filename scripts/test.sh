@@ -58,4 +58,4 @@ export CAPSTAN_TEST_BINARY="$CARGO_TARGET_DIR/debug/capstan"
 cargo test --workspace --locked
 
 step "conformance kit: every SDK (Rust, Go, Python, TypeScript) and a raw grpcio handler (tests/conformance)"
-"$CARGO_TARGET_DIR/debug/capstan-conformance" --all --jobs 2 --report "$CARGO_TARGET_DIR/conformance-report.json"
+"$CARGO_TARGET_DIR/debug/capstan-conformance" --all --report "$CARGO_TARGET_DIR/conformance-report.json"
