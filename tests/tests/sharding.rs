@@ -804,28 +804,26 @@ async fn churn(filtered: bool) -> Result<()> {
     // then one per change, each by the member whose handler took that change. A write by a
     // member that had let the object go, or a second write of one change, breaks the sequence.
     let handled = handlers(&logs);
-    let agree = |written: &BTreeMap<String, Vec<String>>| {
-        names.iter().all(|name| {
+    // The first object whose writes do not match its handler calls, said.
+    let disagreement = |written: &BTreeMap<String, Vec<String>>| {
+        names.iter().find_map(|name| {
             let writes = written.get(name.as_str()).cloned().unwrap_or_default();
             let takers = handled.get(name.as_str()).cloned().unwrap_or_default();
-            writes.len() == takers.len() + 1 && writes[1..] == takers[..]
+            (writes.len() != takers.len() + 1 || writes[1..] != takers[..]).then(|| {
+                format!("{name} (seed {seed}): written by {writes:?}, its changes handled by {takers:?}")
+            })
         })
     };
     // Every change was written before the last round ended; the audit log has each write
     // before its response. Polled a little all the same.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let mut written = writers(&env.audit_events()?);
-    while !agree(&written) && tokio::time::Instant::now() < deadline {
+    while disagreement(&written).is_some() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(500)).await;
         written = writers(&env.audit_events()?);
     }
-    for name in &names {
-        let writes = written.get(name.as_str()).cloned().unwrap_or_default();
-        let takers = handled.get(name.as_str()).cloned().unwrap_or_default();
-        ensure!(
-            writes.len() == takers.len() + 1 && writes[1..] == takers[..],
-            "{name} (seed {seed}): written by {writes:?}, its changes handled by {takers:?}"
-        );
+    if let Some(problem) = disagreement(&written) {
+        bail!(problem);
     }
     let movers = handled
         .values()
